@@ -1,0 +1,132 @@
+"""What the scheduler hands the model runner each step, and what comes back.
+
+Plain data (no torch), so a future driver process can ship it to tensor/pipeline-parallel
+workers while the scheduler and block manager stay in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request_id: the request's id.
+        token_ids: the tokens whose K/V this step computes (a prefill chunk, or the one decode
+            token); ``len(token_ids)`` is this request's number of scheduled tokens.
+        num_computed_tokens: tokens already in the KV cache before this step, i.e. the position
+            of ``token_ids[0]``.
+        block_table: physical block ids of the request, logical block ``i`` at index ``i``;
+            covers at least ``num_computed_tokens + len(token_ids)`` tokens.
+        sample: True when the chunk reaches the request's last known token, so a new token is
+            sampled from the last position's logits. False for non-final prefill chunks.
+        sampling_params: the request's sampling parameters.
+        prompt_token_ids: the request's prompt (shared list, read-only), for penalties.
+        output_token_ids: tokens generated so far (shared list, read-only), for penalties and
+            ``min_tokens``.
+        resumed: True on the first step after the request was (re)admitted with no cached
+            tokens (new, or resumed after a recompute preemption).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    resumed: bool = False
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    Attributes:
+        scheduled: requests in this step, in batch order (their tokens are laid out contiguously
+            in this order in the flattened input).
+        total_num_scheduled_tokens: sum of ``num_scheduled_tokens``, <= max_num_batched_tokens.
+        finished_req_ids: requests that finished or were aborted since the last step; the runner
+            drops their per-request state (generators).
+        preempted_req_ids: requests preempted (recompute) this step.
+        blocks_to_copy: (src, dst) physical block pairs to copy before the forward
+            (copy-on-write; empty until block sharing lands).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token (natural log, from the model's raw logits)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns for one step.
+
+    Attributes:
+        req_ids: requests that sampled a token this step (``ScheduledRequest.sample``), in batch order.
+        sampled_token_ids: one token id per entry of ``req_ids``.
+        sampled_logprobs: log-probability of each sampled token under the raw (unprocessed)
+            distribution; summed into ``cumulative_logprob``.
+        top_logprobs: per entry of ``req_ids``, ``None`` or {token_id: Logprob} for the top
+            ``SamplingParams.logprobs`` tokens plus the sampled one.
+        prompt_logprobs: request id -> list (one per prompt position computed this step, for
+            positions >= 1) of {token_id: Logprob}; only for requests that asked for them.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    sampled_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news from one step, produced by ``Scheduler.update_from_output``.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens appended this step (0 or 1).
+        new_logprobs: sampled-token logprob per new token.
+        new_top_logprobs: per new token, ``None`` or its top-logprobs dict.
+        new_prompt_logprobs: prompt logprobs computed this step, if asked for.
+        finish_reason: ``None`` while running, else "stop", "length" or "abort".
+        stop_reason: the stop token id that ended the request, if any.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    new_prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

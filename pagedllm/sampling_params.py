@@ -1,0 +1,190 @@
+"""Sampling parameters with vLLM's names, defaults and validation (no torch here)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """How a streaming caller wants outputs: the whole text so far, or only the new part."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+# A per-step logits hook (structured output, e.g. xgrammar): called with the ids generated so far
+# and the row of logits [vocab_size] float32 for this request; returns the (possibly masked) row.
+LogitsProcessor = Callable[[list[int], "object"], "object"]
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request (vLLM's ``SamplingParams``).
+
+    Attributes:
+        n: number of independent samples returned. Sample ``i`` of a request with ``seed=s`` uses
+            seed ``s + i``; unseeded samples draw from the engine's generator.
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus probability mass in (0, 1]; 1 disables.
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens whose probability is below ``min_p`` x the top probability; 0 disables.
+        seed: per-request seed; the request's samples are then independent of the rest of the batch.
+        presence_penalty, frequency_penalty: OpenAI's additive penalties on generated tokens,
+            in [-2, 2].
+        repetition_penalty: CTRL's multiplicative penalty (Keskar et al. 2019) on prompt and
+            generated tokens; 1 disables; must be > 0.
+        stop: strings that end generation; the stop string is cut from the text unless
+            ``include_stop_str_in_output``.
+        stop_token_ids: extra token ids that end generation (kept in ``token_ids``).
+        ignore_eos: keep generating past the model's EOS ids.
+        max_tokens: most tokens to generate; ``None`` means up to ``max_model_len``.
+        min_tokens: EOS ids and ``stop_token_ids`` are masked until this many tokens exist.
+        logprobs: number of top log-probabilities returned per generated token (plus the sampled one).
+        prompt_logprobs: number of top log-probabilities returned per prompt token.
+        skip_special_tokens: drop special tokens from the text.
+        spaces_between_special_tokens: kept for API compatibility.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        logit_bias: token id -> additive bias on the logit, in [-100, 100].
+        allowed_token_ids: if set, only these ids can be sampled.
+        bad_words_token_ids: ids that can never be sampled.
+        logits_processors: per-step logits hooks (see ``LogitsProcessor``).
+        output_kind: cumulative or delta outputs when streaming.
+    Raises:
+        ValueError: from ``__post_init__``, naming the field and its value, for any invalid value.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[int] | None = None
+    logits_processors: list[LogitsProcessor] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled by the engine from the model: EOS ids (tokenizer EOS + model extras such as Gemma's
+    # <end_of_turn>). Not part of the public API.
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError(f"logit_bias must map token ids to floats, got {self.logit_bias!r}") from e
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: sampling knobs do not apply.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self._all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def _is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an int >= n ({self.n}), got {self.best_of!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an int >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be an int >= 0, got {self.prompt_logprobs!r}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise ValueError(
+                    f"allowed_token_ids must be non-negative ints, got {self.allowed_token_ids!r}")
+
+    @property
+    def sampling_type_greedy(self) -> bool:
+        """True when tokens are chosen by argmax."""
+        return self.temperature < _SAMPLING_EPS
+
+    def update_from_model(self, eos_token_ids: Sequence[int]) -> None:
+        """Record the model's EOS ids (tokenizer EOS + extras); they stop generation unless
+        ``ignore_eos``. ``stop_token_ids`` always stop generation."""
+        self._eos_token_ids = tuple(eos_token_ids)
+        stops = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            stops.update(eos_token_ids)
+        self._all_stop_token_ids = stops
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """Ids that finish the request when sampled (after ``min_tokens``)."""
+        return self._all_stop_token_ids
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's EOS ids, masked while fewer than ``min_tokens`` tokens exist."""
+        return self._eos_token_ids
+
+    def clone(self) -> "SamplingParams":
+        """A shallow copy (logits processors are shared)."""
+        import copy
+        return copy.copy(self)
