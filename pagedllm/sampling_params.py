@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -94,8 +96,16 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+            try:
+                self.stop = list(self.stop)
+            except TypeError as e:
+                raise ValueError(
+                    f"stop must be a string or a list of strings, got {self.stop!r}") from e
+        try:
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        except TypeError as e:
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}") from e
         if self.top_k is None:
             self.top_k = 0
         if self.logit_bias is not None:
@@ -113,6 +123,12 @@ class SamplingParams:
         def _is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                    or not math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
@@ -151,6 +167,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
+                if tok < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {tok}")
                 if not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
         if self.allowed_token_ids is not None:
@@ -159,6 +177,15 @@ class SamplingParams:
             if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise ValueError(
                     f"allowed_token_ids must be non-negative ints, got {self.allowed_token_ids!r}")
+
+        if self.bad_words_token_ids is not None and any(
+                not _is_int(t) or t < 0 for t in self.bad_words_token_ids):
+            raise ValueError(
+                f"bad_words_token_ids must be non-negative ints, got {self.bad_words_token_ids!r}")
+        if self.logits_processors is not None and any(
+                not callable(f) for f in self.logits_processors):
+            raise ValueError(
+                f"logits_processors must be callables, got {self.logits_processors!r}")
 
     @property
     def sampling_type_greedy(self) -> bool:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -28,6 +31,10 @@ class AttentionMetadata:
         block_size: tokens per block.
         query_lens_cpu / seq_lens_cpu / context_lens_cpu: the same as Python lists, for backends
             that loop on the host without a device sync.
+        plans: per-step memo for attention backends (not an ``__init__`` argument). A backend
+            derives index tensors and masks from this metadata once per step and sliding window,
+            and every layer of the forward reuses them; see :meth:`get_plan`. The memo lives and
+            dies with this object, so nothing leaks across steps.
     """
 
     slot_mapping: torch.Tensor
@@ -41,6 +48,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    plans: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -59,3 +67,21 @@ class AttentionMetadata:
     def is_pure_prefill(self) -> bool:
         """True when no sequence has cached context (every query starts at position 0)."""
         return all(c == 0 for c in self.context_lens_cpu)
+
+    @property
+    def query_start_loc_cpu(self) -> list[int]:
+        """``query_start_loc`` as a list of ``num_seqs + 1`` token offsets (no device sync)."""
+        return [0, *accumulate(self.query_lens_cpu)]
+
+    def get_plan(self, key: Hashable, build: Callable[[AttentionMetadata], Any]) -> Any:
+        """Return the memoised ``build(self)`` for ``key``, building it on first use.
+
+        Backends call this once per layer; only the first layer of a step pays for ``build``.
+        ``key`` must capture everything besides this metadata that ``build`` depends on (backend
+        name, sliding window, ...).
+        """
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = build(self)
+            self.plans[key] = plan
+        return plan

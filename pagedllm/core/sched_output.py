@@ -130,3 +130,34 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's state after one ``schedule()`` call (for logging and Prometheus).
+
+    Attributes:
+        num_running: requests in the running queue.
+        num_waiting: requests in the waiting queue (new and preempted).
+        kv_cache_usage: fraction of KV blocks in use, in [0, 1].
+        num_free_blocks: KV blocks in the free queue.
+        num_blocks: KV blocks in the pool.
+        num_preemptions: requests preempted in this step.
+        num_preemptions_total: requests preempted since the scheduler started.
+        num_scheduled_requests: requests in this step's batch.
+        num_scheduled_tokens: tokens in this step's batch (prefill chunks + decodes).
+        num_prefill_tokens: tokens of prompt chunks and recomputation in this step.
+        num_decode_tokens: tokens of single-token decodes in this step.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    num_preemptions_total: int = 0
+    num_scheduled_requests: int = 0
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0

@@ -1,0 +1,18 @@
+"""Token sampling: per-step ``SamplingMetadata`` and the batched ``Sampler``."""
+
+from pagedllm.sample.metadata import (TOP_P_CANDIDATE_CAP, LogitsAdjustments, RandomSampling,
+                                      SamplingMetadata, verify_token_ids)
+from pagedllm.sample.sampler import (Sampler, SamplerOutput, compute_prompt_logprobs,
+                                     make_generator)
+
+__all__ = [
+    "TOP_P_CANDIDATE_CAP",
+    "LogitsAdjustments",
+    "RandomSampling",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "compute_prompt_logprobs",
+    "make_generator",
+    "verify_token_ids",
+]

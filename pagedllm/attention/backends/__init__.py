@@ -1,0 +1,101 @@
+"""Attention backends: each turns (query, paged K/V cache, metadata) into the attention output.
+
+A backend is a function ``forward(spec, query, key, value, k_cache, v_cache, metadata)`` called
+after this step's K/V have been written into the cache. ``key``/``value`` are this step's new K/V
+(some backends read fresh prefills straight from them instead of the cache).
+
+- ``torch_ref``: per sequence, gather K/V through the block table and do explicit float32
+  attention. The readable reference.
+- ``cpu_sdpa``: device-agnostic fast path built on ``F.scaled_dot_product_attention``; batched
+  decodes, direct SDPA for fresh prefills. What ``"auto"`` picks on every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Per-layer attention hyper-parameters.
+
+    Attributes:
+        num_heads: query heads.
+        head_dim: channels per head.
+        num_kv_heads: key/value heads; ``num_heads % num_kv_heads == 0`` (grouped-query attention,
+            query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``).
+        scale: multiplier of ``q . k`` (usually ``head_dim ** -0.5``).
+        sliding_window: tokens; the query at position p sees keys at p - sliding_window < k <= p
+            (Hugging Face / Mistral semantics). ``None`` means full causal attention.
+        logits_soft_cap: if set, scores become ``cap * tanh(scores / cap)`` before the softmax
+            (Gemma 2). ``None`` means no cap.
+    """
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "num_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})")
+        if self.sliding_window is not None and (
+                not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(
+                f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0 or None, got {self.logits_soft_cap!r}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+BackendForward = Callable[
+    [AttentionSpec, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+     AttentionMetadata],
+    torch.Tensor,
+]
+
+BACKEND_NAMES = ("torch_ref", "cpu_sdpa")
+
+
+def resolve_backend_name(name: str) -> str:
+    """Map ``"auto"`` to the concrete backend (``cpu_sdpa`` on every device) and validate.
+
+    Raises:
+        ValueError: if ``name`` is not ``"auto"`` or one of ``BACKEND_NAMES``.
+    """
+    if name == "auto":
+        return "cpu_sdpa"
+    if name not in BACKEND_NAMES:
+        raise ValueError(
+            f"attention backend must be 'auto' or one of {BACKEND_NAMES}, got {name!r}")
+    return name
+
+
+def get_backend(name: str) -> BackendForward:
+    """Return the ``forward`` function of backend ``name`` (``"auto"`` allowed).
+
+    Raises:
+        ValueError: if the name is unknown.
+    """
+    name = resolve_backend_name(name)
+    if name == "torch_ref":
+        from pagedllm.attention.backends import torch_ref
+        return torch_ref.forward
+    from pagedllm.attention.backends import cpu_sdpa
+    return cpu_sdpa.forward

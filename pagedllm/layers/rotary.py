@@ -1,0 +1,94 @@
+"""Rotary position embedding (RoPE, Su et al. 2021), bit-exact with transformers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] float32 and the cos/sin scaling factor.
+
+    Supports rope types "default", "linear" and "llama3" (Llama 3.1's frequency-dependent
+    scaling, as in transformers' ``_compute_llama3_parameters``).
+
+    Raises:
+        ValueError: for other rope types (yarn, dynamic, longrope, ...), naming the type.
+    """
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(rope_scaling["factor"])
+        low_freq_factor = float(rope_scaling["low_freq_factor"])
+        high_freq_factor = float(rope_scaling["high_freq_factor"])
+        old_context_len = float(rope_scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama), 1.0
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3 are)")
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE cos/sin for a batch of positions (neox / "rotate_half" layout).
+
+    cos/sin are computed per step from the positions (``position * inv_freq`` in float32, as
+    transformers does), once per model and RoPE kind, then shared by every layer of that kind.
+
+    Args:
+        head_dim: rotary dimension (the whole head).
+        rope_theta: base.
+        rope_scaling: HF ``rope_scaling`` / ``rope_parameters`` dict or None.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None = None) -> None:
+        super().__init__()
+        self.head_dim, self.rope_theta, self.rope_scaling = head_dim, rope_theta, rope_scaling
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute ``inv_freq`` in float32, e.g. after ``to_empty`` from the meta device."""
+        inv_freq, self.attention_scaling = compute_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``positions``.
+
+        Args:
+            positions: [num_tokens] int64.
+            dtype: the model dtype.
+        Returns:
+            (cos, sin), each [num_tokens, 1, head_dim] in ``dtype``.
+        """
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]   # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                # [T, D]
+        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)
+        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate query [T, Hq, D] and key [T, Hkv, D] by cos/sin [T, 1, D]; same shapes and dtype."""
+    return _apply(query, cos, sin), _apply(key, cos, sin)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return (x * cos) + (_rotate_half(x) * sin)

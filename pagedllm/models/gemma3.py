@@ -1,0 +1,178 @@
+"""Gemma 3 text decoder (``gemma3_text``, Gemma Team 2025) over the paged KV cache.
+
+Differences from Llama, each matched to transformers' ``modeling_gemma3.py``:
+- embeddings scaled by sqrt(hidden_size) (cast to the weight dtype first);
+- RMSNorm as ``x_hat * (1 + w)`` in float32; "sandwich" norms around attention and MLP;
+- per-head q/k RMSNorm before RoPE; attention scale ``query_pre_attn_scalar ** -0.5``;
+- sliding-window layers (``layer_types``) with their own RoPE base (``rope_local_base_freq``);
+- gelu(tanh) gated MLP; tied embeddings; optional final / attention logit soft caps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention import Attention
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.norm import GemmaRMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.models.utils import layer_types, load_named_weights, rope_params
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Gemma3MLP(nn.Module):
+    """``down(gelu_tanh(gate(x)) * up(x))``; [T, H] -> [T, H]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
+        super().__init__()
+        if activation not in ("gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"hidden_activation {activation!r} is not supported for Gemma 3")
+        self.approximate = "tanh" if activation == "gelu_pytorch_tanh" else "none"
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate=self.approximate) * self.up_proj(x))
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: dict, layer_type: str) -> None:
+        super().__init__()
+        hidden = int(config["hidden_size"])
+        self.num_heads = int(config["num_attention_heads"])
+        self.num_kv_heads = int(config.get("num_key_value_heads") or self.num_heads)
+        self.head_dim = int(config.get("head_dim") or 256)
+        bias = bool(config.get("attention_bias", False))
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, eps)
+        is_sliding = layer_type == "sliding_attention"
+        self.sliding_window = int(config["sliding_window"]) if is_sliding and config.get("sliding_window") else None
+        scalar = float(config.get("query_pre_attn_scalar") or self.head_dim)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=scalar ** -0.5,
+                              sliding_window=self.sliding_window,
+                              logits_soft_cap=config.get("attn_logit_softcapping"))
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
+                kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        T = hidden_states.shape[0]
+        q = self.q_proj(hidden_states).view(T, self.num_heads, self.head_dim)      # [T, Hq, D]
+        k = self.k_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        v = self.v_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)         # [T, Hq, D]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: dict, layer_type: str) -> None:
+        super().__init__()
+        hidden = int(config["hidden_size"])
+        self.layer_type = layer_type
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        self.self_attn = Gemma3Attention(config, layer_type)
+        self.mlp = Gemma3MLP(hidden, int(config["intermediate_size"]),
+                             config.get("hidden_activation") or "gelu_pytorch_tanh")
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, rope, hidden_states, kv_cache, attn_metadata):
+        residual = hidden_states
+        h = self.self_attn(rope, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
+        hidden_states = residual + self.post_attention_layernorm(h)
+        residual = hidden_states
+        h = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        return residual + self.post_feedforward_layernorm(h)
+
+
+class Gemma3TextModel(nn.Module):
+    def __init__(self, config: dict, types: list[str]) -> None:
+        super().__init__()
+        hidden = int(config["hidden_size"])
+        self.embed_tokens = nn.Embedding(int(config["vocab_size"]), hidden)
+        self.embed_scale = hidden ** 0.5
+        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, t) for t in types])
+        self.norm = GemmaRMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
+        # One RoPE per layer type: global layers and sliding layers have their own base.
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary_emb = nn.ModuleDict()
+        for layer_type in sorted(set(types)):
+            default_theta = 10_000.0 if layer_type == "sliding_attention" else 1_000_000.0
+            theta, scaling = rope_params(config, layer_type, default_theta=default_theta)
+            self.rotary_emb[layer_type] = RotaryEmbedding(head_dim, theta, scaling)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Gemma 3 causal LM (text only) over the paged KV cache.
+
+    Args:
+        config: the checkpoint's config.json as a dict (``model_type`` "gemma3_text").
+    """
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        if "text_config" in config:
+            config = {**config["text_config"], "architectures": config.get("architectures")}
+        self.config = config
+        types = layer_types({**config, "sliding_window_pattern": config.get("sliding_window_pattern", 6)})
+        self.model = Gemma3TextModel(config, types)
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", True))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
+        self.final_logit_softcapping = config.get("final_logit_softcapping")
+        first = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
+        self.num_layers = len(self.model.layers)
+        self.layer_sliding_windows = [layer.self_attn.sliding_window for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm.
+
+        Args:
+            input_ids, positions: [num_tokens] int64 (the flattened batch).
+            kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
+        Returns:
+            [num_tokens, hidden_size] in the model dtype.
+        """
+        embed = self.model.embed_tokens
+        # Scale cast as transformers does: float32 tensor first, then the weight dtype.
+        hidden_states = embed(input_ids) * torch.tensor(self.model.embed_scale).to(embed.weight.dtype)
+        ropes = {t: rotary(positions, hidden_states.dtype) for t, rotary in self.model.rotary_emb.items()}
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden_states = layer(ropes[layer.layer_type], hidden_states, kv_cache, attn_metadata)
+        return self.model.norm(hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] logits (model dtype), soft-capped if the config says so."""
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        logits = F.linear(hidden_states, weight)
+        if self.final_logit_softcapping:
+            cap = float(self.final_logit_softcapping)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights) -> None:
+        """Load (HF name, tensor) pairs. Accepts multimodal-checkpoint names
+        (``model.language_model.*``) and ignores vision tensors and a tied ``lm_head``."""
+        def _filtered():
+            for name, tensor in weights:
+                if name.startswith(("model.vision_tower", "vision_tower", "multi_modal_projector",
+                                    "model.multi_modal_projector")):
+                    continue
+                name = name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
+                if self.tie_word_embeddings and name.endswith("lm_head.weight"):
+                    continue
+                yield name, tensor
+        load_named_weights(self, _filtered(), skip=("rotary_emb.inv_freq",))

