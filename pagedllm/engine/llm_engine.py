@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 
@@ -47,8 +48,11 @@ class LLMEngine:
         model_max_len = int(text_cfg.get("max_position_embeddings") or 2048)
         model_cfg, cache_cfg, sched_cfg, _parallel = args.create_engine_config(model_max_len)
         self.model_config, self.cache_config, self.scheduler_config = model_cfg, cache_cfg, sched_cfg
-        self.tokenizer = Tokenizer.from_pretrained(args.tokenizer or files.folder)
-        self.worker = Worker(model_cfg, cache_cfg, sched_cfg, hf_config, iterate_weights(files.folder))
+        # The tokenizer (a 33 MB tokenizer.json for Gemma) loads in a thread while the weights load.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            tokenizer_future = pool.submit(Tokenizer.from_pretrained, args.tokenizer or files.folder)
+            self.worker = Worker(model_cfg, cache_cfg, sched_cfg, hf_config, iterate_weights(files.folder))
+            self.tokenizer = tokenizer_future.result()
         self.vocab_size = int(text_cfg["vocab_size"])
         self.model_runner = ModelRunner(self.worker.model, self.worker.kv_caches, cache_cfg.block_size,
                                         self.worker.device, self.vocab_size, seed=model_cfg.seed)

@@ -141,5 +141,7 @@ class Worker:
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         s = self.kv_shape
         shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
+        # Uninitialised on purpose (pages are touched on first write): attention only reads slots
+        # written through the slot mapping, and masks (and zeroes) the rest of a gathered block.
+        return [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                 torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
