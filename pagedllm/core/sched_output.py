@@ -148,6 +148,11 @@ class SchedulerStats:
         num_scheduled_tokens: tokens in this step's batch (prefill chunks + decodes).
         num_prefill_tokens: tokens of prompt chunks and recomputation in this step.
         num_decode_tokens: tokens of single-token decodes in this step.
+        num_stored_tokens: tokens whose K/V is in the cache, summed over the requests holding
+            blocks (their ``num_computed_tokens``), for KV utilization.
+        num_allocated_slots: slots of the blocks in use (used blocks x ``block_size``);
+            ``num_stored_tokens / num_allocated_slots`` is the KV utilization (1 - internal
+            fragmentation of the last blocks).
     """
 
     num_running: int = 0
@@ -161,3 +166,6 @@ class SchedulerStats:
     num_scheduled_tokens: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # KV utilization (benchmarks): tokens stored vs. slots in allocated blocks.
+    num_stored_tokens: int = 0
+    num_allocated_slots: int = 0

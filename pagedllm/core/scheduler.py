@@ -367,6 +367,11 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """Queue sizes and KV usage now, with the counts of the last ``schedule()`` call."""
         s = self._step_stats
+        kv = self.kv_cache_manager
+        # KV utilization: tokens cached by the requests holding blocks vs. slots in used blocks.
+        num_stored_tokens = sum(self.requests[req_id].num_computed_tokens
+                                for req_id in kv.block_tables if req_id in self.requests)
+        num_allocated_slots = (kv.num_blocks - kv.num_free_blocks) * kv.block_size
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -379,4 +384,6 @@ class Scheduler:
             num_scheduled_tokens=s.num_scheduled_tokens,
             num_prefill_tokens=s.num_prefill_tokens,
             num_decode_tokens=s.num_decode_tokens,
+            num_stored_tokens=num_stored_tokens,
+            num_allocated_slots=num_allocated_slots,
         )

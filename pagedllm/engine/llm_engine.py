@@ -120,7 +120,11 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         sample_ids = [sid for rid in ids for sid in self.output_processor.sample_ids(rid)]
         self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.abort_requests(ids)
+        stats = IterationStats() if self.stat_loggers and sample_ids else None
+        outputs = self.output_processor.abort_requests(ids, stats)
+        if stats is not None:
+            self._record_stats(stats)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -135,16 +139,19 @@ class LLMEngine:
             RequestOutputs of the requests that made progress (or finished) this step.
         """
         t0 = time.perf_counter()
+        stats = IterationStats() if self.stat_loggers else None
         sched_out = self.scheduler.schedule()
         runner_out = self.model_runner.execute_model(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        processed = self.output_processor.process_outputs(core_outputs)
+        processed = self.output_processor.process_outputs(core_outputs, stats)
         if processed.reqs_to_abort:
             self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
-        if self.stat_loggers:
-            stats = IterationStats.from_step(sched_out, core_outputs, processed.request_outputs,
-                                             time.perf_counter() - t0)
-            sched_stats = self.scheduler.make_stats()
-            for stat_logger in self.stat_loggers:
-                stat_logger.record(sched_stats, stats)
+        if stats is not None:
+            stats.observe_step(sched_out, time.perf_counter() - t0)
+            self._record_stats(stats)
         return processed.request_outputs
+
+    def _record_stats(self, stats: IterationStats) -> None:
+        sched_stats = self.scheduler.make_stats()
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(sched_stats, stats)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.sched_output import EngineCoreOutput, Logprob
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import Tokenizer
@@ -93,9 +94,12 @@ class OutputProcessor:
         parent = self.parents.get(parent_id)
         return [s.request_id for s in parent.samples] if parent else []
 
-    def abort_requests(self, parent_ids: list[str]) -> list[RequestOutput]:
-        """Mark every unfinished sample aborted and return final outputs for the parents."""
+    def abort_requests(self, parent_ids: list[str],
+                       iteration_stats: IterationStats | None = None) -> list[RequestOutput]:
+        """Mark every unfinished sample aborted and return final outputs for the parents
+        (recorded as finished with reason "abort" in ``iteration_stats`` when given)."""
         outs = []
+        now = time.monotonic()
         for pid in parent_ids:
             parent = self.parents.get(pid)
             if parent is None:
@@ -103,13 +107,21 @@ class OutputProcessor:
             for s in parent.samples:
                 if not s.finished:
                     s.finish_reason, s.changed = "abort", True
+            parent.metrics.finished_time = now
+            if iteration_stats is not None:
+                self._observe_finished(parent, iteration_stats, now)
             outs.append(self._make_output(parent))
             self._drop(parent)
         return outs
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def process_outputs(self, core_outputs: list[EngineCoreOutput],
+                        iteration_stats: IterationStats | None = None) -> ProcessedOutputs:
         """Apply one step's outputs.
 
+        Args:
+            core_outputs: the scheduler's outputs of this step.
+            iteration_stats: when given, receives generated-token counts, TTFTs, inter-token
+                latencies and finished requests.
         Returns:
             RequestOutputs for parents that changed (by the parent's ``output_kind``), and the
             sample ids to finish in the scheduler because a stop string matched.
@@ -117,6 +129,8 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, ParentState] = {}
         to_abort: list[str] = []
+        # parent id -> (first_token_time, last_token_time) before this step, for latency stats.
+        prev_times: dict[str, tuple[float | None, float | None]] = {}
         for out in core_outputs:
             entry = self.sample_to_parent.get(out.request_id)
             if entry is None:
@@ -129,6 +143,10 @@ class OutputProcessor:
                 room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
                 parent.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs[:max(room, 0)]))
             if out.new_token_ids:
+                if iteration_stats is not None:
+                    iteration_stats.num_generation_tokens += len(out.new_token_ids)
+                    prev_times.setdefault(parent.request_id, (parent.metrics.first_token_time,
+                                                              parent.metrics.last_token_time))
                 if parent.metrics.first_token_time is None:
                     parent.metrics.first_token_time = now
                 parent.metrics.last_token_time = now
@@ -144,10 +162,16 @@ class OutputProcessor:
                     to_abort.append(sample.request_id)
             if out.finish_reason is not None and not sample.finished:
                 sample.finish_reason, sample.stop_reason, sample.changed = out.finish_reason, out.stop_reason, True
+        if iteration_stats is not None:
+            for pid, (first, last) in prev_times.items():
+                parent = touched[pid]
+                iteration_stats.observe_new_tokens(parent.metrics, first, last, len(parent.prompt_token_ids), now)
         results = []
         for parent in touched.values():
             if parent.finished:
                 parent.metrics.finished_time = now
+                if iteration_stats is not None:
+                    self._observe_finished(parent, iteration_stats, now)
             kind = parent.params.output_kind
             if kind == RequestOutputKind.FINAL_ONLY and not parent.finished:
                 continue
@@ -157,6 +181,13 @@ class OutputProcessor:
             if parent.finished:
                 self._drop(parent)
         return ProcessedOutputs(results, to_abort)
+
+    @staticmethod
+    def _observe_finished(parent: ParentState, iteration_stats: IterationStats, now: float) -> None:
+        reasons = [s.finish_reason for s in parent.samples]
+        reason = "abort" if "abort" in reasons else (reasons[0] or "abort")
+        iteration_stats.observe_finished(parent.metrics, reason, len(parent.prompt_token_ids),
+                                         sum(len(s.token_ids) for s in parent.samples), len(parent.samples), now)
 
     def _decode_logprobs(self, entries):
         for entry in entries:

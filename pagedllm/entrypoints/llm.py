@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
@@ -72,6 +72,45 @@ class LLM:
             ids.append(self.llm_engine.add_request(f"llm-{self._counter}", prompt, params))
             self._counter += 1
         return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages: Sequence[Any] | Sequence[Sequence[Any]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the chat template (vLLM's ``LLM.chat``).
+
+        Uses the same rendering as the server's ``/v1/chat/completions``
+        (``pagedllm.entrypoints.chat_utils``): transformers' Jinja renderer, then tokenized without
+        adding special tokens.
+
+        Args:
+            messages: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them.
+            sampling_params: one for all conversations, or one per conversation.
+            use_tqdm: show a progress bar.
+            chat_template: template text or a path to one (e.g.
+                ``pagedllm/data/gemma_chat_template.jinja``, or ``"gemma"``); None = the model's.
+            add_generation_prompt: end the prompt with the assistant turn header.
+            continue_final_message: continue the last (assistant) message instead.
+            chat_template_kwargs: extra template variables.
+        Returns:
+            One finished ``RequestOutput`` per conversation, in order.
+        Raises:
+            ValueError: empty or malformed messages, no chat template (the default model is a base
+                model without one), or a template that rejects the conversation.
+        """
+        from pagedllm.entrypoints.chat_utils import load_chat_template, render_chat_prompt
+
+        messages = list(messages)
+        if not messages:
+            raise ValueError("messages must not be empty")
+        is_batch = isinstance(messages[0], (list, tuple))
+        conversations = [list(c) for c in messages] if is_batch else [messages]
+        template = load_chat_template(chat_template)
+        tokenizer = self.llm_engine.tokenizer
+        prompts = [render_chat_prompt(tokenizer, conv, template, add_generation_prompt, continue_final_message,
+                                      **(chat_template_kwargs or {})) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

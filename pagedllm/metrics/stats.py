@@ -1,13 +1,18 @@
-"""Per-step statistics handed to stat loggers (Prometheus, periodic log line, benchmarks)."""
+"""Per-step statistics handed to stat loggers (Prometheus, periodic log line, benchmarks).
+
+The engine fills one ``IterationStats`` per ``step()`` (and per ``abort_request`` call) only when
+it has stat loggers: the scheduler part in :meth:`IterationStats.observe_step`, the per-request
+part (first tokens, inter-token latencies, finished requests) in the output processor, which owns
+each request's timestamps. All times are ``time.monotonic`` seconds.
+"""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
-from pagedllm.outputs import RequestOutput
+from pagedllm.core.sched_output import SchedulerOutput, SchedulerStats
+from pagedllm.outputs import RequestMetrics
 
 
 @dataclass
@@ -18,8 +23,9 @@ class FinishedRequestStats:
         finish_reason: "stop", "length" or "abort".
         e2e_latency: arrival to finish.
         ttft: arrival to first token (None if none was generated).
-        num_prompt_tokens / num_generation_tokens: token counts.
-        mean_tpot: (finish - first token) / (generated - 1), None with fewer than 2 tokens.
+        num_prompt_tokens / num_generation_tokens: token counts (generation summed over samples).
+        mean_tpot: (last token - first token) / (generated - 1) for one sample's worth of tokens,
+            None with fewer than 2 tokens.
     """
 
     finish_reason: str
@@ -32,16 +38,20 @@ class FinishedRequestStats:
 
 @dataclass
 class IterationStats:
-    """What one ``LLMEngine.step`` did.
+    """What one ``LLMEngine.step`` (or one ``abort_request``) did.
 
     Attributes:
-        step_time: wall time of the step (s).
-        num_prompt_tokens: prefill tokens computed this step.
-        num_generation_tokens: tokens sampled this step.
-        num_scheduled_tokens: all tokens in the forward.
+        step_time: wall time of the step (s); 0 for an abort-only record.
+        num_prompt_tokens: prompt tokens of requests that produced their first token this step
+            (counted once per request, as in ``usage.prompt_tokens``).
+        num_generation_tokens: tokens sampled this step (all samples).
+        num_scheduled_tokens: all tokens in the forward (prefill chunks + decodes); 0 when no
+            forward ran.
         num_preempted: requests preempted this step.
         time_to_first_tokens: TTFT (s) of requests whose first token came this step.
-        finished: requests that finished this step.
+        inter_token_latencies: per request that got a later token this step, the time since its
+            previous token (s).
+        finished: requests that finished (or were aborted) this step.
     """
 
     step_time: float = 0.0
@@ -50,39 +60,38 @@ class IterationStats:
     num_scheduled_tokens: int = 0
     num_preempted: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
-    @classmethod
-    def from_step(cls, sched_out: SchedulerOutput, core_outputs: list[EngineCoreOutput],
-                  request_outputs: list[RequestOutput], step_time: float) -> "IterationStats":
-        stats = cls(step_time=step_time, num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
-                    num_preempted=len(sched_out.preempted_req_ids))
-        for r in sched_out.scheduled:
-            computed_end = r.num_computed_tokens + r.num_scheduled_tokens
-            stats.num_prompt_tokens += max(0, min(computed_end, len(r.prompt_token_ids)) - r.num_computed_tokens)
-        stats.num_generation_tokens = sum(len(o.new_token_ids) for o in core_outputs)
-        now = time.monotonic()
-        for ro in request_outputs:
-            m = ro.metrics
-            if m is None:
-                continue
-            if m.first_token_time is not None and m.first_token_time >= now - step_time - 1e-6 \
-                    and sum(len(o.token_ids) for o in ro.outputs) <= len(ro.outputs):
-                stats.time_to_first_tokens.append(m.first_token_time - m.arrival_time)
-            if ro.finished:
-                n_gen = sum(len(o.token_ids) for o in ro.outputs)
-                reason = ro.outputs[0].finish_reason if ro.outputs else "abort"
-                tpot = None
-                if m.first_token_time is not None and n_gen > 1 and m.finished_time is not None:
-                    tpot = (m.finished_time - m.first_token_time) / (n_gen - 1)
-                stats.finished.append(FinishedRequestStats(
-                    reason or "abort", (m.finished_time or now) - m.arrival_time,
-                    None if m.first_token_time is None else m.first_token_time - m.arrival_time,
-                    len(ro.prompt_token_ids), n_gen, tpot))
-        return stats
+    def observe_step(self, sched_out: SchedulerOutput, step_time: float) -> None:
+        """Record the scheduler's side of a step (tokens in the forward, preemptions)."""
+        self.step_time = step_time
+        self.num_scheduled_tokens = sched_out.total_num_scheduled_tokens
+        self.num_preempted = len(sched_out.preempted_req_ids)
+
+    def observe_new_tokens(self, metrics: RequestMetrics, prev_first_token_time: float | None,
+                           prev_last_token_time: float | None, num_prompt_tokens: int, now: float) -> None:
+        """A request got token(s) this step; ``prev_*`` are its timestamps before this step."""
+        if prev_first_token_time is None:
+            self.time_to_first_tokens.append(now - metrics.arrival_time)
+            self.num_prompt_tokens += num_prompt_tokens
+        elif prev_last_token_time is not None:
+            self.inter_token_latencies.append(now - prev_last_token_time)
+
+    def observe_finished(self, metrics: RequestMetrics, finish_reason: str, num_prompt_tokens: int,
+                         num_generation_tokens: int, num_samples: int, now: float) -> None:
+        """A request finished (all its samples) or was aborted at ``now``."""
+        ttft = None if metrics.first_token_time is None else metrics.first_token_time - metrics.arrival_time
+        per_sample = num_generation_tokens / max(num_samples, 1)
+        tpot = None
+        if metrics.first_token_time is not None and metrics.last_token_time is not None and per_sample > 1:
+            tpot = (metrics.last_token_time - metrics.first_token_time) / (per_sample - 1)
+        self.finished.append(FinishedRequestStats(finish_reason, now - metrics.arrival_time, ttft,
+                                                  num_prompt_tokens, num_generation_tokens, tpot))
 
 
 class StatLogger(Protocol):
-    """Receives the scheduler's stats and the iteration's stats after each step."""
+    """Receives the scheduler's stats and the iteration's stats after each step (and after each
+    abort, with ``iteration_stats.num_scheduled_tokens == 0``). Called from the engine's thread."""
 
-    def record(self, scheduler_stats, iteration_stats: IterationStats) -> None: ...
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...

@@ -12,6 +12,7 @@ after this step's K/V have been written into the cache. ``key``/``value`` are th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,17 +71,32 @@ BackendForward = Callable[
     torch.Tensor,
 ]
 
-BACKEND_NAMES = ("torch_ref", "cpu_sdpa")
+BACKEND_NAMES = ("torch_ref", "cpu_sdpa", "cpu_paged")
+
+# Environment variable naming the backend that "auto" resolves to (e.g. to compare backends on a
+# whole model, whose layers all ask for "auto"); unset or empty = the default policy below.
+BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
+AUTO_BACKEND = "cpu_sdpa"
 
 
 def resolve_backend_name(name: str) -> str:
-    """Map ``"auto"`` to the concrete backend (``cpu_sdpa`` on every device) and validate.
+    """Map ``"auto"`` to a concrete backend and validate.
+
+    ``"auto"`` becomes ``$PAGEDLLM_ATTENTION_BACKEND`` when that is set (and not empty or
+    ``"auto"``), else ``AUTO_BACKEND``. An explicit name is returned as is.
 
     Raises:
-        ValueError: if ``name`` is not ``"auto"`` or one of ``BACKEND_NAMES``.
+        ValueError: if ``name`` (or the environment variable) is not ``"auto"`` or one of
+            ``BACKEND_NAMES``.
     """
     if name == "auto":
-        return "cpu_sdpa"
+        forced = os.environ.get(BACKEND_ENV, "").strip()
+        if forced in ("", "auto"):
+            return AUTO_BACKEND
+        if forced not in BACKEND_NAMES:
+            raise ValueError(
+                f"{BACKEND_ENV} must be 'auto' or one of {BACKEND_NAMES}, got {forced!r}")
+        return forced
     if name not in BACKEND_NAMES:
         raise ValueError(
             f"attention backend must be 'auto' or one of {BACKEND_NAMES}, got {name!r}")
@@ -97,5 +113,8 @@ def get_backend(name: str) -> BackendForward:
     if name == "torch_ref":
         from pagedllm.attention.backends import torch_ref
         return torch_ref.forward
+    if name == "cpu_paged":
+        from pagedllm.attention.backends import cpu_paged
+        return cpu_paged.forward
     from pagedllm.attention.backends import cpu_sdpa
     return cpu_sdpa.forward

@@ -1,0 +1,202 @@
+"""CPU paged attention through a C++ kernel that reads K/V in place through the block table.
+
+Source: PagedAttention (Kwon et al., SOSP 2023), V1 kernel layout; online softmax (Milakov &
+Gimelshein 2018; FlashAttention, Dao et al. 2022). Sliding window per Hugging Face / Mistral (query
+at p sees p - window < k <= p); soft cap per Gemma 2 (``cap * tanh(s / cap)``).
+
+Unlike ``cpu_sdpa``, which copies every decode's window-reachable blocks into a padded
+``[B, L, H_kv, D]`` tensor each layer of each step, the kernel (``csrc/paged_attention.cpp``)
+walks each sequence's block table and reads the cached rows where they lie, with float32
+accumulation (bfloat16 is widened on load). Per step:
+
+- decodes and chunked prefills (query tokens after cached context) go to the kernel, one call
+  per layer for all of them;
+- fresh prefills (no cached context) keep SDPA on this step's q/k/v (the cache is not read),
+  unless the layer has a soft cap, which SDPA lacks: then the kernel takes them too.
+
+The kernel is compiled on first use with ``torch.utils.cpp_extension.load`` (g++ with ``-O3
+-march=native -fopenmp``; about a minute on 2 cores) into
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/pagedllm/torch_extensions``, under a name hashing the
+source, the flags, torch's version and this CPU's flags, so later processes load it in
+milliseconds and a different CPU or torch rebuilds it. If the build fails (no compiler), a WARNING
+is logged once and every call falls back to ``cpu_sdpa``; so do non-CPU tensors and dtypes other
+than float32 / bfloat16.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from pagedllm.attention.backends import AttentionSpec, cpu_sdpa
+from pagedllm.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
+EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+EXTRA_LDFLAGS = ("-fopenmp",)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's model and feature flags (``-march=native`` code is only valid on a match)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def extension_name() -> str:
+    """``pagedllm_paged_attention_<12 hex>``: hash of source, flags, torch, Python and CPU."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(EXTRA_CFLAGS + EXTRA_LDFLAGS).encode(),
+                 torch.__version__.encode(), sys.version.encode(), _cpu_fingerprint().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return f"pagedllm_paged_attention_{digest.hexdigest()[:12]}"
+
+
+def build_directory() -> Path:
+    """Where the compiled kernel lives: ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/pagedllm/...``."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        "~", ".cache", "pagedllm", "torch_extensions")
+    return Path(root).expanduser() / extension_name()
+
+
+@functools.cache
+def load_kernel() -> ModuleType | None:
+    """Compile (first time on this machine) or load the C++ kernel; None if that fails.
+
+    Thread- and process-safe: torch's builder holds a lock file in the build directory, so
+    concurrent first calls build once. The outcome is memoised for the process: a failure logs
+    one WARNING and is not retried.
+
+    Returns:
+        The extension module (``paged_attention(...)``, ``built_with_avx2()``), or None.
+    """
+    try:
+        from torch.utils import cpp_extension
+
+        name = extension_name()
+        build_dir = build_directory()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        module = cpp_extension.load(
+            name=name, sources=[str(SOURCE)], extra_cflags=list(EXTRA_CFLAGS),
+            extra_ldflags=list(EXTRA_LDFLAGS), build_directory=str(build_dir), verbose=False)
+    except Exception as exc:  # no compiler, no ninja, compile error, unwritable cache, ...
+        logger.warning("cpu_paged attention kernel unavailable (%s: %s); falling back to "
+                       "cpu_sdpa", type(exc).__name__, exc)
+        return None
+    logger.info("cpu_paged attention kernel %s ready in %.1f s (%s, AVX2 micro-kernels: %s)",
+                name, time.perf_counter() - start, build_dir, module.built_with_avx2())
+    return module
+
+
+@dataclass
+class _Plan:
+    """One step's split (per sliding window / soft-cap setting), shared by all layers.
+
+    Attributes:
+        seq_ids: [n] int32 sequences the kernel handles (decodes, chunked prefills; every
+            non-empty sequence when ``soft_cap`` is set).
+        fresh: fresh prefills left to SDPA.
+        covers_all_tokens: the sequences' query tokens fill the whole flattened batch (no
+            padding rows to zero).
+    """
+
+    seq_ids: torch.Tensor
+    fresh: list[cpu_sdpa._FreshPrefill]
+    covers_all_tokens: bool
+
+
+def _build_plan(md: AttentionMetadata, window: int | None, soft_cap: bool,
+                device: torch.device) -> _Plan:
+    starts = md.query_start_loc_cpu
+    seq_ids: list[int] = []
+    fresh: list[cpu_sdpa._FreshPrefill] = []
+    for i, q_len in enumerate(md.query_lens_cpu):
+        if q_len == 0:
+            continue
+        if md.context_lens_cpu[i] > 0 or q_len == 1 or soft_cap:
+            seq_ids.append(i)
+            continue
+        mask = None
+        if window is not None and window < q_len:
+            pos = torch.arange(q_len, device=device)
+            mask = cpu_sdpa._band_mask(pos[:, None], pos[None, :], window)           # [T, T]
+        fresh.append(cpu_sdpa._FreshPrefill(starts[i], starts[i + 1], mask))
+    return _Plan(
+        seq_ids=torch.tensor(seq_ids, dtype=torch.int32),
+        fresh=fresh,
+        covers_all_tokens=starts[-1] == md.num_tokens,
+    )
+
+
+def forward(
+    spec: AttentionSpec,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """Paged attention over a flattened batch of prefill chunks and decodes (CPU kernel).
+
+    Args:
+        spec: the layer's heads, scale, window and soft cap.
+        query: [num_tokens, num_heads, head_dim], float32 or bfloat16 (else ``cpu_sdpa`` runs).
+        key, value: [num_tokens, num_kv_heads, head_dim], this step's K/V (read directly for
+            fresh prefills).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, already
+            holding this step's K/V.
+        metadata: this step's AttentionMetadata (int32 block tables and lengths on the CPU).
+    Returns:
+        [num_tokens, num_heads, head_dim] in query dtype; rows of padding tokens (past the last
+        sequence's queries) are zero.
+    Raises:
+        RuntimeError: (from the kernel) if a block id or length in the metadata is out of range.
+    """
+    kernel = None
+    if query.device.type == "cpu" and query.dtype in SUPPORTED_DTYPES:
+        kernel = load_kernel()
+    if kernel is None:
+        return cpu_sdpa.forward(spec, query, key, value, k_cache, v_cache, metadata)
+
+    soft_cap = spec.logits_soft_cap is not None
+    plan: _Plan = metadata.get_plan(
+        ("cpu_paged", spec.sliding_window, soft_cap),
+        lambda md: _build_plan(md, spec.sliding_window, soft_cap, query.device))
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if plan.covers_all_tokens:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    else:
+        out = torch.zeros(query.shape, dtype=query.dtype)
+
+    if plan.seq_ids.numel():
+        kernel.paged_attention(
+            query, out, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
+            metadata.seq_lens, metadata.context_lens, plan.seq_ids, spec.scale,
+            spec.sliding_window or 0, spec.logits_soft_cap or 0.0)
+
+    for p in plan.fresh:
+        q = query[p.start:p.end].transpose(0, 1)                        # [H, T, D]
+        k = key[p.start:p.end].transpose(0, 1)                          # [H_kv, T, D]
+        v = value[p.start:p.end].transpose(0, 1)                        # [H_kv, T, D]
+        out[p.start:p.end] = cpu_sdpa._attend(spec, q, k, v, p.mask).transpose(0, 1)
+    return out

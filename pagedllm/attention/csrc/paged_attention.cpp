@@ -1,0 +1,494 @@
+// Paged attention for CPU that reads K/V in place through the block table.
+//
+// Source: PagedAttention (Kwon et al., SOSP 2023), V1 kernel layout (one work item per sequence and
+// kv head, K/V rows addressed through the block table, no gather); online softmax with a running
+// max and sum per query row (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022). Sliding
+// window per Hugging Face / Mistral (the query at position p sees keys p - window < k <= p); soft cap
+// per Gemma 2 (cap * tanh(s / cap)).
+//
+// Layout (see pagedllm/attention/backends/cpu_paged.py for the Python side):
+//   query, out:       [num_tokens, num_heads, head_dim], float32 or bfloat16, last dim contiguous.
+//   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype, contiguous.
+//   block_tables:     [num_seqs, max_num_blocks] int32.
+//   query_start_loc:  [num_seqs + 1] int32; seq_lens, context_lens: [num_seqs] int32.
+//   seq_ids:          [n] int32, the sequences this call handles (the others' rows are untouched).
+//
+// Work item = (sequence, kv head, tile of up to kTileTokens query tokens). The G = num_heads /
+// num_kv_heads query heads of a kv head are processed together (rows = tokens x G), so each K/V row
+// loaded from the cache is used by every row of the tile (grouped-query attention). Keys are
+// visited in chunks of kKeyChunk positions; a row's scores for a chunk are computed, the running
+// max/sum updated, and the chunk's V rows accumulated into a float32 accumulator. bfloat16 is
+// widened to float32 on load; all accumulation is float32. Items are handed out dynamically to
+// the at::parallel_for threads (an atomic counter), since decode and prefill items differ in cost.
+//
+// Only positions [first key of the tile, last query position of the tile] are read, all of which
+// the cache holds for this step, and a masked score never reaches the softmax (-inf, probability
+// exactly 0), so NaN in never-written slots cannot leak into the output.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDLLM_AVX2 1
+#else
+#define PAGEDLLM_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t kTileTokens = 16;  // query tokens per work item (prefill chunks)
+constexpr int64_t kKeyChunk = 32;    // key positions per online-softmax step
+constexpr int kRowGroup = 4;         // query rows per micro-kernel call
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+#if PAGEDLLM_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  // bfloat16 is the top half of a float32: zero-extend to 32 bits and shift left 16.
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, Cody-Waite split of ln2, degree-5 polynomial;
+// relative error ~1e-7). Inputs below -87 return ~exp(-87) = 1.6e-38 instead of smaller values,
+// which is irrelevant next to the row maximum's exp(0) = 1.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// Scores of R query rows (float32, pre-scaled, row stride d) against NK (1 or 2) key rows:
+// s[r * s_ld + k] = q[r] . key[k]. R * NK independent FMA chains hide the FMA latency, and each
+// loaded key vector serves R rows, each loaded query vector NK keys.
+template <int R, int NK, typename T>
+inline void dot_rows(const float* q, int64_t d, const T* const* keys, float* s, int64_t s_ld) {
+  float acc[R][NK];
+  int64_t i = 0;
+#if PAGEDLLM_AVX2
+  __m256 a[R][NK];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NK; ++k) a[r][k] = _mm256_setzero_ps();
+  for (; i + 8 <= d; i += 8) {
+    __m256 kv[NK];
+    for (int k = 0; k < NK; ++k) kv[k] = load8(keys[k] + i);
+    for (int r = 0; r < R; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q + r * d + i);
+      for (int k = 0; k < NK; ++k) a[r][k] = _mm256_fmadd_ps(qv, kv[k], a[r][k]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NK; ++k) acc[r][k] = hsum(a[r][k]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NK; ++k) acc[r][k] = 0.f;
+#endif
+  for (; i < d; ++i) {
+    for (int k = 0; k < NK; ++k) {
+      const float kv = to_float(keys[k][i]);
+      for (int r = 0; r < R; ++r) acc[r][k] += q[r * d + i] * kv;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NK; ++k) s[r * s_ld + k] = acc[r][k];
+}
+
+// acc[r] += sum_{j in [j0, j1)} p[r * p_ld + j] * v[j] for R rows (float32 accumulators, row
+// stride d). d outer, keys inner: the accumulators stay in registers across the chunk's keys.
+template <int R, typename T>
+inline void accumulate_rows(float* acc, int64_t d, const float* p, int64_t p_ld,
+                            const T* const* v, int64_t j0, int64_t j1) {
+  int64_t i = 0;
+#if PAGEDLLM_AVX2
+  for (; i + 16 <= d; i += 16) {
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) {
+      a0[r] = _mm256_loadu_ps(acc + r * d + i);
+      a1[r] = _mm256_loadu_ps(acc + r * d + i + 8);
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m256 v0 = load8(v[j] + i), v1 = load8(v[j] + i + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pr = _mm256_broadcast_ss(p + r * p_ld + j);
+        a0[r] = _mm256_fmadd_ps(pr, v0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(pr, v1, a1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * d + i, a0[r]);
+      _mm256_storeu_ps(acc + r * d + i + 8, a1[r]);
+    }
+  }
+  for (; i + 8 <= d; i += 8) {
+    __m256 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * d + i);
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m256 vv = load8(v[j] + i);
+      for (int r = 0; r < R; ++r)
+        a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * p_ld + j), vv, a[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * d + i, a[r]);
+  }
+#endif
+  for (; i < d; ++i) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const float vv = to_float(v[j][i]);
+      for (int r = 0; r < R; ++r) acc[r * d + i] += p[r * p_ld + j] * vv;
+    }
+  }
+}
+
+// Scores of rows [r0, r0 + R) against keys [j0, j1) of the chunk, two keys at a time.
+template <int R, typename T>
+inline void score_group(const float* q, int64_t d, const T* const* k_rows, int64_t j0,
+                        int64_t j1, float* s) {
+  int64_t j = j0;
+  for (; j + 2 <= j1; j += 2) dot_rows<R, 2>(q, d, k_rows + j, s + j, kKeyChunk);
+  if (j < j1) dot_rows<R, 1>(q, d, k_rows + j, s + j, kKeyChunk);
+}
+
+struct Item {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t tok_begin;  // flattened-batch token index
+  int32_t tok_end;
+};
+
+struct Geometry {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size;
+  int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;
+  int64_t c_stride_block, c_stride_tok, c_stride_head;
+  int64_t bt_stride;
+  float scale, soft_cap;  // soft_cap <= 0: none
+  int64_t window;         // <= 0: none
+};
+
+// Keys [*j0, *j1) of the chunk [c0, c0 + n) that a query at some position in [pos_a, pos_b] can
+// see: p - window < k <= p.
+inline void visible_range(const Geometry& g, int64_t pos_a, int64_t pos_b, int64_t c0, int64_t n,
+                          int64_t* j0, int64_t* j1) {
+  const int64_t lo = g.window > 0 ? std::max<int64_t>(0, pos_a - g.window + 1) : 0;
+  *j0 = std::max<int64_t>(0, lo - c0);
+  *j1 = std::min<int64_t>(n, pos_b - c0 + 1);
+}
+
+template <typename T>
+void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, const T* k_base,
+              const T* v_base, const int32_t* block_table, int64_t q_start, int64_t ctx_len,
+              std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores,
+              std::vector<float>& row_max, std::vector<float>& row_sum,
+              std::vector<const T*>& k_rows, std::vector<const T*>& v_rows) {
+  const int64_t d = g.head_dim;
+  const int64_t num_tok = it.tok_end - it.tok_begin;
+  const int64_t rows = num_tok * g.group;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // Query rows (token-major, then the group's heads), widened and pre-scaled.
+  for (int64_t t = 0; t < num_tok; ++t) {
+    for (int64_t h = 0; h < g.group; ++h) {
+      const T* src = q_base + (it.tok_begin + t) * g.q_stride_t +
+                     (it.kv_head * g.group + h) * g.q_stride_h;
+      float* dst = qf.data() + (t * g.group + h) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * g.scale;
+    }
+  }
+  std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
+  std::fill(row_max.begin(), row_max.begin() + rows, neg_inf);
+  std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+
+  // Positions of the tile's first and last query tokens; the keys any row of the tile may see.
+  const int64_t pos_first = ctx_len + (it.tok_begin - q_start);
+  const int64_t pos_last = pos_first + num_tok - 1;
+  const int64_t key_lo = g.window > 0 ? std::max<int64_t>(0, pos_first - g.window + 1) : 0;
+  const int64_t key_hi = pos_last;  // inclusive
+
+  const int64_t head_off = it.kv_head * g.c_stride_head;
+  for (int64_t c0 = key_lo; c0 <= key_hi; c0 += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, key_hi + 1 - c0);
+    // Row pointers of the chunk's keys, one block-table lookup per block touched.
+    for (int64_t j = 0; j < n;) {
+      const int64_t pos = c0 + j;
+      const int64_t off = pos % g.block_size;
+      const int64_t base = static_cast<int64_t>(block_table[pos / g.block_size]) *
+                               g.c_stride_block + head_off;
+      const int64_t m = std::min(n - j, g.block_size - off);
+      for (int64_t t = 0; t < m; ++t, ++j) {
+        k_rows[j] = k_base + base + (off + t) * g.c_stride_tok;
+        v_rows[j] = v_base + base + (off + t) * g.c_stride_tok;
+      }
+    }
+    // Scores, kRowGroup rows at a time, over the keys some row of the group can see (rows of
+    // a group are consecutive tokens' heads, so that range is [lo(first), last position]).
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+      const int64_t nr = std::min<int64_t>(kRowGroup, rows - r0);
+      int64_t j0, j1;
+      visible_range(g, pos_first + r0 / g.group, pos_first + (r0 + nr - 1) / g.group, c0, n, &j0,
+                    &j1);
+      if (j0 >= j1) continue;
+      const float* q = qf.data() + r0 * d;
+      float* s = scores.data() + r0 * kKeyChunk;
+      switch (nr) {
+        case 4: score_group<4>(q, d, k_rows.data(), j0, j1, s); break;
+        case 3: score_group<3>(q, d, k_rows.data(), j0, j1, s); break;
+        case 2: score_group<2>(q, d, k_rows.data(), j0, j1, s); break;
+        default: score_group<1>(q, d, k_rows.data(), j0, j1, s); break;
+      }
+    }
+    // Online softmax per row: probabilities of this chunk (exactly 0 where masked), running
+    // max and sum, and the accumulator rescaled when the max grows.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = pos_first + r / g.group;
+      int64_t j0, j1;
+      visible_range(g, pos, pos, c0, n, &j0, &j1);
+      float* s = scores.data() + r * kKeyChunk;
+      if (j0 >= j1) {
+        std::fill(s, s + kKeyChunk, 0.f);
+        continue;
+      }
+      if (g.soft_cap > 0.f)
+        for (int64_t j = j0; j < j1; ++j) s[j] = g.soft_cap * std::tanh(s[j] / g.soft_cap);
+      float chunk_max = s[j0];
+      for (int64_t j = j0 + 1; j < j1; ++j) chunk_max = std::max(chunk_max, s[j]);
+      const float new_max = std::max(row_max[r], chunk_max);
+      const float alpha = std::exp(row_max[r] - new_max);  // exp(-inf) = 0 on the first chunk
+      float sum = 0.f;
+      int64_t j = 0;
+#if PAGEDLLM_AVX2
+      if (j0 == 0 && j1 == kKeyChunk) {  // the common full chunk: vector exp
+        const __m256 mx = _mm256_set1_ps(new_max);
+        __m256 acc_sum = _mm256_setzero_ps();
+        for (; j < kKeyChunk; j += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mx));
+          _mm256_storeu_ps(s + j, e);
+          acc_sum = _mm256_add_ps(acc_sum, e);
+        }
+        sum = hsum(acc_sum);
+      }
+#endif
+      if (j < kKeyChunk) {
+        for (j = 0; j < j0; ++j) s[j] = 0.f;
+        for (; j < j1; ++j) {
+          s[j] = std::exp(s[j] - new_max);
+          sum += s[j];
+        }
+        for (; j < kKeyChunk; ++j) s[j] = 0.f;
+      }
+      row_sum[r] = row_sum[r] * alpha + sum;
+      row_max[r] = new_max;
+      if (alpha != 1.f) {
+        float* a = acc.data() + r * d;
+        for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
+      }
+    }
+    // Accumulate P @ V, kRowGroup rows at a time over the group's visible keys.
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+      const int64_t nr = std::min<int64_t>(kRowGroup, rows - r0);
+      int64_t j0, j1;
+      visible_range(g, pos_first + r0 / g.group, pos_first + (r0 + nr - 1) / g.group, c0, n, &j0,
+                    &j1);
+      if (j0 >= j1) continue;
+      float* a = acc.data() + r0 * d;
+      const float* p = scores.data() + r0 * kKeyChunk;
+      switch (nr) {
+        case 4: accumulate_rows<4>(a, d, p, kKeyChunk, v_rows.data(), j0, j1); break;
+        case 3: accumulate_rows<3>(a, d, p, kKeyChunk, v_rows.data(), j0, j1); break;
+        case 2: accumulate_rows<2>(a, d, p, kKeyChunk, v_rows.data(), j0, j1); break;
+        default: accumulate_rows<1>(a, d, p, kKeyChunk, v_rows.data(), j0, j1); break;
+      }
+    }
+  }
+
+  for (int64_t t = 0; t < num_tok; ++t) {
+    for (int64_t h = 0; h < g.group; ++h) {
+      const int64_t r = t * g.group + h;
+      const float inv = 1.f / row_sum[r];  // >= 1 term: every query sees its own key
+      T* dst = o_base + (it.tok_begin + t) * g.o_stride_t +
+               (it.kv_head * g.group + h) * g.o_stride_h;
+      const float* a = acc.data() + r * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(a[i] * inv);
+    }
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache,
+         const at::Tensor& v_cache, const int32_t* block_tables, const int32_t* q_starts,
+         const int32_t* ctx_lens, const std::vector<Item>& items, const Geometry& g) {
+  const T* q_base = query.data_ptr<T>();
+  T* o_base = out.data_ptr<T>();
+  const T* k_base = k_cache.data_ptr<T>();
+  const T* v_base = v_cache.data_ptr<T>();
+  const int64_t max_rows = kTileTokens * g.group;
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      std::vector<float> qf(max_rows * g.head_dim), acc(max_rows * g.head_dim);
+      std::vector<float> scores(max_rows * kKeyChunk), row_max(max_rows), row_sum(max_rows);
+      std::vector<const T*> k_rows(kKeyChunk), v_rows(kKeyChunk);
+      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+        const Item& it = items[i];
+        run_item<T>(it, g, q_base, o_base, k_base, v_base, block_tables + it.seq * g.bt_stride,
+                    q_starts[it.seq], ctx_lens[it.seq], qf, acc, scores, row_max, row_sum, k_rows,
+                    v_rows);
+      }
+    }
+  });
+}
+
+void check_int32_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.is_contiguous(), name,
+              " must be a contiguous int32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+}  // namespace
+
+// Writes the attention output of every query token of the sequences `seq_ids` into `out`.
+void paged_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const at::Tensor& context_lens, const at::Tensor& seq_ids, double scale,
+                     int64_t sliding_window, double logits_soft_cap) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
+              "query and out must be [num_tokens, num_heads, head_dim] of the same shape, got ",
+              query.sizes(), " and ", out.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1,
+              "query and out must be contiguous in head_dim");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "paged_attention supports float32 and bfloat16, got ", dtype);
+  TORCH_CHECK(out.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
+                  v_cache.scalar_type() == dtype,
+              "query, out and caches must share one dtype");
+  TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu(),
+              "paged_attention runs on CPU tensors only");
+  check_int32_cpu(block_tables, "block_tables");
+  check_int32_cpu(query_start_loc, "query_start_loc");
+  check_int32_cpu(seq_lens, "seq_lens");
+  check_int32_cpu(context_lens, "context_lens");
+  check_int32_cpu(seq_ids, "seq_ids");
+  TORCH_CHECK(block_tables.dim() == 2, "block_tables must be 2-D");
+
+  Geometry g;
+  g.num_heads = query.size(1);
+  g.head_dim = query.size(2);
+  g.num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == g.head_dim, "cache head_dim ", k_cache.size(3),
+              " != query head_dim ", g.head_dim);
+  TORCH_CHECK(g.num_heads % g.num_kv_heads == 0, "num_heads ", g.num_heads,
+              " is not a multiple of num_kv_heads ", g.num_kv_heads);
+  g.group = g.num_heads / g.num_kv_heads;
+  g.block_size = k_cache.size(1);
+  g.q_stride_t = query.stride(0);
+  g.q_stride_h = query.stride(1);
+  g.o_stride_t = out.stride(0);
+  g.o_stride_h = out.stride(1);
+  g.c_stride_block = k_cache.stride(0);
+  g.c_stride_tok = k_cache.stride(1);
+  g.c_stride_head = k_cache.stride(2);
+  g.bt_stride = block_tables.size(1);
+  g.scale = static_cast<float>(scale);
+  g.soft_cap = logits_soft_cap > 0 ? static_cast<float>(logits_soft_cap) : 0.f;
+  g.window = sliding_window > 0 ? sliding_window : 0;
+
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  const int32_t* ids = seq_ids.data_ptr<int32_t>();
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t num_blocks = k_cache.size(0);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+
+  std::vector<Item> items;
+  items.reserve(seq_ids.numel() * g.num_kv_heads);
+  for (int64_t i = 0; i < seq_ids.numel(); ++i) {
+    const int32_t s = ids[i];
+    TORCH_CHECK(s >= 0 && s < num_seqs, "seq_ids[", i, "] = ", s, " out of range [0, ", num_seqs,
+                ")");
+    const int64_t q_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(q_len >= 0 && starts[s + 1] <= query.size(0) && ctx[s] + q_len == lens[s],
+                "sequence ", s, ": query tokens ", starts[s], "..", starts[s + 1],
+                " do not match context_len ", ctx[s], " / seq_len ", lens[s]);
+    const int64_t needed = (lens[s] + g.block_size - 1) / g.block_size;
+    TORCH_CHECK(needed <= g.bt_stride, "sequence ", s, " needs ", needed,
+                " blocks, block table has ", g.bt_stride);
+    for (int64_t b = 0; b < needed; ++b) {
+      const int32_t blk = tables[s * g.bt_stride + b];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block_tables[", s, ", ", b, "] = ", blk,
+                  " out of range [0, ", num_blocks, ")");
+    }
+    for (int64_t t0 = starts[s]; t0 < starts[s + 1]; t0 += kTileTokens) {
+      const int32_t t1 = static_cast<int32_t>(std::min<int64_t>(t0 + kTileTokens, starts[s + 1]));
+      for (int64_t h = 0; h < g.num_kv_heads; ++h)
+        items.push_back({s, static_cast<int32_t>(h), static_cast<int32_t>(t0), t1});
+    }
+  }
+  if (items.empty()) return;
+  // Long tiles first, so the dynamic schedule does not end on one long straggler.
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    return static_cast<int64_t>(a.tok_end - a.tok_begin) * lens[a.seq] >
+           static_cast<int64_t>(b.tok_end - b.tok_begin) * lens[b.seq];
+  });
+
+  if (dtype == at::kFloat)
+    run<float>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
+  else
+    run<c10::BFloat16>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
+}
+
+bool built_with_avx2() { return PAGEDLLM_AVX2; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The GIL is released: the kernel touches no Python objects, and a server's other threads run.
+  m.def("paged_attention", &paged_attention,
+        "Paged attention over the block table, in place into out (float32 / bfloat16, CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("built_with_avx2", &built_with_avx2, "True when the AVX2/FMA micro-kernels are compiled in");
+}

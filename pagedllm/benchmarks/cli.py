@@ -1,0 +1,271 @@
+"""``pagedllm bench {throughput,serving,latency,memory}``: argument parsing and report printing.
+
+Each command prints a table to stdout and, with ``--output-json FILE``, writes its numbers as
+JSON (flat keys; a baseline's under ``baseline`` and ours / baseline under ``ratio``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+
+logger = logging.getLogger(__name__)
+
+# The project's shared workload, relative to the repository root (and to the working directory).
+DEFAULT_WORKLOAD = os.path.join("..", "shared", "bench", "workload.jsonl")
+THROUGHPUT_TABLE_KEYS = ("num_requests", "num_prompt_tokens", "num_output_tokens", "duration_s", "requests_per_s",
+                         "output_tokens_per_s", "total_tokens_per_s", "mean_ttft_s", "p50_ttft_s", "p99_ttft_s",
+                         "mean_tpot_s", "p50_tpot_s", "p99_tpot_s", "peak_kv_usage", "kv_utilization",
+                         "num_preemptions", "prefix_cache_hit_rate")
+SERVING_TABLE_KEYS = THROUGHPUT_TABLE_KEYS[:13] + ("mean_itl_s", "p50_itl_s", "p90_itl_s", "p99_itl_s",
+                                                   "num_failed")
+
+
+def default_workload_path() -> str:
+    """``../shared/bench/workload.jsonl`` from the working directory, else from the repository root."""
+    if os.path.isfile(DEFAULT_WORKLOAD):
+        return DEFAULT_WORKLOAD
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.normpath(os.path.join(repo_root, DEFAULT_WORKLOAD))
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from e
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1, got {text!r}")
+    return values
+
+
+def _add_dataset_args(p: argparse.ArgumentParser, default_dataset: str) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", default=default_dataset,
+                   help="'random', 'sharegpt-like' or a JSONL file of {prompt, max_tokens} "
+                        f"(the shared workload: {DEFAULT_WORKLOAD}; default: %(default)s)")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="requests (default: all rows of a file, 64 generated ones)")
+    g.add_argument("--input-len", type=int, default=128,
+                   help="prompt tokens: mean (random) or median (sharegpt-like)")
+    g.add_argument("--output-len", type=int, default=64,
+                   help="output tokens: mean (random) or median (sharegpt-like)")
+    g.add_argument("--range-ratio", type=float, default=0.5,
+                   help="random: lengths uniform in len*(1-r)..len*(1+r)")
+    g.add_argument("--dataset-seed", type=int, default=0, help="seed of the generated / resampled workload")
+
+
+def _write_json(path: str | None, obj: dict) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+        logger.info("wrote %s", path)
+
+
+# -- throughput ----------------------------------------------------------------------------------
+
+def _cmd_throughput(ns) -> int:
+    from pagedllm.benchmarks.datasets import build_requests
+    from pagedllm.benchmarks.metrics import RESULT_KEYS, format_table, ratios
+    from pagedllm.benchmarks.throughput import run_throughput
+    from pagedllm.engine.arg_utils import engine_args_from_cli
+    from pagedllm.entrypoints.llm import LLM
+
+    if ns.baseline == "openai" and not ns.base_url:
+        raise ValueError("--baseline openai needs --base-url")
+    args = engine_args_from_cli(ns)
+    llm = LLM(**vars(args))
+    engine = llm.llm_engine
+    requests = build_requests(ns.dataset, ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
+                              ns.dataset_seed, engine.vocab_size, engine.max_model_len)
+    dtype = str(engine.worker.dtype).replace("torch.", "")
+    logger.info("throughput: %d requests (%d output tokens) from %s, dtype %s", len(requests),
+                sum(r.max_tokens for r in requests), ns.dataset, dtype)
+    result, prompt_ids = run_throughput(llm, requests, warmup=not ns.no_warmup)
+    result.update(model=engine.model_files.source, dtype=dtype, block_size=engine.cache_config.block_size,
+                  num_blocks=engine.worker.num_blocks, max_num_seqs=engine.scheduler_config.max_num_seqs,
+                  max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
+                  dataset=ns.dataset, engine_load_time_s=engine.load_time_s)
+    model_folder = engine.model_files.folder
+    del llm, engine
+    gc.collect()
+
+    baseline, baseline_name = None, None
+    if ns.baseline == "hf":
+        from pagedllm.benchmarks.hf_baseline import run_hf_baseline
+        baseline = run_hf_baseline(model_folder, prompt_ids, [r.max_tokens for r in requests],
+                                   ns.baseline_batch_size, dtype, timeout_s=ns.baseline_timeout)
+        baseline_name = f"HF static b={baseline['batch_size']}"
+    elif ns.baseline == "openai":
+        from pagedllm.benchmarks.metrics import summarize
+        from pagedllm.benchmarks.serving import run_serving
+        records, duration, model = run_serving(ns.base_url, ns.baseline_model, requests)
+        baseline = summarize(records, duration)
+        baseline.update(model=model, base_url=ns.base_url, kv_utilization=None, num_preemptions=None,
+                        prefix_cache_hit_rate=None)
+        baseline_name = "openai server"
+
+    print(format_table(f"pagedllm throughput ({dtype}, {ns.dataset})", result, THROUGHPUT_TABLE_KEYS,
+                       baseline, baseline_name or "baseline"))
+    if baseline is not None and "runs" in baseline:
+        for run in baseline["runs"]:
+            print(f"  HF batch size {run['batch_size']}: {run['requests_per_s']:.3f} requests/s, "
+                  f"{run['output_tokens_per_s']:.1f} output tokens/s, useful output fraction "
+                  f"{run['useful_output_fraction']:.3f}")
+    out = dict(result)
+    if baseline is not None:
+        out["baseline"] = baseline
+        out["ratio"] = ratios(result, baseline, RESULT_KEYS)
+    _write_json(ns.output_json, out)
+    return 0
+
+
+# -- serving -------------------------------------------------------------------------------------
+
+def _serving_requests(ns):
+    from pagedllm.benchmarks.datasets import DATASET_CHOICES, BenchRequest, build_requests
+
+    tok = None
+    if ns.dataset in DATASET_CHOICES:
+        from pagedllm.loaders import resolve_model
+        from pagedllm.tokenizer import Tokenizer
+        tok = Tokenizer.from_pretrained(ns.tokenizer or resolve_model(None).folder)
+    requests = build_requests(ns.dataset, ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
+                              ns.dataset_seed, None if tok is None else len(tok))
+    if tok is not None:  # every OpenAI server takes text; token-id prompts are an extension
+        requests = [BenchRequest(tok.decode(r.prompt, skip_special_tokens=False), r.prompt_len, r.max_tokens)
+                    for r in requests]
+    return requests
+
+
+def _cmd_serving(ns) -> int:
+    from pagedllm.benchmarks.metrics import format_table, parse_goodput, summarize
+    from pagedllm.benchmarks.serving import run_serving
+
+    slos = parse_goodput(ns.goodput)
+    requests = _serving_requests(ns)
+    records, duration, model = run_serving(ns.base_url, ns.model, requests, request_rate=ns.request_rate,
+                                           max_concurrency=ns.max_concurrency, burstiness=ns.burstiness,
+                                           seed=ns.dataset_seed, ignore_eos=not ns.no_ignore_eos)
+    result = summarize(records, duration, itl=True, goodput_slos=slos)
+    result.update(model=model, base_url=ns.base_url, request_rate=ns.request_rate, burstiness=ns.burstiness,
+                  max_concurrency=ns.max_concurrency, dataset=ns.dataset)
+    keys = SERVING_TABLE_KEYS + (("goodput_requests_per_s",) if slos else ())
+    rate = "inf" if math.isinf(ns.request_rate) else f"{ns.request_rate:g}/s"
+    print(format_table(f"serving {model} at {ns.base_url}, rate {rate}", result, keys))
+    _write_json(ns.output_json, result)
+    return 0
+
+
+# -- latency -------------------------------------------------------------------------------------
+
+def _cmd_latency(ns) -> int:
+    from pagedllm.benchmarks.latency import format_latency, run_latency
+    from pagedllm.engine.arg_utils import engine_args_from_cli
+    from pagedllm.entrypoints.llm import LLM
+
+    args = engine_args_from_cli(ns)
+    llm = LLM(**vars(args))
+    result = run_latency(llm, ns.batch_size, ns.input_len, ns.output_len, ns.num_iters, ns.num_iters_warmup,
+                         seed=ns.dataset_seed, ceiling=not ns.no_ceiling)
+    print(format_latency(result))
+    _write_json(ns.output_json, result)
+    return 0
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+def _cmd_memory(ns) -> int:
+    from pagedllm.benchmarks.datasets import load_jsonl_requests, resample_lengths
+    from pagedllm.benchmarks.memory import format_memory_table, simulate_kv_concurrency
+
+    path = ns.dataset or default_workload_path()
+    lengths = resample_lengths(load_jsonl_requests(path), ns.num_requests, ns.dataset_seed)
+    sizes = sorted(set(ns.block_sizes) | {ns.block_size})
+    results = [simulate_kv_concurrency(lengths, block_size=bs, max_model_len=ns.max_model_len,
+                                       static_concurrency=ns.static_concurrency, max_num_seqs=ns.max_num_seqs,
+                                       max_num_batched_tokens=ns.max_num_batched_tokens) for bs in sizes]
+    head = next(r for r in results if r.block_size == ns.block_size)
+    print(f"==== KV memory: {ns.num_requests} requests resampled from {path} (seed {ns.dataset_seed}); "
+          f"scheduler + KV cache manager, no model ====")
+    print(f"KV budget {head.kv_budget_tokens} tokens = {ns.static_concurrency} x max_model_len {ns.max_model_len}: "
+          f"a static allocator runs {head.static_concurrency} requests at once")
+    print(f"paged (block_size {head.block_size}): peak {head.peak_concurrency} concurrent "
+          f"({head.peak_ratio:.1f}x), mean {head.mean_concurrency:.1f} while requests wait ({head.mean_ratio:.1f}x), "
+          f"mean {head.mean_concurrency_all_steps:.1f} over all steps; KV utilization {head.kv_utilization:.3f}, "
+          f"{head.num_preemptions} preemptions")
+    print(format_memory_table(results))
+    _write_json(ns.output_json, {"dataset": path, "num_requests": ns.num_requests, "seed": ns.dataset_seed,
+                                 "headline": head.to_dict(), "block_size_sweep": [r.to_dict() for r in results]})
+    return 0
+
+
+# -- parser --------------------------------------------------------------------------------------
+
+def add_bench_parser(subparsers) -> None:
+    """Add ``bench`` and its subcommands to the ``pagedllm`` parser's subparsers."""
+    from pagedllm.engine.arg_utils import add_engine_cli_args
+
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serving, latency, memory")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    tp = sub.add_parser("throughput", help="offline: the whole workload at once through LLM.generate")
+    _add_dataset_args(tp, "random")
+    tp.add_argument("--baseline", choices=["hf", "openai"], default=None,
+                    help="also run the workload through transformers static batches (hf, separate process) "
+                         "or an OpenAI-compatible server (openai, with --base-url)")
+    tp.add_argument("--baseline-batch-size", type=_int_list, default=[8, 32],
+                    help="HF static batch size(s), comma-separated; the best is compared (default 8,32)")
+    tp.add_argument("--baseline-timeout", type=float, default=None, help="seconds per HF baseline process")
+    tp.add_argument("--base-url", default=None, help="OpenAI-compatible server for --baseline openai")
+    tp.add_argument("--baseline-model", default=None, help="model name for --baseline openai (default: first listed)")
+    tp.add_argument("--no-warmup", action="store_true", help="skip the untimed one-request warm-up")
+    tp.add_argument("--output-json", default=None, help="write the results here")
+    add_engine_cli_args(tp)
+    tp.set_defaults(func=_cmd_throughput)
+
+    sv = sub.add_parser("serving", help="online: streaming completions against a running server")
+    sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (or .../v1)")
+    sv.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
+    sv.add_argument("--tokenizer", default=None,
+                    help="tokenizer folder for the generated datasets (default: the default model's)")
+    _add_dataset_args(sv, "random")
+    sv.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
+    sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
+    sv.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    sv.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                    help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50")
+    sv.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict servers)")
+    sv.add_argument("--output-json", default=None)
+    sv.set_defaults(func=_cmd_serving)
+
+    lt = sub.add_parser("latency", help="one fixed batch: end-to-end and per-step time, with a matmul ceiling")
+    lt.add_argument("--batch-size", type=int, default=8)
+    lt.add_argument("--input-len", type=int, default=32)
+    lt.add_argument("--output-len", type=int, default=128)
+    lt.add_argument("--num-iters", type=int, default=3)
+    lt.add_argument("--num-iters-warmup", type=int, default=1)
+    lt.add_argument("--dataset-seed", type=int, default=0)
+    lt.add_argument("--no-ceiling", action="store_true", help="skip the matmul-rate ceiling")
+    lt.add_argument("--output-json", default=None)
+    add_engine_cli_args(lt)
+    lt.set_defaults(func=_cmd_latency)
+
+    mm = sub.add_parser("memory", help="requests sharing a KV budget: paged vs. max_model_len reservations "
+                                       "(scheduler only, no model)")
+    mm.add_argument("--dataset", default=None, help=f"JSONL workload to resample (default: {DEFAULT_WORKLOAD})")
+    mm.add_argument("--num-requests", type=int, default=256)
+    mm.add_argument("--dataset-seed", type=int, default=0)
+    mm.add_argument("--max-model-len", type=int, default=2048)
+    mm.add_argument("--static-concurrency", type=int, default=8,
+                    help="requests a max_model_len-reserving allocator fits; budget = this x max_model_len")
+    mm.add_argument("--block-size", type=int, default=16, help="the headline block size")
+    mm.add_argument("--block-sizes", type=_int_list, default=[8, 16, 32], help="block-size sweep (default 8,16,32)")
+    mm.add_argument("--max-num-seqs", type=int, default=256)
+    mm.add_argument("--max-num-batched-tokens", type=int, default=512)
+    mm.add_argument("--output-json", default=None)
+    mm.set_defaults(func=_cmd_memory)

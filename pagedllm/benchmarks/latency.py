@@ -1,0 +1,196 @@
+"""Latency of one fixed batch (vLLM's ``benchmark_latency``) and a matmul ceiling for its decode.
+
+``batch_size`` random prompts of ``input_len`` tokens each make ``output_len`` tokens (greedy,
+``ignore_eos``), all submitted at once, ``num_iters`` times after ``num_iters_warmup`` untimed
+runs. Reported: end-to-end batch latency (mean / percentiles over iterations), and, from the
+engine's per-step times, the prefill phase and the decode steps (steps whose batch is all
+single-token decodes of the full batch).
+
+The ceiling: a decode step of M = ``batch_size`` tokens does, per linear layer of shape
+[out, in], 2·M·in·out FLOPs, plus the LM head (2·M·hidden·vocab). Each distinct shape's rate is
+measured here with ``F.linear`` on the model's own weights at M rows in the model dtype; the
+ceiling step time is Σ FLOPs / rate over the layers, and the ceiling is M / that tokens/s.
+Attention, norms, RoPE, sampling and scheduling are left out of the ceiling but are in the
+measured time, so measured / ceiling says how much of a step the linear layers take.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from pagedllm.benchmarks.datasets import MIN_RANDOM_TOKEN_ID
+from pagedllm.benchmarks.metrics import mean, percentile
+from pagedllm.benchmarks.throughput import BenchStatLogger
+
+logger = logging.getLogger(__name__)
+
+MIN_MEASURE_S = 0.3  # time each matmul shape at least this long
+MIN_MEASURE_REPS = 5
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """A linear layer shape: y[M, out] = x[M, in] @ W[out, in]^T, ``count`` of them per step."""
+
+    in_features: int
+    out_features: int
+    count: int
+
+    def flops(self, m: int) -> int:
+        """FLOPs of all ``count`` layers for ``m`` rows (a multiply-add = 2)."""
+        return 2 * m * self.in_features * self.out_features * self.count
+
+
+def model_linear_weights(model) -> list[tuple[object, int]]:
+    """(weight [out, in], count) per distinct shape of the model's linear layers and LM head.
+
+    The LM head is ``lm_head.weight`` or, with tied embeddings, ``model.embed_tokens.weight``.
+    """
+    from torch import nn
+
+    by_shape: dict[tuple[int, int], object] = {}
+    counts: Counter[tuple[int, int]] = Counter()
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            key = tuple(module.weight.shape)
+            by_shape.setdefault(key, module.weight)
+            counts[key] += 1
+    lm_head = getattr(model, "lm_head", None)
+    if not isinstance(lm_head, nn.Linear):  # tied: compute_logits uses the embedding matrix
+        weight = model.model.embed_tokens.weight
+        key = tuple(weight.shape)
+        by_shape.setdefault(key, weight)
+        counts[key] += 1
+    return [(by_shape[k], counts[k]) for k in by_shape]
+
+
+def measure_linear_gflops(weight, m: int, min_seconds: float = MIN_MEASURE_S) -> float:
+    """GFLOP/s of ``F.linear(x[m, in], weight)`` in the weight's dtype and device."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    flops = 2 * m * weight.shape[0] * weight.shape[1]
+    with torch.inference_mode():
+        for _ in range(2):
+            F.linear(x, weight)
+        reps, t0 = 0, time.perf_counter()
+        while True:
+            F.linear(x, weight)
+            reps += 1
+            elapsed = time.perf_counter() - t0
+            if reps >= MIN_MEASURE_REPS and elapsed >= min_seconds:
+                break
+    return flops * reps / elapsed / 1e9
+
+
+def linear_ceiling(model, m: int, min_seconds: float = MIN_MEASURE_S) -> dict:
+    """Tokens/s that the linear layers + LM head allow for a decode step of ``m`` tokens.
+
+    Returns:
+        ``ceiling_tokens_per_s``, ``ceiling_step_time_s``, ``linear_gflops_per_step`` and
+        ``shapes``: per shape ``[out, in]``, count, measured GFLOP/s and its time share.
+    """
+    shapes = []
+    total_time = 0.0
+    total_flops = 0
+    for weight, count in model_linear_weights(model):
+        rate = measure_linear_gflops(weight, m, min_seconds)
+        shape = LinearShape(int(weight.shape[1]), int(weight.shape[0]), count)
+        flops = shape.flops(m)
+        seconds = flops / (rate * 1e9)
+        total_time += seconds
+        total_flops += flops
+        shapes.append({"out_in": [shape.out_features, shape.in_features], "count": count,
+                       "gflops_per_s": rate, "seconds_per_step": seconds})
+    for s in shapes:
+        s["time_share"] = s["seconds_per_step"] / total_time
+    return {"ceiling_tokens_per_s": m / total_time, "ceiling_step_time_s": total_time,
+            "linear_gflops_per_step": total_flops / 1e9, "shapes": shapes}
+
+
+def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters: int = 3,
+                num_iters_warmup: int = 1, seed: int = 0, ceiling: bool = True) -> dict:
+    """Time one batch end to end and per step; see the module docstring.
+
+    Raises:
+        ValueError: for sizes < 1, or a batch larger than ``max_num_seqs`` (it would not be one batch).
+    """
+    import numpy as np
+
+    from pagedllm.sampling_params import SamplingParams
+
+    for name, v in (("batch_size", batch_size), ("input_len", input_len), ("output_len", output_len),
+                    ("num_iters", num_iters)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    engine = llm.llm_engine
+    if batch_size > engine.scheduler_config.max_num_seqs:
+        raise ValueError(f"batch_size={batch_size} exceeds max_num_seqs={engine.scheduler_config.max_num_seqs}")
+    rng = np.random.default_rng(seed)
+    prompts = [{"prompt_token_ids": rng.integers(MIN_RANDOM_TOKEN_ID, engine.vocab_size, size=input_len).tolist()}
+               for _ in range(batch_size)]
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for _ in range(num_iters_warmup):
+        llm.generate(prompts, params, use_tqdm=False)
+    latencies, decode_steps, prefill_phase = [], [], []
+    for _ in range(num_iters):
+        stat_logger = BenchStatLogger()
+        engine.stat_loggers.append(stat_logger)
+        try:
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            latencies.append(time.perf_counter() - t0)
+        finally:
+            engine.stat_loggers.remove(stat_logger)
+        full = [s.step_time for s in stat_logger.steps
+                if s.num_prefill_tokens == 0 and s.num_decode_tokens == batch_size]
+        decode_steps.extend(full)
+        # Steps up to the last one with prompt tokens (mixed prefill + early decodes).
+        last_prefill = max((i for i, s in enumerate(stat_logger.steps) if s.num_prefill_tokens), default=-1)
+        prefill_phase.append(sum(s.step_time for s in stat_logger.steps[:last_prefill + 1]))
+    step = mean(decode_steps)
+    result = {
+        "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "num_iters": num_iters,
+        "mean_latency_s": mean(latencies), "p50_latency_s": percentile(latencies, 50),
+        "p90_latency_s": percentile(latencies, 90), "p99_latency_s": percentile(latencies, 99),
+        "mean_prefill_phase_s": mean(prefill_phase),
+        "num_decode_steps": len(decode_steps), "mean_decode_step_s": step,
+        "p50_decode_step_s": percentile(decode_steps, 50), "p90_decode_step_s": percentile(decode_steps, 90),
+        "decode_tokens_per_s": batch_size / step if step else None,
+        "dtype": str(engine.worker.dtype).replace("torch.", ""),
+    }
+    if ceiling:
+        c = linear_ceiling(engine.worker.model, batch_size)
+        result.update(c)
+        result["measured_over_ceiling"] = (result["decode_tokens_per_s"] / c["ceiling_tokens_per_s"]
+                                           if result["decode_tokens_per_s"] else None)
+    return result
+
+
+def format_latency(result: dict) -> str:
+    """Human-readable summary (ms)."""
+    ms = lambda v: "n/a" if v is None else f"{v * 1000:.1f} ms"  # noqa: E731
+    lines = [f"==== Latency: batch {result['batch_size']} x ({result['input_len']} in, {result['output_len']} out), "
+             f"{result['dtype']}, {result['num_iters']} iterations ====",
+             f"end-to-end     mean {ms(result['mean_latency_s'])}  p50 {ms(result['p50_latency_s'])}  "
+             f"p90 {ms(result['p90_latency_s'])}  p99 {ms(result['p99_latency_s'])}",
+             f"prefill phase  mean {ms(result['mean_prefill_phase_s'])}",
+             f"decode step    mean {ms(result['mean_decode_step_s'])}  p50 {ms(result['p50_decode_step_s'])}  "
+             f"p90 {ms(result['p90_decode_step_s'])}  ({result['num_decode_steps']} full-batch decode steps)"]
+    tps = result.get("decode_tokens_per_s")
+    lines.append(f"decode         {'n/a' if tps is None else f'{tps:.1f}'} tokens/s")
+    if "ceiling_tokens_per_s" in result:
+        lines.append(f"ceiling        {result['ceiling_tokens_per_s']:.1f} tokens/s "
+                     f"(linear layers + LM head: {result['linear_gflops_per_step']:.2f} GFLOP/step in "
+                     f"{ms(result['ceiling_step_time_s'])} at measured matmul rates)")
+        ratio = result.get("measured_over_ceiling")
+        lines.append(f"measured / ceiling  {'n/a' if ratio is None else f'{ratio:.2f}'}")
+        for s in result["shapes"]:
+            lines.append(f"  linear [{s['out_in'][0]} x {s['out_in'][1]}] x{s['count']:<3} "
+                         f"{s['gflops_per_s']:8.1f} GFLOP/s  {ms(s['seconds_per_step'])}/step "
+                         f"({s['time_share'] * 100:.0f}%)")
+    return "\n".join(lines)

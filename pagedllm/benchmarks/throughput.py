@@ -1,0 +1,138 @@
+"""Offline throughput: the whole workload submitted at once to ``LLM.generate`` (vLLM's
+``benchmark_throughput``), greedy with ``ignore_eos`` so each request makes exactly its
+``max_tokens``.
+
+TTFT / TPOT come from each ``RequestOutput.metrics`` (``time.monotonic`` seconds; every request
+arrives when ``generate`` queues it, so TTFT includes the wait for a place in the batch). KV usage,
+KV utilization and preemptions come from :class:`BenchStatLogger`, registered in
+``llm.llm_engine.stat_loggers`` for the timed run only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.benchmarks.datasets import BenchRequest
+from pagedllm.benchmarks.metrics import RequestRecord, mean, summarize
+
+logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT_TOKENS = 16
+WARMUP_MAX_TOKENS = 4
+
+
+@dataclass
+class StepSample:
+    """One engine step as the stat logger saw it (after the step).
+
+    Attributes:
+        step_time: wall time of the step (s).
+        num_scheduled_requests: requests in the step's batch.
+        num_prefill_tokens / num_decode_tokens: tokens of prompt chunks / single-token decodes.
+        kv_cache_usage: fraction of blocks in use after the step.
+        num_stored_tokens / num_allocated_slots: see ``SchedulerStats``.
+    """
+
+    step_time: float
+    num_scheduled_requests: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    kv_cache_usage: float
+    num_stored_tokens: int
+    num_allocated_slots: int
+
+
+@dataclass
+class BenchStatLogger:
+    """A ``StatLogger`` keeping one :class:`StepSample` per engine step.
+
+    Records without a forward (``iteration_stats.num_scheduled_tokens == 0``, e.g. an abort) are
+    skipped. ``num_preemptions_total`` is the scheduler's running total at the last step.
+    """
+
+    steps: list[StepSample] = field(default_factory=list)
+    num_preemptions_total: int = 0
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        if getattr(iteration_stats, "num_scheduled_tokens", 0) == 0:
+            return
+        s = scheduler_stats
+        self.num_preemptions_total = s.num_preemptions_total
+        self.steps.append(StepSample(
+            step_time=iteration_stats.step_time, num_scheduled_requests=s.num_scheduled_requests,
+            num_prefill_tokens=s.num_prefill_tokens, num_decode_tokens=s.num_decode_tokens,
+            kv_cache_usage=s.kv_cache_usage, num_stored_tokens=getattr(s, "num_stored_tokens", 0),
+            num_allocated_slots=getattr(s, "num_allocated_slots", 0)))
+
+    @property
+    def peak_kv_usage(self) -> float:
+        """Largest fraction of blocks in use after any step."""
+        return max((s.kv_cache_usage for s in self.steps), default=0.0)
+
+    @property
+    def kv_utilization(self) -> float | None:
+        """Stored tokens / allocated slots, averaged over the steps that held any block."""
+        return mean([s.num_stored_tokens / s.num_allocated_slots for s in self.steps if s.num_allocated_slots])
+
+
+def to_engine_prompt(req: BenchRequest):
+    """A dataset prompt as ``LLM.generate`` takes it (token ids go as ``prompt_token_ids``)."""
+    return {"prompt_token_ids": list(req.prompt)} if isinstance(req.prompt, list) else req.prompt
+
+
+def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True) -> tuple[dict, list[list[int]]]:
+    """Run the workload through ``llm`` (a ``pagedllm.LLM``) with everything submitted at once.
+
+    Args:
+        llm: the engine.
+        requests: the workload.
+        warmup: first run one short request (untimed) so one-off start-up costs stay out.
+    Returns:
+        (result, prompt_token_ids): the flat result dict (``metrics.summarize``'s keys plus
+        ``peak_kv_usage``, ``kv_utilization``, ``num_preemptions``, ``prefix_cache_hit_rate``
+        (None: no prefix caching yet), ``num_steps``), and each request's prompt as the engine
+        tokenized it (for baselines that must see the same tokens).
+    Raises:
+        ValueError: a prompt the engine rejects (too long for ``max_model_len``, ...).
+    """
+    from pagedllm.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    if warmup:
+        warm_ids = list(range(100, 100 + WARMUP_PROMPT_TOKENS))
+        llm.generate({"prompt_token_ids": warm_ids},
+                     SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    prompts = [to_engine_prompt(r) for r in requests]
+    stat_logger = BenchStatLogger()
+    preempt_before = engine.scheduler.num_preemptions_total
+    engine.stat_loggers.append(stat_logger)
+    try:
+        t0 = time.monotonic()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        duration = time.monotonic() - t0
+    finally:
+        engine.stat_loggers.remove(stat_logger)
+    records = []
+    for ro in outputs:
+        m = ro.metrics
+        n_out = sum(len(o.token_ids) for o in ro.outputs)
+        last = m.last_token_time if m.last_token_time is not None else m.finished_time
+        records.append(RequestRecord(prompt_len=len(ro.prompt_token_ids), output_len=n_out, start=m.arrival_time,
+                                     first_token_time=m.first_token_time, last_token_time=last))
+    expected = sum(r.max_tokens for r in requests)
+    got = sum(r.output_len for r in records)
+    if got != expected:
+        logger.warning("made %d output tokens, expected %d (max_tokens sum): requests capped by max_model_len?",
+                       got, expected)
+    result = summarize(records, duration)
+    result.update(
+        peak_kv_usage=stat_logger.peak_kv_usage,
+        kv_utilization=stat_logger.kv_utilization,
+        num_preemptions=engine.scheduler.num_preemptions_total - preempt_before,
+        prefix_cache_hit_rate=None,
+        num_steps=len(stat_logger.steps),
+    )
+    return result, [list(ro.prompt_token_ids) for ro in outputs]

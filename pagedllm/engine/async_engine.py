@@ -1,0 +1,436 @@
+"""The asynchronous engine: one ``LLMEngine`` loop in a background thread, shared by every caller.
+
+``AsyncLLM`` runs the synchronous ``LLMEngine`` in ONE daemon thread (torch releases the GIL inside
+its kernels, so the asyncio event loop keeps serving HTTP while a step runs). The thread loops:
+
+1. drain the thread-safe inbox of new requests and aborts (under a ``threading.Condition``);
+2. ``engine.step()`` when any request is unfinished, so a request added by any client joins the
+   running batch at the next iteration (continuous batching across clients);
+3. push each ``RequestOutput`` to its caller's ``asyncio.Queue`` with
+   ``loop.call_soon_threadsafe`` (one call per event loop per step);
+4. sleep on the condition when idle (no busy spin), waking for new work, an abort, shutdown, or
+   the periodic stats log line.
+
+Callers validate synchronously: :meth:`AsyncLLM.add_requests` runs the (pure)
+``InputProcessor.process`` in the caller's thread, so a bad request raises ``ValueError`` before
+anything is queued (the server turns that into HTTP 400 before a streamed response starts).
+
+Failure isolation: if ``engine.step()`` raises, every request that was in the engine gets an
+``EngineStepError`` on its stream and is aborted (its KV blocks are freed); the loop logs the
+traceback and keeps serving new requests. An abort (client disconnect, ``OutputStream.abort``,
+leaving ``generate`` early) removes the request at the next iteration and frees its blocks.
+
+Usage::
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=None))
+    async for out in llm.generate("Hello", SamplingParams(output_kind=RequestOutputKind.DELTA), "r1"):
+        print(out.outputs[0].text, end="")
+    llm.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterable, Sequence
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.input_processor import ProcessedInput, PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
+from pagedllm.metrics.stats import StatLogger
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Longest idle sleep when no stats line is due (s); the condition wakes the thread earlier on work.
+_MAX_IDLE_WAIT_S = 60.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (shut down, or it crashed); no request can be served."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised while this request was in the batch; the request was aborted."""
+
+
+@dataclass
+class _NewRequest:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Sink:
+    """Where a request's outputs go: a queue owned by the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass
+class _Failure:
+    request_id: str
+    error: BaseException
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+class OutputStream:
+    """The outputs of the requests added by one :meth:`AsyncLLM.add_requests` call, in the order the
+    engine produced them, until every one has finished.
+
+    Iterate with ``async for``; each item is a ``RequestOutput`` (its ``request_id`` says which
+    request). A failed request raises ``EngineStepError`` / ``EngineDeadError`` from ``__anext__``.
+    Leaving early (``break``, cancellation, disconnect) must be followed by :meth:`abort` (or use
+    ``async with``), which aborts the unfinished requests and frees their blocks.
+
+    Attributes:
+        request_ids: the requests, in the order they were added.
+    """
+
+    def __init__(self, engine: "AsyncLLM", request_ids: list[str], queue: asyncio.Queue) -> None:
+        self._engine = engine
+        self.request_ids = list(request_ids)
+        self._unfinished = set(request_ids)
+        self._queue = queue
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> "OutputStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while self._unfinished:
+            item = await self._queue.get()
+            if isinstance(item, _Failure):
+                if item.request_id not in self._unfinished:
+                    continue
+                self._unfinished.discard(item.request_id)
+                raise item.error
+            if item.request_id not in self._unfinished:
+                continue
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+            return item
+        raise StopAsyncIteration
+
+    def abort(self) -> None:
+        """Abort every unfinished request of this stream (thread-safe, idempotent, non-blocking)."""
+        if self._unfinished:
+            ids, self._unfinished = list(self._unfinished), set()
+            self._engine.abort(ids)
+
+    def __del__(self) -> None:
+        # A stream dropped unread (e.g. a streaming response cancelled before its body started)
+        # must not leave its requests running.
+        if getattr(self, "_unfinished", None):
+            try:
+                self.abort()
+            except Exception:
+                pass
+
+    async def __aenter__(self) -> "OutputStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
+
+
+class AsyncLLM:
+    """An ``LLMEngine`` driven by a background thread, for many concurrent asyncio callers.
+
+    Args:
+        engine: the engine; from now on only the background thread may call its mutating methods
+            (``add_request``, ``step``, ``abort_request``). Its ``input_processor`` and
+            ``tokenizer`` stay usable from any thread.
+        stat_loggers: extra ``StatLogger``s (e.g. ``PrometheusStatLogger``), called in the engine
+            thread after every step and abort.
+        log_stats_interval_s: seconds between periodic log lines (throughput, queues, KV usage);
+            None disables them.
+    """
+
+    def __init__(self, engine: LLMEngine, stat_loggers: Iterable[StatLogger] = (),
+                 log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S) -> None:
+        self.engine = engine
+        self._stats_log = LoggingStatLogger(log_stats_interval_s) if log_stats_interval_s else None
+        engine.stat_loggers.extend(stat_loggers)
+        if self._stats_log is not None:
+            engine.stat_loggers.append(self._stats_log)
+        self._cv = threading.Condition()
+        # Guarded by _cv: the inbox, the sinks of live requests, the stop flag.
+        self._pending: list[_NewRequest] = []
+        self._aborts: list[str] = []
+        self._sinks: dict[str, _Sink] = {}
+        self._stopping = False
+        self._dead: BaseException | None = None
+        # Engine-thread only: requests added to the engine and not yet finished or aborted.
+        self._in_engine: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs) -> "AsyncLLM":
+        """Build the engine (loads the model) and wrap it; kwargs go to ``AsyncLLM``."""
+        return cls(LLMEngine(args), **kwargs)
+
+    # -- read-only information (any thread) -------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and not shutting down."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def errored(self) -> bool:
+        """True when the engine loop crashed (outside a step) or was shut down."""
+        return self._dead is not None or self._stopping
+
+    def check_health(self) -> None:
+        """Raises:
+            EngineDeadError: if the engine loop is dead or shutting down."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+        if self._thread is not None and not self._thread.is_alive():
+            raise EngineDeadError("the engine thread exited")
+
+    def process_inputs(self, prompt: PromptType, params: SamplingParams) -> ProcessedInput:
+        """Validate and tokenize without queueing (pure; any thread).
+
+        Raises:
+            ValueError: as ``InputProcessor.process`` (empty prompt, out-of-vocabulary ids, prompt
+                over max_model_len, logprobs over max_logprobs, ...).
+        """
+        return self.engine.input_processor.process(prompt, params)
+
+    # -- requests (event loop thread) -------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent; ``add_requests`` calls it)."""
+        with self._cv:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+            self._thread.start()
+
+    def add_requests(self, requests: Sequence[tuple[str | None, PromptType, SamplingParams]],
+                     arrival_time: float | None = None) -> OutputStream:
+        """Validate every request, then queue them all (all or nothing).
+
+        Must be called from the event loop that will iterate the returned stream.
+
+        Args:
+            requests: (request_id or None for a fresh id, prompt, params) triples.
+            arrival_time: ``time.monotonic()`` of arrival (for TTFT / latency metrics); now if None.
+        Returns:
+            One ``OutputStream`` over all of them.
+        Raises:
+            ValueError: a bad prompt or params, or a request id that is in use (nothing is queued).
+            EngineDeadError: the engine is shut down or dead.
+        """
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        prepared: list[_NewRequest] = []
+        for request_id, prompt, params in requests:
+            request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
+            if any(r.request_id == request_id for r in prepared):
+                raise ValueError(f"request_id {request_id!r} is given twice")
+            processed = self.process_inputs(prompt, params)
+            # Hand the engine token ids, so the prompt is tokenized once.
+            engine_prompt = {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids}
+            prepared.append(_NewRequest(request_id, engine_prompt, params, arrival_time))
+        if not prepared:
+            raise ValueError("no requests given")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._cv:
+            in_use = [r.request_id for r in prepared if r.request_id in self._sinks]
+            if in_use:
+                raise ValueError(f"request_id(s) {in_use} are already running")
+            if self._stopping or self._dead is not None:
+                raise EngineDeadError("the engine is shutting down" if self._stopping else "the engine loop died")
+            for r in prepared:
+                self._sinks[r.request_id] = _Sink(loop, queue)
+            self._pending.extend(prepared)
+            self._cv.notify()
+        self.start()
+        return OutputStream(self, [r.request_id for r in prepared], queue)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> OutputStream:
+        """:meth:`add_requests` for one request."""
+        return self.add_requests([(request_id, prompt, params)], arrival_time)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes; leaving the loop early aborts it.
+
+        ``params.output_kind`` decides what each output holds (``DELTA`` for streaming).
+        Validation errors surface at the first ``__anext__`` (use :meth:`add_request` to get them
+        synchronously).
+        """
+        stream = self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests: they stop receiving outputs now and leave the engine (blocks freed) at the
+        next iteration. Thread-safe, non-blocking; unknown or finished ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        with self._cv:
+            removed = [rid for rid in ids if self._sinks.pop(rid, None) is not None]
+            if removed:
+                self._aborts.extend(removed)
+                self._cv.notify()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread: requests still running get ``EngineDeadError`` and are aborted.
+
+        Blocks up to ``timeout`` seconds for the current step to end. Idempotent.
+        """
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("engine thread did not stop within %.1f s", timeout)
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _idle_wait(self) -> float:
+        if self._stats_log is None:
+            return _MAX_IDLE_WAIT_S
+        return min(_MAX_IDLE_WAIT_S, self._stats_log.seconds_to_next_log() + 0.01)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cv:
+                    if not (self._pending or self._aborts or self._stopping or engine.has_unfinished_requests()):
+                        self._cv.wait(self._idle_wait())
+                    pending, self._pending = self._pending, []
+                    aborts, self._aborts = self._aborts, []
+                    stopping = self._stopping
+                    # A request aborted before it reached the engine is simply never added.
+                    pending = [r for r in pending if r.request_id in self._sinks]
+                for r in pending:
+                    try:
+                        engine.add_request(r.request_id, r.prompt, r.params, arrival_time=r.arrival_time)
+                    except Exception as e:  # validated by the caller; only a race could get here
+                        logger.warning("request %s rejected by the engine: %s", r.request_id, e)
+                        self._fail([r.request_id], e)
+                        continue
+                    self._in_engine.add(r.request_id)
+                if aborts:
+                    known = [rid for rid in aborts if rid in self._in_engine]
+                    self._in_engine.difference_update(known)
+                    if known:
+                        engine.abort_request(known)
+                        logger.debug("aborted %d request(s): %s", len(known), known[:8])
+                if stopping:
+                    self._stop_all()
+                    return
+                if engine.has_unfinished_requests():
+                    try:
+                        outputs = engine.step()
+                    except Exception as e:
+                        self._fail_step(e)
+                    else:
+                        self._deliver(outputs)
+                if self._stats_log is not None:
+                    self._stats_log.maybe_log()
+        except BaseException as e:  # a bug outside step(): the loop cannot continue
+            logger.exception("the engine loop died")
+            self._dead = e
+            with self._cv:
+                ids = list(self._sinks)
+            self._fail(ids, EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._cv:
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if out.finished:
+                    self._in_engine.discard(out.request_id)
+                    self._sinks.pop(out.request_id, None)
+                if sink is not None:
+                    batches.setdefault(sink.loop, []).append((sink.queue, out))
+        self._send(batches)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        """Deliver ``error`` to these requests' callers and forget their sinks."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._cv:
+            for rid in request_ids:
+                sink = self._sinks.pop(rid, None)
+                if sink is not None:
+                    batches.setdefault(sink.loop, []).append((sink.queue, _Failure(rid, error)))
+        self._send(batches)
+
+    @staticmethod
+    def _send(batches: dict[asyncio.AbstractEventLoop, list]) -> None:
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
+
+    def _fail_step(self, error: Exception) -> None:
+        """A step raised: fail and abort every request in the engine, keep the loop alive."""
+        ids = sorted(self._in_engine)
+        logger.exception("engine step failed; failing its %d request(s) and continuing", len(ids))
+        self._in_engine.clear()
+        step_error = EngineStepError(f"the engine step failed: {type(error).__name__}: {error}")
+        step_error.__cause__ = error
+        self._fail(ids, step_error)
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            logger.exception("aborting the failed step's requests raised")
+        if self.engine.has_unfinished_requests():
+            logger.error("%d request(s) remain in the scheduler after a failed step",
+                         self.engine.get_num_unfinished_requests())
+
+    def _stop_all(self) -> None:
+        ids = sorted(self._in_engine)
+        with self._cv:
+            waiting = [rid for rid in list(self._sinks) if rid not in self._in_engine]
+        self._in_engine.clear()
+        if ids:
+            logger.info("shutting down: aborting %d unfinished request(s)", len(ids))
+            self.engine.abort_request(ids)
+        self._fail(ids + waiting, EngineDeadError("the server is shutting down"))

@@ -1,0 +1,179 @@
+"""Chat templates: load ``--chat-template``, check messages, render them (shared by the server and
+``LLM.chat``).
+
+Rendering goes through transformers' own Jinja renderer
+(``transformers.utils.chat_template_utils.render_jinja_template``, the function behind
+``PreTrainedTokenizer.apply_chat_template``) with the tokenizer's special tokens (``bos_token``,
+``eos_token``, ...) as template variables, so the text equals
+``AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False)`` without
+paying for a second tokenizer load. The rendered text is tokenized with
+``add_special_tokens=False``: the template writes the BOS itself (as vLLM does for chat).
+
+A model without a chat template (the default model is a base model) is an error, never a guess;
+pagedllm ships ``pagedllm/data/gemma_chat_template.jinja`` (Gemma 3's turn format) for
+``--chat-template`` / ``chat_template=``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from pagedllm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+GEMMA_CHAT_TEMPLATE_PATH = DATA_DIR / "gemma_chat_template.jinja"
+# Names --chat-template accepts besides a path or a literal template.
+BUNDLED_CHAT_TEMPLATES = {"gemma": GEMMA_CHAT_TEMPLATE_PATH}
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered: no template, or the template rejected it."""
+
+
+def load_chat_template(chat_template: str | os.PathLike | None) -> str | None:
+    """Resolve a ``--chat-template`` value to the template text.
+
+    Args:
+        chat_template: a path to a Jinja file, a bundled name (``"gemma"``), the template text
+            itself (anything containing ``{`` or a newline), or None.
+    Returns:
+        The template text, or None when ``chat_template`` is None.
+    Raises:
+        ValueError: a value that is none of the above (e.g. a mistyped path).
+    """
+    if chat_template is None:
+        return None
+    value = os.fspath(chat_template)
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if value in BUNDLED_CHAT_TEMPLATES:
+        return BUNDLED_CHAT_TEMPLATES[value].read_text(encoding="utf-8")
+    if "{" in value or "\n" in value:
+        return value
+    raise ValueError(f"chat_template {value!r} is neither a file, a bundled name {sorted(BUNDLED_CHAT_TEMPLATES)}, "
+                     "nor a Jinja template")
+
+
+def resolve_chat_template(tokenizer: Tokenizer, chat_template: str | None) -> str:
+    """The template to use: the explicit one, else the model's.
+
+    Raises:
+        ChatTemplateError: when neither exists.
+    """
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    if not template:
+        raise ChatTemplateError(
+            "this model has no chat template (it is probably a base model); start the server with "
+            f"--chat-template <file> (pagedllm ships {GEMMA_CHAT_TEMPLATE_PATH.relative_to(DATA_DIR.parent.parent)} "
+            "for Gemma models) or pass chat_template=, or use /v1/completions with a plain prompt")
+    return template
+
+
+def _content_to_text(content: Any, index: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping):
+                raise ValueError(f"messages[{index}].content parts must be objects, got {type(part).__name__}")
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"messages[{index}].content part type {kind!r} is not supported "
+                                 "(this server takes text only)")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError(f"messages[{index}].content text part needs a string 'text'")
+            texts.append(text)
+        return "\n".join(texts)
+    raise ValueError(f"messages[{index}].content must be a string or a list of text parts, "
+                     f"got {type(content).__name__}")
+
+
+def parse_chat_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
+    """Check OpenAI-style messages and turn them into plain dicts for the template.
+
+    Content given as a list of ``{"type": "text", "text": ...}`` parts is joined with newlines
+    (every template takes a string); keys whose value is None are dropped (transformers does the
+    same). Pydantic models are dumped to dicts.
+
+    Raises:
+        ValueError: empty messages, a message without a known ``role``, or non-text content.
+    """
+    if isinstance(messages, (str, bytes)) or isinstance(messages, Mapping):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
+    result = []
+    for i, message in enumerate(messages):
+        if hasattr(message, "model_dump"):
+            message = message.model_dump(exclude_none=True)
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {list(_ROLES)}, got {role!r}")
+        out = {k: v for k, v in message.items() if v is not None}
+        content = _content_to_text(message.get("content"), i)
+        if content is None and role != "assistant":
+            raise ValueError(f"messages[{i}] ({role}) has no content")
+        if content is not None:
+            out["content"] = content
+        result.append(out)
+    if not result:
+        raise ValueError("messages must not be empty")
+    return result
+
+
+def apply_chat_template(tokenizer: Tokenizer, messages: Iterable[Any], chat_template: str | None = None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        tools: list[dict] | None = None, **template_kwargs: Any) -> str:
+    """Render a conversation to the prompt text.
+
+    Args:
+        tokenizer: supplies the model's template and special tokens.
+        messages: OpenAI-style messages (see :func:`parse_chat_messages`).
+        chat_template: template text overriding the model's (see :func:`load_chat_template`).
+        add_generation_prompt: end with the header of an assistant turn.
+        continue_final_message: leave the final (assistant) message open, to be continued.
+        tools: JSON schemas handed to the template.
+        **template_kwargs: extra template variables (``chat_template_kwargs``).
+    Raises:
+        ChatTemplateError: no template, or the template raised (e.g. roles that do not alternate).
+        ValueError: bad messages, or both ``add_generation_prompt`` and ``continue_final_message``.
+    """
+    import jinja2
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = resolve_chat_template(tokenizer, chat_template)
+    conversation = parse_chat_messages(messages)
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    if continue_final_message and conversation[-1]["role"] != "assistant":
+        raise ValueError("continue_final_message needs the last message to be from the assistant")
+    variables = {**tokenizer.special_tokens, **template_kwargs}
+    try:
+        rendered, _ = render_jinja_template(conversations=[conversation], tools=tools, chat_template=template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, **variables)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"the chat template rejected the messages: {e}") from e
+    return rendered[0]
+
+
+def render_chat_prompt(tokenizer: Tokenizer, messages: Iterable[Any], chat_template: str | None = None,
+                       add_generation_prompt: bool = True, continue_final_message: bool = False,
+                       tools: list[dict] | None = None, **template_kwargs: Any) -> dict[str, Any]:
+    """:func:`apply_chat_template`, tokenized without adding special tokens.
+
+    Returns:
+        ``{"prompt": text, "prompt_token_ids": ids}``, a prompt the engine accepts.
+    """
+    text = apply_chat_template(tokenizer, messages, chat_template, add_generation_prompt,
+                               continue_final_message, tools, **template_kwargs)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

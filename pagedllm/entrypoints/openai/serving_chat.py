@@ -1,0 +1,204 @@
+"""``POST /v1/chat/completions``: messages rendered with the chat template (``chat_utils``), then
+generated like a completion; streamed as ``chat.completion.chunk`` events, the role first."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.core.sched_output import Logprob
+from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, OutputStream
+from pagedllm.entrypoints.chat_utils import ChatTemplateError, render_chat_prompt
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                                  ChatCompletionLogProbsContent, ChatCompletionRequest,
+                                                  ChatCompletionResponse, ChatCompletionResponseChoice,
+                                                  ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
+                                                  ChatMessage, DeltaMessage, UsageInfo)
+from pagedllm.entrypoints.openai.serving_engine import (MIN_LOGPROB, OpenAIServing, bad_request, clamp_logprob,
+                                                       error_from_exception)
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handler of ``/v1/chat/completions``.
+
+    Args:
+        engine, models, log_requests: as ``OpenAIServing``.
+        chat_template: the server's template text (``--chat-template``); None = the model's own.
+        max_logprobs: the most ``top_logprobs`` a request may ask for.
+    """
+
+    fields = set(ChatCompletionRequest.model_fields)
+
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, chat_template: str | None,
+                 max_logprobs: int, log_requests: bool = True) -> None:
+        super().__init__(engine, models, log_requests)
+        self.chat_template = chat_template
+        self.max_logprobs = max_logprobs
+
+    def render(self, request) -> dict:
+        """Render ``request.messages`` with the request's or the server's template.
+
+        Raises:
+            OpenAIError: 400 for empty or malformed messages, a model without a template, or a
+                template that rejects the conversation.
+        """
+        if not request.messages:
+            raise bad_request("messages must not be empty", param="messages")
+        template = request.chat_template if request.chat_template is not None else self.chat_template
+        try:
+            prompt = render_chat_prompt(self.tokenizer, request.messages, template,
+                                        add_generation_prompt=bool(request.add_generation_prompt),
+                                        continue_final_message=bool(request.continue_final_message),
+                                        **(request.chat_template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise bad_request(str(e)) from e
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from e
+        if request.add_special_tokens:
+            prompt["prompt_token_ids"] = self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+        return prompt
+
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     raw_request: Request | None = None) -> Response:
+        """Validate and render (400 before any event is streamed), queue one engine request with
+        ``n`` samples, and answer with a JSON body or an SSE stream.
+
+        Raises:
+            OpenAIError: 400 for invalid input, 404 for an unknown model.
+        """
+        arrival_time = time.monotonic()
+        model_name = self.models.resolve(request.model)
+        self.warn_unknown_fields(request)
+        stream = bool(request.stream)
+        n = 1 if request.n is None else request.n
+        if request.stream_options is not None and not stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if request.tools and request.tool_choice != "none":
+            raise bad_request("tools are not supported by this server (no tool-call parser)", param="tools")
+        if request.response_format and request.response_format.get("type", "text") != "text":
+            raise bad_request(f"response_format type {request.response_format.get('type')!r} is not supported "
+                              "(only 'text')", param="response_format")
+        num_top = None
+        if request.logprobs:
+            num_top = 0 if request.top_logprobs is None else request.top_logprobs
+        elif request.top_logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+        if num_top is not None and not 0 <= num_top <= self.max_logprobs:
+            raise bad_request(f"top_logprobs must be in [0, {self.max_logprobs}], got {num_top}", param="top_logprobs")
+        prompt = self.render(request)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            base = self.sampling_params(request, max_tokens, num_top, kind)
+            processed = self.engine.process_inputs(prompt, base)
+            ids = processed.prompt_token_ids
+            effective = self.check_max_tokens(len(ids), max_tokens, what="messages")
+            params = self.sampling_params(request, effective, num_top, kind)
+            self.log_request(request_id, processed.prompt, len(ids), params)
+            outputs = self.engine.add_request(request_id, {"prompt": processed.prompt, "prompt_token_ids": ids},
+                                              params, arrival_time=arrival_time)
+        except Exception as e:
+            raise error_from_exception(e, self.fields) from e
+        created = int(time.time())
+        if stream:
+            return StreamingResponse(self._stream(request, outputs, request_id, created, model_name, n, len(ids),
+                                                  num_top), media_type="text/event-stream")
+        final: RequestOutput | None = None
+        try:
+            async for out in outputs:
+                if out.finished:
+                    final = out
+        except (EngineStepError, EngineDeadError) as e:
+            raise error_from_exception(e) from e
+        finally:
+            outputs.abort()
+        choices = []
+        num_completion = 0
+        for o in final.outputs:
+            num_completion += len(o.token_ids)
+            logprobs = None
+            if num_top is not None:
+                logprobs = ChatCompletionLogProbs(content=self.chat_logprobs(o.token_ids, o.logprobs or [], num_top))
+            choices.append(ChatCompletionResponseChoice(
+                index=o.index, message=ChatMessage(role="assistant", content=o.text), logprobs=logprobs,
+                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        choices.sort(key=lambda c: c.index)
+        response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
+                                          usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=num_completion,
+                                                          total_tokens=len(ids) + num_completion))
+        return JSONResponse(response.model_dump())
+
+    async def _stream(self, request: ChatCompletionRequest, outputs: OutputStream, request_id: str, created: int,
+                      model_name: str, n: int, num_prompt: int, num_top: int | None) -> AsyncIterator[str]:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        exclude = None if include_usage else {"usage"}
+
+        def chunk(index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None) -> str:
+            body = ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model_name,
+                choices=[ChatCompletionResponseStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                                            finish_reason=finish_reason, stop_reason=stop_reason)])
+            return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
+
+        num_completion = 0
+        try:
+            for index in range(n):
+                yield chunk(index, DeltaMessage(role="assistant", content=""))
+            async for out in outputs:
+                for o in out.outputs:
+                    num_completion += len(o.token_ids)
+                    if not o.text and o.finish_reason is None and (num_top is None or not o.token_ids):
+                        continue
+                    logprobs = None
+                    if num_top is not None:
+                        logprobs = ChatCompletionLogProbs(
+                            content=self.chat_logprobs(o.token_ids, o.logprobs or [], num_top))
+                    delta = DeltaMessage(content=o.text) if o.text or o.finish_reason is None else DeltaMessage()
+                    yield chunk(o.index, delta, logprobs, o.finish_reason, o.stop_reason)
+            if include_usage:
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                                  total_tokens=num_prompt + num_completion)
+                body = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
+                                                    usage=usage)
+                yield f"data: {body.model_dump_json()}\n\n"
+        except (EngineStepError, EngineDeadError) as e:
+            logger.error("request %s failed: %s", request_id, e)
+            yield f"data: {json.dumps(error_from_exception(e).to_body())}\n\n"
+        finally:
+            outputs.abort()
+        yield "data: [DONE]\n\n"
+
+    def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None],
+                      num_top: int) -> list[ChatCompletionLogProbsContent]:
+        """OpenAI's chat logprobs: per generated token its text, logprob, UTF-8 bytes and the
+        ``num_top`` most likely alternatives (by rank)."""
+        content = []
+        for token_id, entry in zip(token_ids, entries):
+            if entry is None:
+                continue
+            chosen = entry.get(token_id)
+            token = self.token_str(token_id, chosen)
+            ranked = sorted(((lp.rank, tid, lp) for tid, lp in entry.items()
+                             if lp.rank is not None and lp.rank <= num_top), key=lambda x: x[0])[:num_top]
+            top = []
+            for _, tid, lp in ranked:
+                text = self.token_str(tid, lp)
+                top.append(ChatCompletionLogProb(token=text, logprob=clamp_logprob(lp.logprob),
+                                                 bytes=self.token_bytes(tid, text)))
+            content.append(ChatCompletionLogProbsContent(
+                token=token, logprob=clamp_logprob(chosen.logprob) if chosen is not None else MIN_LOGPROB,
+                bytes=self.token_bytes(token_id, token), top_logprobs=top))
+        return content
+

@@ -1,0 +1,293 @@
+"""The C++ paged-attention kernel (backend ``cpu_paged``) against dense attention and torch_ref.
+
+Scenarios run several engine "steps" through the public API (build_attention_metadata +
+Attention.__call__), so later steps read K/V written by earlier ones: fresh prefills, chunks on
+cached context and decodes share one flattened batch. Physical blocks are a random permutation of
+the pool and the caches start as NaN, so a read of an unwritten slot (or a masked one leaking)
+shows up. Sequences run past the kernel's 32-key chunk and 16-token tile, so the online softmax
+rescales across chunks and long prefill chunks split into several work items.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+
+import pytest
+import torch
+
+from pagedllm.attention import Attention, AttentionMetadata, build_attention_metadata
+from pagedllm.attention.backends import (
+    BACKEND_ENV, AttentionSpec, cpu_paged, cpu_sdpa, resolve_backend_name)
+
+HAVE_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
+
+
+def test_kernel_builds_here():
+    """Where a C++ compiler exists (this machine), the kernel must build: else every other test
+    here would silently exercise the cpu_sdpa fallback."""
+    if not HAVE_COMPILER:
+        pytest.skip("no C++ compiler on PATH")
+    kernel = cpu_paged.load_kernel()
+    assert kernel is not None
+    assert isinstance(kernel.built_with_avx2(), bool)
+    assert cpu_paged.build_directory().name == cpu_paged.extension_name()
+
+
+def dense_attention(q, k, v, scale, window=None, soft_cap=None):
+    """Dense causal attention in float64: q [L, H, D], k/v [L, H_kv, D] -> [L, H, D]."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("ihd,jhd->hij", q, k) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    i = torch.arange(q.shape[0])[:, None]
+    j = torch.arange(q.shape[0])[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed &= j > i - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hij,jhd->ihd", torch.softmax(scores, dim=-1), v)
+
+
+# Tokens each sequence gets per step (0 = not scheduled): fresh prefills (A, H), chunks on cached
+# context, some longer than a 16-token tile (B, F), and decodes at many context lengths, some past
+# several 32-key chunks (G, H).
+SCHEDULE = {
+    "A": [0, 0, 37, 1],
+    "B": [25, 15, 23, 40],
+    "C": [16, 0, 1, 1],
+    "D": [5, 12, 1, 0],
+    "E": [1, 1, 1, 1],
+    "F": [0, 63, 1, 1],
+    "G": [70, 1, 1, 1],
+    "H": [0, 0, 0, 100],
+}
+
+
+def run_schedule(backend, *, block_size=16, num_heads=4, num_kv_heads=2, head_dim=64,
+                 windows=(None,), soft_cap=None, dtype=torch.float32, seed=0,
+                 decodes_first=False):
+    """Yield (step, window, out, dense) for every step and layer (one layer per window)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, h_kv, d, bs = num_heads, num_kv_heads, head_dim, block_size
+    scale = d ** -0.5
+    totals = {name: sum(steps) for name, steps in SCHEDULE.items()}
+    data = {name: tuple(torch.randn(n, hh, d, generator=gen).to(dtype) for hh in (h, h_kv, h_kv))
+            for name, n in totals.items()}
+    needed = {name: math.ceil(n / bs) for name, n in totals.items()}
+    num_blocks = sum(needed.values()) + 5
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    full_tables, used = {}, 0
+    for name, n in needed.items():
+        full_tables[name] = perm[used:used + n]
+        used += n
+    layers = [Attention(h, d, h_kv, scale, sliding_window=w, logits_soft_cap=soft_cap,
+                        backend=backend) for w in windows]
+    caches = [(torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype),
+               torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype))
+              for _ in windows]
+    expected = [{name: dense_attention(*data[name], scale, w, soft_cap) for name in data}
+                for w in windows]
+    done = {name: 0 for name in SCHEDULE}
+    for step in range(len(SCHEDULE["A"])):
+        names = [n for n in SCHEDULE if SCHEDULE[n][step] > 0]
+        if decodes_first:
+            names.sort(key=lambda n: SCHEDULE[n][step] != 1)
+        q_lens = [SCHEDULE[n][step] for n in names]
+        ctx_lens = [done[n] for n in names]
+        tables = [full_tables[n][:math.ceil((c + q) / bs)]
+                  for n, c, q in zip(names, ctx_lens, q_lens)]
+        md = build_attention_metadata(q_lens, ctx_lens, tables, bs, "cpu")
+        chunks = [slice(c, c + q) for c, q in zip(ctx_lens, q_lens)]
+        q = torch.cat([data[n][0][s] for n, s in zip(names, chunks)])
+        k = torch.cat([data[n][1][s] for n, s in zip(names, chunks)])
+        v = torch.cat([data[n][2][s] for n, s in zip(names, chunks)])
+        for layer, (k_cache, v_cache), exp in zip(layers, caches, expected):
+            out = layer(q, k, v, k_cache, v_cache, md)
+            assert out.shape == q.shape and out.dtype == dtype
+            want = torch.cat([exp[n][s] for n, s in zip(names, chunks)])
+            yield step, layer.spec.sliding_window, out, want
+        for n, ql in zip(names, q_lens):
+            done[n] += ql
+
+
+def check(atol, rtol, **kwargs):
+    for step, window, out, want in run_schedule("cpu_paged", **kwargs):
+        assert not out.isnan().any(), f"NaN leaked at step {step}, window {window}"
+        torch.testing.assert_close(out.double(), want, atol=atol, rtol=rtol,
+                                   msg=lambda m: f"step {step}, window {window}: {m}")
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_matches_dense_float32(block_size, num_kv_heads):
+    # Windows: none, shorter than every prompt, mid-size, past a 32-key chunk, longer than all.
+    check(1e-5, 1e-5, block_size=block_size, num_kv_heads=num_kv_heads,
+          windows=[None, 4, 20, 45, 1000])
+
+
+@pytest.mark.parametrize("window", [None, 7, 50])
+def test_head_dim_256_gemma_shape(window):
+    """Gemma 3 270M: 4 query heads on 1 kv head, head_dim 256."""
+    check(1e-5, 1e-5, num_heads=4, num_kv_heads=1, head_dim=256, windows=[window])
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_soft_cap(block_size):
+    """With a soft cap the kernel also takes the fresh prefills (SDPA has no soft cap)."""
+    check(1e-5, 1e-5, block_size=block_size, num_kv_heads=2, soft_cap=1.5, windows=[None, 9])
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(3, 1), (6, 2), (5, 5), (8, 1)])
+def test_odd_groups(num_heads, num_kv_heads):
+    """Row counts that are not multiples of the 4-row micro-kernel (tails of 1..3 rows)."""
+    check(1e-5, 1e-5, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=40,
+          windows=[None, 11])
+
+
+def test_decodes_first_contiguous():
+    check(1e-5, 1e-5, block_size=8, num_kv_heads=1, decodes_first=True, windows=[None, 6])
+
+
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+@pytest.mark.parametrize("head_dim, num_kv_heads", [(64, 2), (256, 1)])
+def test_matches_dense_bfloat16(soft_cap, head_dim, num_kv_heads):
+    check(2e-2, 2e-2, num_kv_heads=num_kv_heads, head_dim=head_dim, soft_cap=soft_cap,
+          dtype=torch.bfloat16, windows=[None, 10])
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+def test_agrees_with_torch_ref(dtype, tol):
+    """Same inputs through torch_ref (float32 softmax) and the kernel (float32 accumulation)."""
+    ref = list(run_schedule("torch_ref", block_size=8, num_kv_heads=1, head_dim=256,
+                            windows=[None, 5], dtype=dtype, seed=3))
+    fast = list(run_schedule("cpu_paged", block_size=8, num_kv_heads=1, head_dim=256,
+                             windows=[None, 5], dtype=dtype, seed=3))
+    for (_, _, out_ref, _), (_, _, out_fast, _) in zip(ref, fast):
+        torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_large_decode_batch_matches_torch_ref(dtype, tol, window):
+    """A 24-sequence decode batch at contexts 1..400 over a shared, NaN-padded pool."""
+    gen = torch.Generator().manual_seed(7)
+    h, h_kv, d, bs = 8, 2, 64, 16
+    ctx = torch.randint(0, 400, (24,), generator=gen).tolist()
+    needed = [c // bs + 1 for c in ctx]
+    num_blocks = sum(needed) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in needed:
+        tables.append(perm[used:used + n])
+        used += n
+    k_cache = torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype)
+    # Cached context; every other slot stays NaN.
+    slots = torch.tensor([table[p // bs] * bs + p % bs for c, table in zip(ctx, tables)
+                          for p in range(c)], dtype=torch.int64)
+    for cache in (k_cache, v_cache):
+        cache.view(-1, h_kv, d)[slots] = torch.randn(len(slots), h_kv, d, generator=gen).to(dtype)
+    md = build_attention_metadata([1] * len(ctx), ctx, tables, bs, "cpu")
+    q = torch.randn(len(ctx), h, d, generator=gen).to(dtype)
+    k = torch.randn(len(ctx), h_kv, d, generator=gen).to(dtype)
+    v = torch.randn(len(ctx), h_kv, d, generator=gen).to(dtype)
+    outs = {}
+    for backend in ("torch_ref", "cpu_paged"):
+        layer = Attention(h, d, h_kv, 0.125, sliding_window=window, backend=backend)
+        outs[backend] = layer(q, k, v, k_cache.clone(), v_cache.clone(), md)
+    assert not outs["cpu_paged"].isnan().any()
+    torch.testing.assert_close(outs["cpu_paged"].float(), outs["torch_ref"].float(), atol=tol,
+                               rtol=tol)
+
+
+def test_padding_tokens_are_zero():
+    """Tokens with slot -1 past the last sequence come back as zeros."""
+    h, h_kv, d, bs = 4, 1, 16, 4
+    md = build_attention_metadata([3, 1], [0, 2], [[1], [2]], block_size=bs, device="cpu")
+    padded = AttentionMetadata(
+        slot_mapping=torch.cat([md.slot_mapping, torch.full((2,), -1)]),
+        block_tables=md.block_tables, query_start_loc=md.query_start_loc,
+        seq_lens=md.seq_lens, context_lens=md.context_lens, max_query_len=md.max_query_len,
+        max_seq_len=md.max_seq_len, block_size=bs, query_lens_cpu=md.query_lens_cpu,
+        seq_lens_cpu=md.seq_lens_cpu, context_lens_cpu=md.context_lens_cpu)
+    k_cache = torch.zeros(4, bs, h_kv, d)
+    v_cache = torch.zeros(4, bs, h_kv, d)
+    k_cache[2, :2] = torch.randn(2, h_kv, d)
+    v_cache[2, :2] = torch.randn(2, h_kv, d)
+    q, k, v = torch.randn(6, h, d), torch.randn(6, h_kv, d), torch.randn(6, h_kv, d)
+    want = Attention(h, d, h_kv, scale=0.25, backend="torch_ref")(
+        q[:4], k[:4], v[:4], k_cache.clone(), v_cache.clone(), md)
+    out = Attention(h, d, h_kv, scale=0.25, backend="cpu_paged")(
+        q, k, v, k_cache, v_cache, padded)
+    assert torch.equal(out[4:], torch.zeros(2, h, d))
+    torch.testing.assert_close(out[:4], want)
+
+
+def test_strided_query_from_fused_qkv():
+    """q/k/v as non-contiguous views of a fused QKV projection, under inference mode."""
+    h, h_kv, d, bs = 4, 2, 16, 4
+    md = build_attention_metadata([6, 1, 1], [0, 3, 9], [[3, 0], [1], [4, 2, 5]], bs, "cpu")
+    qkv = torch.randn(8, (h + 2 * h_kv) * d)
+    q, k, v = qkv.split([h * d, h_kv * d, h_kv * d], dim=-1)
+    q, k, v = q.view(8, h, d), k.view(8, h_kv, d), v.view(8, h_kv, d)
+    k_cache, v_cache = torch.randn(6, bs, h_kv, d), torch.randn(6, bs, h_kv, d)
+    want = Attention(h, d, h_kv, 0.25, backend="torch_ref")(
+        q.contiguous(), k.contiguous(), v.contiguous(), k_cache.clone(), v_cache.clone(), md)
+    with torch.inference_mode():
+        out = Attention(h, d, h_kv, 0.25, backend="cpu_paged")(q, k, v, k_cache, v_cache, md)
+    torch.testing.assert_close(out, want)
+
+
+def test_kernel_rejects_out_of_range_block_id():
+    kernel = cpu_paged.load_kernel()
+    if kernel is None:
+        pytest.skip("kernel unavailable")
+    md = build_attention_metadata([1], [4], [[0, 9]], block_size=4, device="cpu")  # 9 >= 2 blocks
+    q = torch.randn(1, 2, 8)
+    cache = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.paged_attention(q, torch.empty_like(q), cache, cache, md.block_tables,
+                               md.query_start_loc, md.seq_lens, md.context_lens,
+                               torch.zeros(1, dtype=torch.int32), 1.0, 0, 0.0)
+
+
+def test_build_failure_warns_and_falls_back(monkeypatch, caplog):
+    """No compiler: load_kernel returns None with a WARNING, and forward equals cpu_sdpa's."""
+    from torch.utils import cpp_extension
+
+    def broken_load(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    with caplog.at_level(logging.WARNING, logger=cpu_paged.__name__):
+        assert cpu_paged.load_kernel.__wrapped__() is None
+    assert any("falling back to cpu_sdpa" in r.getMessage() for r in caplog.records)
+
+    monkeypatch.setattr(cpu_paged, "load_kernel", lambda: None)
+    spec = AttentionSpec(4, 16, 2, 0.25)
+    md = build_attention_metadata([5, 1], [0, 7], [[0, 1], [2, 3]], 4, "cpu")
+    q, k, v = torch.randn(6, 4, 16), torch.randn(6, 2, 16), torch.randn(6, 2, 16)
+    k_cache, v_cache = torch.randn(4, 4, 2, 16), torch.randn(4, 4, 2, 16)
+    out = cpu_paged.forward(spec, q, k, v, k_cache, v_cache, md)
+    want = cpu_sdpa.forward(spec, q, k, v, k_cache, v_cache, md)
+    torch.testing.assert_close(out, want)
+
+
+def test_backend_env_var(monkeypatch):
+    """PAGEDLLM_ATTENTION_BACKEND overrides "auto" only; explicit choices win; typos raise."""
+    monkeypatch.setenv(BACKEND_ENV, "cpu_paged")
+    assert resolve_backend_name("auto") == "cpu_paged"
+    assert Attention(4, 8, 1, scale=1.0).backend == "cpu_paged"
+    assert Attention(4, 8, 1, scale=1.0, backend="torch_ref").backend == "torch_ref"
+    monkeypatch.setenv(BACKEND_ENV, "torch_ref")
+    assert Attention(4, 8, 1, scale=1.0).backend == "torch_ref"
+    monkeypatch.setenv(BACKEND_ENV, "flash")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        Attention(4, 8, 1, scale=1.0)
+    monkeypatch.setenv(BACKEND_ENV, "")
+    assert resolve_backend_name("auto") in ("cpu_sdpa", "cpu_paged")

@@ -1,0 +1,101 @@
+"""Smoke runs of ``pagedllm bench`` on a tiny random checkpoint (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.benchmarks.metrics import RESULT_KEYS
+from pagedllm.entrypoints.cli import main
+
+ENGINE_FLAGS = ["--kv-cache-memory-bytes", "8MiB", "--max-model-len", "256", "--block-size", "8"]
+
+
+def _workload(tmp_path, rows):
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def test_bench_throughput_json_keys_and_token_count(make_tiny_checkpoint, tmp_path, capsys):
+    model = make_tiny_checkpoint("llama")
+    out = tmp_path / "r.json"
+    rc = main(["bench", "throughput", "--model", model, "--dataset", "random", "--num-prompts", "4",
+               "--input-len", "12", "--output-len", "6", "--range-ratio", "0.5", "--dataset-seed", "1",
+               "--output-json", str(out), *ENGINE_FLAGS])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    for k in RESULT_KEYS:
+        assert k in res
+    from pagedllm.benchmarks.datasets import random_requests
+    reqs = random_requests(4, 12, 6, vocab_size=10**6, range_ratio=0.5, seed=1)  # same lengths for any vocab
+    assert res["num_requests"] == 4
+    assert res["num_output_tokens"] == sum(r.max_tokens for r in reqs)
+    assert res["num_prompt_tokens"] == sum(r.prompt_len for r in reqs)
+    assert res["requests_per_s"] > 0 and res["output_tokens_per_s"] > res["requests_per_s"]
+    assert 0 < res["kv_utilization"] <= 1 and 0 < res["peak_kv_usage"] <= 1
+    assert res["num_preemptions"] == 0 and res["prefix_cache_hit_rate"] is None
+    assert res["mean_ttft_s"] > 0 and res["p99_ttft_s"] >= res["mean_ttft_s"] * 0.999
+    assert res["block_size"] == 8
+    table = capsys.readouterr().out
+    assert "output_tokens_per_s" in table and "kv_utilization" in table
+
+
+def test_bench_throughput_hf_baseline(make_tiny_checkpoint, tmp_path):
+    model = make_tiny_checkpoint("llama")
+    data = _workload(tmp_path, [{"prompt": "The quick brown fox", "max_tokens": 5},
+                                {"prompt": "A paged KV cache splits keys", "max_tokens": 2},
+                                {"prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 7}])
+    out = tmp_path / "r.json"
+    rc = main(["bench", "throughput", "--model", model, "--dataset", data, "--baseline", "hf",
+               "--baseline-batch-size", "2", "--output-json", str(out), *ENGINE_FLAGS])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    base = res["baseline"]
+    assert res["num_output_tokens"] == 14 and base["num_output_tokens"] == 14  # useful tokens only
+    assert base["num_prompt_tokens"] == res["num_prompt_tokens"]               # same token ids
+    assert base["batch_size"] == 2
+    assert base["num_generated_slots"] == 2 * 5 + 1 * 7                         # batch max x rows
+    assert base["useful_output_fraction"] == pytest.approx(14 / 17)
+    assert set(res["ratio"]) == set(RESULT_KEYS)
+    assert res["ratio"]["requests_per_s"] == pytest.approx(res["requests_per_s"] / base["requests_per_s"])
+    assert res["ratio"]["kv_utilization"] is None
+
+
+def test_bench_latency_reports_steps_and_ceiling(make_tiny_checkpoint, tmp_path):
+    model = make_tiny_checkpoint("llama")
+    out = tmp_path / "l.json"
+    rc = main(["bench", "latency", "--model", model, "--batch-size", "3", "--input-len", "8", "--output-len", "5",
+               "--num-iters", "2", "--num-iters-warmup", "0", "--output-json", str(out), *ENGINE_FLAGS])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    # One step prefills all three (24 tokens < 512), then 4 full-batch decode steps per iteration.
+    assert res["num_decode_steps"] == 2 * 4
+    assert res["mean_decode_step_s"] > 0 and res["ceiling_tokens_per_s"] > 0
+    # tiny llama: 3 layers x (q, k, v, o, gate, up, down) + LM head.
+    shapes = {tuple(s["out_in"]): s["count"] for s in res["shapes"]}
+    assert shapes[(128, 64)] == 6 and shapes[(64, 128)] == 3 and shapes[(64, 64)] == 6
+    assert sum(shapes.values()) == 3 * 7 + 1
+    assert res["measured_over_ceiling"] == pytest.approx(res["decode_tokens_per_s"] / res["ceiling_tokens_per_s"])
+
+
+def test_bench_memory_json(tmp_path, capsys):
+    data = _workload(tmp_path, [{"prompt": "x", "prompt_len": 13, "max_tokens": 3}])
+    out = tmp_path / "m.json"
+    rc = main(["bench", "memory", "--dataset", data, "--num-requests", "12", "--max-model-len", "32",
+               "--static-concurrency", "2", "--block-size", "4", "--block-sizes", "4,8",
+               "--max-num-batched-tokens", "64", "--output-json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["headline"]["peak_concurrency"] == 4 and res["headline"]["static_concurrency"] == 2
+    assert [r["block_size"] for r in res["block_size_sweep"]] == [4, 8]
+    assert "peak 4 concurrent (2.0x)" in capsys.readouterr().out
+
+
+def test_bench_bad_dataset_line_is_a_clean_error(tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "x"}\n')
+    rc = main(["bench", "memory", "--dataset", str(data)])
+    assert rc == 2
+    assert "missing field 'max_tokens'" in capsys.readouterr().err

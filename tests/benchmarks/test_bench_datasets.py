@@ -1,0 +1,130 @@
+"""Benchmark workloads: seeded determinism, length spreads, JSONL parsing and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pagedllm.benchmarks.cli import default_workload_path
+from pagedllm.benchmarks.datasets import (MIN_RANDOM_TOKEN_ID, SHAREGPT_MAX_OVER_MEDIAN, BenchRequest,
+                                          build_requests, load_jsonl_requests, random_requests,
+                                          resample_lengths, sharegpt_like_requests)
+
+
+def test_random_is_seeded_and_spread_within_range():
+    a = random_requests(200, input_len=100, output_len=40, vocab_size=1000, range_ratio=0.5, seed=3)
+    b = random_requests(200, input_len=100, output_len=40, vocab_size=1000, range_ratio=0.5, seed=3)
+    c = random_requests(200, input_len=100, output_len=40, vocab_size=1000, range_ratio=0.5, seed=4)
+    assert a == b
+    assert a != c
+    p = [r.prompt_len for r in a]
+    o = [r.max_tokens for r in a]
+    assert min(p) >= 50 and max(p) <= 150 and min(o) >= 20 and max(o) <= 60
+    assert len(set(p)) > 30 and len(set(o)) > 20  # actually spread, not constant
+    assert abs(np.mean(p) - 100) < 6 and abs(np.mean(o) - 40) < 3
+    for r in a:
+        assert len(r.prompt) == r.prompt_len
+        assert all(MIN_RANDOM_TOKEN_ID <= t < 1000 for t in r.prompt)
+
+
+def test_random_without_spread_is_exact():
+    reqs = random_requests(5, input_len=7, output_len=3, vocab_size=50, range_ratio=0.0, seed=0)
+    assert [(r.prompt_len, r.max_tokens) for r in reqs] == [(7, 3)] * 5
+
+
+def test_random_respects_max_model_len():
+    reqs = random_requests(50, input_len=60, output_len=60, vocab_size=100, range_ratio=0.5, seed=1,
+                           max_model_len=100)
+    assert all(r.prompt_len + r.max_tokens <= 100 and r.max_tokens >= 1 for r in reqs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_prompts=0), "num_prompts"), (dict(input_len=0), "input_len"),
+    (dict(range_ratio=1.0), "range_ratio"), (dict(vocab_size=5), "vocab_size")])
+def test_random_rejects_bad_arguments(kwargs, match):
+    base = dict(num_prompts=2, input_len=4, output_len=4, vocab_size=100, range_ratio=0.0)
+    with pytest.raises(ValueError, match=match):
+        random_requests(**{**base, **kwargs})
+
+
+def test_sharegpt_like_is_seeded_and_long_tailed():
+    a = sharegpt_like_requests(2000, input_len=100, output_len=50, vocab_size=500, seed=0)
+    assert a == sharegpt_like_requests(2000, input_len=100, output_len=50, vocab_size=500, seed=0)
+    p = np.array([r.prompt_len for r in a])
+    o = np.array([r.max_tokens for r in a])
+    assert 85 <= np.median(p) <= 115 and 42 <= np.median(o) <= 58
+    assert p.mean() > np.median(p) * 1.3  # right tail: mean well above median
+    assert np.percentile(p, 99) > 5 * np.median(p)
+    assert p.max() <= SHAREGPT_MAX_OVER_MEDIAN * 100 and p.min() >= 4
+    assert o.max() <= SHAREGPT_MAX_OVER_MEDIAN * 50
+
+
+def _write(tmp_path, lines):
+    path = tmp_path / "w.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def test_jsonl_parses_text_ids_and_blank_lines(tmp_path):
+    path = _write(tmp_path, [json.dumps({"prompt": "hi there", "max_tokens": 3, "prompt_len": 4}), "",
+                             json.dumps({"prompt": [5, 6, 7], "max_tokens": 2}),
+                             json.dumps({"prompt": "no len", "max_tokens": 1})])
+    reqs = load_jsonl_requests(path)
+    assert reqs == [BenchRequest("hi there", 4, 3), BenchRequest([5, 6, 7], 3, 2), BenchRequest("no len", None, 1)]
+    assert load_jsonl_requests(path, num_prompts=2) == reqs[:2]
+    with pytest.raises(ValueError, match="holds 3 requests, fewer than num_prompts=5"):
+        load_jsonl_requests(path, num_prompts=5)
+
+
+@pytest.mark.parametrize("line, match", [
+    ("{not json", r":2: not JSON"),
+    ('["a"]', r":2: expected a JSON object"),
+    ('{"max_tokens": 3}', r":2: missing field 'prompt'"),
+    ('{"prompt": "x"}', r":2: missing field 'max_tokens'"),
+    ('{"prompt": "x", "max_tokens": 0}', r":2: max_tokens must be an int >= 1, got 0"),
+    ('{"prompt": "x", "max_tokens": "3"}', r":2: max_tokens must be an int"),
+    ('{"prompt": "", "max_tokens": 3}', r":2: prompt must be a non-empty string"),
+    ('{"prompt": [1, -2], "max_tokens": 3}', r":2: prompt must be a non-empty string or list of token ids"),
+    ('{"prompt": 5, "max_tokens": 3}', r":2: prompt must be"),
+    ('{"prompt": "x", "max_tokens": 3, "prompt_len": -1}', r":2: prompt_len must be an int >= 1"),
+])
+def test_jsonl_bad_lines_name_the_line(tmp_path, line, match):
+    path = _write(tmp_path, ['{"prompt": "ok", "max_tokens": 1}', line])
+    with pytest.raises(ValueError, match=match):
+        load_jsonl_requests(path)
+
+
+def test_jsonl_missing_or_empty_file(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_jsonl_requests(str(tmp_path / "nope.jsonl"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no requests"):
+        load_jsonl_requests(str(empty))
+
+
+def test_shared_workload_loads():
+    reqs = load_jsonl_requests(default_workload_path())
+    assert len(reqs) == 64
+    assert all(isinstance(r.prompt, str) and r.prompt_len >= 1 and r.max_tokens >= 1 for r in reqs)
+
+
+def test_resample_is_seeded_and_draws_whole_rows():
+    rows = [BenchRequest("a", 10, 1), BenchRequest("b", 20, 2), BenchRequest("c", 30, 3)]
+    a = resample_lengths(rows, 100, seed=5)
+    assert a == resample_lengths(rows, 100, seed=5)
+    assert a != resample_lengths(rows, 100, seed=6)
+    assert set(a) == {(10, 1), (20, 2), (30, 3)}  # joint pairs kept
+    with pytest.raises(ValueError, match="no prompt_len"):
+        resample_lengths([BenchRequest("x", None, 1)], 3)
+
+
+def test_build_requests_dispatch(tmp_path):
+    assert len(build_requests("random", 3, 8, 4, 0.0, 0, vocab_size=100)) == 3
+    assert len(build_requests("sharegpt-like", None, 8, 4, 0.0, 0, vocab_size=100)) == 64
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        build_requests("random", 3, 8, 4, 0.0, 0, vocab_size=None)
+    path = _write(tmp_path, ['{"prompt": "ok", "max_tokens": 1}'])
+    assert build_requests(path, None, 8, 4, 0.0, 0, vocab_size=None) == [BenchRequest("ok", None, 1)]

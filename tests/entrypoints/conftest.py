@@ -1,0 +1,136 @@
+"""Helpers for the server tests: start the real server as a subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GEMMA_TEMPLATE = str(REPO_ROOT / "pagedllm" / "data" / "gemma_chat_template.jinja")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """``python -m <module> <args> --host 127.0.0.1 --port <free>`` in a subprocess.
+
+    Args:
+        args: server arguments (model, flags).
+        log_path: where the server's stdout/stderr go (shown when startup fails).
+        module: ``pagedllm.entrypoints.openai.api_server`` or ``pagedllm.entrypoints.cli`` (then
+            ``args`` starts with ``serve``).
+        startup_timeout: seconds to wait for ``/health``.
+        env: extra environment variables.
+    """
+
+    def __init__(self, args: list[str], log_path: Path, module: str = "pagedllm.entrypoints.openai.api_server",
+                 startup_timeout: float = 300.0, env: dict[str, str] | None = None) -> None:
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        cmd = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(self.port),
+               "--disable-uvicorn-access-log"]
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.terminate()
+                raise RuntimeError(f"server did not become healthy in {startup_timeout} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, n: int = 60) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def client(self, api_key: str = "EMPTY", **kwargs):
+        import openai
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=300.0, **kwargs)
+
+    def async_client(self, api_key: str = "EMPTY", **kwargs):
+        import openai
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=300.0, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as {'name{labels}': value}, plus {'name': value} for single-series names."""
+        import httpx
+        text = httpx.get(self.url + "/metrics", timeout=30.0).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+            values.setdefault(key.split("{", 1)[0], float(value))
+        return values
+
+    def metric(self, name: str, **labels: str) -> float:
+        for key, value in self.metrics().items():
+            if key.split("{", 1)[0] != name:
+                continue
+            if all(re.search(rf'{k}="{re.escape(v)}"', key) for k, v in labels.items()):
+                return value
+        raise KeyError(f"{name} {labels} not in /metrics")
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def sse_events(lines) -> list:
+    """Parse server-sent-event lines into JSON objects; the final ``[DONE]`` becomes the string."""
+    events = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+@pytest.fixture(scope="session")
+def launch_server(tmp_path_factory):
+    """Factory: (args, name, **kwargs) -> a started ``RemoteServer``; all are stopped at session end."""
+    servers: list[RemoteServer] = []
+
+    def launch(args: list[str], name: str = "server", **kwargs) -> RemoteServer:
+        log = tmp_path_factory.mktemp(name) / "server.log"
+        server = RemoteServer(args, log, **kwargs)
+        servers.append(server)
+        return server
+
+    yield launch
+    for server in servers:
+        server.terminate()

@@ -1,0 +1,234 @@
+"""The real server (``pagedllm serve``, subprocess) on a tiny checkpoint: every 400/401/404 case with
+OpenAI's error body, API keys, served names, tokenize/detokenize, graceful shutdown."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import openai
+import pytest
+
+KEY = "test-key"
+MAX_MODEL_LEN = 64
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(make_tiny_checkpoint):
+    return make_tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def server(launch_server, tiny_path):
+    args = ["serve", tiny_path, "--served-model-name", "tiny", "tiny-alias",
+            "--api-key", KEY, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "4MiB",
+            "--dtype", "float32", "--max-logprobs", "5", "--block-size", "4"]
+    return launch_server(args, "tiny_server", module="pagedllm.entrypoints.cli")
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as client:
+        yield client
+
+
+def assert_error(response: httpx.Response, status: int, *fragments: str, param="any", code="any") -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert list(body) == ["error"]
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    for fragment in fragments:
+        assert fragment in error["message"], error["message"]
+    if param != "any":
+        assert error["param"] == param, error
+    if code != "any":
+        assert error["code"] == code, error
+    return error
+
+
+def completion(http: httpx.Client, **fields) -> httpx.Response:
+    return http.post("/v1/completions", json={"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4,
+                                              "temperature": 0, **fields})
+
+
+def test_models_lists_each_served_name(http, server, tiny_path):
+    data = http.get("/v1/models").json()
+    assert data["object"] == "list"
+    assert [m["id"] for m in data["data"]] == ["tiny", "tiny-alias"]
+    for card in data["data"]:
+        assert card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN
+        assert card["root"] == tiny_path
+    models = server.client(api_key=KEY).models.list()
+    assert [m.id for m in models.data] == ["tiny", "tiny-alias"]
+    # Both names serve the model.
+    assert completion(http, model="tiny-alias").json()["model"] == "tiny-alias"
+
+
+def test_api_key_required_on_v1_routes(server, http):
+    anonymous = httpx.Client(base_url=server.url, timeout=60)
+    assert_error(anonymous.get("/v1/models"), 401, "API key", code="invalid_api_key")
+    assert_error(anonymous.post("/v1/completions", json={"prompt": "x"}), 401)
+    wrong = anonymous.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"})
+    assert_error(wrong, 401, "Incorrect API key", code="invalid_api_key")
+    for path in ("/health", "/version", "/metrics"):
+        assert anonymous.get(path).status_code == 200, path
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").completions.create(model="tiny", prompt="x", max_tokens=1)
+    assert server.client(api_key=KEY).completions.create(model="tiny", prompt="x", max_tokens=1).choices
+
+
+def test_unknown_model_404(server, http):
+    assert_error(completion(http, model="gpt-4"), 404, "gpt-4", param="model", code="model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        server.client(api_key=KEY).completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert_error(http.post("/v1/chat/completions", json={"model": "nope", "messages": [
+        {"role": "user", "content": "x"}]}), 404, param="model")
+
+
+def test_unknown_route_404(http):
+    assert_error(http.get("/v1/nothing"), 404)
+
+
+@pytest.mark.parametrize("fields, fragment, param", [
+    ({"temperature": -1}, "temperature", "temperature"),
+    ({"top_p": 1.5}, "top_p", "top_p"),
+    ({"top_p": 0}, "top_p", "top_p"),
+    ({"top_k": -5}, "top_k", "top_k"),
+    ({"min_p": 2}, "min_p", "min_p"),
+    ({"n": 0}, "n must", "n"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens", "max_tokens"),
+    ({"presence_penalty": 3}, "presence_penalty", "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty"),
+    ({"min_tokens": 10, "max_tokens": 4}, "min_tokens", "min_tokens"),
+    ({"logit_bias": {"5": 200}}, "logit_bias", "logit_bias"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "logit_bias"),
+    ({"logprobs": 6}, "max_logprobs", "logprobs"),
+    ({"logprobs": -1}, "logprobs", "logprobs"),
+    ({"stop": [""]}, "stop", "stop"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "allowed_token_ids"),
+    ({"temperature": "hot"}, "temperature", "temperature"),
+    ({"n": 1.5}, "n", "n"),
+])
+def test_invalid_sampling_values_400(http, fields, fragment, param):
+    assert_error(completion(http, **fields), 400, fragment, param=param)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": [1, 2, 100000]}, "prompt"),
+    ({"prompt": [[5, 6], [7, -1]]}, "prompt"),
+    ({"logit_bias": {"100000": 5}}, "logit_bias"),
+    ({"stop_token_ids": [100000]}, "stop_token_ids"),
+    ({"allowed_token_ids": [5, 100000]}, "allowed_token_ids"),
+])
+def test_out_of_vocabulary_ids_400(http, fields, param):
+    error = assert_error(completion(http, **fields), 400, "100000" if "-1" not in str(fields) else "-1")
+    assert error["param"] in (param, None)
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], ["ok", ""], [[1, 2], []]])
+def test_empty_prompt_400(http, prompt):
+    assert_error(completion(http, prompt=prompt), 400, "empty", param="prompt")
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_400(http):
+    ids = list(range(10, 40))  # 30 tokens
+    error = assert_error(completion(http, prompt=ids, max_tokens=40), 400, str(MAX_MODEL_LEN), "70", "30", "40",
+                         param="max_tokens", code="context_length_exceeded")
+    assert "maximum context length" in error["message"]
+    assert completion(http, prompt=ids, max_tokens=34).status_code == 200
+    assert_error(completion(http, prompt=list(range(10, 10 + MAX_MODEL_LEN + 1))), 400, str(MAX_MODEL_LEN),
+                 str(MAX_MODEL_LEN + 1))
+    # A prompt that fills the context leaves no room when max_tokens is omitted.
+    body = {"model": "tiny", "prompt": list(range(10, 10 + MAX_MODEL_LEN))}
+    assert_error(http.post("/v1/completions", json=body), 400, str(MAX_MODEL_LEN), code="context_length_exceeded")
+
+
+def test_omitted_max_tokens_means_up_to_max_model_len(http):
+    ids = list(range(10, 50))  # 40 tokens
+    body = {"model": "tiny", "prompt": ids, "temperature": 0, "ignore_eos": True}
+    data = http.post("/v1/completions", json=body).json()
+    assert data["usage"] == {"prompt_tokens": 40, "completion_tokens": MAX_MODEL_LEN - 40,
+                             "total_tokens": MAX_MODEL_LEN}
+    assert data["choices"][0]["finish_reason"] == "length"
+
+
+def test_malformed_json_400(http):
+    response = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ',
+                         headers={"Content-Type": "application/json"})
+    assert_error(response, 400, "Malformed JSON")
+    assert_error(http.post("/v1/completions", json={"model": "tiny"}), 400, "prompt", param="prompt")
+    assert_error(http.post("/v1/completions", json=["not", "an", "object"]), 400)
+    assert_error(http.post("/v1/chat/completions", content=b"nope", headers={"Content-Type": "application/json"}),
+                 400, "Malformed JSON")
+
+
+def test_invalid_stream_gets_400_before_any_event(http):
+    body = {"model": "tiny", "prompt": "x", "stream": True, "temperature": -2}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 400
+        assert response.headers["content-type"].startswith("application/json")
+        text = response.read().decode()
+    assert "data:" not in text and "temperature" in text
+    chat = {"model": "tiny", "messages": [], "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=chat) as response:
+        assert response.status_code == 400
+        assert "data:" not in response.read().decode()
+
+
+def test_best_of_and_suffix_rules(http):
+    assert_error(completion(http, best_of=3, stream=True), 400, "stream", param="best_of")
+    assert_error(completion(http, best_of=1, n=2), 400, "best_of", param="best_of")
+    assert_error(completion(http, suffix="the end"), 400, "suffix", param="suffix")
+    assert_error(completion(http, stream_options={"include_usage": True}), 400, param="stream_options")
+    data = completion(http, best_of=3, n=2, temperature=1.0, seed=1).json()
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+
+
+def test_chat_errors(http):
+    messages = [{"role": "user", "content": "hi"}]
+    chat = lambda **f: http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, **f})
+    # The tiny model has no chat template and the server was started without --chat-template.
+    assert_error(chat(), 400, "no chat template", "--chat-template")
+    assert_error(chat(messages=[]), 400, "empty", param="messages")
+    assert_error(chat(logprobs=True, top_logprobs=6), 400, "top_logprobs", param="top_logprobs")
+    assert_error(chat(top_logprobs=2), 400, "logprobs", param="top_logprobs")
+    assert_error(chat(temperature=-1, chat_template="{{ messages[0]['content'] }}"), 400, "temperature")
+    assert_error(chat(messages=[{"role": "user", "content": "hi"}], chat_template="{{ raise_exception('nope') }}"),
+                 400, "nope")
+    assert_error(chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, param="tools")
+    ok = chat(chat_template="{{ messages[0]['content'] }}", max_tokens=2, temperature=0)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert ok.json()["usage"]["prompt_tokens"] == len(http.post("/tokenize", json={
+        "prompt": "hi", "add_special_tokens": False}).json()["tokens"])
+
+
+def test_openai_client_sees_400_bodies(server):
+    client = server.client(api_key=KEY)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", temperature=-1, max_tokens=2)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True, extra_body={"top_p": 7})
+
+
+def test_tokenize_and_detokenize(http):
+    data = http.post("/tokenize", json={"prompt": "The quick brown fox", "return_token_strs": True}).json()
+    assert data["count"] == len(data["tokens"]) == len(data["token_strs"]) and data["max_model_len"] == MAX_MODEL_LEN
+    back = http.post("/detokenize", json={"tokens": data["tokens"]}).json()
+    assert back["prompt"].endswith("The quick brown fox")
+    assert_error(http.post("/detokenize", json={"tokens": [1, 100000]}), 400, "100000", param="tokens")
+    assert_error(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404)
+    assert_error(http.post("/tokenize", json={}), 400)
+
+
+def test_sigterm_exits_cleanly(server):
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=5)
