@@ -3,6 +3,11 @@
 Source: PagedAttention (Kwon et al., SOSP 2023). Sliding windows follow Hugging Face / Mistral
 (the query at position p sees keys p - sliding_window < k <= p); the soft cap follows Gemma 2.
 
+Backends (``pagedllm.attention.backends``): ``cpu_paged`` (C++ kernel reading K/V in place through
+the block table), ``cpu_sdpa`` (gather + ``F.scaled_dot_product_attention``), ``torch_ref`` (the
+readable oracle). ``$PAGEDLLM_ATTENTION_BACKEND`` (``BACKEND_ENV``) picks what ``"auto"`` means,
+e.g. ``PAGEDLLM_ATTENTION_BACKEND=cpu_sdpa`` to run a whole model on the gather path.
+
 Usage (per layer)::
 
     attn = Attention(num_heads, head_dim, num_kv_heads, scale=head_dim ** -0.5)
@@ -13,12 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backends import AttentionSpec, get_backend, resolve_backend_name
+from pagedllm.attention.backends import (
+    BACKEND_ENV, AttentionSpec, get_backend, resolve_backend_name)
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.ops import build_attention_metadata, write_kv
 
-__all__ = ["Attention", "AttentionMetadata", "AttentionSpec", "build_attention_metadata",
-           "write_kv"]
+__all__ = ["BACKEND_ENV", "Attention", "AttentionMetadata", "AttentionSpec",
+           "build_attention_metadata", "write_kv"]
 
 
 class Attention:
@@ -34,8 +40,10 @@ class Attention:
             ``query_pre_attn_scalar ** -0.5``).
         sliding_window: tokens; ``None`` for full causal attention.
         logits_soft_cap: ``cap * tanh(scores / cap)`` before the softmax when set (Gemma 2).
-        backend: ``"auto"`` (= ``"cpu_sdpa"`` on every device), ``"cpu_sdpa"`` or
-            ``"torch_ref"``.
+        backend: ``"auto"``, ``"cpu_paged"``, ``"cpu_sdpa"`` or ``"torch_ref"``. ``"auto"`` is
+            ``$PAGEDLLM_ATTENTION_BACKEND`` when that is set, else ``"cpu_paged"`` (the C++
+            kernel on CPU tensors; it hands other devices, and every call when the kernel
+            cannot be built, to ``"cpu_sdpa"``). See docs/performance.md for the measurements.
     Raises:
         ValueError: on a non-positive size, ``num_heads % num_kv_heads != 0``, a non-positive
             window or soft cap, or an unknown backend.

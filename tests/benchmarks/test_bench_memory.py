@@ -61,3 +61,26 @@ def test_shared_workload_beats_static_and_sweep_orders_utilization():
     assert r16.peak_concurrency > 5 * 8 and r16.mean_concurrency > 4 * 8
     # Smaller blocks waste less of the last block.
     assert results[8].kv_utilization > results[16].kv_utilization > results[32].kv_utilization
+
+
+def test_make_stats_stored_tokens_and_allocated_slots():
+    from pagedllm.config import SchedulerConfig
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.request import Request
+    from pagedllm.core.sched_output import ModelRunnerOutput
+    from pagedllm.core.scheduler import Scheduler
+    from pagedllm.sampling_params import SamplingParams
+
+    kv = KVCacheManager(block_size=4, num_blocks=16)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), kv)
+    for rid, n in (("a", 10), ("b", 5)):
+        sched.add_request(Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=3, ignore_eos=True), 3))
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[7, 7]))
+    st = sched.make_stats()
+    # 10 tokens in 3 blocks + 5 tokens in 2 blocks: 15 stored in 5 x 4 = 20 slots.
+    assert (st.num_stored_tokens, st.num_allocated_slots) == (15, 20)
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[7, 7]))
+    st = sched.make_stats()
+    assert (st.num_stored_tokens, st.num_allocated_slots) == (17, 20)  # 11 + 6, no new block

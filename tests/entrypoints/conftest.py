@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -15,7 +14,6 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-GEMMA_TEMPLATE = str(REPO_ROOT / "pagedllm" / "data" / "gemma_chat_template.jinja")
 
 
 def free_port() -> int:
@@ -106,18 +104,6 @@ class RemoteServer:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
-
-
-def sse_events(lines) -> list:
-    """Parse server-sent-event lines into JSON objects; the final ``[DONE]`` becomes the string."""
-    events = []
-    for line in lines:
-        if not line:
-            continue
-        assert line.startswith("data: "), line
-        payload = line[len("data: "):]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 @pytest.fixture(scope="session")

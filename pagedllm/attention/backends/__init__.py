@@ -7,7 +7,14 @@ after this step's K/V have been written into the cache. ``key``/``value`` are th
 - ``torch_ref``: per sequence, gather K/V through the block table and do explicit float32
   attention. The readable reference.
 - ``cpu_sdpa``: device-agnostic fast path built on ``F.scaled_dot_product_attention``; batched
-  decodes, direct SDPA for fresh prefills. What ``"auto"`` picks on every device.
+  decodes (blocks gathered into a padded copy), direct SDPA for fresh prefills.
+- ``cpu_paged``: a C++ kernel (``attention/csrc``, built once per machine with
+  ``torch.utils.cpp_extension``) that reads K/V in place through the block table for decodes
+  and chunked prefills; SDPA for fresh prefills. Delegates to ``cpu_sdpa`` on other devices or
+  when the kernel cannot be built. What ``"auto"`` picks (measured in docs/performance.md).
+
+``"auto"`` can be redirected with the environment variable ``PAGEDLLM_ATTENTION_BACKEND``
+(``BACKEND_ENV``), read when a layer is built, e.g. to time a whole model on each backend.
 """
 
 from __future__ import annotations
@@ -76,7 +83,9 @@ BACKEND_NAMES = ("torch_ref", "cpu_sdpa", "cpu_paged")
 # Environment variable naming the backend that "auto" resolves to (e.g. to compare backends on a
 # whole model, whose layers all ask for "auto"); unset or empty = the default policy below.
 BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
-AUTO_BACKEND = "cpu_sdpa"
+# "auto" without the environment variable: the kernel, measured faster than cpu_sdpa for decode
+# (docs/performance.md); it falls back to cpu_sdpa by itself off CPU or without a compiler.
+AUTO_BACKEND = "cpu_paged"
 
 
 def resolve_backend_name(name: str) -> str:

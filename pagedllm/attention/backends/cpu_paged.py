@@ -7,12 +7,9 @@ at p sees p - window < k <= p); soft cap per Gemma 2 (``cap * tanh(s / cap)``).
 Unlike ``cpu_sdpa``, which copies every decode's window-reachable blocks into a padded
 ``[B, L, H_kv, D]`` tensor each layer of each step, the kernel (``csrc/paged_attention.cpp``)
 walks each sequence's block table and reads the cached rows where they lie, with float32
-accumulation (bfloat16 is widened on load). Per step:
-
-- decodes and chunked prefills (query tokens after cached context) go to the kernel, one call
-  per layer for all of them;
-- fresh prefills (no cached context) keep SDPA on this step's q/k/v (the cache is not read),
-  unless the layer has a soft cap, which SDPA lacks: then the kernel takes them too.
+accumulation (bfloat16 is widened on load). One kernel call per layer covers the whole flattened
+batch: decodes, chunked prefills and fresh prefills (for these too the kernel measured faster than
+SDPA on this machine's CPU, see docs/performance.md; it also has the soft cap SDPA lacks).
 
 The kernel is compiled on first use with ``torch.utils.cpp_extension.load`` (g++ with ``-O3
 -march=native -fopenmp``; about a minute on 2 cores) into
@@ -32,7 +29,6 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -106,44 +102,10 @@ def load_kernel() -> ModuleType | None:
     return module
 
 
-@dataclass
-class _Plan:
-    """One step's split (per sliding window / soft-cap setting), shared by all layers.
-
-    Attributes:
-        seq_ids: [n] int32 sequences the kernel handles (decodes, chunked prefills; every
-            non-empty sequence when ``soft_cap`` is set).
-        fresh: fresh prefills left to SDPA.
-        covers_all_tokens: the sequences' query tokens fill the whole flattened batch (no
-            padding rows to zero).
-    """
-
-    seq_ids: torch.Tensor
-    fresh: list[cpu_sdpa._FreshPrefill]
-    covers_all_tokens: bool
-
-
-def _build_plan(md: AttentionMetadata, window: int | None, soft_cap: bool,
-                device: torch.device) -> _Plan:
-    starts = md.query_start_loc_cpu
-    seq_ids: list[int] = []
-    fresh: list[cpu_sdpa._FreshPrefill] = []
-    for i, q_len in enumerate(md.query_lens_cpu):
-        if q_len == 0:
-            continue
-        if md.context_lens_cpu[i] > 0 or q_len == 1 or soft_cap:
-            seq_ids.append(i)
-            continue
-        mask = None
-        if window is not None and window < q_len:
-            pos = torch.arange(q_len, device=device)
-            mask = cpu_sdpa._band_mask(pos[:, None], pos[None, :], window)           # [T, T]
-        fresh.append(cpu_sdpa._FreshPrefill(starts[i], starts[i + 1], mask))
-    return _Plan(
-        seq_ids=torch.tensor(seq_ids, dtype=torch.int32),
-        fresh=fresh,
-        covers_all_tokens=starts[-1] == md.num_tokens,
-    )
+def _seq_ids(md: AttentionMetadata) -> torch.Tensor:
+    """[n] int32: the sequences with query tokens this step (built once per step)."""
+    return torch.tensor([i for i, q_len in enumerate(md.query_lens_cpu) if q_len > 0],
+                        dtype=torch.int32)
 
 
 def forward(
@@ -160,8 +122,8 @@ def forward(
     Args:
         spec: the layer's heads, scale, window and soft cap.
         query: [num_tokens, num_heads, head_dim], float32 or bfloat16 (else ``cpu_sdpa`` runs).
-        key, value: [num_tokens, num_kv_heads, head_dim], this step's K/V (read directly for
-            fresh prefills).
+        key, value: [num_tokens, num_kv_heads, head_dim], this step's K/V; unused (the kernel
+            reads them back from the cache, where they were just written).
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, already
             holding this step's K/V.
         metadata: this step's AttentionMetadata (int32 block tables and lengths on the CPU).
@@ -177,26 +139,16 @@ def forward(
     if kernel is None:
         return cpu_sdpa.forward(spec, query, key, value, k_cache, v_cache, metadata)
 
-    soft_cap = spec.logits_soft_cap is not None
-    plan: _Plan = metadata.get_plan(
-        ("cpu_paged", spec.sliding_window, soft_cap),
-        lambda md: _build_plan(md, spec.sliding_window, soft_cap, query.device))
+    seq_ids = metadata.get_plan("cpu_paged", _seq_ids)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    if plan.covers_all_tokens:
+    if metadata.query_start_loc_cpu[-1] == metadata.num_tokens:
         out = torch.empty(query.shape, dtype=query.dtype)
-    else:
+    else:  # padding rows past the last sequence stay zero
         out = torch.zeros(query.shape, dtype=query.dtype)
-
-    if plan.seq_ids.numel():
+    if seq_ids.numel():
         kernel.paged_attention(
             query, out, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
-            metadata.seq_lens, metadata.context_lens, plan.seq_ids, spec.scale,
+            metadata.seq_lens, metadata.context_lens, seq_ids, spec.scale,
             spec.sliding_window or 0, spec.logits_soft_cap or 0.0)
-
-    for p in plan.fresh:
-        q = query[p.start:p.end].transpose(0, 1)                        # [H, T, D]
-        k = key[p.start:p.end].transpose(0, 1)                          # [H_kv, T, D]
-        v = value[p.start:p.end].transpose(0, 1)                        # [H_kv, T, D]
-        out[p.start:p.end] = cpu_sdpa._attend(spec, q, k, v, p.mask).transpose(0, 1)
     return out

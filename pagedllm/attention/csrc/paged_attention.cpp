@@ -16,14 +16,17 @@
 // Work item = (sequence, kv head, tile of up to kTileTokens query tokens). The G = num_heads /
 // num_kv_heads query heads of a kv head are processed together (rows = tokens x G), so each K/V row
 // loaded from the cache is used by every row of the tile (grouped-query attention). Keys are
-// visited in chunks of kKeyChunk positions; a row's scores for a chunk are computed, the running
-// max/sum updated, and the chunk's V rows accumulated into a float32 accumulator. bfloat16 is
-// widened to float32 on load; all accumulation is float32. Items are handed out dynamically to
-// the at::parallel_for threads (an atomic counter), since decode and prefill items differ in cost.
+// visited in chunks of kKeyChunk positions: scores of 4 rows x 2 keys per micro-kernel call
+// (8 independent FMA chains, AVX2), then the online-softmax update per row (vector exp), then the
+// chunk's V rows accumulated into float32 accumulators held in registers across the chunk. The
+// next chunk's K/V rows are software-prefetched, since consecutive blocks of a sequence lie
+// anywhere in the pool. bfloat16 is widened to float32 on load; all accumulation is float32.
+// Items are handed out dynamically to the at::parallel_for threads (an atomic counter, longest
+// first), since decode and prefill items differ in cost.
 //
 // Only positions [first key of the tile, last query position of the tile] are read, all of which
-// the cache holds for this step, and a masked score never reaches the softmax (-inf, probability
-// exactly 0), so NaN in never-written slots cannot leak into the output.
+// the cache holds for this step, and a row's masked keys get probability exactly 0 without their
+// score being used, so NaN in never-written (or masked) slots cannot leak into the output.
 
 #include <torch/extension.h>
 
@@ -43,6 +46,10 @@
 #define PAGEDLLM_AVX2 1
 #else
 #define PAGEDLLM_AVX2 0
+#endif
+
+#ifndef PAGEDLLM_PREFETCH
+#define PAGEDLLM_PREFETCH 1  // software prefetch of the next key chunk's K/V rows
 #endif
 
 namespace {
@@ -193,6 +200,7 @@ struct Item {
   int32_t kv_head;
   int32_t tok_begin;  // flattened-batch token index
   int32_t tok_end;
+  int64_t cost;  // query tokens x keys read, to schedule the longest items first
 };
 
 struct Geometry {
@@ -218,7 +226,7 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
               const T* v_base, const int32_t* block_table, int64_t q_start, int64_t ctx_len,
               std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores,
               std::vector<float>& row_max, std::vector<float>& row_sum,
-              std::vector<const T*>& k_rows, std::vector<const T*>& v_rows) {
+              std::vector<const T*>& k_ptrs, std::vector<const T*>& v_ptrs) {
   const int64_t d = g.head_dim;
   const int64_t num_tok = it.tok_end - it.tok_begin;
   const int64_t rows = num_tok * g.group;
@@ -244,9 +252,8 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
   const int64_t key_hi = pos_last;  // inclusive
 
   const int64_t head_off = it.kv_head * g.c_stride_head;
-  for (int64_t c0 = key_lo; c0 <= key_hi; c0 += kKeyChunk) {
-    const int64_t n = std::min(kKeyChunk, key_hi + 1 - c0);
-    // Row pointers of the chunk's keys, one block-table lookup per block touched.
+  // Row pointers of the keys [c0, c0 + n), one block-table lookup per block touched.
+  auto fill_rows = [&](int64_t c0, int64_t n, const T** kr, const T** vr) {
     for (int64_t j = 0; j < n;) {
       const int64_t pos = c0 + j;
       const int64_t off = pos % g.block_size;
@@ -254,9 +261,32 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
                                g.c_stride_block + head_off;
       const int64_t m = std::min(n - j, g.block_size - off);
       for (int64_t t = 0; t < m; ++t, ++j) {
-        k_rows[j] = k_base + base + (off + t) * g.c_stride_tok;
-        v_rows[j] = v_base + base + (off + t) * g.c_stride_tok;
+        kr[j] = k_base + base + (off + t) * g.c_stride_tok;
+        vr[j] = v_base + base + (off + t) * g.c_stride_tok;
       }
+    }
+  };
+  const T** k_rows = k_ptrs.data();
+  const T** v_rows = v_ptrs.data();
+  const T** k_next = k_ptrs.data() + kKeyChunk;
+  const T** v_next = v_ptrs.data() + kKeyChunk;
+  fill_rows(key_lo, std::min(kKeyChunk, key_hi + 1 - key_lo), k_rows, v_rows);
+  for (int64_t c0 = key_lo; c0 <= key_hi; c0 += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, key_hi + 1 - c0);
+    // The next chunk's rows are scattered over blocks the hardware prefetcher cannot predict:
+    // ask for them now, while this chunk computes.
+    if (c0 + kKeyChunk <= key_hi) {
+      const int64_t n_next = std::min(kKeyChunk, key_hi + 1 - (c0 + kKeyChunk));
+      fill_rows(c0 + kKeyChunk, n_next, k_next, v_next);
+#if PAGEDLLM_PREFETCH
+      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+      for (int64_t j = 0; j < n_next; ++j) {
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k_next[j]) + b, 0, 3);
+          __builtin_prefetch(reinterpret_cast<const char*>(v_next[j]) + b, 0, 3);
+        }
+      }
+#endif
     }
     // Scores, kRowGroup rows at a time, over the keys some row of the group can see (rows of
     // a group are consecutive tokens' heads, so that range is [lo(first), last position]).
@@ -269,10 +299,10 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
       const float* q = qf.data() + r0 * d;
       float* s = scores.data() + r0 * kKeyChunk;
       switch (nr) {
-        case 4: score_group<4>(q, d, k_rows.data(), j0, j1, s); break;
-        case 3: score_group<3>(q, d, k_rows.data(), j0, j1, s); break;
-        case 2: score_group<2>(q, d, k_rows.data(), j0, j1, s); break;
-        default: score_group<1>(q, d, k_rows.data(), j0, j1, s); break;
+        case 4: score_group<4>(q, d, k_rows, j0, j1, s); break;
+        case 3: score_group<3>(q, d, k_rows, j0, j1, s); break;
+        case 2: score_group<2>(q, d, k_rows, j0, j1, s); break;
+        default: score_group<1>(q, d, k_rows, j0, j1, s); break;
       }
     }
     // Online softmax per row: probabilities of this chunk (exactly 0 where masked), running
@@ -331,12 +361,14 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
       float* a = acc.data() + r0 * d;
       const float* p = scores.data() + r0 * kKeyChunk;
       switch (nr) {
-        case 4: accumulate_rows<4>(a, d, p, kKeyChunk, v_rows.data(), j0, j1); break;
-        case 3: accumulate_rows<3>(a, d, p, kKeyChunk, v_rows.data(), j0, j1); break;
-        case 2: accumulate_rows<2>(a, d, p, kKeyChunk, v_rows.data(), j0, j1); break;
-        default: accumulate_rows<1>(a, d, p, kKeyChunk, v_rows.data(), j0, j1); break;
+        case 4: accumulate_rows<4>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
+        case 3: accumulate_rows<3>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
+        case 2: accumulate_rows<2>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
+        default: accumulate_rows<1>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
       }
     }
+    std::swap(k_rows, k_next);
+    std::swap(v_rows, v_next);
   }
 
   for (int64_t t = 0; t < num_tok; ++t) {
@@ -367,12 +399,12 @@ void run(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache,
     for (int64_t w = begin; w < end; ++w) {
       std::vector<float> qf(max_rows * g.head_dim), acc(max_rows * g.head_dim);
       std::vector<float> scores(max_rows * kKeyChunk), row_max(max_rows), row_sum(max_rows);
-      std::vector<const T*> k_rows(kKeyChunk), v_rows(kKeyChunk);
+      std::vector<const T*> k_ptrs(2 * kKeyChunk), v_ptrs(2 * kKeyChunk);
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
         const Item& it = items[i];
         run_item<T>(it, g, q_base, o_base, k_base, v_base, block_tables + it.seq * g.bt_stride,
-                    q_starts[it.seq], ctx_lens[it.seq], qf, acc, scores, row_max, row_sum, k_rows,
-                    v_rows);
+                    q_starts[it.seq], ctx_lens[it.seq], qf, acc, scores, row_max, row_sum, k_ptrs,
+                    v_ptrs);
       }
     }
   });
@@ -466,16 +498,18 @@ void paged_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor&
     }
     for (int64_t t0 = starts[s]; t0 < starts[s + 1]; t0 += kTileTokens) {
       const int32_t t1 = static_cast<int32_t>(std::min<int64_t>(t0 + kTileTokens, starts[s + 1]));
+      const int64_t pos_first = ctx[s] + (t0 - starts[s]);
+      const int64_t pos_last = ctx[s] + (t1 - 1 - starts[s]);
+      const int64_t key_lo = g.window > 0 ? std::max<int64_t>(0, pos_first - g.window + 1) : 0;
+      const int64_t cost = (t1 - t0) * (pos_last + 1 - key_lo);
       for (int64_t h = 0; h < g.num_kv_heads; ++h)
-        items.push_back({s, static_cast<int32_t>(h), static_cast<int32_t>(t0), t1});
+        items.push_back({s, static_cast<int32_t>(h), static_cast<int32_t>(t0), t1, cost});
     }
   }
   if (items.empty()) return;
   // Long tiles first, so the dynamic schedule does not end on one long straggler.
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    return static_cast<int64_t>(a.tok_end - a.tok_begin) * lens[a.seq] >
-           static_cast<int64_t>(b.tok_end - b.tok_begin) * lens[b.seq];
-  });
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   if (dtype == at::kFloat)
     run<float>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
