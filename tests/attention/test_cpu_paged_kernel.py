@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -262,6 +264,7 @@ def test_build_failure_warns_and_falls_back(monkeypatch, caplog):
     def broken_load(*args, **kwargs):
         raise RuntimeError("no compiler")
 
+    monkeypatch.setattr(cpu_paged, "_import_built", lambda name, build_dir: None)
     monkeypatch.setattr(cpp_extension, "load", broken_load)
     with caplog.at_level(logging.WARNING, logger=cpu_paged.__name__):
         assert cpu_paged.load_kernel.__wrapped__() is None
@@ -275,6 +278,18 @@ def test_build_failure_warns_and_falls_back(monkeypatch, caplog):
     out = cpu_paged.forward(spec, q, k, v, k_cache, v_cache, md)
     want = cpu_sdpa.forward(spec, q, k, v, k_cache, v_cache, md)
     torch.testing.assert_close(out, want)
+
+
+def test_stale_build_lock_is_removed(tmp_path):
+    """A lock left by a killed build would make torch's builder wait forever."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_paged._remove_stale_lock(tmp_path)
+    assert lock.exists()  # fresh: a build may be running
+    old = time.time() - cpu_paged.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    cpu_paged._remove_stale_lock(tmp_path)
+    assert not lock.exists()
 
 
 def test_backend_env_var(monkeypatch):

@@ -215,9 +215,13 @@ def test_padding_tokens(backend):
     assert torch.equal(k_cache[0], untouched[0]) and torch.equal(k_cache[3], untouched[1])
 
 
-def test_auto_backend_is_cpu_sdpa():
-    assert Attention(4, 8, 1, scale=1.0).backend == "cpu_sdpa"
+def test_auto_backend_resolution(monkeypatch):
+    from pagedllm.attention.backends import AUTO_BACKEND, BACKEND_ENV
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert Attention(4, 8, 1, scale=1.0).backend == AUTO_BACKEND == "cpu_paged"
     assert Attention(4, 8, 1, scale=1.0, backend="torch_ref").backend == "torch_ref"
+    monkeypatch.setenv(BACKEND_ENV, "cpu_sdpa")
+    assert Attention(4, 8, 1, scale=1.0).backend == "cpu_sdpa"
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -72,33 +73,77 @@ def build_directory() -> Path:
     return Path(root).expanduser() / extension_name()
 
 
+# A build takes about a minute; a lock file this old was left by a killed build (seconds).
+STALE_LOCK_S = 15 * 60
+
+
+def _import_built(name: str, build_dir: Path) -> ModuleType | None:
+    """Import ``<build_dir>/<name>.so`` if a previous process built it, else None.
+
+    The name hashes everything the binary depends on, so an existing file is current; this skips
+    torch's builder (its ninja check and lock file) on every start after the first.
+    """
+    path = build_dir / f"{name}.so"
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # e.g. a link cut short: let the builder redo it
+        logger.warning("could not import %s (%s); rebuilding", path, exc)
+        return None
+    return module
+
+
+def _remove_stale_lock(build_dir: Path) -> None:
+    """Delete torch's build lock if it is older than ``STALE_LOCK_S`` (its builder was killed).
+
+    torch's ``FileBaton`` waits forever on a lock file; a SIGKILLed build leaves one behind.
+    """
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing stale build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def load_kernel() -> ModuleType | None:
-    """Compile (first time on this machine) or load the C++ kernel; None if that fails.
+    """Load the C++ kernel, compiling it first if this machine has not yet; None if that fails.
 
-    Thread- and process-safe: torch's builder holds a lock file in the build directory, so
-    concurrent first calls build once. The outcome is memoised for the process: a failure logs
-    one WARNING and is not retried.
+    Process-safe: torch's builder holds a lock file in the build directory, so concurrent first
+    calls build once. The outcome is memoised for the process: a failure logs one WARNING and is
+    not retried.
 
     Returns:
         The extension module (``paged_attention(...)``, ``built_with_avx2()``), or None.
     """
+    name = extension_name()
+    build_dir = build_directory()
+    start = time.perf_counter()
+    action = "loaded"
     try:
-        from torch.utils import cpp_extension
+        module = _import_built(name, build_dir)
+        if module is None:
+            action = "built"
+            from torch.utils import cpp_extension
 
-        name = extension_name()
-        build_dir = build_directory()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        module = cpp_extension.load(
-            name=name, sources=[str(SOURCE)], extra_cflags=list(EXTRA_CFLAGS),
-            extra_ldflags=list(EXTRA_LDFLAGS), build_directory=str(build_dir), verbose=False)
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _remove_stale_lock(build_dir)
+            module = cpp_extension.load(
+                name=name, sources=[str(SOURCE)], extra_cflags=list(EXTRA_CFLAGS),
+                extra_ldflags=list(EXTRA_LDFLAGS), build_directory=str(build_dir),
+                verbose=False)
     except Exception as exc:  # no compiler, no ninja, compile error, unwritable cache, ...
         logger.warning("cpu_paged attention kernel unavailable (%s: %s); falling back to "
                        "cpu_sdpa", type(exc).__name__, exc)
         return None
-    logger.info("cpu_paged attention kernel %s ready in %.1f s (%s, AVX2 micro-kernels: %s)",
-                name, time.perf_counter() - start, build_dir, module.built_with_avx2())
+    logger.info("cpu_paged attention kernel %s %s in %.2f s (%s, AVX2 micro-kernels: %s)",
+                name, action, time.perf_counter() - start, build_dir, module.built_with_avx2())
     return module
 
 
