@@ -94,7 +94,13 @@ def make_tiny_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
     return make
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, dtype=None) -> list[list[int]]:
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """The function ``_hf_greedy`` as a fixture (conftest modules are not importable by name)."""
+    return _hf_greedy
+
+
+def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, dtype=None) -> list[list[int]]:
     """Reference: transformers greedy decoding, each prompt alone, EOS ignored."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -11,7 +11,6 @@ import random
 import pytest
 import torch
 
-from conftest import hf_greedy
 from pagedllm import LLM, SamplingParams
 
 MAX_NEW = 12
@@ -24,7 +23,7 @@ def _prompts(vocab: int, n: int = 8, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def references(make_tiny_checkpoint):
+def references(make_tiny_checkpoint, hf_greedy):
     cache = {}
 
     def get(arch):
