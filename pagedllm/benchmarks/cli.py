@@ -93,6 +93,10 @@ def _cmd_throughput(ns) -> int:
     model_folder = engine.model_files.folder
     del llm, engine
     gc.collect()
+    if ns.baseline:  # ours first, so a baseline that fails or is killed loses nothing
+        print(format_table(f"pagedllm throughput ({dtype}, {ns.dataset})", result, THROUGHPUT_TABLE_KEYS),
+              flush=True)
+        _write_json(ns.output_json, result)
 
     baseline, baseline_name = None, None
     if ns.baseline == "hf":
