@@ -8,7 +8,8 @@ single-token decodes of the full batch).
 
 The ceiling: a decode step of M = ``batch_size`` tokens does, per linear layer of shape
 [out, in], 2·M·in·out FLOPs, plus the LM head (2·M·hidden·vocab). Each distinct shape's rate is
-measured here with ``F.linear`` on the model's own weights at M rows in the model dtype; the
+measured here through the layer the engine runs (``F.linear``, or oneDNN's packed layout on the
+CPU in float32: layers/linear.py) at M rows in the model dtype; the
 ceiling step time is Σ FLOPs / rate over the layers, and the ceiling is M / that tokens/s.
 Attention, norms, RoPE, sampling and scheduling are left out of the ceiling but are in the
 measured time, so measured / ceiling says how much of a step the linear layers take.
@@ -44,42 +45,44 @@ class LinearShape:
         return 2 * m * self.in_features * self.out_features * self.count
 
 
-def model_linear_weights(model) -> list[tuple[object, int]]:
-    """(weight [out, in], count) per distinct shape of the model's linear layers and LM head.
-
-    The LM head is ``lm_head.weight`` or, with tied embeddings, ``model.embed_tokens.weight``.
+def model_linear_layers(model) -> list[tuple[object, int, int, int]]:
+    """(layer, in_features, out_features, count) per distinct shape of the model's linear layers
+    and LM head, each ``layer`` being a callable [M, in] -> [M, out] that runs the kernel the
+    engine runs (``nn.Linear`` or oneDNN's ``PackedLinear``; for the head, ``lm_head_logits``).
     """
+    from functools import partial
+
     from torch import nn
+
+    from pagedllm.layers.linear import PackedLinear, lm_head_logits
 
     by_shape: dict[tuple[int, int], object] = {}
     counts: Counter[tuple[int, int]] = Counter()
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            key = tuple(module.weight.shape)
-            by_shape.setdefault(key, module.weight)
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, PackedLinear)) and name != "lm_head":
+            key = (module.in_features, module.out_features)
+            by_shape.setdefault(key, module)
             counts[key] += 1
-    lm_head = getattr(model, "lm_head", None)
-    if not isinstance(lm_head, nn.Linear):  # tied: compute_logits uses the embedding matrix
-        weight = model.model.embed_tokens.weight
-        key = tuple(weight.shape)
-        by_shape.setdefault(key, weight)
-        counts[key] += 1
-    return [(by_shape[k], counts[k]) for k in by_shape]
+    embed = model.model.embed_tokens
+    key = (embed.embedding_dim, embed.num_embeddings)
+    by_shape[key] = partial(lm_head_logits, model)
+    counts[key] += 1
+    return [(by_shape[k], k[0], k[1], counts[k]) for k in by_shape]
 
 
-def measure_linear_gflops(weight, m: int, min_seconds: float = MIN_MEASURE_S) -> float:
-    """GFLOP/s of ``F.linear(x[m, in], weight)`` in the weight's dtype and device."""
+def measure_linear_gflops(layer, in_features: int, out_features: int, m: int, dtype, device,
+                          min_seconds: float = MIN_MEASURE_S) -> float:
+    """GFLOP/s of ``layer(x[m, in_features])`` (2·m·in·out FLOPs per call)."""
     import torch
-    import torch.nn.functional as F
 
-    x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    flops = 2 * m * weight.shape[0] * weight.shape[1]
+    x = torch.randn(m, in_features, dtype=dtype, device=device)
+    flops = 2 * m * in_features * out_features
     with torch.inference_mode():
         for _ in range(2):
-            F.linear(x, weight)
+            layer(x)
         reps, t0 = 0, time.perf_counter()
         while True:
-            F.linear(x, weight)
+            layer(x)
             reps += 1
             elapsed = time.perf_counter() - t0
             if reps >= MIN_MEASURE_REPS and elapsed >= min_seconds:
@@ -97,9 +100,10 @@ def linear_ceiling(model, m: int, min_seconds: float = MIN_MEASURE_S) -> dict:
     shapes = []
     total_time = 0.0
     total_flops = 0
-    for weight, count in model_linear_weights(model):
-        rate = measure_linear_gflops(weight, m, min_seconds)
-        shape = LinearShape(int(weight.shape[1]), int(weight.shape[0]), count)
+    embed = model.model.embed_tokens.weight
+    for layer, in_features, out_features, count in model_linear_layers(model):
+        rate = measure_linear_gflops(layer, in_features, out_features, m, embed.dtype, embed.device, min_seconds)
+        shape = LinearShape(in_features, out_features, count)
         flops = shape.flops(m)
         seconds = flops / (rate * 1e9)
         total_time += seconds

@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm.attention import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.linear import lm_head_logits
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.models.utils import layer_types, load_named_weights, rope_params
@@ -131,6 +132,7 @@ class Gemma3ForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
         self.final_logit_softcapping = config.get("final_logit_softcapping")
+        self.packed_lm_head = None  # set by pack_linear_layers (tied head, CPU float32)
         first = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.num_layers = len(self.model.layers)
@@ -156,8 +158,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits (model dtype), soft-capped if the config says so."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden_states, weight)
+        logits = lm_head_logits(self, hidden_states)
         if self.final_logit_softcapping:
             cap = float(self.final_logit_softcapping)
             logits = torch.tanh(logits / cap) * cap

@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.attention import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.linear import lm_head_logits
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.models.utils import layer_types, load_named_weights, rope_params
@@ -129,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
+        self.packed_lm_head = None  # set by pack_linear_layers (tied head, CPU float32)
         first = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.num_layers = len(self.model.layers)
@@ -162,8 +164,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits (model dtype)."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden_states, weight)
+        return lm_head_logits(self, hidden_states)
 
     def load_weights(self, weights) -> None:
         """Load (HF name, tensor) pairs; a tied ``lm_head.weight`` is ignored."""

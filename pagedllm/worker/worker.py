@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedllm.layers.linear import pack_linear_layers
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.registry import get_model_class
 from pagedllm.worker.memory import (KVCacheShape, default_cpu_kv_cache_bytes, kv_bytes_from_utilization,
@@ -85,8 +86,10 @@ class Worker:
         self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
         t0 = time.perf_counter()
         self.model = build_model(hf_config, weights, self.dtype, self.device)
-        self.weights_load_s = time.perf_counter() - t0
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # CPU float32: linear layers move into oneDNN's packed layout (layers/linear.py).
+        weight_bytes += pack_linear_layers(self.model, self.dtype, self.device, scheduler_config.max_num_seqs)
+        self.weights_load_s = time.perf_counter() - t0
         logger.info("Model weights: %.1f MiB in %s on %s, loaded in %.2f s",
                     weight_bytes / 2**20, str(self.dtype).replace("torch.", ""), self.device, self.weights_load_s)
         self.kv_shape = KVCacheShape(

@@ -1,0 +1,137 @@
+"""Linear layers on the CPU through oneDNN with weights reordered once after loading.
+
+torch's ``F.linear`` on the CPU calls MKL's sgemm. On this project's machine (AMD EPYC, AVX2)
+MKL reaches 9-27 GFLOP/s at the row counts of a decode step (M = 1..64), while oneDNN's inner
+product with the weight reordered ("packed") into its blocked layout reaches 41-65 GFLOP/s for
+the same shapes (docs/performance.md, step 1). The packed weight is made once, after the
+checkpoint is loaded (vLLM's ``process_weights_after_loading``), and replaces the plain weight,
+so the model holds no second copy; only a tied LM head keeps both, because the embedding lookup
+needs the plain matrix.
+
+The kernel is chosen by ``PAGEDLLM_CPU_GEMM``: ``onednn`` (default where it works) or ``torch``
+(plain ``F.linear``, the reference). oneDNN is used for float32 only: its inner product has no
+bf16 kernel on CPUs without AVX-512 bf16, and it is probed once with a tiny call before use.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+CPU_GEMM_ENV = "PAGEDLLM_CPU_GEMM"
+
+
+class CpuGemm(enum.Enum):
+    """Which library multiplies linear layers on the CPU."""
+
+    ONEDNN = "onednn"
+    TORCH = "torch"
+
+
+def cpu_gemm_from_env() -> CpuGemm:
+    """The kernel named by ``PAGEDLLM_CPU_GEMM`` (default ``onednn``).
+
+    Raises:
+        ValueError: for a name other than ``onednn`` / ``torch``.
+    """
+    name = os.environ.get(CPU_GEMM_ENV, CpuGemm.ONEDNN.value).strip().lower()
+    try:
+        return CpuGemm(name)
+    except ValueError:
+        raise ValueError(f"{CPU_GEMM_ENV}={name!r}: expected one of "
+                         f"{[g.value for g in CpuGemm]}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_linear_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed inner product runs here for ``dtype`` (probed with a 2x4x3 call
+    checked against ``F.linear``)."""
+    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.arange(12, dtype=dtype).reshape(3, 4) / 7
+        x = torch.arange(8, dtype=dtype).reshape(2, 4) / 5
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.allclose(y, F.linear(x, w), rtol=1e-5, atol=1e-6))
+    except (RuntimeError, AttributeError) as exc:  # no kernel for this CPU/dtype, or an old torch
+        logger.info("oneDNN linear unavailable for %s: %s", dtype, exc)
+        return False
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` held in oneDNN's blocked layout (CPU, float32).
+
+    Args:
+        weight: [out_features, in_features] float32 on the CPU (copied into the packed layout).
+        bias: [out_features] or None.
+        batch_hint: the row count the layout is tuned for (``max_num_seqs``: decode steps).
+    Shapes:
+        x: [..., in_features] float32 -> [..., out_features] float32.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
+        self.bias = None if bias is None else bias.detach().clone()
+        self.weight_bytes = weight.numel() * weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, self.bias, "none", [], "")
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                       batch_hint: int) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` and, for a model with a tied
+    LM head, set ``model.packed_lm_head`` (read by ``compute_logits``). A no-op unless the device
+    is the CPU, ``PAGEDLLM_CPU_GEMM`` is ``onednn`` and ``onednn_linear_available(dtype)``.
+
+    Returns:
+        Bytes of packed copies added next to the weights the model keeps (the tied LM head), 0
+        when nothing was packed.
+    Raises:
+        ValueError: for a bad ``PAGEDLLM_CPU_GEMM``.
+    """
+    if device.type != "cpu" or cpu_gemm_from_env() is not CpuGemm.ONEDNN or not onednn_linear_available(dtype):
+        return 0
+    hint = max(1, int(batch_hint))
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child.weight, child.bias, hint))
+                replaced += 1
+    extra = 0
+    if getattr(model, "tie_word_embeddings", False) and hasattr(model, "packed_lm_head"):
+        weight = model.model.embed_tokens.weight
+        model.packed_lm_head = PackedLinear(weight, None, hint)
+        extra = weight.numel() * weight.element_size()
+    logger.info("oneDNN packed %d linear layers%s (batch hint %d)", replaced,
+                f" and the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "", hint)
+    return extra
+
+
+def lm_head_logits(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """[N, hidden] -> [N, vocab] through the packed tied head, the ``lm_head`` module, or the
+    embedding matrix (tied, unpacked), in that order of preference."""
+    packed = getattr(model, "packed_lm_head", None)
+    if packed is not None:
+        return packed(hidden_states)
+    if not getattr(model, "tie_word_embeddings", False):
+        return model.lm_head(hidden_states)
+    return F.linear(hidden_states, model.model.embed_tokens.weight)

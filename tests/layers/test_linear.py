@@ -1,0 +1,74 @@
+"""oneDNN packed linear layers (pagedllm/layers/linear.py) against F.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.linear import (CPU_GEMM_ENV, PackedLinear, lm_head_logits, onednn_linear_available,
+                                    pack_linear_layers)
+
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(torch.float32),
+                                  reason="oneDNN float32 inner product not available")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+def test_packed_linear_matches_f_linear(m, bias):
+    torch.manual_seed(m)
+    w = torch.randn(96, 40)
+    b = torch.randn(96) if bias else None
+    layer = PackedLinear(w, b, batch_hint=64)   # a row count other than the hint must work too
+    x = torch.randn(m, 40)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_linear_keeps_leading_dims():
+    w = torch.randn(8, 5)
+    x = torch.randn(2, 3, 5)
+    y = PackedLinear(w, None, 4)(x)
+    assert y.shape == (2, 3, 8)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(50, 16)
+        self.model.proj = nn.Linear(16, 16)
+        self.tie_word_embeddings = True
+        self.packed_lm_head = None
+
+
+@needs_onednn
+def test_pack_linear_layers_replaces_linears_and_packs_tied_head(monkeypatch):
+    monkeypatch.delenv(CPU_GEMM_ENV, raising=False)
+    torch.manual_seed(0)
+    model = _Tied()
+    x = torch.randn(3, 16)
+    want_proj = model.model.proj(x)
+    want_logits = F.linear(x, model.model.embed_tokens.weight)
+    extra = pack_linear_layers(model, torch.float32, torch.device("cpu"), batch_hint=8)
+    assert isinstance(model.model.proj, PackedLinear)
+    assert extra == 50 * 16 * 4   # the tied head is the only second copy
+    torch.testing.assert_close(model.model.proj(x), want_proj, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lm_head_logits(model, x), want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_linear_layers_is_a_no_op_for_torch_gemm_and_bf16(monkeypatch):
+    model = _Tied()
+    monkeypatch.setenv(CPU_GEMM_ENV, "torch")
+    assert pack_linear_layers(model, torch.float32, torch.device("cpu"), 8) == 0
+    assert isinstance(model.model.proj, nn.Linear) and model.packed_lm_head is None
+    monkeypatch.delenv(CPU_GEMM_ENV)
+    assert pack_linear_layers(model.to(torch.bfloat16), torch.bfloat16, torch.device("cpu"), 8) == 0
+    assert isinstance(model.model.proj, nn.Linear)
+
+
+def test_bad_cpu_gemm_name_is_a_value_error(monkeypatch):
+    monkeypatch.setenv(CPU_GEMM_ENV, "blas")
+    with pytest.raises(ValueError, match=CPU_GEMM_ENV):
+        pack_linear_layers(_Tied(), torch.float32, torch.device("cpu"), 8)
