@@ -19,7 +19,8 @@ class CompletionOutput:
         index: sample index within the request (0 .. n-1).
         text: generated text (stop string cut unless ``include_stop_str_in_output``).
         token_ids: generated token ids (a stop token id is kept).
-        cumulative_logprob: sum of the sampled tokens' log-probabilities (natural log, raw logits).
+        cumulative_logprob: sum of the sampled tokens' log-probabilities (natural log, raw logits);
+            None unless ``logprobs`` was asked for (or ``best_of`` > ``n``), as in vLLM.
         logprobs: per generated token, the top-``logprobs`` dict, or None if not asked for.
         finish_reason: None while running, then "stop", "length" or "abort".
         stop_reason: the stop string or stop token id that ended the sample, else None.

@@ -192,6 +192,13 @@ class SamplingParams:
         """True when tokens are chosen by argmax."""
         return self.temperature < _SAMPLING_EPS
 
+    @property
+    def needs_sampled_logprobs(self) -> bool:
+        """Whether sampled tokens need their log-probabilities: ``logprobs`` asked, or ``best_of``
+        > ``n`` (the best samples are chosen by cumulative logprob). Otherwise the engine skips
+        the log-softmax normaliser and ``CompletionOutput.cumulative_logprob`` is None (as vLLM)."""
+        return self.logprobs is not None or (self.best_of or self.n) > self.n
+
     def update_from_model(self, eos_token_ids: Sequence[int]) -> None:
         """Record the model's EOS ids (tokenizer EOS + extras); they stop generation unless
         ``ignore_eos``. ``stop_token_ids`` always stop generation."""

@@ -15,6 +15,8 @@ request alone in the batch could preempt itself forever.
 
 from __future__ import annotations
 
+import math
+
 import logging
 import time
 from collections import deque
@@ -292,8 +294,8 @@ class Scheduler:
             token_id = runner_output.sampled_token_ids[i]
             request.append_output_token_ids(token_id)
             out = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id])
-            if i < len(runner_output.sampled_logprobs):
-                logprob = runner_output.sampled_logprobs[i]
+            logprob = runner_output.sampled_logprobs[i] if i < len(runner_output.sampled_logprobs) else math.nan
+            if not math.isnan(logprob):  # NaN: the request did not ask for it
                 out.new_logprobs.append(logprob)
                 request.cumulative_logprob += logprob
             if i < len(runner_output.top_logprobs):

@@ -100,6 +100,8 @@ class LLMEngine:
         for i in range(num_samples):
             sp = base.clone()
             sp.n, sp.best_of = 1, None
+            if base.needs_sampled_logprobs and sp.logprobs is None:
+                sp.logprobs = 0  # best_of ranks samples by cumulative logprob: the runner must compute it
             if base.seed is not None:
                 sp.seed = base.seed + i
             sample_params.append(sp)

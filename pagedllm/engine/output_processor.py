@@ -80,7 +80,7 @@ class OutputProcessor:
         samples = []
         for i, (sid, sp) in enumerate(zip(sample_ids, sample_params)):
             detok = IncrementalDetokenizer(self.tokenizer.backend, prompt_token_ids, sp)
-            samples.append(SampleState(sid, i, sp, detok, logprobs=[] if sp.logprobs is not None else None))
+            samples.append(SampleState(sid, i, sp, detok, logprobs=[] if params.logprobs is not None else None))
         parent = ParentState(parent_id, prompt, prompt_token_ids, params, samples, RequestMetrics(arrival_time),
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.parents[parent_id] = parent
@@ -219,7 +219,8 @@ class OutputProcessor:
                 token_ids = list(s.token_ids)
                 logprobs = list(s.logprobs) if s.logprobs is not None else None
             s.num_sent_tokens, s.changed = len(s.token_ids), False
-            outputs.append(CompletionOutput(index, text, token_ids, s.cumulative_logprob, logprobs,
+            cumulative = s.cumulative_logprob if parent.params.needs_sampled_logprobs else None
+            outputs.append(CompletionOutput(index, text, token_ids, cumulative, logprobs,
                                             s.finish_reason, s.stop_reason))
         prompt_logprobs = parent.prompt_logprobs
         if delta and parent.prompt_logprobs_sent:

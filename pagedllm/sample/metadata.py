@@ -126,6 +126,11 @@ class SamplingMetadata:
         random: parameters of the random rows, None when ``all_greedy``.
         adjustments: masks, biases, processors and penalties, None when no row uses any.
         max_num_logprobs: most ``logprobs`` asked by any row (K of the top-k), None if none asked.
+        logprob_rows: [L] int64 rows whose sampled token needs its log-probability (``logprobs``
+            asked, or ``best_of`` > ``n``, which ranks samples by cumulative logprob), or None
+            when every row does. The log-softmax normaliser over the whole vocabulary costs about
+            as much as the argmax and the sampling together, so other rows skip it (as vLLM,
+            which reports ``cumulative_logprob`` only when logprobs are asked for).
     """
 
     num_reqs: int
@@ -137,6 +142,7 @@ class SamplingMetadata:
     random: RandomSampling | None
     adjustments: LogitsAdjustments | None
     max_num_logprobs: int | None
+    logprob_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], output_token_ids: list[list[int]],
@@ -193,9 +199,12 @@ class SamplingMetadata:
         adjustments = _build_adjustments(params, output_token_ids, prompt_token_ids, vocab_size,
                                          device)
         asked = [p.logprobs for p in params if p.logprobs is not None]
+        needs = [i for i, p in enumerate(params) if p.needs_sampled_logprobs]
+        logprob_rows = None if len(needs) == n else torch.tensor(needs, dtype=torch.int64, device=device)
         return cls(num_reqs=n, vocab_size=vocab_size, all_greedy=all_greedy, all_random=all_random,
                    greedy_rows=greedy_rows, random_rows=random_rows, random=random,
-                   adjustments=adjustments, max_num_logprobs=max(asked) if asked else None)
+                   adjustments=adjustments, max_num_logprobs=max(asked) if asked else None,
+                   logprob_rows=logprob_rows)
 
 
 def _build_random(params: Sequence[SamplingParams], random_idx: list[int],

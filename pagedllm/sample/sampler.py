@@ -49,7 +49,8 @@ class SamplerOutput:
 
     Attributes:
         sampled_token_ids: [N] int64.
-        sampled_logprobs: [N] float32, log-softmax of the raw logits at the sampled id.
+        sampled_logprobs: [N] float32, log-softmax of the raw logits at the sampled id; NaN on
+            rows that need none (``SamplingMetadata.logprob_rows``).
         topk_token_ids: [N, K] int64, the K = ``max_num_logprobs`` most likely ids under the raw
             logits, most likely first; None when no row asked for logprobs.
         topk_logprobs: [N, K] float32, their raw log-probabilities; None likewise.
@@ -87,14 +88,21 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()
         raw = logits
-        raw_lse = raw.logsumexp(dim=-1)  # [N]
-
         x = _apply_adjustments(raw, metadata.adjustments)
         sampled = self._sample(x, metadata)
 
         sampled_logit = raw.gather(1, sampled.unsqueeze(1)).squeeze(1)  # [N]
-        out = SamplerOutput(sampled_token_ids=sampled, sampled_logprobs=sampled_logit - raw_lse)
         k = metadata.max_num_logprobs
+        rows = metadata.logprob_rows
+        if k is not None or rows is None:
+            raw_lse = raw.logsumexp(dim=-1)  # [N]
+            sampled_logprobs = sampled_logit - raw_lse
+        else:  # only some rows (maybe none) need it; the rest get NaN
+            sampled_logprobs = torch.full_like(sampled_logit, float("nan"))
+            if rows.numel():
+                lse = raw.index_select(0, rows).logsumexp(dim=-1)
+                sampled_logprobs[rows] = sampled_logit.index_select(0, rows) - lse
+        out = SamplerOutput(sampled_token_ids=sampled, sampled_logprobs=sampled_logprobs)
         if k is not None:
             k = min(k, metadata.vocab_size)
             top_vals, top_ids = raw.topk(k, dim=-1)  # [N, K], descending

@@ -167,7 +167,8 @@ def test_best_of_returns_highest_cumulative_logprob(llm):
     params = SamplingParams(n=2, best_of=4, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True)
     out = llm.generate("The quick", params, use_tqdm=False)[0]
     assert len(out.outputs) == 2
-    everything = llm.generate("The quick", SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True),
+    everything = llm.generate("The quick", SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True,
+                                                          logprobs=0),
                               use_tqdm=False)[0]
     best = sorted((o.cumulative_logprob for o in everything.outputs), reverse=True)[:2]
     assert [o.cumulative_logprob for o in out.outputs] == pytest.approx(best)

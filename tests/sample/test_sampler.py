@@ -343,7 +343,7 @@ def test_min_tokens_masks_eos_and_stop_ids():
     logits[:, 1] = 10.0  # EOS
     logits[:, 5] = 9.0  # stop token id
     logits[:, 7] = 8.0
-    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5]) for _ in range(2)]
+    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5], logprobs=0) for _ in range(2)]
     for p in params:
         p.update_from_model([1])
     out = _sample(logits, params, outputs=[[9, 9], [9, 9, 9]])
@@ -418,14 +418,31 @@ def test_logits_shape_checked():
 def test_raw_logprobs_equal_log_softmax_even_when_processed():
     torch.manual_seed(15)
     logits = torch.randn(4, V) * 3
-    params = [SamplingParams(temperature=0.3, top_k=4, repetition_penalty=1.5),
-              SamplingParams(temperature=0.0, logit_bias={0: 50.0}),
-              SamplingParams(temperature=2.0, top_p=0.7, min_p=0.01),
-              SamplingParams()]
+    params = [SamplingParams(temperature=0.3, top_k=4, repetition_penalty=1.5, logprobs=0),
+              SamplingParams(temperature=0.0, logit_bias={0: 50.0}, logprobs=0),
+              SamplingParams(temperature=2.0, top_p=0.7, min_p=0.01, logprobs=0),
+              SamplingParams(logprobs=0)]
     out = _sample(logits, params, outputs=[[1, 2], [], [3], []], prompts=[[4]] * 4)
     expected = torch.log_softmax(logits, -1).gather(1, out.sampled_token_ids[:, None]).squeeze(1)
     assert torch.allclose(out.sampled_logprobs, expected, atol=1e-5)
     assert out.sampled_logprobs.dtype == torch.float32
+
+
+def test_sampled_logprobs_only_for_rows_that_need_them():
+    torch.manual_seed(18)
+    logits = torch.randn(3, V) * 2
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, n=1, best_of=2),
+              SamplingParams(temperature=0.0)]
+    md = _build(params, logits)
+    assert md.logprob_rows.tolist() == [1]
+    out = Sampler()(logits, md)
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+    lsm = torch.log_softmax(logits, -1)
+    assert math.isclose(out.sampled_logprobs[1].item(), lsm[1].max().item(), abs_tol=1e-5)
+    assert torch.isnan(out.sampled_logprobs[[0, 2]]).all()
+    none_needed = _sample(logits, [SamplingParams(temperature=0.0)] * 3)
+    assert torch.isnan(none_needed.sampled_logprobs).all()
+    assert _build([SamplingParams(logprobs=1)] * 2).logprob_rows is None  # all rows: no index
 
 
 def test_topk_logprobs_and_ranks():
