@@ -59,6 +59,17 @@ def _add_dataset_args(p: argparse.ArgumentParser, default_dataset: str) -> None:
     g.add_argument("--dataset-seed", type=int, default=0, help="seed of the generated / resampled workload")
 
 
+def format_breakdown(breakdown: dict[str, float]) -> str:
+    """The ``StepBreakdown`` seconds as a table with each component's share of the wall time."""
+    wall = breakdown.get("wall_s") or 1.0
+    lines = ["---- where the time went (exclusive wall time per component) ----"]
+    for name, seconds in breakdown.items():
+        if name != "wall_s":
+            lines.append(f"{name:28s} {seconds:9.2f} s {100 * seconds / wall:6.1f}%")
+    lines.append(f"{'total (generate)':28s} {wall:9.2f} s")
+    return "\n".join(lines)
+
+
 def _write_json(path: str | None, obj: dict) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as f:
@@ -85,7 +96,7 @@ def _cmd_throughput(ns) -> int:
     dtype = str(engine.worker.dtype).replace("torch.", "")
     logger.info("throughput: %d requests (%d output tokens) from %s, dtype %s", len(requests),
                 sum(r.max_tokens for r in requests), ns.dataset, dtype)
-    result, prompt_ids = run_throughput(llm, requests, warmup=not ns.no_warmup)
+    result, prompt_ids = run_throughput(llm, requests, warmup=not ns.no_warmup, breakdown=ns.breakdown)
     result.update(model=engine.model_files.source, dtype=dtype, block_size=engine.cache_config.block_size,
                   num_blocks=engine.worker.num_blocks, max_num_seqs=engine.scheduler_config.max_num_seqs,
                   max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
@@ -116,6 +127,8 @@ def _cmd_throughput(ns) -> int:
 
     print(format_table(f"pagedllm throughput ({dtype}, {ns.dataset})", result, THROUGHPUT_TABLE_KEYS,
                        baseline, baseline_name or "baseline"))
+    if "breakdown" in result:
+        print(format_breakdown(result["breakdown"]))
     if baseline is not None and "runs" in baseline:
         for run in baseline["runs"]:
             print(f"  HF batch size {run['batch_size']}: {run['requests_per_s']:.3f} requests/s, "
@@ -175,6 +188,14 @@ def _cmd_latency(ns) -> int:
     from pagedllm.entrypoints.llm import LLM
 
     args = engine_args_from_cli(ns)
+    if args.max_num_batched_tokens is None:
+        # The whole batch's prompts in one step, so that every later step decodes the full batch
+        # (with a smaller budget, chunked prefill overlaps the first requests' decodes with the
+        # last prompts, and no step is a full-batch decode when output_len is short).
+        args.max_num_batched_tokens = max(ns.batch_size * ns.input_len, ns.batch_size)
+        logger.info("latency: max_num_batched_tokens=%d (batch_size x input_len)", args.max_num_batched_tokens)
+    if args.max_num_seqs is None or args.max_num_seqs < ns.batch_size:
+        args.max_num_seqs = ns.batch_size
     llm = LLM(**vars(args))
     result = run_latency(llm, ns.batch_size, ns.input_len, ns.output_len, ns.num_iters, ns.num_iters_warmup,
                          seed=ns.dataset_seed, ceiling=not ns.no_ceiling)
@@ -230,6 +251,9 @@ def add_bench_parser(subparsers) -> None:
     tp.add_argument("--base-url", default=None, help="OpenAI-compatible server for --baseline openai")
     tp.add_argument("--baseline-model", default=None, help="model name for --baseline openai (default: first listed)")
     tp.add_argument("--no-warmup", action="store_true", help="skip the untimed one-request warm-up")
+    tp.add_argument("--breakdown", action="store_true",
+                    help="also time the engine's components (linear layers, LM head, attention, sampler, "
+                         "scheduler, ...) and print where the wall time went")
     tp.add_argument("--output-json", default=None, help="write the results here")
     add_engine_cli_args(tp)
     tp.set_defaults(func=_cmd_throughput)

@@ -59,7 +59,7 @@ def model_linear_layers(model) -> list[tuple[object, int, int, int]]:
     by_shape: dict[tuple[int, int], object] = {}
     counts: Counter[tuple[int, int]] = Counter()
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, PackedLinear)) and name != "lm_head":
+        if isinstance(module, (nn.Linear, PackedLinear)) and name not in ("lm_head", "packed_lm_head"):
             key = (module.in_features, module.out_features)
             by_shape.setdefault(key, module)
             counts[key] += 1

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+from pagedllm.benchmarks.breakdown import StepBreakdown
 from pagedllm.benchmarks.datasets import BenchRequest
 from pagedllm.benchmarks.metrics import RequestRecord, mean, summarize
 
@@ -82,13 +84,16 @@ def to_engine_prompt(req: BenchRequest):
     return {"prompt_token_ids": list(req.prompt)} if isinstance(req.prompt, list) else req.prompt
 
 
-def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True) -> tuple[dict, list[list[int]]]:
+def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
+                   breakdown: bool = False) -> tuple[dict, list[list[int]]]:
     """Run the workload through ``llm`` (a ``pagedllm.LLM``) with everything submitted at once.
 
     Args:
         llm: the engine.
         requests: the workload.
         warmup: first run one short request (untimed) so one-off start-up costs stay out.
+        breakdown: time the engine's components too (``StepBreakdown``; result key
+            ``breakdown``: seconds per component). Slightly slows the run.
     Returns:
         (result, prompt_token_ids): the flat result dict (``metrics.summarize``'s keys plus
         ``peak_kv_usage``, ``kv_utilization``, ``num_preemptions``, ``prefix_cache_hit_rate``
@@ -109,10 +114,12 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True) -> tu
     stat_logger = BenchStatLogger()
     preempt_before = engine.scheduler.num_preemptions_total
     engine.stat_loggers.append(stat_logger)
+    timer = StepBreakdown(engine) if breakdown else None
     try:
-        t0 = time.monotonic()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        duration = time.monotonic() - t0
+        with timer if timer is not None else nullcontext():
+            t0 = time.monotonic()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            duration = time.monotonic() - t0
     finally:
         engine.stat_loggers.remove(stat_logger)
     records = []
@@ -135,4 +142,7 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True) -> tu
         prefix_cache_hit_rate=None,
         num_steps=len(stat_logger.steps),
     )
+    if timer is not None:
+        timer.wall_s = duration
+        result["breakdown"] = timer.as_dict()
     return result, [list(ro.prompt_token_ids) for ro in outputs]

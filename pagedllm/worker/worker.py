@@ -39,6 +39,11 @@ def resolve_dtype(dtype: str, hf_config: dict, device: torch.device) -> torch.dt
     """"auto" -> float32 on the CPU (exact parity with transformers), the checkpoint's
     ``torch_dtype`` / ``dtype`` (float32 -> bfloat16 not applied) on CUDA."""
     if dtype != "auto":
+        if device.type == "cpu" and _DTYPES[dtype] in (torch.bfloat16, torch.float16) \
+                and torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):
+            logger.warning("%s on a CPU without AVX-512 (capability %s): its matmuls run several times "
+                           "slower than float32 here (docs/performance.md); --dtype float32 is faster",
+                           dtype, torch.backends.cpu.get_cpu_capability())
         return _DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32

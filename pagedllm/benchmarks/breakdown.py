@@ -1,0 +1,135 @@
+"""Where an engine step's wall time goes: per-component seconds over a whole run.
+
+``StepBreakdown`` wraps, for the duration of a ``with`` block, the bound methods of one engine's
+own objects (scheduler, model runner, model, sampler, output processor) and puts forward hooks on
+its linear layers; everything is restored on exit. Each component's wall time is summed with
+``time.perf_counter``. Components nest (the decoder's linear layers run inside the model
+forward), so the table reports the exclusive part of each:
+
+- ``linear layers``: every ``nn.Linear`` / ``PackedLinear`` of the decoder (hooks);
+- ``LM head``: ``model.compute_logits``;
+- ``attention``: each layer's ``Attention`` call (KV write + paged attention);
+- ``model forward, other``: the forward minus the two above (norms, RoPE, activations, residual
+  adds, embedding);
+- ``sampler``;
+- ``model runner, other``: ``execute_model`` minus forward, LM head and sampler (input tensors,
+  attention and sampling metadata, copying results to Python);
+- ``scheduler``: ``schedule`` + ``update_from_output``;
+- ``output processing``: detokenization, stop strings, ``RequestOutput`` objects;
+- ``engine, other``: the rest of ``LLMEngine.step``, and ``generate`` outside the steps.
+
+The hooks cost a few microseconds per call, so an instrumented run is slightly slower than a
+plain one; take throughput from a plain run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import ExitStack
+
+
+class _Timed:
+    """A callable proxy that adds its wall time to ``totals[key]``."""
+
+    def __init__(self, fn, totals: Counter, key: str) -> None:
+        self._fn, self._totals, self._key = fn, totals, key
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._fn(*args, **kwargs)
+        finally:
+            self._totals[self._key] += time.perf_counter() - t0
+
+
+class StepBreakdown:
+    """Context manager timing the components of ``llm_engine`` (an ``LLMEngine``).
+
+    Usage::
+
+        with StepBreakdown(llm.llm_engine) as bd:
+            t0 = time.perf_counter(); llm.generate(...); bd.wall_s = time.perf_counter() - t0
+        bd.table()  # [(component, seconds, share of wall)]
+    """
+
+    def __init__(self, llm_engine) -> None:
+        self.engine = llm_engine
+        self.totals: Counter[str] = Counter()
+        self.wall_s = 0.0
+        self._stack = ExitStack()
+
+    def _patch(self, obj, attr: str, key: str) -> None:
+        had = attr in vars(obj)
+        old = vars(obj).get(attr)
+        setattr(obj, attr, _Timed(getattr(obj, attr), self.totals, key))
+
+        def restore():
+            if had:
+                setattr(obj, attr, old)
+            else:
+                delattr(obj, attr)
+        self._stack.callback(restore)
+
+    def __enter__(self) -> "StepBreakdown":
+        from torch import nn
+
+        from pagedllm.attention import Attention
+        from pagedllm.layers.linear import PackedLinear
+
+        eng = self.engine
+        runner = eng.model_runner
+        model = runner.model
+        self._patch(eng, "step", "step")
+        self._patch(eng.scheduler, "schedule", "scheduler")
+        self._patch(eng.scheduler, "update_from_output", "scheduler")
+        self._patch(eng.output_processor, "process_outputs", "output processing")
+        self._patch(runner, "execute_model", "execute_model")
+        self._patch(runner, "sampler", "sampler")
+        self._patch(model, "forward", "forward")
+        self._patch(model, "compute_logits", "LM head")
+        starts: dict[int, float] = {}
+
+        def pre(module, args):
+            starts[id(module)] = time.perf_counter()
+
+        def post(module, args, output):
+            self.totals["linear layers"] += time.perf_counter() - starts.pop(id(module))
+
+        for qualname, module in model.named_modules():
+            for name, child in list(vars(module).items()):
+                if isinstance(child, Attention):
+                    self._patch(module, name, "attention")
+            if qualname in ("lm_head", "packed_lm_head"):
+                continue  # timed as the LM head
+            if isinstance(module, (nn.Linear, PackedLinear)):
+                self._stack.callback(module.register_forward_pre_hook(pre).remove)
+                self._stack.callback(module.register_forward_hook(post).remove)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def table(self) -> list[tuple[str, float, float]]:
+        """(component, seconds, fraction of ``wall_s``) rows, exclusive times, in pipeline
+        order; the rows sum to ``wall_s``."""
+        t = self.totals
+        rows = [
+            ("linear layers", t["linear layers"]),
+            ("LM head", t["LM head"]),
+            ("attention", t["attention"]),
+            ("model forward, other", t["forward"] - t["linear layers"] - t["attention"]),
+            ("sampler", t["sampler"]),
+            ("model runner, other", t["execute_model"] - t["forward"] - t["LM head"] - t["sampler"]),
+            ("scheduler", t["scheduler"]),
+            ("output processing", t["output processing"]),
+        ]
+        rows.append(("engine, other", self.wall_s - sum(s for _, s in rows)))
+        wall = self.wall_s or 1.0
+        return [(name, s, s / wall) for name, s in rows]
+
+    def as_dict(self) -> dict[str, float]:
+        """``{component: seconds}`` plus ``wall_s``."""
+        out = {name: s for name, s, _ in self.table()}
+        out["wall_s"] = self.wall_s
+        return out

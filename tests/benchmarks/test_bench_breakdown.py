@@ -1,0 +1,33 @@
+"""StepBreakdown: component times add up to the wall time and the engine is left as it was."""
+
+from __future__ import annotations
+
+import time
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.breakdown import StepBreakdown
+
+
+def test_breakdown_sums_to_wall_and_restores_the_engine(make_tiny_checkpoint):
+    llm = LLM(make_tiny_checkpoint("gemma3"), kv_cache_memory_bytes=8 << 20, max_model_len=128, block_size=8)
+    engine = llm.llm_engine
+    model = engine.model_runner.model
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e f g h"], params, use_tqdm=False)]
+    with StepBreakdown(engine) as bd:
+        t0 = time.perf_counter()
+        during = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e f g h"], params, use_tqdm=False)]
+        bd.wall_s = time.perf_counter() - t0
+    assert during == before  # timing changes nothing
+    rows = {name: s for name, s, _ in bd.table()}
+    assert abs(sum(rows.values()) - bd.wall_s) < 1e-9
+    for name in ("linear layers", "LM head", "attention", "sampler", "scheduler", "output processing"):
+        assert rows[name] > 0, name
+    # 5 steps at most 2 requests: every component is inside the wall time
+    assert all(s <= bd.wall_s for s in rows.values())
+    # restored: no instance attributes left, no hooks left
+    assert "step" not in vars(engine) and "execute_model" not in vars(engine.model_runner)
+    assert "forward" not in vars(model) and "compute_logits" not in vars(model)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    after = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e f g h"], params, use_tqdm=False)]
+    assert after == before
