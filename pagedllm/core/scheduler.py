@@ -15,9 +15,8 @@ request alone in the batch could preempt itself forever.
 
 from __future__ import annotations
 
-import math
-
 import logging
+import math
 import time
 from collections import deque
 from typing import Iterable

@@ -99,9 +99,10 @@ class LLMEngine:
         sample_params = []
         for i in range(num_samples):
             sp = base.clone()
-            sp.n, sp.best_of = 1, None
-            if base.needs_sampled_logprobs and sp.logprobs is None:
-                sp.logprobs = 0  # best_of ranks samples by cumulative logprob: the runner must compute it
+            # One sample each. A best_of > n sample keeps best_of: it will be ranked by cumulative
+            # logprob, so it needs its sampled logprobs (SamplingParams.needs_sampled_logprobs).
+            sp.n = 1
+            sp.best_of = base.best_of if (base.best_of or base.n) > base.n else None
             if base.seed is not None:
                 sp.seed = base.seed + i
             sample_params.append(sp)

@@ -80,7 +80,7 @@ class OutputProcessor:
         samples = []
         for i, (sid, sp) in enumerate(zip(sample_ids, sample_params)):
             detok = IncrementalDetokenizer(self.tokenizer.backend, prompt_token_ids, sp)
-            samples.append(SampleState(sid, i, sp, detok, logprobs=[] if params.logprobs is not None else None))
+            samples.append(SampleState(sid, i, sp, detok, logprobs=[] if sp.logprobs is not None else None))
         parent = ParentState(parent_id, prompt, prompt_token_ids, params, samples, RequestMetrics(arrival_time),
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.parents[parent_id] = parent
