@@ -105,11 +105,11 @@ def test_bench_bad_dataset_line_is_a_clean_error(tmp_path, capsys):
 def test_bench_latency_prefills_the_batch_in_one_step_and_counts_a_tied_head_once(make_tiny_checkpoint, tmp_path):
     model = make_tiny_checkpoint("gemma3")  # tied LM head (packed next to the embedding on CPU f32)
     out = tmp_path / "l.json"
-    # 4 x 200 prompt tokens > the default 512-token budget: without a budget of batch x input_len,
+    # 4 x 300 prompt tokens > the default 1024-token budget: without a budget of batch x input_len,
     # chunked prefill would overlap the first requests' decodes with the last prompts.
-    rc = main(["bench", "latency", "--model", model, "--batch-size", "4", "--input-len", "200", "--output-len", "3",
+    rc = main(["bench", "latency", "--model", model, "--batch-size", "4", "--input-len", "300", "--output-len", "3",
                "--num-iters", "1", "--num-iters-warmup", "0", "--output-json", str(out),
-               "--kv-cache-memory-bytes", "8MiB", "--max-model-len", "256", "--block-size", "8"])
+               "--kv-cache-memory-bytes", "8MiB", "--max-model-len", "320", "--block-size", "8"])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["num_decode_steps"] == 2  # token 1 from the prefill step, tokens 2 and 3 from full-batch decodes
