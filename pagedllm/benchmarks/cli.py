@@ -13,6 +13,8 @@ import logging
 import math
 import os
 
+from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
 logger = logging.getLogger(__name__)
 
 # The project's shared workload, relative to the repository root (and to the working directory).
@@ -40,6 +42,13 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from e
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1, got {text!r}")
+    return values
+
+
+def _str_list(text: str) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
     return values
 
 
@@ -231,13 +240,33 @@ def _cmd_memory(ns) -> int:
     return 0
 
 
+# -- kernels -------------------------------------------------------------------------------------
+
+def _cmd_kernels(ns) -> int:
+    from pagedllm.benchmarks.kernels import format_kernels, model_linear_shapes, run_kernels, time_mlp_block
+    from pagedllm.loaders.model_files import load_config, resolve_model
+
+    config = load_config(resolve_model(ns.model).folder)
+    result = run_kernels(model_linear_shapes(config), ns.rows, ns.backends, min_seconds=ns.min_seconds)
+    if ns.compile_mlp:
+        text = config.get("text_config") or config
+        try:
+            result.mlp_block = time_mlp_block(int(text["hidden_size"]), int(text["intermediate_size"]), ns.rows,
+                                              min_seconds=ns.min_seconds)
+        except RuntimeError as exc:
+            result.skipped["compile_mlp"] = str(exc)
+    print(format_kernels(result))
+    _write_json(ns.output_json, result.to_dict())
+    return 0
+
+
 # -- parser --------------------------------------------------------------------------------------
 
 def add_bench_parser(subparsers) -> None:
     """Add ``bench`` and its subcommands to the ``pagedllm`` parser's subparsers."""
     from pagedllm.engine.arg_utils import add_engine_cli_args
 
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serving, latency, memory")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serving, latency, memory, kernels")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
     tp = sub.add_parser("throughput", help="offline: the whole workload at once through LLM.generate")
@@ -296,6 +325,17 @@ def add_bench_parser(subparsers) -> None:
     mm.add_argument("--block-size", type=int, default=16, help="the headline block size")
     mm.add_argument("--block-sizes", type=_int_list, default=[8, 16, 32], help="block-size sweep (default 8,16,32)")
     mm.add_argument("--max-num-seqs", type=int, default=256)
-    mm.add_argument("--max-num-batched-tokens", type=int, default=512)
+    mm.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     mm.add_argument("--output-json", default=None)
     mm.set_defaults(func=_cmd_memory)
+
+    kn = sub.add_parser("kernels", help="linear-layer kernels (oneDNN, MKL, bf16, int8) at the model's shapes")
+    kn.add_argument("--model", default=None, help="model folder or .gguf (default: the default model)")
+    kn.add_argument("--rows", type=_int_list, default=[16, 64, 512], help="row counts M (default 16,64,512)")
+    kn.add_argument("--backends", type=_str_list, default=["onednn", "torch", "bf16", "int8"],
+                    help="comma-separated subset of onednn,torch,bf16,int8")
+    kn.add_argument("--min-seconds", type=float, default=0.3, help="time each kernel at least this long")
+    kn.add_argument("--compile-mlp", action="store_true",
+                    help="also time one MLP block eager vs torch.compile (inductor freezing)")
+    kn.add_argument("--output-json", default=None)
+    kn.set_defaults(func=_cmd_kernels)

@@ -78,16 +78,23 @@ def measure_linear_gflops(layer, in_features: int, out_features: int, m: int, dt
     x = torch.randn(m, in_features, dtype=dtype, device=device)
     flops = 2 * m * in_features * out_features
     with torch.inference_mode():
-        for _ in range(2):
-            layer(x)
-        reps, t0 = 0, time.perf_counter()
-        while True:
-            layer(x)
-            reps += 1
-            elapsed = time.perf_counter() - t0
-            if reps >= MIN_MEASURE_REPS and elapsed >= min_seconds:
-                break
-    return flops * reps / elapsed / 1e9
+        seconds = seconds_per_call(lambda: layer(x), min_seconds)
+    return flops / seconds / 1e9
+
+
+def seconds_per_call(fn, min_seconds: float = MIN_MEASURE_S, min_reps: int = MIN_MEASURE_REPS,
+                     warmup: int = 2) -> float:
+    """Mean wall seconds of ``fn()`` over at least ``min_reps`` calls and ``min_seconds``, after
+    ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if reps >= min_reps and elapsed >= min_seconds:
+            return elapsed / reps
 
 
 def linear_ceiling(model, m: int, min_seconds: float = MIN_MEASURE_S) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 
-from pagedllm.config import SchedulerConfig
+from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import ModelRunnerOutput
@@ -75,7 +75,7 @@ class MemorySimResult:
 
 def simulate_kv_concurrency(lengths: list[tuple[int, int]], block_size: int = 16, max_model_len: int = 2048,
                             static_concurrency: int = 8, max_num_seqs: int = 256,
-                            max_num_batched_tokens: int = 512, max_steps: int | None = None) -> MemorySimResult:
+                            max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_steps: int | None = None) -> MemorySimResult:
     """Run ``lengths`` = [(prompt_len, max_tokens), ...] through the scheduler, all arriving at once.
 
     Args:
@@ -84,7 +84,7 @@ def simulate_kv_concurrency(lengths: list[tuple[int, int]], block_size: int = 16
         max_model_len: tokens reserved per request by the static allocator (and the engine's limit).
         static_concurrency: requests the static allocator fits; the budget is this x max_model_len.
         max_num_seqs: most requests per step (keep it high so blocks are the limit).
-        max_num_batched_tokens: token budget per step (the engine's default is 512).
+        max_num_batched_tokens: token budget per step (default: the engine's).
         max_steps: give up after this many steps (None: 100 x the total token count).
     Raises:
         ValueError: for bad sizes, an empty workload, a request longer than ``max_model_len``, or

@@ -1,0 +1,246 @@
+"""Linear-layer kernels at a model's shapes, side by side (``pagedllm bench kernels``).
+
+For each distinct linear shape of the model (from its config.json; the model is built on the
+``meta`` device, so no weights are read) and each row count M, time ``y[M, out] = x[M, in] @
+W[out, in]^T`` with random data through each backend and report GFLOP/s (2·M·in·out FLOPs per
+call; for int8, the float32-equivalent FLOPs). Per backend and M, the "step" figure adds up the
+time of every linear layer and the LM head of one decode step of M tokens, weighted by how many
+layers have each shape, and gives the tokens/s those layers allow.
+
+Backends (CPU; each is skipped with a reason where it does not run):
+- ``onednn``: float32 oneDNN inner product with the weight packed once (the engine's CPU default,
+  ``layers/linear.py``).
+- ``torch``: float32 ``F.linear`` (MKL on the CPU; the reference path, ``PAGEDLLM_CPU_GEMM=torch``).
+- ``bf16``: bfloat16 ``F.linear``.
+- ``int8``: fbgemm's dynamically quantized linear (int8 per-output-channel weight, activations
+  quantized per call; ``torch.ops.quantized.linear_dynamic``). The engine does not use it; it is
+  here to measure what integer dot products give on this CPU.
+
+With ``compile_mlp``, one Gemma-style MLP block (RMSNorm, gate/up, GELU-tanh × up, down, RMSNorm,
+residual add) at the model's sizes is also timed eagerly with packed weights and through
+``torch.compile(dynamic=True)`` with inductor's weight freezing (docs/performance.md, step 4).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.benchmarks.latency import LinearShape, measure_linear_gflops, seconds_per_call
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("onednn", "torch", "bf16", "int8")
+
+
+def model_linear_shapes(config: dict) -> list[LinearShape]:
+    """Distinct linear shapes of the model described by ``config`` (a config.json dict), with how
+    many layers of a decode step have each; the LM head is [vocab, hidden], counted once.
+
+    Raises:
+        ValueError: for an unsupported architecture.
+    """
+    from pagedllm.models.registry import get_model_class
+
+    with torch.device("meta"):
+        model = get_model_class(config)(config)
+    counts: Counter[tuple[int, int]] = Counter()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name != "lm_head":
+            counts[(module.in_features, module.out_features)] += 1
+    embed = model.model.embed_tokens
+    counts[(embed.embedding_dim, embed.num_embeddings)] += 1
+    return [LinearShape(i, o, c) for (i, o), c in counts.items()]
+
+
+def make_backend(name: str, weight: torch.Tensor, batch_hint: int):
+    """A callable x[M, in] float32 -> [M, out] running ``weight`` ([out, in] float32) through the
+    backend ``name``, and the input dtype it takes.
+
+    Raises:
+        RuntimeError: if the backend does not run on this machine (the message says why).
+        ValueError: for an unknown backend name.
+    """
+    if name == "onednn":
+        from pagedllm.layers.linear import PackedLinear, onednn_linear_available
+
+        if not onednn_linear_available(torch.float32):
+            raise RuntimeError("oneDNN packed linear is unavailable here")
+        return PackedLinear(weight, None, batch_hint), torch.float32
+    if name == "torch":
+        return (lambda x: F.linear(x, weight)), torch.float32
+    if name == "bf16":
+        w16 = weight.to(torch.bfloat16)
+        return (lambda x: F.linear(x, w16)), torch.bfloat16
+    if name == "int8":
+        if "fbgemm" not in torch.backends.quantized.supported_engines:
+            raise RuntimeError("this torch build has no fbgemm quantized engine")
+        torch.backends.quantized.engine = "fbgemm"
+        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8).double()
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # torch deprecates quantized tensors; this is a measurement only
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        packed = torch.ops.quantized.linear_prepack(qweight, None)
+        return (lambda x: torch.ops.quantized.linear_dynamic(x, packed, True)), torch.float32
+    raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+
+
+@dataclass
+class KernelResult:
+    """GFLOP/s per (shape, M, backend); ``skipped`` maps a backend to why it did not run."""
+
+    shapes: list[LinearShape]
+    rows: list[int]
+    backends: list[str]
+    gflops: dict[tuple[int, int, int, str], float] = field(default_factory=dict)  # (out, in, M, backend)
+    skipped: dict[str, str] = field(default_factory=dict)
+    mlp_block: list[dict] = field(default_factory=list)
+
+    def step_seconds(self, m: int, backend: str) -> float | None:
+        """Seconds of all linear layers + LM head of one decode step of ``m`` tokens."""
+        total = 0.0
+        for s in self.shapes:
+            rate = self.gflops.get((s.out_features, s.in_features, m, backend))
+            if rate is None:
+                return None
+            total += s.flops(m) / (rate * 1e9)
+        return total
+
+    def to_dict(self) -> dict:
+        """JSON-ready: one row per shape/M/backend, step totals, the skipped backends, the MLP block."""
+        rows = [{"out_in": [o, i], "rows": m, "backend": b, "gflops_per_s": v}
+                for (o, i, m, b), v in self.gflops.items()]
+        steps = []
+        for m in self.rows:
+            for b in self.backends:
+                sec = self.step_seconds(m, b)
+                if sec is not None:
+                    steps.append({"rows": m, "backend": b, "step_seconds": sec, "tokens_per_s": m / sec})
+        return {"kernels": rows, "steps": steps, "skipped": self.skipped, "mlp_block": self.mlp_block,
+                "shapes": [{"out_in": [s.out_features, s.in_features], "count": s.count} for s in self.shapes]}
+
+
+def run_kernels(shapes: list[LinearShape], rows: list[int], backends: list[str], min_seconds: float = 0.3,
+                seed: int = 0) -> KernelResult:
+    """Time every shape × M × backend (see the module docstring).
+
+    Raises:
+        ValueError: for an unknown backend, or a row count < 1.
+    """
+    for name in backends:
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+    if not rows or min(rows) < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    result = KernelResult(shapes=shapes, rows=list(rows), backends=list(backends))
+    gen = torch.Generator().manual_seed(seed)
+    for s in shapes:
+        weight = torch.randn(s.out_features, s.in_features, generator=gen) * s.in_features ** -0.5
+        for name in backends:
+            if name in result.skipped:
+                continue
+            try:
+                layer, dtype = make_backend(name, weight, max(rows))
+            except RuntimeError as exc:
+                result.skipped[name] = str(exc)
+                logger.warning("kernels: backend %s skipped: %s", name, exc)
+                continue
+            for m in rows:
+                rate = measure_linear_gflops(layer, s.in_features, s.out_features, m, dtype, torch.device("cpu"),
+                                             min_seconds)
+                result.gflops[(s.out_features, s.in_features, m, name)] = rate
+                logger.info("kernels: [%d x %d] M=%d %s %.1f GFLOP/s", s.out_features, s.in_features, m, name, rate)
+            del layer
+    return result
+
+
+class _GemmaMLPBlock(nn.Module):
+    """``x + norm2(down(gelu_tanh(gate(norm1(x))) * up(norm1(x))))``; [M, hidden] float32."""
+
+    def __init__(self, hidden: int, intermediate: int, packed: bool, gen: torch.Generator) -> None:
+        super().__init__()
+        from pagedllm.layers.linear import PackedLinear
+        from pagedllm.layers.norm import GemmaRMSNorm
+
+        self.pre, self.post = GemmaRMSNorm(hidden), GemmaRMSNorm(hidden)
+        weights = [torch.randn(intermediate, hidden, generator=gen) * hidden ** -0.5,
+                   torch.randn(intermediate, hidden, generator=gen) * hidden ** -0.5,
+                   torch.randn(hidden, intermediate, generator=gen) * intermediate ** -0.5]
+        layers = []
+        for w in weights:
+            if packed:
+                layers.append(PackedLinear(w, None, 64))
+            else:
+                lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+                lin.weight.data.copy_(w)
+                layers.append(lin)
+        self.gate, self.up, self.down = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        return x + self.post(self.down(F.gelu(self.gate(h), approximate="tanh") * self.up(h)))
+
+
+def time_mlp_block(hidden: int, intermediate: int, rows: list[int], min_seconds: float = 0.3,
+                   seed: int = 0) -> list[dict]:
+    """Milliseconds per call of one MLP block, eager with packed oneDNN weights vs
+    ``torch.compile(dynamic=True)`` with ``freezing`` (inductor packs the weights itself), and
+    the largest absolute difference of their outputs. Needs the oneDNN backend and a C++
+    compiler (inductor's CPU code generation).
+
+    Raises:
+        RuntimeError: if oneDNN or torch.compile does not run here.
+    """
+    import torch._inductor.config as inductor_config
+
+    from pagedllm.layers.linear import onednn_linear_available
+
+    if not onednn_linear_available(torch.float32):
+        raise RuntimeError("oneDNN packed linear is unavailable here")
+    eager = _GemmaMLPBlock(hidden, intermediate, True, torch.Generator().manual_seed(seed))
+    plain = _GemmaMLPBlock(hidden, intermediate, False, torch.Generator().manual_seed(seed))
+    out = []
+    with inductor_config.patch(freezing=True), torch.inference_mode():
+        compiled = torch.compile(plain, dynamic=True)
+        for m in rows:
+            x = torch.randn(m, hidden, generator=torch.Generator().manual_seed(seed + m))
+            diff = float((eager(x) - compiled(x)).abs().max())
+            times = {label: seconds_per_call(lambda fn=fn: fn(x), min_seconds) * 1e3
+                     for label, fn in (("eager_packed_ms", eager), ("compiled_ms", compiled))}
+            out.append({"rows": m, **times, "max_abs_diff": diff})
+    return out
+
+
+def format_kernels(result: KernelResult) -> str:
+    """The table printed by ``pagedllm bench kernels``."""
+    names = [b for b in result.backends if b not in result.skipped]
+    lines = ["==== Linear kernels, GFLOP/s (2·M·in·out per call; int8 counted as float32 FLOPs) ====",
+             f"{'shape [out x in] x count':<28}{'M':>6}" + "".join(f"{b:>10}" for b in names)]
+    for s in result.shapes:
+        for m in result.rows:
+            vals = [result.gflops.get((s.out_features, s.in_features, m, b)) for b in names]
+            lines.append(f"{f'[{s.out_features} x {s.in_features}] x{s.count}':<28}{m:>6}"
+                         + "".join(f"{'n/a' if v is None else f'{v:.1f}':>10}" for v in vals))
+    lines.append("---- one decode step of M tokens through all linear layers + LM head: tokens/s ----")
+    for m in result.rows:
+        cells = []
+        for b in names:
+            sec = result.step_seconds(m, b)
+            cells.append("n/a" if sec is None else f"{m / sec:.1f}")
+        lines.append(f"{'step':<28}{m:>6}" + "".join(f"{c:>10}" for c in cells))
+    for b, why in result.skipped.items():
+        lines.append(f"skipped {b}: {why}")
+    if result.mlp_block:
+        lines.append("---- one Gemma MLP block: eager (packed oneDNN) vs torch.compile (freezing) ----")
+        for r in result.mlp_block:
+            lines.append(f"M={r['rows']:<5} eager {r['eager_packed_ms']:.2f} ms  compiled {r['compiled_ms']:.2f} ms  "
+                         f"({(r['compiled_ms'] / r['eager_packed_ms'] - 1) * 100:+.0f}%), "
+                         f"max |diff| {r['max_abs_diff']:.1e}")
+    return "\n".join(lines)
