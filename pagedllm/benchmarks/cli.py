@@ -243,7 +243,8 @@ def _cmd_memory(ns) -> int:
 # -- kernels -------------------------------------------------------------------------------------
 
 def _cmd_kernels(ns) -> int:
-    from pagedllm.benchmarks.kernels import format_kernels, model_linear_shapes, run_kernels, time_mlp_block
+    from pagedllm.benchmarks.kernels import (BackendUnavailable, format_kernels, model_linear_shapes, run_kernels,
+                                             time_mlp_block)
     from pagedllm.loaders.model_files import load_config, resolve_model
 
     config = load_config(resolve_model(ns.model).folder)
@@ -253,7 +254,7 @@ def _cmd_kernels(ns) -> int:
         try:
             result.mlp_block = time_mlp_block(int(text["hidden_size"]), int(text["intermediate_size"]), ns.rows,
                                               min_seconds=ns.min_seconds)
-        except RuntimeError as exc:
+        except BackendUnavailable as exc:
             result.skipped["compile_mlp"] = str(exc)
     print(format_kernels(result))
     _write_json(ns.output_json, result.to_dict())

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.benchmarks.latency import LinearShape, measure_linear_gflops, seconds_per_call
+from pagedllm.benchmarks.latency import LinearShape, measure_linear_gflops, model_linear_layers, seconds_per_call
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,8 @@ BACKENDS = ("onednn", "torch", "bf16", "int8")
 
 def model_linear_shapes(config: dict) -> list[LinearShape]:
     """Distinct linear shapes of the model described by ``config`` (a config.json dict), with how
-    many layers of a decode step have each; the LM head is [vocab, hidden], counted once.
+    many layers of a decode step have each; the LM head is [vocab, hidden], counted once
+    (``latency.model_linear_layers`` on the model built on the ``meta`` device).
 
     Raises:
         ValueError: for an unsupported architecture.
@@ -50,13 +50,11 @@ def model_linear_shapes(config: dict) -> list[LinearShape]:
 
     with torch.device("meta"):
         model = get_model_class(config)(config)
-    counts: Counter[tuple[int, int]] = Counter()
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and name != "lm_head":
-            counts[(module.in_features, module.out_features)] += 1
-    embed = model.model.embed_tokens
-    counts[(embed.embedding_dim, embed.num_embeddings)] += 1
-    return [LinearShape(i, o, c) for (i, o), c in counts.items()]
+    return [LinearShape(i, o, c) for _, i, o, c in model_linear_layers(model)]
+
+
+class BackendUnavailable(RuntimeError):
+    """A kernel (or the compiled MLP block) that this machine or torch build cannot run."""
 
 
 def make_backend(name: str, weight: torch.Tensor, batch_hint: int):
@@ -64,14 +62,14 @@ def make_backend(name: str, weight: torch.Tensor, batch_hint: int):
     backend ``name``, and the input dtype it takes.
 
     Raises:
-        RuntimeError: if the backend does not run on this machine (the message says why).
+        BackendUnavailable: if the backend does not run on this machine (the message says why).
         ValueError: for an unknown backend name.
     """
     if name == "onednn":
         from pagedllm.layers.linear import PackedLinear, onednn_linear_available
 
         if not onednn_linear_available(torch.float32):
-            raise RuntimeError("oneDNN packed linear is unavailable here")
+            raise BackendUnavailable("oneDNN packed linear is unavailable here")
         return PackedLinear(weight, None, batch_hint), torch.float32
     if name == "torch":
         return (lambda x: F.linear(x, weight)), torch.float32
@@ -80,7 +78,7 @@ def make_backend(name: str, weight: torch.Tensor, batch_hint: int):
         return (lambda x: F.linear(x, w16)), torch.bfloat16
     if name == "int8":
         if "fbgemm" not in torch.backends.quantized.supported_engines:
-            raise RuntimeError("this torch build has no fbgemm quantized engine")
+            raise BackendUnavailable("this torch build has no fbgemm quantized engine")
         torch.backends.quantized.engine = "fbgemm"
         scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8).double()
         zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
@@ -148,7 +146,7 @@ def run_kernels(shapes: list[LinearShape], rows: list[int], backends: list[str],
                 continue
             try:
                 layer, dtype = make_backend(name, weight, max(rows))
-            except RuntimeError as exc:
+            except BackendUnavailable as exc:
                 result.skipped[name] = str(exc)
                 logger.warning("kernels: backend %s skipped: %s", name, exc)
                 continue
@@ -196,14 +194,14 @@ def time_mlp_block(hidden: int, intermediate: int, rows: list[int], min_seconds:
     compiler (inductor's CPU code generation).
 
     Raises:
-        RuntimeError: if oneDNN or torch.compile does not run here.
+        BackendUnavailable: if oneDNN does not run here. Errors of torch.compile itself propagate.
     """
     import torch._inductor.config as inductor_config
 
     from pagedllm.layers.linear import onednn_linear_available
 
     if not onednn_linear_available(torch.float32):
-        raise RuntimeError("oneDNN packed linear is unavailable here")
+        raise BackendUnavailable("oneDNN packed linear is unavailable here")
     eager = _GemmaMLPBlock(hidden, intermediate, True, torch.Generator().manual_seed(seed))
     plain = _GemmaMLPBlock(hidden, intermediate, False, torch.Generator().manual_seed(seed))
     out = []
