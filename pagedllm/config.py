@@ -17,6 +17,9 @@ DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_BLOCK_SIZE = 16
 SUPPORTED_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+# ``quantization`` values: None / "gguf" run the weights in ``dtype`` (a GGUF file is dequantized);
+# "int8" runs linear layers in int8 on the CPU (layers/quantization.py).
+SUPPORTED_QUANTIZATION = (None, "gguf", "int8")
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,9 @@ class ModelConfig:
         max_model_len: tokens per request; ``None`` means the model's context length.
         seed: base seed for unseeded sampling.
         device: "cpu", "cuda", or ``None`` for cuda when available else cpu.
+        quantization: ``None`` or "gguf" (weights run in ``dtype``; a GGUF file is dequantized),
+            or "int8" (CPU, float32 activations: linear layers and the LM head in int8 with
+            dynamic activation quantization, ``layers/quantization.py``).
     """
 
     model: str | None = None
@@ -125,8 +131,16 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization not in SUPPORTED_QUANTIZATION:
+            raise ValueError(f"quantization must be one of {SUPPORTED_QUANTIZATION}, got {self.quantization!r}")
+        if self.quantization == "int8" and self.dtype not in ("auto", "float32"):
+            raise ValueError(f"quantization='int8' runs float32 activations; dtype={self.dtype!r} cannot be combined "
+                             "with it (use dtype='float32' or 'auto')")
+        if self.quantization == "int8" and (self.device or "cpu") != "cpu":
+            raise ValueError(f"quantization='int8' runs on the CPU only (fbgemm); device={self.device!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

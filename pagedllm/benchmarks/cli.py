@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,serving,latency,memory}``: argument parsing and report printing.
+"""``pagedllm bench {throughput,serving,latency,memory,kernels,accuracy}``: argument parsing and report printing.
 
 Each command prints a table to stdout and, with ``--output-json FILE``, writes its numbers as
 JSON (flat keys; a baseline's under ``baseline`` and ours / baseline under ``ratio``).
@@ -7,6 +7,7 @@ JSON (flat keys; a baseline's under ``baseline`` and ours / baseline under ``rat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -261,13 +262,50 @@ def _cmd_kernels(ns) -> int:
     return 0
 
 
+# -- accuracy ------------------------------------------------------------------------------------
+
+def _cmd_accuracy(ns) -> int:
+    from pagedllm.benchmarks.accuracy import ACCURACY_TABLE_KEYS, compare_scores, score_prompts
+    from pagedllm.benchmarks.datasets import build_requests
+    from pagedllm.benchmarks.metrics import format_table
+    from pagedllm.engine.arg_utils import engine_args_from_cli
+    from pagedllm.entrypoints.llm import LLM
+
+    candidate_args = engine_args_from_cli(ns)
+    reference_args = dataclasses.replace(candidate_args, dtype="float32", quantization=None)
+    label = f"dtype {candidate_args.dtype}, quantization {candidate_args.quantization}"
+    if reference_args == candidate_args:
+        raise ValueError("the candidate settings are the float32 reference itself; pass --quantization int8 "
+                         "or --dtype bfloat16")
+    scores, prompts = [], None
+    for args in (reference_args, candidate_args):
+        llm = LLM(**vars(args))
+        if prompts is None:
+            engine = llm.llm_engine
+            requests = build_requests(ns.dataset, ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
+                                      ns.dataset_seed, engine.vocab_size, engine.max_model_len)
+            tok = engine.tokenizer
+            prompts = [r.prompt if isinstance(r.prompt, list) else tok.encode(r.prompt) for r in requests]
+            logger.info("accuracy: %d prompts (%d tokens), %d greedy tokens each; reference float32, candidate %s",
+                        len(prompts), sum(map(len, prompts)), ns.output_len, label)
+        scores.append(score_prompts(llm, prompts, ns.output_len))
+        del llm
+        gc.collect()
+    result = compare_scores(*scores)
+    result.update(dataset=ns.dataset, output_len=ns.output_len, dtype=candidate_args.dtype,
+                  quantization=candidate_args.quantization)
+    print(format_table(f"accuracy of {label} against float32", result, ACCURACY_TABLE_KEYS))
+    _write_json(ns.output_json, result)
+    return 0
+
+
 # -- parser --------------------------------------------------------------------------------------
 
 def add_bench_parser(subparsers) -> None:
     """Add ``bench`` and its subcommands to the ``pagedllm`` parser's subparsers."""
     from pagedllm.engine.arg_utils import add_engine_cli_args
 
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serving, latency, memory, kernels")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serving, latency, memory, kernels, accuracy")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
     tp = sub.add_parser("throughput", help="offline: the whole workload at once through LLM.generate")
@@ -340,3 +378,10 @@ def add_bench_parser(subparsers) -> None:
                     help="also time one MLP block eager vs torch.compile (inductor freezing)")
     kn.add_argument("--output-json", default=None)
     kn.set_defaults(func=_cmd_kernels)
+
+    ac = sub.add_parser("accuracy", help="a cheaper setting (--quantization int8, --dtype bfloat16) against the "
+                                         "float32 engine: perplexity, top-1 agreement, greedy agreement")
+    _add_dataset_args(ac, "random")
+    ac.add_argument("--output-json", default=None)
+    add_engine_cli_args(ac)
+    ac.set_defaults(func=_cmd_accuracy)

@@ -12,9 +12,9 @@ Backends (CPU; each is skipped with a reason where it does not run):
   ``layers/linear.py``).
 - ``torch``: float32 ``F.linear`` (MKL on the CPU; the reference path, ``PAGEDLLM_CPU_GEMM=torch``).
 - ``bf16``: bfloat16 ``F.linear``.
-- ``int8``: fbgemm's dynamically quantized linear (int8 per-output-channel weight, activations
-  quantized per call; ``torch.ops.quantized.linear_dynamic``). The engine does not use it; it is
-  here to measure what integer dot products give on this CPU.
+- ``int8``: the engine's ``--quantization int8`` layer (``layers/quantization.py``: fbgemm's
+  dynamically quantized linear with 7-bit per-channel weights and per-token scaled 8-bit
+  activations).
 
 With ``compile_mlp``, one Gemma-style MLP block (RMSNorm, gate/up, GELU-tanh × up, down, RMSNorm,
 residual add) at the model's sizes is also timed eagerly with packed weights and through
@@ -24,7 +24,6 @@ residual add) at the model's sizes is also timed eagerly with packed weights and
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -77,16 +76,11 @@ def make_backend(name: str, weight: torch.Tensor, batch_hint: int):
         w16 = weight.to(torch.bfloat16)
         return (lambda x: F.linear(x, w16)), torch.bfloat16
     if name == "int8":
-        if "fbgemm" not in torch.backends.quantized.supported_engines:
-            raise BackendUnavailable("this torch build has no fbgemm quantized engine")
-        torch.backends.quantized.engine = "fbgemm"
-        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8).double()
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # torch deprecates quantized tensors; this is a measurement only
-            warnings.simplefilter("ignore", UserWarning)
-            qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-        packed = torch.ops.quantized.linear_prepack(qweight, None)
-        return (lambda x: torch.ops.quantized.linear_dynamic(x, packed, True)), torch.float32
+        from pagedllm.layers.quantization import Int8DynamicLinear, int8_linear_available
+
+        if not int8_linear_available():
+            raise BackendUnavailable("fbgemm's int8 linear is unavailable in this torch build")
+        return Int8DynamicLinear(weight, None), torch.float32
     raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
 
 

@@ -34,7 +34,9 @@ class EngineArgs:
         tensor_parallel_size, pipeline_parallel_size, data_parallel_size: must be 1 for now.
         trust_remote_code, enforce_eager, tokenizer_mode, revision, download_dir,
         disable_log_stats, swap_space: accepted for compatibility (see ``create_engine_config``).
-        enable_prefix_caching, quantization: only their "off" values are supported yet.
+        quantization: None / "gguf" (weights dequantized to ``dtype``) or "int8" (CPU only:
+            int8 linear layers with dynamic activation quantization; not exact, see README).
+        enable_prefix_caching: only its "off" value is supported yet.
     """
 
     model: str | None = None
@@ -89,8 +91,6 @@ class EngineArgs:
         """
         if self.enable_prefix_caching:
             raise ValueError("enable_prefix_caching=True is not supported yet")
-        if self.quantization not in (None, "gguf"):
-            raise ValueError(f"quantization={self.quantization!r} is not supported (weights are dequantized)")
         if self.tokenizer_mode not in ("auto", "hf", "fast"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported (auto)")
         if self.revision is not None or self.tokenizer_revision is not None:
@@ -111,7 +111,8 @@ class EngineArgs:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens is None:
             max_batched = max(max_batched, max_model_len)
         model = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
-                            max_model_len=max_model_len, seed=self.seed, device=self.device)
+                            max_model_len=max_model_len, seed=self.seed, device=self.device,
+                            quantization=self.quantization)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             num_gpu_blocks_override=self.num_gpu_blocks_override)
@@ -158,7 +159,9 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--swap-space", type=float, default=None)
     g.add_argument("--enable-prefix-caching", action="store_true", default=None)
-    g.add_argument("--quantization", default=None)
+    g.add_argument("--quantization", "-q", default=None, choices=["gguf", "int8"],
+                   help="int8: CPU linear layers and LM head in int8 with dynamic activation "
+                        "quantization (faster at decode batch sizes, not exact; default: none)")
     g.add_argument("--disable-log-stats", action="store_true")
 
 

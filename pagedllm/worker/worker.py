@@ -10,6 +10,7 @@ from torch import nn
 
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.layers.linear import pack_linear_layers
+from pagedllm.layers.quantization import quantize_linear_layers
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.registry import get_model_class
 from pagedllm.worker.memory import (KVCacheShape, default_cpu_kv_cache_bytes, kv_bytes_from_utilization,
@@ -92,8 +93,10 @@ class Worker:
         t0 = time.perf_counter()
         self.model = build_model(hf_config, weights, self.dtype, self.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        # CPU float32: linear layers move into oneDNN's packed layout (layers/linear.py).
-        weight_bytes += pack_linear_layers(self.model, self.dtype, self.device, scheduler_config.max_num_seqs)
+        if model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
+            weight_bytes += quantize_linear_layers(self.model)
+        else:  # CPU float32: linear layers move into oneDNN's packed layout (layers/linear.py).
+            weight_bytes += pack_linear_layers(self.model, self.dtype, self.device, scheduler_config.max_num_seqs)
         self.weights_load_s = time.perf_counter() - t0
         logger.info("Model weights: %.1f MiB in %s on %s, loaded in %.2f s",
                     weight_bytes / 2**20, str(self.dtype).replace("torch.", ""), self.device, self.weights_load_s)
