@@ -48,18 +48,20 @@ class LinearShape:
 def model_linear_layers(model) -> list[tuple[object, int, int, int]]:
     """(layer, in_features, out_features, count) per distinct shape of the model's linear layers
     and LM head, each ``layer`` being a callable [M, in] -> [M, out] that runs the kernel the
-    engine runs (``nn.Linear`` or oneDNN's ``PackedLinear``; for the head, ``lm_head_logits``).
+    engine runs (``nn.Linear``, oneDNN's ``PackedLinear`` or ``Int8DynamicLinear``; for the head,
+    ``lm_head_logits``).
     """
     from functools import partial
 
     from torch import nn
 
     from pagedllm.layers.linear import PackedLinear, lm_head_logits
+    from pagedllm.layers.quantization import Int8DynamicLinear
 
     by_shape: dict[tuple[int, int], object] = {}
     counts: Counter[tuple[int, int]] = Counter()
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, PackedLinear)) and name not in ("lm_head", "packed_lm_head"):
+        if isinstance(module, (nn.Linear, PackedLinear, Int8DynamicLinear)) and name not in ("lm_head", "packed_lm_head"):
             key = (module.in_features, module.out_features)
             by_shape.setdefault(key, module)
             counts[key] += 1

@@ -67,6 +67,45 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
         return False
 
 
+class MergedLinear(nn.Linear):
+    """Linear layers that read the same input, held as one: ``y = x @ [W_0; W_1; ...]^T + [b_0; b_1; ...]``
+    (vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` on one device). One GEMM over
+    the stacked weight replaces two or three smaller ones, and whatever a kernel does per call
+    (oneDNN dispatch, the int8 layer's per-token scaling) happens once; the caller splits ``y``
+    by ``output_sizes``.
+
+    The checkpoint keeps the parts' names: ``models.utils.load_named_weights`` copies
+    ``<parent>.<shard_names[i]>.weight`` (and ``.bias``) into rows
+    ``sum(output_sizes[:i]) : sum(output_sizes[:i + 1])`` of this layer.
+
+    Args:
+        in_features: input width.
+        output_sizes: out_features of each part, in order.
+        shard_names: the parts' module names in the checkpoint (e.g. ``("q_proj", "k_proj", "v_proj")``).
+        bias: whether the parts have biases.
+    Shapes:
+        x: [..., in_features] -> [..., sum(output_sizes)].
+    Raises:
+        ValueError: if ``output_sizes`` and ``shard_names`` differ in length.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], shard_names: tuple[str, ...],
+                 bias: bool = False) -> None:
+        if len(output_sizes) != len(shard_names):
+            raise ValueError(f"{len(output_sizes)} output sizes for {len(shard_names)} shard names")
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = [int(n) for n in output_sizes]
+        self.shard_names = tuple(shard_names)
+
+    def shard_rows(self) -> dict[str, tuple[int, int]]:
+        """Shard name -> (first row, row count) in the stacked weight."""
+        rows, start = {}, 0
+        for name, size in zip(self.shard_names, self.output_sizes):
+            rows[name] = (start, size)
+            start += size
+        return rows
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` held in oneDNN's blocked layout (CPU, float32).
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedllm.attention import Attention
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.layers.linear import lm_head_logits
+from pagedllm.layers.linear import MergedLinear, lm_head_logits
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.models.utils import layer_types, load_named_weights, rope_params
@@ -32,12 +32,14 @@ class Gemma3MLP(nn.Module):
         if activation not in ("gelu_pytorch_tanh", "gelu"):
             raise ValueError(f"hidden_activation {activation!r} is not supported for Gemma 3")
         self.approximate = "tanh" if activation == "gelu_pytorch_tanh" else "none"
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        # gate_proj and up_proj as one layer (checkpoint names kept; models/utils.py).
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size],
+                                         ("gate_proj", "up_proj"), bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate=self.approximate) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
 
 
 class Gemma3Attention(nn.Module):
@@ -49,9 +51,10 @@ class Gemma3Attention(nn.Module):
         self.head_dim = int(config.get("head_dim") or 256)
         bias = bool(config.get("attention_bias", False))
         eps = float(config.get("rms_norm_eps", 1e-6))
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q_proj, k_proj and v_proj as one layer (checkpoint names kept; models/utils.py).
+        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size],
+                                     ("q_proj", "k_proj", "v_proj"), bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps)
@@ -65,9 +68,10 @@ class Gemma3Attention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         T = hidden_states.shape[0]
-        q = self.q_proj(hidden_states).view(T, self.num_heads, self.head_dim)      # [T, Hq, D]
-        k = self.k_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
-        v = self.v_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)      # [T, Hq, D] (views of the merged output)
+        k = k.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)         # [T, Hq, D]

@@ -13,7 +13,7 @@ from torch import nn
 
 from pagedllm.attention import Attention
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.layers.linear import lm_head_logits
+from pagedllm.layers.linear import MergedLinear, lm_head_logits
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.models.utils import layer_types, load_named_weights, rope_params
@@ -26,12 +26,14 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        # gate_proj and up_proj as one layer (checkpoint names kept; models/utils.py).
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size],
+                                         ("gate_proj", "up_proj"), bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaAttention(nn.Module):
@@ -45,9 +47,10 @@ class LlamaAttention(nn.Module):
         self.num_heads = int(config["num_attention_heads"])
         self.num_kv_heads = int(config.get("num_key_value_heads") or self.num_heads)
         self.head_dim = int(config.get("head_dim") or hidden // self.num_heads)
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q_proj, k_proj and v_proj as one layer (checkpoint names kept; models/utils.py).
+        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size],
+                                     ("q_proj", "k_proj", "v_proj"), bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         eps = float(config.get("rms_norm_eps", 1e-6))
         if qk_norm:
@@ -60,9 +63,10 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         T = hidden_states.shape[0]
-        q = self.q_proj(hidden_states).view(T, self.num_heads, self.head_dim)      # [T, Hq, D]
-        k = self.k_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
-        v = self.v_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)      # [T, Hq, D] (views of the merged output)
+        k = k.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)

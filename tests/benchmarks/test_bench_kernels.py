@@ -17,13 +17,13 @@ from pagedllm.entrypoints.cli import main
 
 
 def _expected_shapes(cfg: dict) -> Counter:
-    """(in, out) -> layer count, written out from the config: q, k, v, o, gate, up, down per layer
-    and the LM head [vocab, hidden] once."""
+    """(in, out) -> layer count, written out from the config: per layer the merged q/k/v
+    projection, o, the merged gate/up projection and down; the LM head [vocab, hidden] once."""
     h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv, inter = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d, cfg["intermediate_size"]
     c: Counter = Counter()
-    for shape, per_layer in (((h, q), 1), ((h, kv), 2), ((q, h), 1), ((h, inter), 2), ((inter, h), 1)):
+    for shape, per_layer in (((h, q + 2 * kv), 1), ((q, h), 1), ((h, 2 * inter), 1), ((inter, h), 1)):
         c[shape] += per_layer * n_layers
     c[(h, cfg["vocab_size"])] += 1
     return c

@@ -1,12 +1,14 @@
-"""oneDNN packed linear layers (pagedllm/layers/linear.py) against F.linear."""
+"""oneDNN packed linear layers (pagedllm/layers/linear.py) against F.linear; merged layers loaded
+from their parts' checkpoint names."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.linear import (CPU_GEMM_ENV, PackedLinear, lm_head_logits, onednn_linear_available,
-                                    pack_linear_layers)
+from pagedllm.layers.linear import (CPU_GEMM_ENV, MergedLinear, PackedLinear, lm_head_logits,
+                                    onednn_linear_available, pack_linear_layers)
+from pagedllm.models.utils import load_named_weights
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(torch.float32),
                                   reason="oneDNN float32 inner product not available")
@@ -72,3 +74,52 @@ def test_bad_cpu_gemm_name_is_a_value_error(monkeypatch):
     monkeypatch.setenv(CPU_GEMM_ENV, "blas")
     with pytest.raises(ValueError, match=CPU_GEMM_ENV):
         pack_linear_layers(_Tied(), torch.float32, torch.device("cpu"), 8)
+
+
+class _Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv_proj = MergedLinear(4, [3, 2, 2], ("q_proj", "k_proj", "v_proj"), bias=True)
+        self.o_proj = nn.Linear(3, 4, bias=False)
+
+
+def _attn_checkpoint():
+    torch.manual_seed(0)
+    return {"attn.q_proj.weight": torch.randn(3, 4), "attn.q_proj.bias": torch.randn(3),
+            "attn.k_proj.weight": torch.randn(2, 4), "attn.k_proj.bias": torch.randn(2),
+            "attn.v_proj.weight": torch.randn(2, 4), "attn.v_proj.bias": torch.randn(2),
+            "attn.o_proj.weight": torch.randn(4, 3)}
+
+
+def test_merged_linear_loads_its_shards_under_checkpoint_names():
+    model = nn.Module()
+    model.attn = _Attn()
+    ckpt = _attn_checkpoint()
+    assert model.attn.qkv_proj.shard_rows() == {"q_proj": (0, 3), "k_proj": (3, 2), "v_proj": (5, 2)}
+    loaded = load_named_weights(model, ckpt.items())
+    assert loaded == set(ckpt)
+    merged = model.attn.qkv_proj
+    torch.testing.assert_close(merged.weight[0:3], ckpt["attn.q_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(merged.weight[3:5], ckpt["attn.k_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(merged.weight[5:7], ckpt["attn.v_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(merged.bias[5:7], ckpt["attn.v_proj.bias"], rtol=0, atol=0)
+    x = torch.randn(5, 4)
+    q, k, v = merged(x).split(merged.output_sizes, dim=-1)
+    torch.testing.assert_close(k, F.linear(x, ckpt["attn.k_proj.weight"], ckpt["attn.k_proj.bias"]))
+
+
+def test_merged_linear_load_errors():
+    model = nn.Module()
+    model.attn = _Attn()
+    ckpt = _attn_checkpoint()
+    del ckpt["attn.v_proj.bias"]
+    with pytest.raises(ValueError, match="attn.v_proj.bias"):
+        load_named_weights(model, ckpt.items())
+    ckpt = _attn_checkpoint()
+    ckpt["attn.k_proj.weight"] = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="shape mismatch for attn.k_proj.weight"):
+        load_named_weights(model, ckpt.items())
+    with pytest.raises(ValueError, match="qkv_proj"):   # the merged name is not a checkpoint name
+        load_named_weights(model, [("attn.qkv_proj.weight", torch.randn(7, 4))])
+    with pytest.raises(ValueError, match="output sizes"):
+        MergedLinear(4, [3, 2], ("q_proj", "k_proj", "v_proj"))
