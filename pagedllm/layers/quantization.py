@@ -35,9 +35,11 @@ logger = logging.getLogger(__name__)
 # Weights use 7 of int8's bits (|q| <= 63) so that activations can use all 8 (uint8 0..255):
 # AVX2's vpmaddubsw adds two uint8 x int8 products into a saturating int16, and
 # 255 * 63 * 2 = 32130 < 2**15, where 255 * 127 * 2 would overflow (measured: x = W = ones gave
-# half the right answer). On the default model, 7-bit weights with 8-bit activations raised the
-# perplexity 4% where 8-bit weights with 7-bit activations raised it 14% (docs/performance.md).
+# half the right answer). On the default model (the shared workload's first 16 prompts), 7-bit
+# weights with 8-bit activations raised the perplexity 5% where 8-bit weights with 7-bit
+# activations raised it 14% (docs/performance.md, step 6).
 WEIGHT_QMAX = 63
+
 
 @functools.lru_cache(maxsize=None)
 def int8_linear_available() -> bool:
@@ -71,7 +73,8 @@ def quantize_weight_per_channel(weight: torch.Tensor, qmax: int = WEIGHT_QMAX) -
 
 
 class Int8DynamicLinear(nn.Module):
-    """``y = x @ W^T + b`` with ``W`` int8 per output channel and ``x`` quantized per call (fbgemm).
+    """``y = x @ W^T + b`` with ``W`` int8 per output channel and ``x`` scaled per token, then
+    quantized to uint8 per call (fbgemm).
 
     Args:
         weight: [out_features, in_features] float (quantized here; the float copy is not kept).
@@ -91,7 +94,7 @@ class Int8DynamicLinear(nn.Module):
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.reduce_range = reduce_range
         wq, scale = quantize_weight_per_channel(weight, weight_qmax)
-        torch.backends.quantized.engine = "fbgemm"
+        torch.backends.quantized.engine = "fbgemm"  # torch's process-wide choice; x86's only engine
         with warnings.catch_warnings():  # torch's notice that quantized tensors are deprecated
             warnings.simplefilter("ignore")
             qweight = torch._make_per_channel_quantized_tensor(
