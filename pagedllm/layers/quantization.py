@@ -94,7 +94,7 @@ class Int8DynamicLinear(nn.Module):
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.reduce_range = reduce_range
         wq, scale = quantize_weight_per_channel(weight, weight_qmax)
-        torch.backends.quantized.engine = "fbgemm"  # torch's process-wide choice; x86's only engine
+        torch.backends.quantized.engine = "fbgemm"  # torch's process-wide quantized engine
         with warnings.catch_warnings():  # torch's notice that quantized tensors are deprecated
             warnings.simplefilter("ignore")
             qweight = torch._make_per_channel_quantized_tensor(
