@@ -274,7 +274,11 @@ def _cmd_accuracy(ns) -> int:
     candidate_args = engine_args_from_cli(ns)
     reference_args = dataclasses.replace(candidate_args, dtype="float32", quantization=None)
     label = f"dtype {candidate_args.dtype}, quantization {candidate_args.quantization}"
-    if reference_args == candidate_args:
+    import torch
+
+    runs_float32 = candidate_args.dtype in ("float32", "float") or (
+        candidate_args.dtype == "auto" and (candidate_args.device == "cpu" or not torch.cuda.is_available()))
+    if runs_float32 and candidate_args.quantization in (None, "gguf"):
         raise ValueError("the candidate settings are the float32 reference itself; pass --quantization int8 "
                          "or --dtype bfloat16")
     scores, prompts = [], None

@@ -64,9 +64,10 @@ class LLMEngine:
         self.stat_loggers: list[StatLogger] = []
         self._ids = itertools.count()
         self.load_time_s = time.perf_counter() - t0
-        logger.info("Engine ready in %.2f s: model=%s dtype=%s device=%s max_model_len=%d block_size=%d "
-                    "max_num_seqs=%d max_num_batched_tokens=%d", self.load_time_s, files.source,
-                    str(self.worker.dtype).replace("torch.", ""), self.worker.device, sched_cfg.max_model_len,
+        logger.info("Engine ready in %.2f s: model=%s dtype=%s quantization=%s device=%s max_model_len=%d "
+                    "block_size=%d max_num_seqs=%d max_num_batched_tokens=%d", self.load_time_s, files.source,
+                    str(self.worker.dtype).replace("torch.", ""), model_cfg.quantization, self.worker.device,
+                    sched_cfg.max_model_len,
                     cache_cfg.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
 
     @classmethod

@@ -32,7 +32,7 @@ def test_quantize_weight_per_channel_by_hand():
 def _int8_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Largest |y - x W^T| int8 rounding allows per output element [M, N]: weight steps of
     scale[o] (error <= scale/2 each) and activation steps of at most 2 * max|x_row| / 255 (uint8
-    over the normalized rows' [min, max], error <= step/2 each), plus their product."""
+    over the row's [min, max], error <= step/2 each), plus their product."""
     _, scale = quantize_weight_per_channel(w)
     x_step = 2 * x.abs().amax(dim=1, keepdim=True) / 255            # [M, 1]
     w_err = scale[None, :] / 2                                       # [1, N]
@@ -59,11 +59,28 @@ def test_int8_linear_within_rounding_bound_of_f_linear(m, bias):
 
 @needs_int8
 def test_int8_does_not_saturate_where_full_range_weights_would():
-    """All-ones x and W: every uint8 x int8 pair sum is at its largest. With 8-bit weights AVX2's
-    int16 pair sums saturate (fbgemm then returns about half); with the 7-bit weights they do not."""
-    w, x = torch.ones(8, 64), torch.ones(2, 64)
-    torch.testing.assert_close(Int8DynamicLinear(w, None)(x), torch.full((2, 8), 64.0))
-    torch.testing.assert_close(Int8DynamicLinear(-w, None)(x), torch.full((2, 8), -64.0))
+    """Rows of +1 (one -1 to give them a range): their activations quantize to uint8 255 and every
+    uint8 x int8 pair sum is at its largest. With 8-bit weights AVX2's int16 pair sums saturate
+    (fbgemm then returns about 0.5 instead of 62); with the 7-bit weights they do not."""
+    w = torch.ones(8, 64)
+    x = torch.ones(2, 64)
+    x[:, -1] = -1.0
+    torch.testing.assert_close(Int8DynamicLinear(w, None)(x), torch.full((2, 8), 62.0), rtol=1e-2, atol=0)
+    torch.testing.assert_close(Int8DynamicLinear(-w, None)(x), torch.full((2, 8), -62.0), rtol=1e-2, atol=0)
+
+
+@needs_int8
+def test_int8_result_of_a_row_does_not_depend_on_the_batch():
+    """Each row is mapped onto [-1, 1] by its own range, so fbgemm's per-call range is the same for
+    any batch: a row alone and the same row among others give bitwise the same output."""
+    torch.manual_seed(3)
+    layer = Int8DynamicLinear(torch.randn(40, 96) * 0.05, torch.randn(40))
+    x = torch.randn(9, 96) * torch.logspace(-3, 2, 9)[:, None] + torch.randn(9, 1)
+    x[4] = 0.7                                   # a constant row too
+    batched = layer(x)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+    assert torch.equal(batched, alone)
+    assert torch.equal(layer(x[2:5]), batched[2:5])
 
 
 @needs_int8
@@ -94,14 +111,18 @@ def test_quantize_linear_layers_replaces_linears_and_the_tied_head():
     torch.manual_seed(0)
     model = _Tied()
     x = torch.randn(3, 16)
-    want_proj, want_logits = model.model.proj(x), F.linear(x, model.model.embed_tokens.weight)
+    w_proj, b_proj = model.model.proj.weight.detach().clone(), model.model.proj.bias.detach().clone()
+    w_head = model.model.embed_tokens.weight.detach().clone()
     delta = quantize_linear_layers(model)
     assert isinstance(model.model.proj, Int8DynamicLinear)
     assert isinstance(model.packed_lm_head, Int8DynamicLinear)
-    # proj: 24*16 float32 + 24 bias (4 B) -> 24*16 int8 + 24 scales + 24 bias; head: 50*16 int8 + 50 scales.
-    assert delta == (24 * 16 + 24 * 4 + 24 * 4) - (24 * 16 * 4 + 24 * 4) + (50 * 16 + 50 * 4)
-    torch.testing.assert_close(model.model.proj(x), want_proj, rtol=0.05, atol=0.05)
-    torch.testing.assert_close(lm_head_logits(model, x), want_logits, rtol=0.05, atol=0.05)
+    # proj: 24*16 float32 + 24 bias (4 B) -> 24*16 int8 + 24 scales + 24 row sums + 24 bias;
+    # head: 50*16 int8 + 50 scales + 50 row sums.
+    assert delta == (24 * 16 + 3 * 24 * 4) - (24 * 16 * 4 + 24 * 4) + (50 * 16 + 2 * 50 * 4)
+    proj_err = (model.model.proj(x) - F.linear(x, w_proj, b_proj)).abs()
+    assert bool((proj_err <= _int8_error_bound(x, w_proj)).all())
+    head_err = (lm_head_logits(model, x) - F.linear(x, w_head)).abs()
+    assert bool((head_err <= _int8_error_bound(x, w_head)).all())
 
 
 def test_quantize_linear_layers_needs_float32_on_cpu():
