@@ -4,12 +4,13 @@ Weights are quantized once after loading, symmetrically per output channel:
 ``scale[o] = max_i |W[o, i]| / 63``, ``Wq[o, i] = round(W[o, i] / scale[o])`` (int8 storage,
 7-bit range: ``WEIGHT_QMAX``; the per-channel scheme of Jacob et al. 2018, "Quantization and
 Training of Neural Networks for Efficient Integer-Arithmetic-Only Inference", with zero point 0).
-At run time each token's activation row is mapped affinely onto [-1, 1] by its own min and max
-(per-token dynamic activation quantization, as in vLLM's dynamic W8A8 and LLM.int8(), Dettmers et
-al. 2022), then fbgemm quantizes the [M, in] input to uint8 with one scale and zero point from its
-min/max, which is then always [-1, 1] (``torch.ops.quantized.linear_dynamic``), multiplies in
-integers with 32-bit accumulation and returns float32; the row's scale and shift are undone and
-the bias is added. So a request's result does not depend on what else is in the batch.
+At run time each token's activation row is divided by its own max |x| (per-token dynamic
+activation scaling, as in vLLM's dynamic W8A8 and LLM.int8(), Dettmers et al. 2022); two constant
+columns (+1, -1, against zero weights) pin the input's range to exactly [-1, 1]; fbgemm quantizes
+the input to uint8 with the scale and zero point of that range
+(``torch.ops.quantized.linear_dynamic``), multiplies in integers with 32-bit accumulation and
+returns float32; the row's scale is undone and the bias added. So a request's result does not
+depend on what else is in the batch.
 
 What it costs: results are no longer those of the float32 model. ``pagedllm bench accuracy`` measures the cost against float32 (README, Benchmarks).
 What it gives on this project's CPU: ``pagedllm bench kernels`` and docs/performance.md.
@@ -38,9 +39,6 @@ logger = logging.getLogger(__name__)
 # weights with 8-bit activations raised the perplexity 5% where 8-bit weights with 7-bit
 # activations raised it 14% (docs/performance.md, step 6).
 WEIGHT_QMAX = 63
-# Each activation row's half-range is shrunk by this fraction before clamping to [-1, 1]
-# (``Int8DynamicLinear.forward``).
-ROW_RANGE_MARGIN = 2.0 ** -10
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,32 +97,26 @@ class Int8DynamicLinear(nn.Module):
         torch.backends.quantized.engine = "fbgemm"  # torch's process-wide quantized engine
         with warnings.catch_warnings():  # torch's notice that quantized tensors are deprecated
             warnings.simplefilter("ignore")
+            wq_pinned = torch.cat([wq, torch.zeros(self.out_features, 2, dtype=torch.int8)], dim=1)  # [out, in + 2]
             qweight = torch._make_per_channel_quantized_tensor(
-                wq, scale.double(), torch.zeros(self.out_features, dtype=torch.long), 0)
+                wq_pinned, scale.double(), torch.zeros(self.out_features, dtype=torch.long), 0)
             self.packed_params = torch.ops.quantized.linear_prepack(qweight, None)
-        # sum_i Wq[o, i] * scale[o]: the quantized weight's row sums, for undoing the row shift.
-        self.weight_row_sums = (wq.float().sum(dim=1) * scale)[None, :]   # [1, out]
+        self.range_pins = torch.tensor([[1.0, -1.0]])   # the two extra input columns (forward)
         # The bias is added after the per-token rescaling, so it stays out of the packed kernel.
         self.bias = None if bias is None else bias.detach().float().clone()
-        self.weight_bytes = (wq.numel() + 4 * scale.numel() + 4 * self.out_features   # int8, scales, row sums
-                             + (0 if bias is None else 4 * bias.numel()))
+        self.weight_bytes = wq_pinned.numel() + 4 * scale.numel() + (0 if bias is None else 4 * bias.numel())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
-        # Per-token affine scaling: row r becomes x' = (x - c_r) / h_r with c_r its midrange and h_r
-        # its half-range, shrunk by ROW_RANGE_MARGIN and clamped, so that every row holds exactly
-        # -1 and +1 (the margin covers float32 rounding in x - c_r for rows whose midrange is up
-        # to ~10^4 times their half-range; it moves the extremes by 1/8 of a quantization step).
-        # fbgemm's per-call range is then always [-1, 1]: each row gets its own 8-bit grid, and
-        # a request's result does not depend on the other rows of the batch. Undo it with
-        # x W^T = h_r (x' W^T) + c_r (sum_i W[:, i]).
-        hi, lo = x2.amax(dim=1, keepdim=True), x2.amin(dim=1, keepdim=True)   # [M, 1] each
-        half = (hi - lo).mul_(0.5 * (1.0 - ROW_RANGE_MARGIN)).clamp_(min=1e-30)
-        center = (hi + lo).mul_(0.5)
-        xn = (x2 - center).div_(half).clamp_(-1.0, 1.0)
-        y = torch.ops.quantized.linear_dynamic(xn, self.packed_params, self.reduce_range)
-        y = y.mul_(half).addcmul_(center, self.weight_row_sums)
+        # Per-token scaling: row r is divided by its own max |x| (so it lies in [-1, 1]) and its
+        # output multiplied back ((x / r) W^T r = x W^T). Two extra input columns hold +1 and -1
+        # against zero weight columns: they add nothing to y, but they make fbgemm's per-call
+        # [min, max] exactly [-1, 1] for every batch, so a row's quantization, and with it a
+        # request's result, does not depend on the other rows of the batch.
+        row_max = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)                # [M, 1]
+        xn = torch.cat([x2 / row_max, self.range_pins.expand(x2.shape[0], 2)], dim=1)  # [M, in + 2]
+        y = torch.ops.quantized.linear_dynamic(xn, self.packed_params, self.reduce_range).mul_(row_max)
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.view(*lead, self.out_features)

@@ -116,9 +116,9 @@ def test_quantize_linear_layers_replaces_linears_and_the_tied_head():
     delta = quantize_linear_layers(model)
     assert isinstance(model.model.proj, Int8DynamicLinear)
     assert isinstance(model.packed_lm_head, Int8DynamicLinear)
-    # proj: 24*16 float32 + 24 bias (4 B) -> 24*16 int8 + 24 scales + 24 row sums + 24 bias;
-    # head: 50*16 int8 + 50 scales + 50 row sums.
-    assert delta == (24 * 16 + 3 * 24 * 4) - (24 * 16 * 4 + 24 * 4) + (50 * 16 + 2 * 50 * 4)
+    # proj: 24*16 float32 + 24 bias (4 B) -> 24*(16+2) int8 (two range-pin columns) + 24 scales + 24 bias;
+    # head: 50*(16+2) int8 + 50 scales.
+    assert delta == (24 * 18 + 2 * 24 * 4) - (24 * 16 * 4 + 24 * 4) + (50 * 18 + 50 * 4)
     proj_err = (model.model.proj(x) - F.linear(x, w_proj, b_proj)).abs()
     assert bool((proj_err <= _int8_error_bound(x, w_proj)).all())
     head_err = (lm_head_logits(model, x) - F.linear(x, w_head)).abs()
