@@ -6,7 +6,7 @@ its linear layers; everything is restored on exit. Each component's wall time is
 ``time.perf_counter``. Components nest (the decoder's linear layers run inside the model
 forward), so the table reports the exclusive part of each:
 
-- ``linear layers``: every ``nn.Linear`` / ``PackedLinear`` / ``Int8DynamicLinear`` of the decoder (hooks);
+- ``linear layers``: every ``nn.Linear`` / ``KernelLinear`` (oneDNN, int8) of the decoder (hooks);
 - ``LM head``: ``model.compute_logits``;
 - ``attention``: each layer's ``Attention`` call (KV write + paged attention);
 - ``model forward, other``: the forward minus the two above (norms, RoPE, activations, residual
@@ -75,8 +75,7 @@ class StepBreakdown:
         from torch import nn
 
         from pagedllm.attention import Attention
-        from pagedllm.layers.linear import PackedLinear
-        from pagedllm.layers.quantization import Int8DynamicLinear
+        from pagedllm.layers.linear import KernelLinear
 
         eng = self.engine
         runner = eng.model_runner
@@ -103,7 +102,7 @@ class StepBreakdown:
                     self._patch(module, name, "attention")
             if qualname in ("lm_head", "packed_lm_head"):
                 continue  # timed as the LM head
-            if isinstance(module, (nn.Linear, PackedLinear, Int8DynamicLinear)):
+            if isinstance(module, (nn.Linear, KernelLinear)):
                 self._stack.callback(module.register_forward_pre_hook(pre).remove)
                 self._stack.callback(module.register_forward_hook(post).remove)
         return self

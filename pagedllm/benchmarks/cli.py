@@ -276,9 +276,12 @@ def _cmd_accuracy(ns) -> int:
     label = f"dtype {candidate_args.dtype}, quantization {candidate_args.quantization}"
     import torch
 
-    runs_float32 = candidate_args.dtype in ("float32", "float") or (
-        candidate_args.dtype == "auto" and (candidate_args.device == "cpu" or not torch.cuda.is_available()))
-    if runs_float32 and candidate_args.quantization in (None, "gguf"):
+    from pagedllm.loaders.model_files import load_config, resolve_model
+    from pagedllm.worker.worker import resolve_device, resolve_dtype
+
+    candidate_dtype = resolve_dtype(candidate_args.dtype, load_config(resolve_model(candidate_args.model).folder),
+                                    resolve_device(candidate_args.device))   # the engine's own rule for "auto"
+    if candidate_dtype == torch.float32 and candidate_args.quantization in (None, "gguf"):
         raise ValueError("the candidate settings are the float32 reference itself; pass --quantization int8 "
                          "or --dtype bfloat16")
     scores, prompts = [], None

@@ -55,13 +55,12 @@ def model_linear_layers(model) -> list[tuple[object, int, int, int]]:
 
     from torch import nn
 
-    from pagedllm.layers.linear import PackedLinear, lm_head_logits
-    from pagedllm.layers.quantization import Int8DynamicLinear
+    from pagedllm.layers.linear import KernelLinear, lm_head_logits
 
     by_shape: dict[tuple[int, int], object] = {}
     counts: Counter[tuple[int, int]] = Counter()
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, PackedLinear, Int8DynamicLinear)) and name not in ("lm_head", "packed_lm_head"):
+        if isinstance(module, (nn.Linear, KernelLinear)) and name not in ("lm_head", "packed_lm_head"):
             key = (module.in_features, module.out_features)
             by_shape.setdefault(key, module)
             counts[key] += 1

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-                             CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+                             SUPPORTED_QUANTIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--swap-space", type=float, default=None)
     g.add_argument("--enable-prefix-caching", action="store_true", default=None)
-    g.add_argument("--quantization", "-q", default=None, choices=["gguf", "int8"],
+    g.add_argument("--quantization", "-q", default=None, choices=[q for q in SUPPORTED_QUANTIZATION if q],
                    help="int8: CPU linear layers and LM head in int8 with dynamic activation "
                         "quantization (faster at decode batch sizes, not exact; default: none)")
     g.add_argument("--disable-log-stats", action="store_true")

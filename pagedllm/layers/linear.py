@@ -106,7 +106,37 @@ class MergedLinear(nn.Linear):
         return rows
 
 
-class PackedLinear(nn.Module):
+class KernelLinear(nn.Module):
+    """Base of the layers that replace ``nn.Linear`` after loading with a kernel of their own
+    (``PackedLinear`` here, ``layers.quantization.Int8DynamicLinear``): code that looks for the
+    model's linear layers matches ``(nn.Linear, KernelLinear)``. Subclasses set ``in_features``
+    and ``out_features``."""
+
+    in_features: int
+    out_features: int
+
+
+def replace_linear_layers(model: nn.Module, make_layer) -> tuple[int, bool]:
+    """Replace every ``nn.Linear`` of ``model`` by ``make_layer(weight, bias)`` and, for a model
+    with a tied LM head, set ``model.packed_lm_head = make_layer(embedding matrix, None)`` (read by
+    ``lm_head_logits``; the embedding stays for the token lookup).
+
+    Returns:
+        (layers replaced, whether the tied head was set).
+    """
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, make_layer(child.weight, child.bias))
+                replaced += 1
+    tied = bool(getattr(model, "tie_word_embeddings", False)) and hasattr(model, "packed_lm_head")
+    if tied:
+        model.packed_lm_head = make_layer(model.model.embed_tokens.weight, None)
+    return replaced, tied
+
+
+class PackedLinear(KernelLinear):
     """``y = x @ W^T + b`` with ``W`` held in oneDNN's blocked layout (CPU, float32).
 
     Args:
@@ -148,25 +178,17 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
     if device.type != "cpu" or cpu_gemm_from_env() is not CpuGemm.ONEDNN or not onednn_linear_available(dtype):
         return 0
     hint = max(1, int(batch_hint))
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias, hint))
-                replaced += 1
-    extra = 0
-    if getattr(model, "tie_word_embeddings", False) and hasattr(model, "packed_lm_head"):
-        weight = model.model.embed_tokens.weight
-        model.packed_lm_head = PackedLinear(weight, None, hint)
-        extra = weight.numel() * weight.element_size()
+    replaced, tied = replace_linear_layers(model, lambda weight, bias: PackedLinear(weight, bias, hint))
+    weight = model.model.embed_tokens.weight if tied else None
+    extra = weight.numel() * weight.element_size() if tied else 0
     logger.info("oneDNN packed %d linear layers%s (batch hint %d)", replaced,
                 f" and the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "", hint)
     return extra
 
 
 def lm_head_logits(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """[N, hidden] -> [N, vocab] through the packed tied head, the ``lm_head`` module, or the
-    embedding matrix (tied, unpacked), in that order of preference."""
+    """[N, hidden] -> [N, vocab] through the tied head's kernel copy (``packed_lm_head``: oneDNN or
+    int8), the ``lm_head`` module, or the embedding matrix (tied, plain), in that order."""
     packed = getattr(model, "packed_lm_head", None)
     if packed is not None:
         return packed(hidden_states)

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.linear import KernelLinear, replace_linear_layers
+
 logger = logging.getLogger(__name__)
 
 # Weights use 7 of int8's bits (|q| <= 63) so that activations can use all 8 (uint8 0..255):
@@ -72,7 +74,7 @@ def quantize_weight_per_channel(weight: torch.Tensor, qmax: int = WEIGHT_QMAX) -
     return wq, scale
 
 
-class Int8DynamicLinear(nn.Module):
+class Int8DynamicLinear(KernelLinear):
     """``y = x @ W^T + b`` with ``W`` int8 per output channel and ``x`` scaled per token, then
     quantized to uint8 per call (fbgemm).
 
@@ -141,19 +143,10 @@ def quantize_linear_layers(model: nn.Module) -> int:
         raise ValueError(f"quantization='int8' needs a float32 model on the CPU, got {param.dtype} on {param.device}")
     if not int8_linear_available():
         raise ValueError("quantization='int8' needs torch's fbgemm engine (x86 CPU builds); it is unavailable here")
-    delta = 0
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                layer = Int8DynamicLinear(child.weight, child.bias)
-                delta += layer.weight_bytes - sum(p.numel() * p.element_size() for p in child.parameters())
-                setattr(parent, name, layer)
-                replaced += 1
-    tied = getattr(model, "tie_word_embeddings", False) and hasattr(model, "packed_lm_head")
-    if tied:
-        model.packed_lm_head = Int8DynamicLinear(model.model.embed_tokens.weight, None)
-        delta += model.packed_lm_head.weight_bytes
+    before = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, nn.Linear)
+                 for p in m.parameters())
+    replaced, tied = replace_linear_layers(model, Int8DynamicLinear)
+    delta = sum(m.weight_bytes for m in model.modules() if isinstance(m, Int8DynamicLinear)) - before
     logger.info("int8: quantized %d linear layers%s (%+.0f MiB)", replaced,
                 " and the tied LM head" if tied else "",
                 delta / 2**20)

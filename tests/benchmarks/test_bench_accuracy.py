@@ -10,7 +10,6 @@ import torch
 
 from pagedllm.benchmarks.accuracy import RequestScore, compare_scores
 from pagedllm.entrypoints.cli import main
-from pagedllm.layers.quantization import int8_linear_available
 
 ENGINE_FLAGS = ["--kv-cache-memory-bytes", "8MiB", "--max-model-len", "256", "--block-size", "8"]
 
@@ -57,7 +56,8 @@ def _hf_perplexity(model_dir: str, prompts: list[list[int]], int8: bool = False)
     return math.exp(nll / n)
 
 
-@pytest.mark.skipif(not int8_linear_available(), reason="fbgemm int8 linear not available")
+@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
+                    reason="this torch build has no fbgemm engine")
 def test_bench_accuracy_int8_on_a_tiny_model(make_tiny_checkpoint, tmp_path, capsys):
     model = make_tiny_checkpoint("llama")
     prompts = [[5, 9, 14, 3, 27, 8, 11, 40, 2, 19, 33], [7, 7, 21, 4, 16, 30], [12, 50, 3, 9, 9, 28, 6, 17]]

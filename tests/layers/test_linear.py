@@ -35,21 +35,11 @@ def test_packed_linear_keeps_leading_dims():
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-class _Tied(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(50, 16)
-        self.model.proj = nn.Linear(16, 16)
-        self.tie_word_embeddings = True
-        self.packed_lm_head = None
-
-
 @needs_onednn
-def test_pack_linear_layers_replaces_linears_and_packs_tied_head(monkeypatch):
+def test_pack_linear_layers_replaces_linears_and_packs_tied_head(monkeypatch, tied_toy):
     monkeypatch.delenv(CPU_GEMM_ENV, raising=False)
     torch.manual_seed(0)
-    model = _Tied()
+    model = tied_toy()
     x = torch.randn(3, 16)
     want_proj = model.model.proj(x)
     want_logits = F.linear(x, model.model.embed_tokens.weight)
@@ -60,8 +50,8 @@ def test_pack_linear_layers_replaces_linears_and_packs_tied_head(monkeypatch):
     torch.testing.assert_close(lm_head_logits(model, x), want_logits, rtol=1e-5, atol=1e-5)
 
 
-def test_pack_linear_layers_is_a_no_op_for_torch_gemm_and_bf16(monkeypatch):
-    model = _Tied()
+def test_pack_linear_layers_is_a_no_op_for_torch_gemm_and_bf16(monkeypatch, tied_toy):
+    model = tied_toy()
     monkeypatch.setenv(CPU_GEMM_ENV, "torch")
     assert pack_linear_layers(model, torch.float32, torch.device("cpu"), 8) == 0
     assert isinstance(model.model.proj, nn.Linear) and model.packed_lm_head is None
@@ -70,10 +60,10 @@ def test_pack_linear_layers_is_a_no_op_for_torch_gemm_and_bf16(monkeypatch):
     assert isinstance(model.model.proj, nn.Linear)
 
 
-def test_bad_cpu_gemm_name_is_a_value_error(monkeypatch):
+def test_bad_cpu_gemm_name_is_a_value_error(monkeypatch, tied_toy):
     monkeypatch.setenv(CPU_GEMM_ENV, "blas")
     with pytest.raises(ValueError, match=CPU_GEMM_ENV):
-        pack_linear_layers(_Tied(), torch.float32, torch.device("cpu"), 8)
+        pack_linear_layers(tied_toy(), torch.float32, torch.device("cpu"), 8)
 
 
 class _Attn(nn.Module):

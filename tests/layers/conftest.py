@@ -1,0 +1,23 @@
+"""A toy model with the attributes the linear-layer replacements read (``model.embed_tokens``,
+``tie_word_embeddings``, ``packed_lm_head``)."""
+
+import pytest
+from torch import nn
+
+
+class TiedToy(nn.Module):
+    """Embedding [50, 16] (the tied head) and one ``proj`` linear [out_features, 16] with bias."""
+
+    def __init__(self, out_features: int = 16):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(50, 16)
+        self.model.proj = nn.Linear(16, out_features)
+        self.tie_word_embeddings = True
+        self.packed_lm_head = None
+
+
+@pytest.fixture
+def tied_toy():
+    """Factory: ``tied_toy(out_features=16)`` -> a fresh ``TiedToy``."""
+    return TiedToy
