@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.core.sched_output import Logprob
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token (natural log, from the model's raw logits).
+
+    Attributes:
+        logprob: log p(token), from the unprocessed logits.
+        rank: 1-based rank of the token under those logits, or None.
+        decoded_token: the token's text, filled by the detokenizer, or None.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 # Per generated (or prompt) token: {token_id: Logprob} for the chosen token and the top-k.
 SampleLogprobs = list[dict[int, Logprob]]

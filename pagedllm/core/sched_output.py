@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -72,15 +73,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class Logprob:
-    """Log-probability of one token (natural log, from the model's raw logits)."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
 
 
 @dataclass

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.core.sched_output import EngineCoreOutput, Logprob
+from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.metrics.stats import IterationStats
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import Tokenizer
 

@@ -10,9 +10,9 @@ import pytest
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import (EngineCoreOutput, Logprob, ModelRunnerOutput,
-                                        SchedulerOutput)
+from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
 EOS = 2

@@ -12,7 +12,6 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.core.sched_output import Logprob
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, OutputStream
 from pagedllm.entrypoints.chat_utils import ChatTemplateError, render_chat_prompt
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
@@ -23,7 +22,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
 from pagedllm.entrypoints.openai.serving_engine import (MIN_LOGPROB, OpenAIServing, bad_request, clamp_logprob,
                                                        error_from_exception)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)

@@ -14,12 +14,11 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.core.sched_output import Logprob
 from pagedllm.engine.async_engine import EngineDeadError, EngineStepError, OutputStream
 from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                   CompletionResponseChoice, CompletionStreamResponse, UsageInfo)
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, bad_request, clamp_logprob, error_from_exception
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ from typing import Any, Awaitable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.core.sched_output import Logprob
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
