@@ -8,7 +8,9 @@ carry their settings over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 # CPU defaults: a step of the default model (Gemma 3 270M) over 1024 tokens takes about 3 s on two
 # cores. 1024 rather than 512 gives 3.6% more output tokens/s on the shared workload (fewer steps in
@@ -20,6 +22,11 @@ SUPPORTED_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 # ``quantization`` values: None / "gguf" run the weights in ``dtype`` (a GGUF file is dequantized);
 # "int8" runs linear layers in int8 on the CPU (layers/quantization.py).
 SUPPORTED_QUANTIZATION = (None, "gguf", "int8")
+# ``ModelConfig.attention_backend``: "auto" or a backend of ``attention/backends`` (kept in sync
+# with ``attention.backends.BACKEND_NAMES``; config.py imports no torch).
+SUPPORTED_ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_sdpa", "cpu_paged")
+# ``ModelConfig.cpu_gemm``: the CPU float32 linear kernel (``layers/linear.py``).
+SUPPORTED_CPU_GEMMS = ("onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -34,12 +41,16 @@ class CacheConfig:
         gpu_memory_utilization: fraction (0, 1] of device memory for weights + activations + KV on
             CUDA. Accepted and logged as not applying on the CPU.
         num_gpu_blocks_override: force the number of KV blocks (tests), bypassing the budget.
+        cpu_kvcache_space_bytes: the CPU KV budget in bytes when ``kv_cache_memory_bytes`` is
+            None (``EngineArgs`` fills it from ``PAGEDLLM_CPU_KVCACHE_SPACE``, GiB); None means
+            min(25% of available RAM, 4 GiB).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    cpu_kvcache_space_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -50,6 +61,8 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kvcache_space_bytes is not None and self.cpu_kvcache_space_bytes <= 0:
+            raise ValueError(f"cpu_kvcache_space_bytes must be > 0 bytes, got {self.cpu_kvcache_space_bytes}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
@@ -85,6 +98,10 @@ class SchedulerConfig:
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
 
 
+# ``ParallelConfig.distributed_executor_backend`` values (vLLM's names); only "uni" exists today.
+SUPPORTED_EXECUTOR_BACKENDS = (None, "uni")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Parallelism; only single-process execution exists today.
@@ -93,11 +110,14 @@ class ParallelConfig:
         tensor_parallel_size: shards per layer (torch.distributed); must be 1 for now.
         pipeline_parallel_size: pipeline stages; must be 1 for now.
         data_parallel_size: engine replicas; must be 1 for now.
+        distributed_executor_backend: which executor runs the workers (``executor/``): None
+            picks by world size ("uni", one in-process worker, for 1); "uni" forces it.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -105,6 +125,118 @@ class ParallelConfig:
             if value != 1:
                 raise ValueError(
                     f"{name}={value} is not supported yet: pagedllm runs one process per engine")
+        if self.distributed_executor_backend not in SUPPORTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {SUPPORTED_EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine: tensor x pipeline parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def _text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's part of a config.json dict (multimodal checkpoints nest it in ``text_config``)."""
+    if "text_config" in hf_config:
+        return {**hf_config["text_config"], "architectures": hf_config.get("architectures")}
+    return hf_config
+
+
+def _rope_params(config: dict[str, Any], layer_type: str | None, default_theta: float) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling dict or None) of one layer type.
+
+    Reads transformers 5's ``rope_parameters`` (flat, or keyed by layer type as Gemma 3 writes it)
+    and the legacy ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq`` keys.
+    """
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = params if params.get("rope_type", "default") != "default" else None
+        return theta, scaling
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in config:
+        return float(config["rope_local_base_freq"]), None
+    return float(config.get("rope_theta", default_theta)), config.get("rope_scaling")
+
+
+def _layer_types(config: dict[str, Any], default_pattern: int | None) -> tuple[str, ...]:
+    """Per-layer attention type ("full_attention" / "sliding_attention")."""
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types:
+        if len(types) != n:
+            raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+        return tuple(types)
+    pattern = config.get("sliding_window_pattern", default_pattern)
+    if pattern:
+        return tuple("sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n))
+    return ("full_attention",) * n
+
+
+def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The architecture fields of ``ModelConfig``, read once from a checkpoint's config.json.
+
+    Every default a model family applies to a missing key is resolved here (Gemma 3: head_dim 256,
+    tied embeddings, a sliding layer pattern of 6 and RoPE bases 10 000 / 1 000 000; Llama family:
+    head_dim = hidden_size / num_attention_heads, untied), so models read plain values.
+
+    Args:
+        hf_config: config.json as a dict (a multimodal one's ``text_config`` is used).
+    Returns:
+        Keyword arguments for ``ModelConfig``.
+    Raises:
+        ValueError: if a required key is missing or ``layer_types`` disagrees with the layer count.
+    """
+    archs = tuple(hf_config.get("architectures") or ())
+    cfg = _text_config(hf_config)
+    try:
+        hidden = int(cfg["hidden_size"])
+        num_heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
+        vocab_size = int(cfg["vocab_size"])
+        intermediate = int(cfg["intermediate_size"])
+    except KeyError as e:
+        raise ValueError(f"config.json lacks {e.args[0]!r}") from None
+    is_gemma3 = any(a.startswith("Gemma3") for a in archs) or str(cfg.get("model_type", "")).startswith("gemma3")
+    types = _layer_types(cfg, 6 if is_gemma3 else None)
+    window = cfg.get("sliding_window")
+    if is_gemma3 or cfg.get("layer_types") or cfg.get("use_sliding_window") is not None:
+        windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+    else:  # Mistral style: a window on every layer
+        windows = tuple(int(window) if window else None for _ in types)
+    rope = {}
+    for t in sorted(set(types)):
+        default_theta = (10_000.0 if t == "sliding_attention" else 1_000_000.0) if is_gemma3 else 10_000.0
+        rope[t] = _rope_params(cfg, t if is_gemma3 else None, default_theta)
+    head_dim = cfg.get("head_dim") or (256 if is_gemma3 else hidden // num_heads)
+    dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    return dict(
+        architectures=archs,
+        model_type=str(cfg.get("model_type") or ""),
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma3)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        hidden_act=str((cfg.get("hidden_activation") or "gelu_pytorch_tanh") if is_gemma3
+                       else (cfg.get("hidden_act") or "silu")),
+        layer_types=types,
+        layer_sliding_windows=windows,
+        rope_parameters=rope,
+        query_pre_attn_scalar=None if cfg.get("query_pre_attn_scalar") is None else float(cfg["query_pre_attn_scalar"]),
+        attn_logit_softcapping=None if cfg.get("attn_logit_softcapping") is None else float(cfg["attn_logit_softcapping"]),
+        final_logit_softcapping=None if cfg.get("final_logit_softcapping") is None
+        else float(cfg["final_logit_softcapping"]),
+        checkpoint_dtype=None if dtype is None else str(dtype).replace("torch.", ""),
+    )
 
 
 @dataclass(frozen=True)
@@ -123,6 +255,22 @@ class ModelConfig:
         quantization: ``None`` or "gguf" (weights run in ``dtype``; a GGUF file is dequantized),
             or "int8" (CPU, float32 activations: linear layers and the LM head in int8 with
             dynamic activation quantization, ``layers/quantization.py``).
+        model_folder: the Hugging Face-style folder the weights and config.json are read from
+            (the engine resolves ``model`` into it); ``None`` before resolution.
+        attention_backend: what the attention layers use, "auto" = the C++ paged kernel (see
+            ``attention/backends``); ``EngineArgs`` defaults it to ``$PAGEDLLM_ATTENTION_BACKEND``.
+        cpu_gemm: CPU float32 linear kernel, "onednn" (packed weights) or "torch" (``F.linear``);
+            ``EngineArgs`` defaults it to ``$PAGEDLLM_CPU_GEMM``.
+
+    Architecture (from config.json through ``hf_architecture_fields``; ``ModelConfig.from_hf_config``;
+    unset (0 / empty) until then): ``architectures``, ``model_type``, ``vocab_size`` (tokens),
+    ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``head_dim`` (channels), ``rms_norm_eps``, ``max_position_embeddings``
+    (tokens), ``tie_word_embeddings``, ``attention_bias`` (q/k/v/o), ``mlp_bias``, ``hidden_act``,
+    ``layer_types`` (per layer "full_attention" / "sliding_attention"), ``layer_sliding_windows``
+    (per layer, tokens or None), ``rope_parameters`` (layer type -> (rope_theta, rope_scaling or
+    None)), ``query_pre_attn_scalar``, ``attn_logit_softcapping``, ``final_logit_softcapping``
+    (None = off), ``checkpoint_dtype`` (config.json's ``dtype`` / ``torch_dtype``, or None).
     """
 
     model: str | None = None
@@ -132,6 +280,45 @@ class ModelConfig:
     seed: int = 0
     device: str | None = None
     quantization: str | None = None
+    model_folder: str | None = None
+    attention_backend: str = "auto"
+    cpu_gemm: str = "onednn"
+    architectures: tuple[str, ...] = ()
+    model_type: str = ""
+    vocab_size: int = 0
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_hidden_layers: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: tuple[str, ...] = ()
+    layer_sliding_windows: tuple[int | None, ...] = ()
+    rope_parameters: dict[str, tuple[float, dict | None]] = field(default_factory=dict, hash=False)
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    checkpoint_dtype: str | None = None
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict[str, Any], **kwargs) -> "ModelConfig":
+        """A ``ModelConfig`` with the architecture of ``hf_config`` (``hf_architecture_fields``);
+        ``kwargs`` set the other fields.
+
+        Raises:
+            ValueError: as ``hf_architecture_fields`` and ``__post_init__``.
+        """
+        return cls(**{**hf_architecture_fields(hf_config), **kwargs})
+
+    def with_hf_config(self, hf_config: dict[str, Any]) -> "ModelConfig":
+        """This config with the architecture fields of ``hf_config``."""
+        return dataclasses.replace(self, **hf_architecture_fields(hf_config))
 
     def __post_init__(self) -> None:
         if self.quantization not in SUPPORTED_QUANTIZATION:
@@ -141,6 +328,11 @@ class ModelConfig:
                              "with it (use dtype='float32' or 'auto')")
         if self.quantization == "int8" and (self.device or "cpu") != "cpu":
             raise ValueError(f"quantization='int8' runs on the CPU only (fbgemm); device={self.device!r}")
+        if self.attention_backend not in SUPPORTED_ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {SUPPORTED_ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        if self.cpu_gemm not in SUPPORTED_CPU_GEMMS:
+            raise ValueError(f"cpu_gemm must be one of {SUPPORTED_CPU_GEMMS}, got {self.cpu_gemm!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

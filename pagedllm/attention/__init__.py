@@ -5,8 +5,8 @@ Source: PagedAttention (Kwon et al., SOSP 2023). Sliding windows follow Hugging 
 
 Backends (``pagedllm.attention.backends``): ``cpu_paged`` (C++ kernel reading K/V in place through
 the block table), ``cpu_sdpa`` (gather + ``F.scaled_dot_product_attention``), ``torch_ref`` (the
-readable oracle). ``$PAGEDLLM_ATTENTION_BACKEND`` (``BACKEND_ENV``) picks what ``"auto"`` means,
-e.g. ``PAGEDLLM_ATTENTION_BACKEND=cpu_sdpa`` to run a whole model on the gather path.
+readable oracle). Models pass ``ModelConfig.attention_backend`` (``EngineArgs`` defaults it to
+``$PAGEDLLM_ATTENTION_BACKEND``, e.g. ``cpu_sdpa`` to run a whole model on the gather path).
 
 Usage (per layer)::
 
@@ -41,9 +41,8 @@ class Attention:
         sliding_window: tokens; ``None`` for full causal attention.
         logits_soft_cap: ``cap * tanh(scores / cap)`` before the softmax when set (Gemma 2).
         backend: ``"auto"``, ``"cpu_paged"``, ``"cpu_sdpa"`` or ``"torch_ref"``. ``"auto"`` is
-            ``$PAGEDLLM_ATTENTION_BACKEND`` when that is set, else ``"cpu_paged"`` (the C++
-            kernel on CPU tensors; it hands other devices, and every call when the kernel
-            cannot be built, to ``"cpu_sdpa"``). See docs/performance.md for the measurements.
+            ``"cpu_paged"`` (the C++ kernel on CPU tensors; it hands other devices, and every
+            call when the kernel cannot be built, to ``"cpu_sdpa"``). See docs/performance.md for the measurements.
     Raises:
         ValueError: on a non-positive size, ``num_heads % num_kv_heads != 0``, a non-positive
             window or soft cap, or an unknown backend.

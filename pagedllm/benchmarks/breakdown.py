@@ -78,7 +78,7 @@ class StepBreakdown:
         from pagedllm.layers.linear import KernelLinear
 
         eng = self.engine
-        runner = eng.model_runner
+        runner = eng.executor.driver_worker.model_runner  # an in-process worker (UniProcExecutor)
         model = runner.model
         self._patch(eng, "step", "step")
         self._patch(eng.scheduler, "schedule", "scheduler")

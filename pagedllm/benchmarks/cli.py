@@ -103,12 +103,12 @@ def _cmd_throughput(ns) -> int:
     engine = llm.llm_engine
     requests = build_requests(ns.dataset, ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
                               ns.dataset_seed, engine.vocab_size, engine.max_model_len)
-    dtype = str(engine.worker.dtype).replace("torch.", "")
+    dtype = str(engine.executor.driver_worker.dtype).replace("torch.", "")
     logger.info("throughput: %d requests (%d output tokens) from %s, dtype %s", len(requests),
                 sum(r.max_tokens for r in requests), ns.dataset, dtype)
     result, prompt_ids = run_throughput(llm, requests, warmup=not ns.no_warmup, breakdown=ns.breakdown)
     result.update(model=engine.model_files.source, dtype=dtype, block_size=engine.cache_config.block_size,
-                  num_blocks=engine.worker.num_blocks, max_num_seqs=engine.scheduler_config.max_num_seqs,
+                  num_blocks=engine.num_blocks, max_num_seqs=engine.scheduler_config.max_num_seqs,
                   max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
                   dataset=ns.dataset, engine_load_time_s=engine.load_time_s)
     model_folder = engine.model_files.folder

@@ -45,10 +45,12 @@ def model_linear_shapes(config: dict) -> list[LinearShape]:
     Raises:
         ValueError: for an unsupported architecture.
     """
+    from pagedllm.config import ModelConfig
     from pagedllm.models.registry import get_model_class
 
+    model_config = ModelConfig.from_hf_config(config)
     with torch.device("meta"):
-        model = get_model_class(config)(config)
+        model = get_model_class(model_config)(model_config)
     return [LinearShape(i, o, c) for _, i, o, c in model_linear_layers(model)]
 
 

@@ -64,7 +64,7 @@ def model_linear_layers(model) -> list[tuple[object, int, int, int]]:
             key = (module.in_features, module.out_features)
             by_shape.setdefault(key, module)
             counts[key] += 1
-    embed = model.model.embed_tokens
+    embed = model.get_input_embeddings()
     key = (embed.embedding_dim, embed.num_embeddings)
     by_shape[key] = partial(lm_head_logits, model)
     counts[key] += 1
@@ -108,7 +108,7 @@ def linear_ceiling(model, m: int, min_seconds: float = MIN_MEASURE_S) -> dict:
     shapes = []
     total_time = 0.0
     total_flops = 0
-    embed = model.model.embed_tokens.weight
+    embed = model.get_input_embeddings().weight
     for layer, in_features, out_features, count in model_linear_layers(model):
         rate = measure_linear_gflops(layer, in_features, out_features, m, embed.dtype, embed.device, min_seconds)
         shape = LinearShape(in_features, out_features, count)
@@ -173,10 +173,10 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
         "num_decode_steps": len(decode_steps), "mean_decode_step_s": step,
         "p50_decode_step_s": percentile(decode_steps, 50), "p90_decode_step_s": percentile(decode_steps, 90),
         "decode_tokens_per_s": batch_size / step if step else None,
-        "dtype": str(engine.worker.dtype).replace("torch.", ""),
+        "dtype": str(engine.executor.driver_worker.dtype).replace("torch.", ""),
     }
     if ceiling:
-        c = linear_ceiling(engine.worker.model, batch_size)
+        c = linear_ceiling(engine.executor.driver_worker.model, batch_size)
         result.update(c)
         result["measured_over_ceiling"] = (result["decode_tokens_per_s"] / c["ceiling_tokens_per_s"]
                                            if result["decode_tokens_per_s"] else None)

@@ -125,12 +125,14 @@ def simulate_kv_concurrency(lengths: list[tuple[int, int]], block_size: int = 16
         if out.is_empty:
             raise RuntimeError(f"scheduler stalled: empty step with {sched.num_running} running and "
                                f"{sched.num_waiting} waiting requests, {kv.num_free_blocks}/{num_blocks} blocks free")
-        batch = len(out.scheduled)
+        batch = len(out.num_scheduled_tokens)
         batch_sizes.append(batch)
         if sched.num_waiting:
             saturated.append(batch)
         peak_usage = max(peak_usage, kv.usage)
-        ids = [s.request_id for s in out.scheduled if s.sample]
+        # The requests whose chunk reached their last token sample (what a model runner would do).
+        ids = [rid for rid in out.num_scheduled_tokens
+               if sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens]
         sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, sampled_token_ids=[FAKE_TOKEN_ID] * len(ids)))
         stats = sched.make_stats()
         if stats.num_allocated_slots:

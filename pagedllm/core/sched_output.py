@@ -1,7 +1,9 @@
-"""What the scheduler hands the model runner each step, and what comes back.
+"""What the scheduler hands the executor each step, and what comes back.
 
-Plain data (no torch), so a future driver process can ship it to tensor/pipeline-parallel
-workers while the scheduler and block manager stay in one place.
+Plain, picklable data (no torch, no callables), shaped as vLLM V1's ``SchedulerOutput``: a request
+is sent in full once (``NewRequestData``), then as diffs (``CachedRequestData``); the worker keeps
+its own copy of each request (``worker/request_states.py``). So an executor can ship the message
+to worker processes while the scheduler and the block manager stay in the engine.
 """
 
 from __future__ import annotations
@@ -13,58 +15,71 @@ from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
-class ScheduledRequest:
-    """One request's share of a step.
+class NewRequestData:
+    """A request the worker has not seen, sent once, on the step that first schedules it.
 
     Attributes:
-        request_id: the request's id.
-        token_ids: the tokens whose K/V this step computes (a prefill chunk, or the one decode
-            token); ``len(token_ids)`` is this request's number of scheduled tokens.
-        num_computed_tokens: tokens already in the KV cache before this step, i.e. the position
-            of ``token_ids[0]``.
-        block_table: physical block ids of the request, logical block ``i`` at index ``i``;
-            covers at least ``num_computed_tokens + len(token_ids)`` tokens.
-        sample: True when the chunk reaches the request's last known token, so a new token is
-            sampled from the last position's logits. False for non-final prefill chunks.
-        sampling_params: the request's sampling parameters.
-        prompt_token_ids: the request's prompt (shared list, read-only), for penalties.
-        output_token_ids: tokens generated so far (shared list, read-only), for penalties and
-            ``min_tokens``.
-        resumed: True on the first step after the request was (re)admitted with no cached
-            tokens (new, or resumed after a recompute preemption).
+        req_id: the request's id.
+        prompt_token_ids: the prompt (a copy).
+        sampling_params: a copy of the request's params without ``logits_processors`` (Python
+            callables never cross the boundary; an in-process executor hands them to the worker
+            beside the message, ``Executor.add_logits_processors``).
+        block_ids: the request's physical block ids, logical block ``i`` at index ``i``.
+        num_computed_tokens: tokens already in the KV cache before this step (0, or a prefix
+            cache hit).
     """
 
-    request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
-    sample: bool
-    sampling_params: SamplingParams
+    req_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    resumed: bool = False
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
 
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return len(self.token_ids)
+
+@dataclass
+class CachedRequestData:
+    """What changed for a request the worker already holds (vLLM V1's diff).
+
+    Attributes:
+        req_id: the request's id.
+        resumed_from_preemption: the request was preempted (its blocks freed) and is scheduled
+            again: ``new_block_ids`` is then its whole new block table, replacing the old one.
+        new_token_ids: tokens appended to the request since the worker last heard of it (the
+            tokens sampled in earlier steps), in order.
+        new_block_ids: blocks appended to the block table since the last step (or the whole
+            table when ``resumed_from_preemption``).
+        num_computed_tokens: tokens in the KV cache before this step.
+    """
+
+    req_id: str
+    resumed_from_preemption: bool
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan.
+    """One step's plan: the message the engine sends to the executor (plain, picklable data).
 
     Attributes:
-        scheduled: requests in this step, in batch order (their tokens are laid out contiguously
-            in this order in the flattened input).
+        scheduled_new_reqs: requests scheduled for the first time (sent in full, once).
+        scheduled_cached_reqs: requests the worker holds (running, or resumed after a
+            preemption), as diffs.
+        num_scheduled_tokens: request id -> tokens to compute this step, in batch order (the
+            tokens are laid out contiguously in this order in the flattened input).
         total_num_scheduled_tokens: sum of ``num_scheduled_tokens``, <= max_num_batched_tokens.
-        finished_req_ids: requests that finished or were aborted since the last step; the runner
-            drops their per-request state (generators).
-        preempted_req_ids: requests preempted (recompute) this step.
+        finished_req_ids: requests that finished or were aborted since the last step; the
+            worker drops their state.
+        preempted_req_ids: requests preempted (recompute) this step; the worker forgets their
+            block tables and keeps the rest of their state until they resume.
         blocks_to_copy: (src, dst) physical block pairs to copy before the forward
             (copy-on-write; empty until block sharing lands).
     """
 
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
@@ -72,7 +87,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_scheduled_tokens
 
 
 @dataclass
@@ -80,7 +95,8 @@ class ModelRunnerOutput:
     """What the model runner returns for one step.
 
     Attributes:
-        req_ids: requests that sampled a token this step (``ScheduledRequest.sample``), in batch order.
+        req_ids: requests that sampled a token this step (their chunk reached their last known
+            token), in batch order.
         sampled_token_ids: one token id per entry of ``req_ids``.
         sampled_logprobs: log-probability of each sampled token under the raw (unprocessed)
             distribution; summed into ``cumulative_logprob``.

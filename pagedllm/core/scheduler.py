@@ -24,8 +24,8 @@ from typing import Iterable
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
-                                        SchedulerOutput, SchedulerStats)
+from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                        NewRequestData, SchedulerOutput, SchedulerStats)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,12 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         self._step_stats = SchedulerStats()
+        # What the worker holds of each request it has seen (the per-step message sends only what
+        # it lacks): tokens and block-table entries, by request id. A request is added when first
+        # scheduled and removed when it finishes; preemption empties its block count.
+        self._worker_num_tokens: dict[str, int] = {}
+        self._worker_num_blocks: dict[str, int] = {}
+        self._preempted_since_scheduled: set[str] = set()
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -113,10 +119,10 @@ class Scheduler:
         waiting queue.
 
         Returns:
-            The step's ``SchedulerOutput`` (empty ``scheduled`` when nothing can run).
+            The step's ``SchedulerOutput`` (empty ``num_scheduled_tokens`` when nothing can run).
         """
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        output = SchedulerOutput()
         preempted_ids: set[str] = set()
         num_prefill_tokens = num_decode_tokens = 0
         now = time.monotonic()
@@ -142,9 +148,10 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # the request preempted itself; the pool cannot fit anything more
-            sched = self._make_scheduled(request, num_new)
-            scheduled.append(sched)
-            if self._is_decode(sched, request):
+            is_decode = num_new == 1 and request.num_output_tokens > 0 \
+                and request.num_computed_tokens + 1 == request.num_tokens
+            self._schedule_request(request, num_new, output)
+            if is_decode:
                 num_decode_tokens += num_new
             else:
                 num_prefill_tokens += num_new
@@ -168,29 +175,25 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
-                sched = self._make_scheduled(request, num_new)
-                scheduled.append(sched)
+                self._schedule_request(request, num_new, output)
                 num_prefill_tokens += num_new
                 budget -= num_new
 
         total = self.max_num_batched_tokens - budget
-        output = SchedulerOutput(
-            scheduled=scheduled,
-            total_num_scheduled_tokens=total,
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted_ids,
-        )
+        output.total_num_scheduled_tokens = total
+        output.finished_req_ids = self.finished_req_ids
+        output.preempted_req_ids = preempted_ids
         self.finished_req_ids = set()
         self._step_stats = SchedulerStats(
             num_preemptions=len(preempted_ids),
-            num_scheduled_requests=len(scheduled),
+            num_scheduled_requests=len(output.num_scheduled_tokens),
             num_scheduled_tokens=total,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=num_decode_tokens,
         )
         logger.debug(
             "step: %d reqs, %d tokens (%d prefill, %d decode), %d preempted, %d running, "
-            "%d waiting, %d/%d blocks free", len(scheduled), total, num_prefill_tokens,
+            "%d waiting, %d/%d blocks free", len(output.num_scheduled_tokens), total, num_prefill_tokens,
             num_decode_tokens, len(preempted_ids), len(self.running), len(self.waiting),
             self.kv_cache_manager.num_free_blocks, self.kv_cache_manager.num_blocks)
         return output
@@ -202,38 +205,43 @@ class Scheduler:
         num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
         return num_new
 
-    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        """Build the request's share of the step and advance its ``num_computed_tokens``."""
+    def _schedule_request(self, request: Request, num_new: int, output: SchedulerOutput) -> None:
+        """Add the request's share of the step to ``output`` (in full the first time the worker
+        sees it, else as a diff) and advance its ``num_computed_tokens``."""
+        req_id = request.request_id
         start = request.num_computed_tokens
-        resumed = start == 0
-        if resumed:
+        if start == 0:
             # A fresh (re)computation: the runner will produce prompt logprobs from the start.
             request.num_prompt_logprobs_seen = 0
-        sched = ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
-            num_computed_tokens=start,
-            block_table=self.kv_cache_manager.get_block_table(request.request_id),
-            sample=start + num_new == request.num_tokens,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            resumed=resumed,
-        )
+        block_table = self.kv_cache_manager.get_block_table(req_id)
+        if req_id not in self._worker_num_tokens:
+            params = request.sampling_params.clone()
+            params.logits_processors = None  # callables stay in this process (Executor docs)
+            output.scheduled_new_reqs.append(NewRequestData(
+                req_id=req_id, prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
+                block_ids=block_table, num_computed_tokens=start))
+            self._worker_num_tokens[req_id] = request.num_prompt_tokens
+        else:
+            resumed = req_id in self._preempted_since_scheduled
+            self._preempted_since_scheduled.discard(req_id)
+            known_tokens = self._worker_num_tokens[req_id]
+            known_blocks = 0 if resumed else self._worker_num_blocks[req_id]
+            output.scheduled_cached_reqs.append(CachedRequestData(
+                req_id=req_id, resumed_from_preemption=resumed,
+                new_token_ids=request.all_token_ids[known_tokens:],
+                new_block_ids=block_table[known_blocks:], num_computed_tokens=start))
+            self._worker_num_tokens[req_id] = request.num_tokens
+        self._worker_num_blocks[req_id] = len(block_table)
+        output.num_scheduled_tokens[req_id] = num_new
         request.num_computed_tokens = start + num_new
-        return sched
-
-    @staticmethod
-    def _is_decode(sched: ScheduledRequest, request: Request) -> bool:
-        """A single-token continuation after at least one generated token."""
-        return (sched.num_scheduled_tokens == 1 and sched.sample
-                and request.num_output_tokens > 0)
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the blocks, forget the progress, requeue at the front."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if request.request_id in self._worker_num_tokens:
+            self._preempted_since_scheduled.add(request.request_id)
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -265,7 +273,7 @@ class Scheduler:
             raise RuntimeError(
                 f"runner returned {len(runner_output.sampled_token_ids)} sampled tokens for "
                 f"{len(req_ids)} requests")
-        should_sample = {s.request_id for s in scheduler_output.scheduled if s.sample}
+        scheduled = scheduler_output.num_scheduled_tokens
         outputs: dict[str, EngineCoreOutput] = {}
 
         # Prompt logprobs first, while every request of the step is still known.
@@ -287,7 +295,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or aborted meanwhile: a late output
-            if req_id not in should_sample:
+            if req_id not in scheduled or request.num_computed_tokens != request.num_tokens:
                 raise RuntimeError(
                     f"runner sampled for request {req_id!r}, which was not scheduled to sample")
             token_id = runner_output.sampled_token_ids[i]
@@ -335,6 +343,9 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        self._worker_num_tokens.pop(request.request_id, None)
+        self._worker_num_blocks.pop(request.request_id, None)
+        self._preempted_since_scheduled.discard(request.request_id)
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus) -> None:

@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                              SUPPORTED_QUANTIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 
 logger = logging.getLogger(__name__)
+
+# Environment variables read once, as defaults of ``EngineArgs`` fields (README, "Environment variables").
+ATTENTION_BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"   # -> attention_backend
+CPU_GEMM_ENV = "PAGEDLLM_CPU_GEMM"                     # -> cpu_gemm
+CPU_KVCACHE_SPACE_ENV = "PAGEDLLM_CPU_KVCACHE_SPACE"   # -> cpu_kvcache_space (GiB)
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name, "").strip()
+    return value or None
 
 
 @dataclass
@@ -37,6 +49,14 @@ class EngineArgs:
         quantization: None / "gguf" (weights dequantized to ``dtype``) or "int8" (CPU only:
             int8 linear layers with dynamic activation quantization; not exact, see README).
         enable_prefix_caching: only its "off" value is supported yet.
+        attention_backend: what attention layers built with "auto" use: "auto" (the C++ paged
+            kernel) or a name from ``attention.backends.BACKEND_NAMES``; default
+            ``$PAGEDLLM_ATTENTION_BACKEND`` or "auto".
+        cpu_gemm: the CPU float32 linear-layer kernel, "onednn" (packed) or "torch"; default
+            ``$PAGEDLLM_CPU_GEMM`` or "onednn".
+        cpu_kvcache_space: [GiB] the CPU KV budget when ``kv_cache_memory_bytes`` is None; default
+            ``$PAGEDLLM_CPU_KVCACHE_SPACE`` or None (min(25% of available RAM, 4 GiB)).
+        distributed_executor_backend: None (by world size) or "uni" (``executor/``).
     """
 
     model: str | None = None
@@ -67,6 +87,10 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     quantization: str | None = None
     served_model_name: list[str] | str | None = field(default=None)
+    attention_backend: str = field(default_factory=lambda: _env(ATTENTION_BACKEND_ENV) or "auto")
+    cpu_gemm: str = field(default_factory=lambda: _env(CPU_GEMM_ENV) or "onednn")
+    cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
+    distributed_executor_backend: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -81,14 +105,28 @@ class EngineArgs:
             raise ValueError(f"unknown engine argument(s) {unknown}; supported: {sorted(known)}")
         return cls(**kwargs)
 
-    def create_engine_config(self, model_max_len: int) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
+    def create_engine_config(self, model_max_len: int | None = None, hf_config: dict[str, Any] | None = None,
+                             model_folder: str | None = None
+                             ) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
         """Validate and split into component configs.
 
         Args:
-            model_max_len: the model's context length (``max_position_embeddings``) in tokens.
+            model_max_len: the model's context length in tokens; None = ``hf_config``'s
+                ``max_position_embeddings``.
+            hf_config: the checkpoint's config.json; fills ``ModelConfig``'s architecture fields.
+            model_folder: the resolved folder of the weights (``ModelConfig.model_folder``).
         Raises:
-            ValueError: for unsupported values (naming the argument) or out-of-range numbers.
+            ValueError: for unsupported values (naming the argument, and the environment
+                variable it came from) or out-of-range numbers.
         """
+        from pagedllm.config import hf_architecture_fields
+
+        arch = hf_architecture_fields(hf_config) if hf_config is not None else {}
+        if model_max_len is None:
+            if not arch:
+                raise ValueError("create_engine_config needs model_max_len or hf_config")
+            model_max_len = arch["max_position_embeddings"]
+        self._check_env_settings()
         if self.enable_prefix_caching:
             raise ValueError("enable_prefix_caching=True is not supported yet")
         if self.tokenizer_mode not in ("auto", "hf", "fast"):
@@ -112,14 +150,41 @@ class EngineArgs:
             max_batched = max(max_batched, max_model_len)
         model = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                             max_model_len=max_model_len, seed=self.seed, device=self.device,
-                            quantization=self.quantization)
+                            quantization=self.quantization, model_folder=model_folder,
+                            attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm, **arch)
+        space = None if self.cpu_kvcache_space is None else int(float(self.cpu_kvcache_space) * (1 << 30))
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,
-                            num_gpu_blocks_override=self.num_gpu_blocks_override)
+                            num_gpu_blocks_override=self.num_gpu_blocks_override,
+                            cpu_kvcache_space_bytes=space)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
-        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
+                                  self.distributed_executor_backend)
         return model, cache, sched, parallel
+
+    def _check_env_settings(self) -> None:
+        """Validate the fields whose defaults come from environment variables.
+
+        Raises:
+            ValueError: naming the field and its environment variable.
+        """
+        from pagedllm.config import SUPPORTED_ATTENTION_BACKENDS, SUPPORTED_CPU_GEMMS
+
+        if self.attention_backend not in SUPPORTED_ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend (${ATTENTION_BACKEND_ENV}) must be one of "
+                             f"{SUPPORTED_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.cpu_gemm not in SUPPORTED_CPU_GEMMS:
+            raise ValueError(f"cpu_gemm (${CPU_GEMM_ENV}) must be one of {SUPPORTED_CPU_GEMMS}, got {self.cpu_gemm!r}")
+        if self.cpu_kvcache_space is not None:
+            try:
+                gib = float(self.cpu_kvcache_space)
+            except ValueError:
+                raise ValueError(f"cpu_kvcache_space (${CPU_KVCACHE_SPACE_ENV}) must be a number of GiB, "
+                                 f"got {self.cpu_kvcache_space!r}") from None
+            if not gib > 0:
+                raise ValueError(f"cpu_kvcache_space (${CPU_KVCACHE_SPACE_ENV}) must be > 0 GiB, "
+                                 f"got {self.cpu_kvcache_space!r}")
 
 
 def _parse_bytes(text: str) -> int:

@@ -12,8 +12,9 @@ its kernels, so the asyncio event loop keeps serving HTTP while a step runs). Th
    the periodic stats log line.
 
 Callers validate synchronously: :meth:`AsyncLLM.add_requests` runs the (pure)
-``InputProcessor.process`` in the caller's thread, so a bad request raises ``ValueError`` before
-anything is queued (the server turns that into HTTP 400 before a streamed response starts).
+``InputProcessor.process`` in the caller's thread (unless given an already ``ProcessedInput``), so a
+bad request raises ``ValueError`` before anything is queued (the server turns that into HTTP 400
+before a streamed response starts); the engine thread gets the processed request unchanged.
 
 Failure isolation: if ``engine.step()`` raises, every request that was in the engine gets an
 ``EngineStepError`` on its stream and is aborted (its KV blocks are freed); the loop logs the
@@ -63,8 +64,7 @@ class EngineStepError(RuntimeError):
 @dataclass
 class _NewRequest:
     request_id: str
-    prompt: PromptType
-    params: SamplingParams
+    processed: ProcessedInput
     arrival_time: float
 
 
@@ -240,14 +240,16 @@ class AsyncLLM:
             self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
             self._thread.start()
 
-    def add_requests(self, requests: Sequence[tuple[str | None, PromptType, SamplingParams]],
+    def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput, SamplingParams | None]],
                      arrival_time: float | None = None) -> OutputStream:
         """Validate every request, then queue them all (all or nothing).
 
         Must be called from the event loop that will iterate the returned stream.
 
         Args:
-            requests: (request_id or None for a fresh id, prompt, params) triples.
+            requests: (request_id or None for a fresh id, prompt, params) triples; the prompt may
+                be a ``ProcessedInput`` from :meth:`process_inputs` (params None), which is passed
+                on unchanged.
             arrival_time: ``time.monotonic()`` of arrival (for TTFT / latency metrics); now if None.
         Returns:
             One ``OutputStream`` over all of them.
@@ -263,10 +265,13 @@ class AsyncLLM:
             request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
             if any(r.request_id == request_id for r in prepared):
                 raise ValueError(f"request_id {request_id!r} is given twice")
-            processed = self.process_inputs(prompt, params)
-            # Hand the engine token ids, so the prompt is tokenized once.
-            engine_prompt = {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids}
-            prepared.append(_NewRequest(request_id, engine_prompt, params, arrival_time))
+            if isinstance(prompt, ProcessedInput):
+                if params is not None:
+                    raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")
+                processed = prompt
+            else:
+                processed = self.process_inputs(prompt, params)
+            prepared.append(_NewRequest(request_id, processed, arrival_time))
         if not prepared:
             raise ValueError("no requests given")
         queue: asyncio.Queue = asyncio.Queue()
@@ -283,8 +288,8 @@ class AsyncLLM:
         self.start()
         return OutputStream(self, [r.request_id for r in prepared], queue)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> OutputStream:
+    def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> OutputStream:
         """:meth:`add_requests` for one request."""
         return self.add_requests([(request_id, prompt, params)], arrival_time)
 
@@ -348,7 +353,7 @@ class AsyncLLM:
                     pending = [r for r in pending if r.request_id in self._sinks]
                 for r in pending:
                     try:
-                        engine.add_request(r.request_id, r.prompt, r.params, arrival_time=r.arrival_time)
+                        engine.add_request(r.request_id, r.processed, arrival_time=r.arrival_time)
                     except Exception as e:  # validated by the caller; only a race could get here
                         logger.warning("request %s rejected by the engine: %s", r.request_id, e)
                         self._fail([r.request_id], e)

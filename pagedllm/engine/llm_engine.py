@@ -1,4 +1,4 @@
-"""The synchronous engine: add_request / step / abort over the scheduler and the worker."""
+"""The synchronous engine: add_request / step / abort over the scheduler and an executor."""
 
 from __future__ import annotations
 
@@ -11,52 +11,53 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.loaders import iterate_weights, load_config, resolve_model
+from pagedllm.executor import Executor
+from pagedllm.loaders import load_config, resolve_model
 from pagedllm.metrics.stats import IterationStats, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import Tokenizer
-from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
-def _text_config(hf_config: dict) -> dict:
-    return hf_config.get("text_config", hf_config) if "text_config" in hf_config else hf_config
-
-
 class LLMEngine:
-    """One scheduler, one KV cache manager, one worker; ``step()`` runs one iteration of
+    """One scheduler, one KV cache manager, one executor; ``step()`` runs one iteration of
     continuous batching (Orca, Yu et al. 2022; vLLM, Kwon et al. 2023).
+
+    The engine never touches a worker: each step it hands the executor one ``SchedulerOutput``
+    (plain data) and gets a ``ModelRunnerOutput`` back.
 
     Args:
         args: engine arguments.
+        executor_class: the executor to use; None picks one from the parallel config
+            (``Executor.get_class``).
     Raises:
         ValueError: bad arguments, unsupported model, or a KV budget too small for max_model_len.
     """
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, executor_class: type[Executor] | None = None) -> None:
         t0 = time.perf_counter()
         self.args = args
         files = resolve_model(args.model)
         self.model_files = files
-        hf_config = load_config(files.folder)
-        text_cfg = _text_config(hf_config)
-        model_max_len = int(text_cfg.get("max_position_embeddings") or 2048)
-        model_cfg, cache_cfg, sched_cfg, _parallel = args.create_engine_config(model_max_len)
+        model_cfg, cache_cfg, sched_cfg, parallel_cfg = args.create_engine_config(
+            hf_config=load_config(files.folder), model_folder=files.folder)
         self.model_config, self.cache_config, self.scheduler_config = model_cfg, cache_cfg, sched_cfg
+        self.parallel_config = parallel_cfg
+        executor_class = executor_class or Executor.get_class(parallel_cfg)
         # The tokenizer (a 33 MB tokenizer.json for Gemma) loads in a thread while the weights load.
         with ThreadPoolExecutor(max_workers=1) as pool:
             tokenizer_future = pool.submit(Tokenizer.from_pretrained, args.tokenizer or files.folder)
-            self.worker = Worker(model_cfg, cache_cfg, sched_cfg, hf_config, iterate_weights(files.folder))
+            self.executor = executor_class(model_cfg, cache_cfg, sched_cfg, parallel_cfg)
+            self.executor.initialize()
             self.tokenizer = tokenizer_future.result()
-        self.vocab_size = int(text_cfg["vocab_size"])
-        self.model_runner = ModelRunner(self.worker.model, self.worker.kv_caches, cache_cfg.block_size,
-                                        self.worker.device, self.vocab_size, seed=model_cfg.seed)
-        self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.worker.num_blocks)
+        self.num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(self.num_blocks)
+        self.vocab_size = model_cfg.vocab_size
+        self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks)
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               args.max_logprobs)
@@ -64,11 +65,11 @@ class LLMEngine:
         self.stat_loggers: list[StatLogger] = []
         self._ids = itertools.count()
         self.load_time_s = time.perf_counter() - t0
-        logger.info("Engine ready in %.2f s: model=%s dtype=%s quantization=%s device=%s max_model_len=%d "
-                    "block_size=%d max_num_seqs=%d max_num_batched_tokens=%d", self.load_time_s, files.source,
-                    str(self.worker.dtype).replace("torch.", ""), model_cfg.quantization, self.worker.device,
-                    sched_cfg.max_model_len,
-                    cache_cfg.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
+        logger.info("Engine ready in %.2f s: model=%s dtype=%s quantization=%s device=%s executor=%s "
+                    "max_model_len=%d block_size=%d num_blocks=%d max_num_seqs=%d max_num_batched_tokens=%d",
+                    self.load_time_s, files.source, model_cfg.dtype, model_cfg.quantization,
+                    model_cfg.device or "auto", executor_class.__name__, sched_cfg.max_model_len,
+                    cache_cfg.block_size, self.num_blocks, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -78,9 +79,13 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> str:
-        """Validate, tokenize and queue a request (n > 1 / best_of become that many samples).
+    def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request (n > 1 / best_of become that many samples).
+
+        ``prompt`` is either a raw prompt, validated and tokenized here with ``params``, or a
+        ``ProcessedInput`` from ``input_processor.process`` (then ``params`` must be None: the
+        processed request carries its own), passed on unchanged.
 
         Sample ``i`` gets engine id ``f"{i}_{request_id}"`` and, if ``params.seed`` is set, seed
         ``params.seed + i``.
@@ -88,14 +93,25 @@ class LLMEngine:
         Returns:
             The request id.
         Raises:
-            ValueError: invalid prompt or params (nothing is queued), or a duplicate request id.
+            ValueError: invalid prompt or params (nothing is queued), a duplicate request id, both a
+                ``ProcessedInput`` and ``params``, or logits processors with an executor whose
+                workers run in other processes.
         """
+        if isinstance(prompt, ProcessedInput):
+            if params is not None:
+                raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")
+            processed = prompt
+        else:
+            processed = self.input_processor.process(prompt, params)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")
-        processed = self.input_processor.process(prompt, params)
-        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         base = processed.params
+        if base.logits_processors and not self.executor.uses_in_process_worker:
+            raise ValueError(
+                f"logits_processors are Python callables and cannot be sent to worker processes; the "
+                f"{type(self.executor).__name__} runs its workers out of process")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         num_samples = base.best_of or base.n
         sample_params = []
         for i in range(num_samples):
@@ -111,6 +127,9 @@ class LLMEngine:
         self.output_processor.add_request(request_id, sample_ids, processed.prompt, processed.prompt_token_ids,
                                           base, sample_params, arrival_time)
         for sid, sp in zip(sample_ids, sample_params):
+            if sp.logits_processors:
+                # Callables stay in this process: the in-process worker applies them where it samples.
+                self.executor.add_logits_processors(sid, sp.logits_processors)
             self.scheduler.add_request(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
                                                arrival_time=arrival_time))
         return request_id
@@ -145,7 +164,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         stats = IterationStats() if self.stat_loggers else None
         sched_out = self.scheduler.schedule()
-        runner_out = self.model_runner.execute_model(sched_out)
+        runner_out = self.executor.execute_model(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         processed = self.output_processor.process_outputs(core_outputs, stats)
         if processed.reqs_to_abort:
@@ -159,3 +178,7 @@ class LLMEngine:
         sched_stats = self.scheduler.make_stats()
         for stat_logger in self.stat_loggers:
             stat_logger.record(sched_stats, stats)
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (idempotent)."""
+        self.executor.shutdown()

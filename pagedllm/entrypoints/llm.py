@@ -64,12 +64,12 @@ class LLM:
             else list(sampling_params)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
-        # Validate everything first so a bad prompt loses nothing.
-        for prompt, params in zip(prompts, params_list):
-            self.llm_engine.input_processor.process(prompt, params)
+        # Validate and tokenize everything first (once), so a bad prompt loses nothing.
+        processed = [self.llm_engine.input_processor.process(prompt, params)
+                     for prompt, params in zip(prompts, params_list)]
         ids = []
-        for prompt, params in zip(prompts, params_list):
-            ids.append(self.llm_engine.add_request(f"llm-{self._counter}", prompt, params))
+        for request in processed:
+            ids.append(self.llm_engine.add_request(f"llm-{self._counter}", request))
             self._counter += 1
         return self._run_engine(ids, use_tqdm)
 

@@ -8,8 +8,9 @@ checkpoint is loaded (vLLM's ``process_weights_after_loading``), and replaces th
 so the model holds no second copy; only a tied LM head keeps both, because the embedding lookup
 needs the plain matrix.
 
-The kernel is chosen by ``PAGEDLLM_CPU_GEMM``: ``onednn`` (default where it works) or ``torch``
-(plain ``F.linear``, the reference). oneDNN is used for float32 only: its inner product has no
+The kernel is chosen by ``ModelConfig.cpu_gemm`` (``EngineArgs`` defaults it to
+``$PAGEDLLM_CPU_GEMM``): ``onednn`` (default where it works) or ``torch`` (plain ``F.linear``, the
+reference). oneDNN is used for float32 only: its inner product has no
 bf16 kernel on CPUs without AVX-512 bf16, and it is probed once with a tiny call before use.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+# The environment variable ``EngineArgs.cpu_gemm`` defaults to (engine/arg_utils.py).
 CPU_GEMM_ENV = "PAGEDLLM_CPU_GEMM"
 
 
@@ -36,17 +37,17 @@ class CpuGemm(enum.Enum):
     TORCH = "torch"
 
 
-def cpu_gemm_from_env() -> CpuGemm:
-    """The kernel named by ``PAGEDLLM_CPU_GEMM`` (default ``onednn``).
+def parse_cpu_gemm(name: str) -> CpuGemm:
+    """The kernel named ``name`` (``ModelConfig.cpu_gemm``).
 
     Raises:
-        ValueError: for a name other than ``onednn`` / ``torch``.
+        ValueError: for a name other than ``onednn`` / ``torch`` (naming ``PAGEDLLM_CPU_GEMM``,
+            where the value usually comes from).
     """
-    name = os.environ.get(CPU_GEMM_ENV, CpuGemm.ONEDNN.value).strip().lower()
     try:
-        return CpuGemm(name)
+        return CpuGemm(str(name).strip().lower())
     except ValueError:
-        raise ValueError(f"{CPU_GEMM_ENV}={name!r}: expected one of "
+        raise ValueError(f"cpu_gemm ({CPU_GEMM_ENV})={name!r}: expected one of "
                          f"{[g.value for g in CpuGemm]}") from None
 
 
@@ -119,7 +120,8 @@ class KernelLinear(nn.Module):
 def replace_linear_layers(model: nn.Module, make_layer) -> tuple[int, bool]:
     """Replace every ``nn.Linear`` of ``model`` by ``make_layer(weight, bias)`` and, for a model
     with a tied LM head, set ``model.packed_lm_head = make_layer(embedding matrix, None)`` (read by
-    ``lm_head_logits``; the embedding stays for the token lookup).
+    ``lm_head_logits``; the embedding stays for the token lookup). The model exposes its embedding
+    through ``get_input_embeddings()`` and its head through ``get_lm_head()``.
 
     Returns:
         (layers replaced, whether the tied head was set).
@@ -132,7 +134,7 @@ def replace_linear_layers(model: nn.Module, make_layer) -> tuple[int, bool]:
                 replaced += 1
     tied = bool(getattr(model, "tie_word_embeddings", False)) and hasattr(model, "packed_lm_head")
     if tied:
-        model.packed_lm_head = make_layer(model.model.embed_tokens.weight, None)
+        model.packed_lm_head = make_layer(model.get_input_embeddings().weight, None)
     return replaced, tied
 
 
@@ -164,22 +166,22 @@ class PackedLinear(KernelLinear):
 
 
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device,
-                       batch_hint: int) -> int:
+                       batch_hint: int, cpu_gemm: str = CpuGemm.ONEDNN.value) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` and, for a model with a tied
     LM head, set ``model.packed_lm_head`` (read by ``compute_logits``). A no-op unless the device
-    is the CPU, ``PAGEDLLM_CPU_GEMM`` is ``onednn`` and ``onednn_linear_available(dtype)``.
+    is the CPU, ``cpu_gemm`` is ``onednn`` and ``onednn_linear_available(dtype)``.
 
     Returns:
         Bytes of packed copies added next to the weights the model keeps (the tied LM head), 0
         when nothing was packed.
     Raises:
-        ValueError: for a bad ``PAGEDLLM_CPU_GEMM``.
+        ValueError: for a bad ``cpu_gemm``.
     """
-    if device.type != "cpu" or cpu_gemm_from_env() is not CpuGemm.ONEDNN or not onednn_linear_available(dtype):
+    if device.type != "cpu" or parse_cpu_gemm(cpu_gemm) is not CpuGemm.ONEDNN or not onednn_linear_available(dtype):
         return 0
     hint = max(1, int(batch_hint))
     replaced, tied = replace_linear_layers(model, lambda weight, bias: PackedLinear(weight, bias, hint))
-    weight = model.model.embed_tokens.weight if tied else None
+    weight = model.get_input_embeddings().weight if tied else None
     extra = weight.numel() * weight.element_size() if tied else 0
     logger.info("oneDNN packed %d linear layers%s (batch hint %d)", replaced,
                 f" and the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "", hint)
@@ -188,10 +190,11 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
 
 def lm_head_logits(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """[N, hidden] -> [N, vocab] through the tied head's kernel copy (``packed_lm_head``: oneDNN or
-    int8), the ``lm_head`` module, or the embedding matrix (tied, plain), in that order."""
+    int8), else ``model.get_lm_head()``: the ``lm_head`` module, or the embedding matrix (tied)."""
     packed = getattr(model, "packed_lm_head", None)
     if packed is not None:
         return packed(hidden_states)
-    if not getattr(model, "tie_word_embeddings", False):
-        return model.lm_head(hidden_states)
-    return F.linear(hidden_states, model.model.embed_tokens.weight)
+    head = model.get_lm_head()
+    if isinstance(head, nn.Embedding):
+        return F.linear(hidden_states, head.weight)
+    return head(hidden_states)

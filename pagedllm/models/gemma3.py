@@ -16,10 +16,11 @@ from torch import nn
 
 from pagedllm.attention import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import ModelConfig
 from pagedllm.layers.linear import MergedLinear, lm_head_logits
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.models.utils import layer_types, load_named_weights, rope_params
+from pagedllm.models.utils import load_named_weights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -43,14 +44,14 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config: dict, layer_type: str) -> None:
+    def __init__(self, config: ModelConfig, sliding_window: int | None) -> None:
         super().__init__()
-        hidden = int(config["hidden_size"])
-        self.num_heads = int(config["num_attention_heads"])
-        self.num_kv_heads = int(config.get("num_key_value_heads") or self.num_heads)
-        self.head_dim = int(config.get("head_dim") or 256)
-        bias = bool(config.get("attention_bias", False))
-        eps = float(config.get("rms_norm_eps", 1e-6))
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        eps = config.rms_norm_eps
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q_proj, k_proj and v_proj as one layer (checkpoint names kept; models/utils.py).
         self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size],
@@ -58,12 +59,12 @@ class Gemma3Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps)
-        is_sliding = layer_type == "sliding_attention"
-        self.sliding_window = int(config["sliding_window"]) if is_sliding and config.get("sliding_window") else None
-        scalar = float(config.get("query_pre_attn_scalar") or self.head_dim)
+        self.sliding_window = sliding_window
+        scalar = config.query_pre_attn_scalar or float(self.head_dim)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=scalar ** -0.5,
                               sliding_window=self.sliding_window,
-                              logits_soft_cap=config.get("attn_logit_softcapping"))
+                              logits_soft_cap=config.attn_logit_softcapping,
+                              backend=config.attention_backend)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -79,14 +80,13 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: dict, layer_type: str) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        hidden = int(config["hidden_size"])
-        self.layer_type = layer_type
-        eps = float(config.get("rms_norm_eps", 1e-6))
-        self.self_attn = Gemma3Attention(config, layer_type)
-        self.mlp = Gemma3MLP(hidden, int(config["intermediate_size"]),
-                             config.get("hidden_activation") or "gelu_pytorch_tanh")
+        hidden = config.hidden_size
+        self.layer_type = config.layer_types[layer_idx]
+        eps = config.rms_norm_eps
+        self.self_attn = Gemma3Attention(config, config.layer_sliding_windows[layer_idx])
+        self.mlp = Gemma3MLP(hidden, config.intermediate_size, config.hidden_act)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
@@ -102,40 +102,35 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3TextModel(nn.Module):
-    def __init__(self, config: dict, types: list[str]) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        hidden = int(config["hidden_size"])
-        self.embed_tokens = nn.Embedding(int(config["vocab_size"]), hidden)
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.embed_scale = hidden ** 0.5
-        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, t) for t in types])
-        self.norm = GemmaRMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
+        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps)
         # One RoPE per layer type: global layers and sliding layers have their own base.
-        head_dim = self.layers[0].self_attn.head_dim
         self.rotary_emb = nn.ModuleDict()
-        for layer_type in sorted(set(types)):
-            default_theta = 10_000.0 if layer_type == "sliding_attention" else 1_000_000.0
-            theta, scaling = rope_params(config, layer_type, default_theta=default_theta)
-            self.rotary_emb[layer_type] = RotaryEmbedding(head_dim, theta, scaling)
+        for layer_type, (theta, scaling) in sorted(config.rope_parameters.items()):
+            self.rotary_emb[layer_type] = RotaryEmbedding(config.head_dim, theta, scaling)
 
 
 class Gemma3ForCausalLM(nn.Module):
     """Gemma 3 causal LM (text only) over the paged KV cache.
 
     Args:
-        config: the checkpoint's config.json as a dict (``model_type`` "gemma3_text").
+        config: the model's architecture (``ModelConfig.from_hf_config`` of a ``gemma3_text``
+            config, or a multimodal one's ``text_config``).
     """
 
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        if "text_config" in config:
-            config = {**config["text_config"], "architectures": config.get("architectures")}
         self.config = config
-        types = layer_types({**config, "sliding_window_pattern": config.get("sliding_window_pattern", 6)})
-        self.model = Gemma3TextModel(config, types)
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", True))
+        self.model = Gemma3TextModel(config)
+        self.tie_word_embeddings = config.tie_word_embeddings
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
-        self.final_logit_softcapping = config.get("final_logit_softcapping")
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.final_logit_softcapping = config.final_logit_softcapping
         self.packed_lm_head = None  # set by pack_linear_layers (tied head, CPU float32)
         first = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
@@ -159,6 +154,14 @@ class Gemma3ForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden_states = layer(ropes[layer.layer_type], hidden_states, kv_cache, attn_metadata)
         return self.model.norm(hidden_states)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding ([vocab, hidden]); with tied embeddings also the LM head's weight."""
+        return self.model.embed_tokens
+
+    def get_lm_head(self) -> nn.Module:
+        """The LM head: the ``lm_head`` linear, or the embedding when tied."""
+        return self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits (model dtype), soft-capped if the config says so."""

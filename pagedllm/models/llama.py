@@ -13,10 +13,11 @@ from torch import nn
 
 from pagedllm.attention import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import ModelConfig
 from pagedllm.layers.linear import MergedLinear, lm_head_logits
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.models.utils import layer_types, load_named_weights, rope_params
+from pagedllm.models.utils import load_named_weights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -39,26 +40,27 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention with RoPE and GQA reading/writing the paged KV cache."""
 
-    def __init__(self, config: dict, layer_idx: int, bias: tuple[bool, bool], qk_norm: bool,
+    def __init__(self, config: ModelConfig, layer_idx: int, bias: tuple[bool, bool], qk_norm: bool,
                  sliding_window: int | None) -> None:
         super().__init__()
         qkv_bias, o_bias = bias
-        hidden = int(config["hidden_size"])
-        self.num_heads = int(config["num_attention_heads"])
-        self.num_kv_heads = int(config.get("num_key_value_heads") or self.num_heads)
-        self.head_dim = int(config.get("head_dim") or hidden // self.num_heads)
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q_proj, k_proj and v_proj as one layer (checkpoint names kept; models/utils.py).
         self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size],
                                      ("q_proj", "k_proj", "v_proj"), bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
-        eps = float(config.get("rms_norm_eps", 1e-6))
+        eps = config.rms_norm_eps
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps)
             self.k_norm = RMSNorm(self.head_dim, eps)
         self.qk_norm = qk_norm
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
-                              scale=self.head_dim ** -0.5, sliding_window=sliding_window)
+                              scale=self.head_dim ** -0.5, sliding_window=sliding_window,
+                              backend=config.attention_backend)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -77,13 +79,13 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: dict, layer_idx: int, bias: tuple[bool, bool], qk_norm: bool,
+    def __init__(self, config: ModelConfig, layer_idx: int, bias: tuple[bool, bool], qk_norm: bool,
                  sliding_window: int | None) -> None:
         super().__init__()
-        hidden = int(config["hidden_size"])
-        eps = float(config.get("rms_norm_eps", 1e-6))
+        hidden = config.hidden_size
+        eps = config.rms_norm_eps
         self.self_attn = LlamaAttention(config, layer_idx, bias, qk_norm, sliding_window)
-        self.mlp = LlamaMLP(hidden, int(config["intermediate_size"]), bias=bool(config.get("mlp_bias", False)))
+        self.mlp = LlamaMLP(hidden, config.intermediate_size, bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
@@ -97,17 +99,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: dict, bias: tuple[bool, bool], qk_norm: bool,
+    def __init__(self, config: ModelConfig, bias: tuple[bool, bool], qk_norm: bool,
                  sliding_windows: list[int | None]) -> None:
         super().__init__()
-        hidden = int(config["hidden_size"])
-        self.embed_tokens = nn.Embedding(int(config["vocab_size"]), hidden)
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.layers = nn.ModuleList([
             LlamaDecoderLayer(config, i, bias, qk_norm, sliding_windows[i])
-            for i in range(int(config["num_hidden_layers"]))])
-        self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
+            for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
         first = self.layers[0].self_attn
-        theta, scaling = rope_params(config)
+        # One RoPE for all layers (the Llama family reads no per-layer-type parameters).
+        theta, scaling = next(iter(config.rope_parameters.values()))
         self.rotary_emb = RotaryEmbedding(first.head_dim, theta, scaling)
 
 
@@ -115,40 +118,29 @@ class LlamaForCausalLM(nn.Module):
     """Causal LM over the paged KV cache.
 
     Args:
-        config: the checkpoint's config.json as a dict.
+        config: the model's architecture (``ModelConfig.from_hf_config``).
     """
 
     qk_norm = False
 
     @staticmethod
-    def bias_flags(config: dict) -> tuple[bool, bool]:
+    def bias_flags(config: ModelConfig) -> tuple[bool, bool]:
         """(q/k/v bias, o bias): Llama and Qwen3 put ``attention_bias`` on all four."""
-        bias = bool(config.get("attention_bias", False))
-        return bias, bias
+        return config.attention_bias, config.attention_bias
 
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        windows = self.sliding_windows(config)
+        windows = list(config.layer_sliding_windows)
         self.model = LlamaModel(config, self.bias_flags(config), self.qk_norm, windows)
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        self.tie_word_embeddings = config.tie_word_embeddings
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head = None  # set by pack_linear_layers (tied head, CPU float32)
         first = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.num_layers = len(self.model.layers)
         self.layer_sliding_windows = windows
-
-    @staticmethod
-    def sliding_windows(config: dict) -> list[int | None]:
-        """Per-layer window (tokens) or None: Mistral-style configs window every layer unless
-        ``layer_types`` says otherwise."""
-        window = config.get("sliding_window")
-        types = layer_types(config)
-        if config.get("layer_types") or config.get("use_sliding_window") is not None:
-            return [window if t == "sliding_attention" and window else None for t in types]
-        return [window if window else None for _ in types]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -165,6 +157,14 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden_states = layer(rope, hidden_states, kv_cache, attn_metadata)
         return self.model.norm(hidden_states)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding ([vocab, hidden]); with tied embeddings also the LM head's weight."""
+        return self.model.embed_tokens
+
+    def get_lm_head(self) -> nn.Module:
+        """The LM head: the ``lm_head`` linear, or the embedding when tied."""
+        return self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits (model dtype)."""
@@ -188,7 +188,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with q/k/v biases (no o_proj bias)."""
 
     @staticmethod
-    def bias_flags(config: dict) -> tuple[bool, bool]:
+    def bias_flags(config: ModelConfig) -> tuple[bool, bool]:
         return True, False
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.config import ModelConfig
+
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
@@ -22,13 +24,13 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def get_model_class(config: dict) -> type[nn.Module]:
-    """The model class for a config.json dict.
+def get_model_class(config: ModelConfig) -> type[nn.Module]:
+    """The model class for a model's architecture.
 
     Raises:
-        ValueError: if none of ``config["architectures"]`` is supported (lists the supported ones).
+        ValueError: if none of ``config.architectures`` is supported (lists the supported ones).
     """
-    archs = config.get("architectures") or []
+    archs = list(config.architectures)
     for arch in archs:
         if arch in _MODELS:
             return _MODELS[arch]

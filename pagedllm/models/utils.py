@@ -1,4 +1,5 @@
-"""Helpers shared by model implementations: reading HF config dicts and loading weights."""
+"""Helpers shared by model implementations: loading checkpoint weights (the architecture is read
+once into ``ModelConfig`` by ``config.hf_architecture_fields``)."""
 
 from __future__ import annotations
 
@@ -9,40 +10,6 @@ import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
-
-
-def rope_params(config: dict, layer_type: str | None = None, default_theta: float = 10000.0
-                ) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling dict or None) from a config.json dict.
-
-    Reads transformers 5's ``rope_parameters`` (flat, or keyed by layer type as Gemma 3 writes it)
-    and the legacy ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq`` keys.
-    """
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and layer_type is not None and layer_type in params:
-        params = params[layer_type]
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
-        scaling = params if params.get("rope_type", "default") != "default" else None
-        return theta, scaling
-    if layer_type == "sliding_attention" and "rope_local_base_freq" in config:
-        return float(config["rope_local_base_freq"]), None
-    theta = float(config.get("rope_theta", default_theta))
-    return theta, config.get("rope_scaling")
-
-
-def layer_types(config: dict) -> list[str]:
-    """Per-layer attention type ("full_attention" / "sliding_attention") of a config dict."""
-    n = int(config["num_hidden_layers"])
-    types = config.get("layer_types")
-    if types:
-        if len(types) != n:
-            raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
-        return list(types)
-    pattern = config.get("sliding_window_pattern")
-    if pattern:
-        return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n)]
-    return ["full_attention"] * n
 
 
 def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

@@ -1,7 +1,7 @@
 """Token sampling: per-step ``SamplingMetadata`` and the batched ``Sampler``."""
 
 from pagedllm.sample.metadata import (TOP_P_CANDIDATE_CAP, LogitsAdjustments, RandomSampling,
-                                      SamplingMetadata, verify_token_ids)
+                                      SamplingMetadata)
 from pagedllm.sample.sampler import (Sampler, SamplerOutput, compute_prompt_logprobs,
                                      make_generator)
 
@@ -14,5 +14,4 @@ __all__ = [
     "SamplingMetadata",
     "compute_prompt_logprobs",
     "make_generator",
-    "verify_token_ids",
 ]

@@ -21,28 +21,6 @@ from pagedllm.sampling_params import LogitsProcessor, SamplingParams
 TOP_P_CANDIDATE_CAP = 1024
 
 
-def verify_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Check that the token ids a request names exist in the model's vocabulary.
-
-    The input processor should call this when a request is added, so a bad id is a 400 for that
-    request instead of an error in the middle of a batch step.
-
-    Args:
-        params: the request's sampling parameters.
-        vocab_size: width of the model's logits (tokens).
-    Raises:
-        ValueError: naming the field and the id, if ``logit_bias``, ``allowed_token_ids`` or
-            ``bad_words_token_ids`` holds an id outside ``[0, vocab_size)``.
-    """
-    for name, ids in (("logit_bias", params.logit_bias or {}),
-                      ("allowed_token_ids", params.allowed_token_ids or ()),
-                      ("bad_words_token_ids", params.bad_words_token_ids or ())):
-        for tok in ids:
-            if not 0 <= tok < vocab_size:
-                raise ValueError(
-                    f"{name} holds token id {tok}, outside the vocabulary [0, {vocab_size})")
-
-
 @dataclass
 class LogitsAdjustments:
     """Edits applied to the logits of all rows (greedy and random) before sampling, in this order.
@@ -164,9 +142,12 @@ class SamplingMetadata:
                 global RNG).
         Returns:
             The metadata; only the features some row uses have tensors.
+        Token ids named by the params (``logit_bias``, ``allowed_token_ids``,
+        ``bad_words_token_ids``) must lie in ``[0, vocab_size)``: ``InputProcessor.process`` checks
+        them once when the request is added, not here every step.
+
         Raises:
-            ValueError: if the per-row lists differ in length, or a row names a token id outside
-                the vocabulary (see ``verify_token_ids``).
+            ValueError: if the per-row lists differ in length.
         """
         n = len(params)
         if generators is None:
@@ -178,8 +159,6 @@ class SamplingMetadata:
                 f"{len(generators)}")
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-        for p in params:
-            verify_token_ids(p, vocab_size)
 
         greedy = [p.sampling_type_greedy for p in params]
         random_idx = [i for i in range(n) if not greedy[i]]
@@ -267,7 +246,7 @@ def _build_adjustments(params: Sequence[SamplingParams], output_token_ids: Seque
 
     allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
     if allowed:
-        # verify_token_ids has checked the ids, so the flat keys stay in their rows.
+        # The input processor has checked the ids, so the flat keys stay in their rows.
         keys = _flat_keys(list(range(len(allowed))),
                           [list(params[i].allowed_token_ids) for i in allowed], vocab_size, device)
         mask = torch.zeros(len(allowed) * vocab_size, dtype=torch.bool, device=device)

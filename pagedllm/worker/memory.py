@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
-CPU_KVCACHE_ENV = "PAGEDLLM_CPU_KVCACHE_SPACE"
 
 
 @dataclass(frozen=True)
@@ -40,24 +38,19 @@ class KVCacheShape:
         return self.bytes_per_block // self.block_size
 
 
-def default_cpu_kv_cache_bytes(available_bytes: int | None = None) -> int:
-    """The CPU KV budget in bytes when none is given.
+def default_cpu_kv_cache_bytes(cpu_kvcache_space_bytes: int | None = None,
+                               available_bytes: int | None = None) -> int:
+    """The CPU KV budget in bytes when ``kv_cache_memory_bytes`` is not given.
 
-    ``PAGEDLLM_CPU_KVCACHE_SPACE`` (GiB, as vLLM's ``VLLM_CPU_KVCACHE_SPACE``) if set, else
-    min(25% of available RAM, 4 GiB).
-
-    Raises:
-        ValueError: if the environment variable is not a positive number.
+    Args:
+        cpu_kvcache_space_bytes: ``CacheConfig.cpu_kvcache_space_bytes`` (from
+            ``PAGEDLLM_CPU_KVCACHE_SPACE``, read by ``EngineArgs``), used when set.
+        available_bytes: available RAM (bytes); None reads it with psutil.
+    Returns:
+        ``cpu_kvcache_space_bytes`` if set, else min(25% of available RAM, 4 GiB).
     """
-    env = os.environ.get(CPU_KVCACHE_ENV)
-    if env:
-        try:
-            gib = float(env)
-        except ValueError as e:
-            raise ValueError(f"{CPU_KVCACHE_ENV} must be a number of GiB, got {env!r}") from e
-        if gib <= 0:
-            raise ValueError(f"{CPU_KVCACHE_ENV} must be > 0 GiB, got {env!r}")
-        return int(gib * _GIB)
+    if cpu_kvcache_space_bytes is not None:
+        return int(cpu_kvcache_space_bytes)
     if available_bytes is None:
         import psutil
         available_bytes = int(psutil.virtual_memory().available)
@@ -97,5 +90,5 @@ def num_blocks_for_budget(budget_bytes: int, shape: KVCacheShape, max_model_len:
             f"the KV cache budget of {budget_bytes / _GIB:.3f} GiB holds {num_blocks} blocks "
             f"({largest} tokens), fewer than one request of max_model_len={max_model_len} needs "
             f"({needed} blocks, {needed * shape.bytes_per_block / _GIB:.3f} GiB); set max_model_len <= {largest} "
-            f"or raise kv_cache_memory_bytes / {CPU_KVCACHE_ENV}")
+            "or raise kv_cache_memory_bytes / PAGEDLLM_CPU_KVCACHE_SPACE")
     return int(num_blocks)

@@ -1,4 +1,4 @@
-"""SchedulerOutput -> flattened batch -> one forward -> sampled tokens."""
+"""SchedulerOutput -> the worker's request states -> flattened batch -> one forward -> sampled tokens."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import torch
 from torch import nn
 
 from pagedllm.attention.ops import build_attention_metadata
-from pagedllm.core.sched_output import Logprob, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.outputs import Logprob
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
+from pagedllm.sampling_params import LogitsProcessor
+from pagedllm.worker.request_states import RequestStates, ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +22,8 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Runs one scheduler step on the model.
 
-    Builds ``input_ids``, ``positions`` and the ``AttentionMetadata`` (slot mapping, block
+    Keeps the worker's copy of every request (``RequestStates``, updated from each step's
+    diffs), builds ``input_ids``, ``positions`` and the ``AttentionMetadata`` (slot mapping, block
     tables, sequence lengths) for the flattened batch, runs the model once, sends only the last
     position of each sampling request through the LM head (plus prompt positions of requests
     that asked for prompt logprobs), and samples.
@@ -42,16 +46,38 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.sampler = Sampler()
         self.default_generator = make_generator(seed, device)
-        self._generators: dict[str, torch.Generator] = {}
+        self.requests = RequestStates()
+        # In-process logits processors by request id (never in the message; see
+        # ``add_logits_processors``), dropped with the request.
+        self._logits_processors: dict[str, list[LogitsProcessor]] = {}
+
+    def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
+        """Attach a request's logits processors, handed over in-process before the request's
+        first step (callables are never part of the per-step message)."""
+        self._logits_processors[req_id] = list(processors)
 
     def _generator_for(self, req: ScheduledRequest) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None or req.sampling_params.sampling_type_greedy:
+        params = req.sampling_params
+        if params.seed is None or params.sampling_type_greedy:
             return None
-        gen = self._generators.get(req.request_id)
-        if gen is None:
-            gen = self._generators[req.request_id] = make_generator(seed, self.device)
-        return gen
+        state = req.state
+        if state.generator is None:
+            state.generator = make_generator(params.seed, self.device)
+        return state.generator
+
+    def _update_states(self, sched: SchedulerOutput) -> list[ScheduledRequest]:
+        """Apply the step's diffs; re-attach in-process logits processors to new requests."""
+        for req_id in sched.finished_req_ids:
+            self._logits_processors.pop(req_id, None)
+        reqs = self.requests.update(sched)
+        if self._logits_processors:
+            for new in sched.scheduled_new_reqs:
+                processors = self._logits_processors.get(new.req_id)
+                if processors:
+                    state = self.requests.requests[new.req_id]
+                    state.sampling_params = state.sampling_params.clone()
+                    state.sampling_params.logits_processors = processors
+        return reqs
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -60,12 +86,10 @@ class ModelRunner:
         Raises:
             RuntimeError: if a block table does not cover a scheduled token (scheduler bug).
         """
-        for req_id in sched.finished_req_ids:
-            self._generators.pop(req_id, None)
+        reqs = self._update_states(sched)
         output = ModelRunnerOutput()
-        if sched.is_empty:
+        if not reqs:
             return output
-        reqs = sched.scheduled
         self._copy_blocks(sched.blocks_to_copy)
 
         query_lens = [r.num_scheduled_tokens for r in reqs]
@@ -88,8 +112,8 @@ class ModelRunner:
             sampling_reqs = [reqs[i] for i in sample_rows]
             metadata = SamplingMetadata.build(
                 [r.sampling_params for r in sampling_reqs],
-                [r.output_token_ids for r in sampling_reqs],
-                [r.prompt_token_ids for r in sampling_reqs],
+                [r.state.output_token_ids for r in sampling_reqs],
+                [r.state.prompt_token_ids for r in sampling_reqs],
                 [self._generator_for(r) for r in sampling_reqs],
                 logits.shape[-1], self.device, default_generator=self.default_generator)
             sampled = self.sampler(logits, metadata)
@@ -129,18 +153,19 @@ class ModelRunner:
             k = r.sampling_params.prompt_logprobs
             if k is None:
                 continue
-            num_prompt = len(r.prompt_token_ids)
+            prompt = r.state.prompt_token_ids
+            num_prompt = len(prompt)
             first, last = r.num_computed_tokens, min(r.num_computed_tokens + r.num_scheduled_tokens, num_prompt - 1)
             if first >= last:
                 continue
             rows = hidden[int(starts[i]): int(starts[i]) + (last - first)]
             logits = self.model.compute_logits(rows).float()
-            targets = torch.as_tensor(r.prompt_token_ids[first + 1: last + 1], device=self.device)
+            targets = torch.as_tensor(prompt[first + 1: last + 1], device=self.device)
             tgt_lp, ranks, top_ids, top_lps = compute_prompt_logprobs(logits, targets, k)
             tgt_lp, ranks = tgt_lp.tolist(), ranks.tolist()
             top_ids, top_lps = top_ids.tolist(), top_lps.tolist()
             entries = []
-            for j, tok in enumerate(r.prompt_token_ids[first + 1: last + 1]):
+            for j, tok in enumerate(prompt[first + 1: last + 1]):
                 entry = {tok: Logprob(tgt_lp[j], ranks[j])}
                 for rank, (t, lp) in enumerate(zip(top_ids[j], top_lps[j]), start=1):
                     entry.setdefault(t, Logprob(lp, rank))

@@ -1,4 +1,5 @@
-"""The worker: picks the device, loads the weights, sizes and allocates the paged KV cache."""
+"""The worker: picks the device, loads the weights, sizes and allocates the paged KV cache, and runs
+the model runner on each step's message."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import time
 import torch
 from torch import nn
 
-from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.linear import pack_linear_layers
 from pagedllm.layers.quantization import quantize_linear_layers
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.registry import get_model_class
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.memory import (KVCacheShape, default_cpu_kv_cache_bytes, kv_bytes_from_utilization,
                                     num_blocks_for_budget)
 
@@ -36,9 +39,16 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str, hf_config: dict, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.device) -> torch.dtype:
     """"auto" -> float32 on the CPU (exact parity with transformers), the checkpoint's
-    ``torch_dtype`` / ``dtype`` (float32 -> bfloat16 not applied) on CUDA."""
+    ``dtype`` / ``torch_dtype`` (``ModelConfig.checkpoint_dtype``; float32 -> bfloat16 not
+    applied) on CUDA.
+
+    Args:
+        dtype: the asked dtype name.
+        model_config: the model's config (or its config.json dict).
+        device: where the model runs.
+    """
     if dtype != "auto":
         if device.type == "cpu" and _DTYPES[dtype] in (torch.bfloat16, torch.float16) \
                 and torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):
@@ -48,22 +58,25 @@ def resolve_dtype(dtype: str, hf_config: dict, device: torch.device) -> torch.dt
         return _DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32
-    name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "bfloat16"
-    return _DTYPES.get(str(name).replace("torch.", ""), torch.bfloat16)
+    if isinstance(model_config, dict):
+        name = model_config.get("dtype") or model_config.get("torch_dtype")
+    else:
+        name = model_config.checkpoint_dtype
+    return _DTYPES.get(str(name or "bfloat16").replace("torch.", ""), torch.bfloat16)
 
 
-def build_model(hf_config: dict, weights, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(model_config: ModelConfig, weights, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Instantiate the registered architecture without random init (meta device), then load weights.
 
     Args:
-        hf_config: config.json dict.
+        model_config: the model's architecture (``ModelConfig.from_hf_config``).
         weights: iterable of (HF name, tensor).
     Raises:
         ValueError: unsupported architecture, or checkpoint/model name or shape mismatch.
     """
-    model_cls = get_model_class(hf_config)
+    model_cls = get_model_class(model_config)
     with torch.device("meta"):
-        model = model_cls(hf_config)
+        model = model_cls(model_config)
     model = model.to_empty(device=device).to(dtype)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -73,48 +86,85 @@ def build_model(hf_config: dict, weights, dtype: torch.dtype, device: torch.devi
 
 
 class Worker:
-    """Owns the model and the KV cache tensors on one device.
+    """One rank: owns the device, the model, the KV cache tensors and the model runner.
+
+    The executor drives it in phases: ``init_device`` -> ``load_model`` ->
+    ``determine_num_blocks`` -> ``initialize_cache(num_blocks)`` -> ``execute_model`` per step.
+    Every method takes and returns plain data, so a worker process can run it behind an RPC.
 
     Args:
-        model_config, cache_config, scheduler_config: see ``pagedllm.config``.
-        hf_config: the checkpoint's config.json.
-        weights: iterable of (name, tensor) for ``build_model``.
+        model_config, cache_config, scheduler_config, parallel_config: see ``pagedllm.config``;
+            ``model_config.model_folder`` names the weights.
+        rank: this worker's rank among ``parallel_config.world_size`` (0 for now).
+        weights: (name, tensor) pairs to load instead of reading ``model_config.model_folder``
+            (tests, benchmarks).
     Attributes:
         kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
-        num_blocks: blocks in the pool.
-    Raises:
-        ValueError: if the KV budget cannot hold one request of ``max_model_len`` tokens.
+        num_blocks: blocks in the pool (after ``initialize_cache``).
+        model_runner: the ``ModelRunner`` (after ``initialize_cache``).
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, hf_config: dict, weights) -> None:
-        self.device = resolve_device(model_config.device)
-        self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                 parallel_config: ParallelConfig | None = None, rank: int = 0, weights=None) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.parallel_config = parallel_config or ParallelConfig()
+        self.rank = rank
+        self._weights = weights
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+        self.model: nn.Module | None = None
+        self.model_runner: ModelRunner | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self._weight_bytes = 0
+
+    def init_device(self) -> None:
+        """Pick the device and dtype.
+
+        Raises:
+            ValueError: if cuda is asked for and not available.
+        """
+        self.device = resolve_device(self.model_config.device)
+        self.dtype = resolve_dtype(self.model_config.dtype, self.model_config, self.device)
+
+    def load_model(self) -> None:
+        """Build the model on the device, load the weights, and move linear layers into their
+        kernels' layouts (int8, or oneDNN packing on the CPU).
+
+        Raises:
+            ValueError: unsupported architecture, mismatching checkpoint, or int8 where fbgemm
+                does not run.
+        """
+        from pagedllm.loaders import iterate_weights
+
         t0 = time.perf_counter()
-        self.model = build_model(hf_config, weights, self.dtype, self.device)
+        weights = self._weights if self._weights is not None else iterate_weights(self.model_config.model_folder)
+        self._weights = None
+        self.model = build_model(self.model_config, weights, self.dtype, self.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
+        if self.model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
             weight_bytes += quantize_linear_layers(self.model)
         else:  # CPU float32: linear layers move into oneDNN's packed layout (layers/linear.py).
-            weight_bytes += pack_linear_layers(self.model, self.dtype, self.device, scheduler_config.max_num_seqs)
+            weight_bytes += pack_linear_layers(self.model, self.dtype, self.device,
+                                               self.scheduler_config.max_num_seqs, self.model_config.cpu_gemm)
+        self._weight_bytes = weight_bytes
         self.weights_load_s = time.perf_counter() - t0
         logger.info("Model weights: %.1f MiB in %s on %s, loaded in %.2f s",
                     weight_bytes / 2**20, str(self.dtype).replace("torch.", ""), self.device, self.weights_load_s)
         self.kv_shape = KVCacheShape(
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
-            head_dim=self.model.head_dim, block_size=cache_config.block_size,
+            head_dim=self.model.head_dim, block_size=self.cache_config.block_size,
             dtype_bytes=torch.tensor([], dtype=self.dtype).element_size())
-        self.num_blocks = self._determine_num_blocks(cache_config, scheduler_config, weight_bytes)
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
-        max_len = scheduler_config.max_model_len
-        logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token); maximum concurrency for "
-            "%d-token requests: %.2fx", self.num_blocks, cache_config.block_size,
-            self.num_blocks * self.kv_shape.bytes_per_block / 2**20, self.kv_shape.bytes_per_token,
-            max_len, self.num_blocks * cache_config.block_size / max_len)
 
-    def _determine_num_blocks(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                              weight_bytes: int) -> int:
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit this worker's budget (``CacheConfig``; a profiling forward on CUDA).
+
+        Raises:
+            ValueError: if the budget cannot hold one request of ``max_model_len`` tokens.
+        """
+        cache_config, scheduler_config = self.cache_config, self.scheduler_config
         if cache_config.num_gpu_blocks_override is not None:
             num = cache_config.num_gpu_blocks_override
             return num_blocks_for_budget(num * self.kv_shape.bytes_per_block, self.kv_shape,
@@ -124,12 +174,46 @@ class Worker:
         elif self.device.type == "cpu":
             logger.info("gpu_memory_utilization=%s does not apply on the CPU; the KV budget comes from "
                         "kv_cache_memory_bytes or PAGEDLLM_CPU_KVCACHE_SPACE", cache_config.gpu_memory_utilization)
-            budget = default_cpu_kv_cache_bytes()
+            budget = default_cpu_kv_cache_bytes(cache_config.cpu_kvcache_space_bytes)
         else:
             budget = kv_bytes_from_utilization(
                 torch.cuda.get_device_properties(self.device).total_memory,
                 cache_config.gpu_memory_utilization, self._profile_peak_bytes(scheduler_config))
         return num_blocks_for_budget(budget, self.kv_shape, scheduler_config.max_model_len)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks per layer and build the model runner."""
+        self.num_blocks = num_blocks
+        self.kv_caches = self._allocate_kv_caches(num_blocks)
+        max_len = self.scheduler_config.max_model_len
+        block_size = self.cache_config.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token); maximum concurrency for "
+            "%d-token requests: %.2fx", num_blocks, block_size,
+            num_blocks * self.kv_shape.bytes_per_block / 2**20, self.kv_shape.bytes_per_token,
+            max_len, num_blocks * block_size / max_len)
+        self.model_runner = ModelRunner(self.model, self.kv_caches, block_size, self.device,
+                                        self.model_config.vocab_size, seed=self.model_config.seed)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step (``ModelRunner.execute_model``)."""
+        return self.model_runner.execute_model(scheduler_output)
+
+    def add_logits_processors(self, req_id: str, processors) -> None:
+        """In-process only: attach a request's logits processors (``ModelRunner.add_logits_processors``)."""
+        self.model_runner.add_logits_processors(req_id, processors)
+
+    def check_health(self) -> None:
+        """Raises:
+            RuntimeError: if the worker has not been initialized."""
+        if self.model_runner is None:
+            raise RuntimeError("the worker has no model runner: initialize_cache was not called")
+
+    def shutdown(self) -> None:
+        """Drop the model runner, the KV cache and the model."""
+        self.model_runner = None
+        self.kv_caches = []
+        self.model = None
 
     def _profile_peak_bytes(self, scheduler_config: SchedulerConfig) -> int:
         """Peak accelerator bytes of a forward over ``max_num_batched_tokens`` tokens with a

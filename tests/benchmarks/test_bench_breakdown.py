@@ -11,7 +11,7 @@ from pagedllm.benchmarks.breakdown import StepBreakdown
 def test_breakdown_sums_to_wall_and_restores_the_engine(make_tiny_checkpoint):
     llm = LLM(make_tiny_checkpoint("gemma3"), kv_cache_memory_bytes=8 << 20, max_model_len=128, block_size=8)
     engine = llm.llm_engine
-    model = engine.model_runner.model
+    model = engine.executor.driver_worker.model_runner.model
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     before = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e f g h"], params, use_tqdm=False)]
     with StepBreakdown(engine) as bd:
@@ -26,7 +26,7 @@ def test_breakdown_sums_to_wall_and_restores_the_engine(make_tiny_checkpoint):
     # 5 steps at most 2 requests: every component is inside the wall time
     assert all(s <= bd.wall_s for s in rows.values())
     # restored: no instance attributes left, no hooks left
-    assert "step" not in vars(engine) and "execute_model" not in vars(engine.model_runner)
+    assert "step" not in vars(engine) and "execute_model" not in vars(engine.executor.driver_worker.model_runner)
     assert "forward" not in vars(model) and "compute_logits" not in vars(model)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     after = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e f g h"], params, use_tqdm=False)]

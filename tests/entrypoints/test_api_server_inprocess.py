@@ -31,7 +31,7 @@ def _run(state, coro_fn):
 
 
 def test_failing_step_gives_500_then_server_recovers(state, monkeypatch):
-    runner = state.engine.engine.model_runner
+    runner = state.engine.engine.executor.driver_worker.model_runner
     real = runner.execute_model
     failures = {"left": 1}
 

@@ -183,7 +183,7 @@ def test_dropped_stream_aborts(async_llm):
 
 
 def test_step_exception_fails_its_requests_and_loop_continues(async_llm, expected, monkeypatch):
-    runner = async_llm.engine.model_runner
+    runner = async_llm.engine.executor.driver_worker.model_runner
     real = runner.execute_model
     calls = {"n": 0}
 

@@ -1,5 +1,5 @@
-"""A toy model with the attributes the linear-layer replacements read (``model.embed_tokens``,
-``tie_word_embeddings``, ``packed_lm_head``)."""
+"""A toy model with the attributes the linear-layer replacements read (``get_input_embeddings()``,
+``get_lm_head()``, ``tie_word_embeddings``, ``packed_lm_head``)."""
 
 import pytest
 from torch import nn
@@ -15,6 +15,12 @@ class TiedToy(nn.Module):
         self.model.proj = nn.Linear(16, out_features)
         self.tie_word_embeddings = True
         self.packed_lm_head = None
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_lm_head(self):
+        return self.model.embed_tokens
 
 
 @pytest.fixture

@@ -396,12 +396,17 @@ def test_logits_processors_see_output_ids_and_edit_the_row():
     assert seen == [([4, 5], torch.Size([V]))]
 
 
-def test_out_of_vocab_ids_rejected():
+def test_out_of_vocab_ids_rejected(tiny_tokenizer_dir):
+    # Checked once at the edge (InputProcessor), not by the sampler every step.
+    from pagedllm.engine.input_processor import InputProcessor
+    from pagedllm.tokenizer import Tokenizer
+
+    processor = InputProcessor(Tokenizer.from_pretrained(tiny_tokenizer_dir), max_model_len=64, vocab_size=V)
     for kw in (dict(logit_bias={V: 1.0}), dict(allowed_token_ids=[V + 3]),
                dict(bad_words_token_ids=[V])):
         field = next(iter(kw))
         with pytest.raises(ValueError, match=field):
-            _build([SamplingParams(**kw)])
+            processor.process([1, 2], SamplingParams(**kw))
     with pytest.raises(ValueError, match="one entry per row"):
         SamplingMetadata.build([SamplingParams()], [], [[]], [None], V, "cpu")
 

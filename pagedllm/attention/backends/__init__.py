@@ -13,13 +13,13 @@ after this step's K/V have been written into the cache. ``key``/``value`` are th
   and chunked prefills; SDPA for fresh prefills. Delegates to ``cpu_sdpa`` on other devices or
   when the kernel cannot be built. What ``"auto"`` picks (measured in docs/performance.md).
 
-``"auto"`` can be redirected with the environment variable ``PAGEDLLM_ATTENTION_BACKEND``
-(``BACKEND_ENV``), read when a layer is built, e.g. to time a whole model on each backend.
+The engine's choice comes through ``ModelConfig.attention_backend`` (whose default
+``EngineArgs`` reads once from ``PAGEDLLM_ATTENTION_BACKEND``, e.g. to time a whole model on each
+backend); this module reads no environment variable.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,32 +80,21 @@ BackendForward = Callable[
 
 BACKEND_NAMES = ("torch_ref", "cpu_sdpa", "cpu_paged")
 
-# Environment variable naming the backend that "auto" resolves to (e.g. to compare backends on a
-# whole model, whose layers all ask for "auto"); unset or empty = the default policy below.
+# The environment variable ``EngineArgs.attention_backend`` defaults to (engine/arg_utils.py).
 BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
-# "auto" without the environment variable: the kernel, measured faster than cpu_sdpa for decode
+# "auto": the kernel, measured faster than cpu_sdpa for decode
 # (docs/performance.md); it falls back to cpu_sdpa by itself off CPU or without a compiler.
 AUTO_BACKEND = "cpu_paged"
 
 
 def resolve_backend_name(name: str) -> str:
-    """Map ``"auto"`` to a concrete backend and validate.
-
-    ``"auto"`` becomes ``$PAGEDLLM_ATTENTION_BACKEND`` when that is set (and not empty or
-    ``"auto"``), else ``AUTO_BACKEND``. An explicit name is returned as is.
+    """Map ``"auto"`` to ``AUTO_BACKEND`` and validate; an explicit name is returned as is.
 
     Raises:
-        ValueError: if ``name`` (or the environment variable) is not ``"auto"`` or one of
-            ``BACKEND_NAMES``.
+        ValueError: if ``name`` is not ``"auto"`` or one of ``BACKEND_NAMES``.
     """
     if name == "auto":
-        forced = os.environ.get(BACKEND_ENV, "").strip()
-        if forced in ("", "auto"):
-            return AUTO_BACKEND
-        if forced not in BACKEND_NAMES:
-            raise ValueError(
-                f"{BACKEND_ENV} must be 'auto' or one of {BACKEND_NAMES}, got {forced!r}")
-        return forced
+        return AUTO_BACKEND
     if name not in BACKEND_NAMES:
         raise ValueError(
             f"attention backend must be 'auto' or one of {BACKEND_NAMES}, got {name!r}")

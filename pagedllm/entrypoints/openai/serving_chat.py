@@ -103,11 +103,10 @@ class OpenAIServingChat(OpenAIServing):
             base = self.sampling_params(request, max_tokens, num_top, kind)
             processed = self.engine.process_inputs(prompt, base)
             ids = processed.prompt_token_ids
-            effective = self.check_max_tokens(len(ids), max_tokens, what="messages")
-            params = self.sampling_params(request, effective, num_top, kind)
-            self.log_request(request_id, processed.prompt, len(ids), params)
-            outputs = self.engine.add_request(request_id, {"prompt": processed.prompt, "prompt_token_ids": ids},
-                                              params, arrival_time=arrival_time)
+            # The processed request owns its params copy: record the effective limit there.
+            processed.params.max_tokens = self.check_max_tokens(len(ids), max_tokens, what="messages")
+            self.log_request(request_id, processed.prompt, len(ids), processed.params)
+            outputs = self.engine.add_request(request_id, processed, arrival_time=arrival_time)
         except Exception as e:
             raise error_from_exception(e, self.fields) from e
         created = int(time.time())

@@ -103,14 +103,14 @@ class OpenAIServingCompletion(OpenAIServing):
                               "prompt_token_ids": self.tokenizer.encode(prompt, add_special_tokens=False)}
                 processed = self.engine.process_inputs(prompt, base)
                 ids = processed.prompt_token_ids
-                effective = self.check_max_tokens(len(ids), max_tokens)
-                params = self.sampling_params(request, effective, num_top, kind, best_of, prompt_logprobs)
+                # The processed request owns its params copy: record the effective limit there.
+                processed.params.max_tokens = self.check_max_tokens(len(ids), max_tokens)
                 text = processed.prompt if processed.prompt is not None else \
                     self.tokenizer.decode(ids, skip_special_tokens=False)
                 request_id = f"{cmpl_id}-{i}"
-                engine_requests.append((request_id, {"prompt": processed.prompt, "prompt_token_ids": ids}, params))
+                engine_requests.append((request_id, processed, None))
                 infos.append(_Prompt(text, ids))
-                self.log_request(request_id, processed.prompt, len(ids), params)
+                self.log_request(request_id, processed.prompt, len(ids), processed.params)
             outputs = self.engine.add_requests(engine_requests, arrival_time=arrival_time)
         except Exception as e:
             raise error_from_exception(e, self.fields) from e

@@ -1,0 +1,120 @@
+"""The ``Executor`` interface (vLLM V1's ``vllm/v1/executor/abstract.py``) and its selection."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.sampling_params import LogitsProcessor
+
+
+class Executor(ABC):
+    """Runs the model on one or more workers; the engine's only way to reach them.
+
+    Everything that crosses this interface is plain, picklable data (configs, ``SchedulerOutput``,
+    ``ModelRunnerOutput``, ints), except ``add_logits_processors``, which only in-process
+    executors accept.
+
+    Lifecycle: ``initialize()`` (devices, weights) -> ``determine_num_blocks()`` ->
+    ``initialize_cache(num_blocks)`` -> ``execute_model`` once per step -> ``shutdown()``.
+
+    Args:
+        model_config, cache_config, scheduler_config, parallel_config: see ``pagedllm.config``.
+
+    Attributes:
+        uses_in_process_worker: True when the worker that samples runs in the engine's process,
+            so Python callables (``SamplingParams.logits_processors``) can reach it without being
+            sent anywhere.
+    """
+
+    uses_in_process_worker: bool = False
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, parallel_config: ParallelConfig) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.parallel_config = parallel_config
+
+    @staticmethod
+    def get_class(parallel_config: ParallelConfig) -> type["Executor"]:
+        """The executor class for ``parallel_config`` (vLLM's ``Executor.get_class``).
+
+        ``distributed_executor_backend`` "uni", or None with a world size of 1, gives
+        ``UniProcExecutor``.
+
+        Raises:
+            ValueError: for a backend or world size no executor implements yet.
+        """
+        backend = parallel_config.distributed_executor_backend
+        if backend is None and parallel_config.world_size == 1:
+            backend = "uni"
+        if backend == "uni":
+            if parallel_config.world_size != 1:
+                raise ValueError(f"distributed_executor_backend='uni' runs one worker, "
+                                 f"but the world size is {parallel_config.world_size}")
+            from pagedllm.executor.uniproc import UniProcExecutor
+            return UniProcExecutor
+        raise ValueError(f"distributed_executor_backend={backend!r} with world size "
+                         f"{parallel_config.world_size} is not supported yet (only 'uni')")
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @abstractmethod
+    def initialize(self) -> None:
+        """Start the workers, pick their devices and load the weights.
+
+        Raises:
+            ValueError: unsupported model or settings.
+        """
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV blocks every worker can hold (the minimum over workers).
+
+        Raises:
+            ValueError: if the KV budget cannot hold one request of ``max_model_len`` tokens.
+        """
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks on every worker and build their model runners."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; returns the sampling rank's output."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raises:
+            RuntimeError: if a worker is gone or not initialized."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and free their memory (idempotent)."""
+
+    # -- in-process hooks -----------------------------------------------------------------
+
+    def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
+        """Hand a request's logits processors to the worker that samples it.
+
+        Processors are Python callables; they stay in the process that created them and are
+        applied where the logits are sampled, which only an in-process worker can do.
+
+        Raises:
+            ValueError: if this executor's workers run in other processes.
+        """
+        raise ValueError(
+            f"logits_processors are Python callables and cannot be sent to worker processes; "
+            f"{type(self).__name__} runs its workers out of process (use a single-process engine, "
+            f"distributed_executor_backend='uni')")
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call ``method`` on every worker; one result per rank.
+
+        Raises:
+            NotImplementedError: if the executor does not support it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement collective_rpc")

@@ -1,0 +1,54 @@
+"""``UniProcExecutor``: one worker in the engine's own process (vLLM V1's ``UniProcExecutor``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor.abstract import Executor
+from pagedllm.sampling_params import LogitsProcessor
+from pagedllm.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    """Runs one ``Worker`` (rank 0) in this process; method calls are plain calls.
+
+    Args:
+        model_config, cache_config, scheduler_config, parallel_config: see ``Executor``.
+        weights: (name, tensor) pairs to load instead of ``model_config.model_folder``.
+    Attributes:
+        driver_worker: the worker.
+    """
+
+    uses_in_process_worker = True
+
+    def __init__(self, model_config, cache_config, scheduler_config, parallel_config, weights=None) -> None:
+        super().__init__(model_config, cache_config, scheduler_config, parallel_config)
+        self.driver_worker = Worker(model_config, cache_config, scheduler_config, parallel_config,
+                                    rank=0, weights=weights)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``[getattr(worker, method)(*args, **kwargs)]`` on the one worker."""
+        return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]
+
+    def initialize(self) -> None:
+        self.collective_rpc("init_device")
+        self.collective_rpc("load_model")
+
+    def determine_num_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", (num_blocks,))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.driver_worker.execute_model(scheduler_output)
+
+    def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
+        self.driver_worker.add_logits_processors(req_id, processors)
+
+    def check_health(self) -> None:
+        self.driver_worker.check_health()
+
+    def shutdown(self) -> None:
+        self.driver_worker.shutdown()

@@ -1,0 +1,142 @@
+"""The worker's copy of each request, kept up to date from the per-step ``SchedulerOutput`` diffs.
+
+vLLM V1's ``CachedRequestState`` / input batch, in plain Python (no torch): a request arrives in
+full once (``NewRequestData``), then each step adds the tokens and blocks the worker lacks
+(``CachedRequestData``); finished ids drop it, preempted ids clear its block table (its tokens,
+params and seeded generator stay: a resumed request continues its random stream where it was).
+``RequestStates.update`` turns one message into the step's ``ScheduledRequest`` views, in batch
+order, which is all the model runner reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """One request as the worker knows it.
+
+    Attributes:
+        req_id: the request's id.
+        prompt_token_ids: the prompt.
+        sampling_params: the request's params (without callables).
+        token_ids: prompt + the generated tokens the worker has been told about.
+        output_token_ids: the generated tokens the worker has been told about.
+        block_ids: physical block ids (empty while preempted).
+        num_computed_tokens: tokens in the KV cache before the current step.
+        generator: the request's seeded ``torch.Generator`` once the runner made one, else None.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: Any = None
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step, as the model runner reads it.
+
+    Attributes:
+        request_id: the request's id.
+        token_ids: the tokens whose K/V this step computes (a prefill chunk, or the one decode
+            token); ``len(token_ids)`` is this request's number of scheduled tokens.
+        num_computed_tokens: tokens already in the KV cache before this step, i.e. the position
+            of ``token_ids[0]``.
+        block_table: the request's physical block ids (a copy), logical block ``i`` at index
+            ``i``; covers at least ``num_computed_tokens + len(token_ids)`` tokens.
+        sample: True when the chunk reaches the request's last known token, so a new token is
+            sampled from the last position's logits. False for non-final prefill chunks.
+        resumed: True when the step computes from position 0 (new, or resumed after a
+            recompute preemption).
+        state: the worker's state of the request (params, prompt, outputs, generator).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sample: bool
+    resumed: bool
+    state: CachedRequestState = field(repr=False)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.state.sampling_params
+
+
+class RequestStates:
+    """The worker's requests by id, updated from each step's message.
+
+    Attributes:
+        requests: request id -> ``CachedRequestState``.
+    """
+
+    def __init__(self) -> None:
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update(self, sched: SchedulerOutput) -> list[ScheduledRequest]:
+        """Apply one step's message and return the step's requests in batch order.
+
+        Order of application: finished ids are dropped, preempted ids lose their block tables,
+        new requests are added, cached ones get their new tokens and blocks.
+
+        Raises:
+            RuntimeError: if the message names a request the worker does not hold, sends a known
+                request as new, or schedules tokens the worker does not have (a broken sync).
+        """
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in sched.preempted_req_ids:
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.block_ids = []
+        for new in sched.scheduled_new_reqs:
+            if new.req_id in self.requests:
+                raise RuntimeError(f"request {new.req_id!r} was sent as new but the worker already holds it")
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=new.sampling_params, token_ids=list(new.prompt_token_ids),
+                output_token_ids=[], block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens)
+        for cached in sched.scheduled_cached_reqs:
+            state = self.requests.get(cached.req_id)
+            if state is None:
+                raise RuntimeError(f"request {cached.req_id!r} was sent as a diff but the worker does not hold it")
+            state.token_ids.extend(cached.new_token_ids)
+            state.output_token_ids.extend(cached.new_token_ids)
+            if cached.resumed_from_preemption:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+        scheduled = []
+        for req_id, num_new in sched.num_scheduled_tokens.items():
+            state = self.requests.get(req_id)
+            if state is None:
+                raise RuntimeError(f"request {req_id!r} is scheduled but the worker does not hold it")
+            start = state.num_computed_tokens
+            end = start + num_new
+            if end > len(state.token_ids):
+                raise RuntimeError(
+                    f"request {req_id!r}: {num_new} tokens scheduled from position {start}, but the worker "
+                    f"holds {len(state.token_ids)} tokens")
+            scheduled.append(ScheduledRequest(
+                request_id=req_id, token_ids=state.token_ids[start:end], num_computed_tokens=start,
+                block_table=list(state.block_ids), sample=end == len(state.token_ids), resumed=start == 0,
+                state=state))
+            state.num_computed_tokens = end
+        return scheduled
