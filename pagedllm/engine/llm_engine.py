@@ -64,6 +64,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
         self._ids = itertools.count()
+        # Samples whose logits processors go to the in-process worker on their first step.
+        self._pending_processors: set[str] = set()
         self.load_time_s = time.perf_counter() - t0
         logger.info("Engine ready in %.2f s: model=%s dtype=%s quantization=%s device=%s executor=%s "
                     "max_model_len=%d block_size=%d num_blocks=%d max_num_seqs=%d max_num_batched_tokens=%d",
@@ -128,8 +130,7 @@ class LLMEngine:
                                           base, sample_params, arrival_time)
         for sid, sp in zip(sample_ids, sample_params):
             if sp.logits_processors:
-                # Callables stay in this process: the in-process worker applies them where it samples.
-                self.executor.add_logits_processors(sid, sp.logits_processors)
+                self._pending_processors.add(sid)
             self.scheduler.add_request(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
                                                arrival_time=arrival_time))
         return request_id
@@ -142,6 +143,7 @@ class LLMEngine:
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         sample_ids = [sid for rid in ids for sid in self.output_processor.sample_ids(rid)]
+        self._pending_processors.difference_update(sample_ids)
         self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
         stats = IterationStats() if self.stat_loggers and sample_ids else None
         outputs = self.output_processor.abort_requests(ids, stats)
@@ -164,6 +166,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         stats = IterationStats() if self.stat_loggers else None
         sched_out = self.scheduler.schedule()
+        if self._pending_processors:
+            self._hand_over_logits_processors(sched_out)
         runner_out = self.executor.execute_model(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         processed = self.output_processor.process_outputs(core_outputs, stats)
@@ -173,6 +177,15 @@ class LLMEngine:
             stats.observe_step(sched_out, time.perf_counter() - t0)
             self._record_stats(stats)
         return processed.request_outputs
+
+    def _hand_over_logits_processors(self, sched_out) -> None:
+        """Callables stay in this process: hand the logits processors of this step's new requests
+        to the in-process worker, which applies them where it samples (never in the message)."""
+        for new in sched_out.scheduled_new_reqs:
+            if new.req_id in self._pending_processors:
+                self._pending_processors.discard(new.req_id)
+                request = self.scheduler.requests[new.req_id]
+                self.executor.add_logits_processors(new.req_id, request.sampling_params.logits_processors)
 
     def _record_stats(self, stats: IterationStats) -> None:
         sched_stats = self.scheduler.make_stats()

@@ -98,7 +98,8 @@ class Executor(ABC):
     # -- in-process hooks -----------------------------------------------------------------
 
     def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
-        """Hand a request's logits processors to the worker that samples it.
+        """Hand the logits processors of a request that the next ``execute_model`` sends as new
+        to the worker that samples it (the engine calls this just before that step).
 
         Processors are Python callables; they stay in the process that created them and are
         applied where the logits are sampled, which only an in-process worker can do.

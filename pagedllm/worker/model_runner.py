@@ -47,13 +47,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.default_generator = make_generator(seed, device)
         self.requests = RequestStates()
-        # In-process logits processors by request id (never in the message; see
-        # ``add_logits_processors``), dropped with the request.
+        # In-process logits processors of the next step's new requests (never in the message; see
+        # ``add_logits_processors``), moved into the request's state by that step.
         self._logits_processors: dict[str, list[LogitsProcessor]] = {}
 
     def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
-        """Attach a request's logits processors, handed over in-process before the request's
-        first step (callables are never part of the per-step message)."""
+        """Attach the logits processors of a request that the next ``execute_model`` sends as
+        new; the engine hands them over in-process (callables are never part of the message)."""
         self._logits_processors[req_id] = list(processors)
 
     def _generator_for(self, req: ScheduledRequest) -> torch.Generator | None:
@@ -66,13 +66,11 @@ class ModelRunner:
         return state.generator
 
     def _update_states(self, sched: SchedulerOutput) -> list[ScheduledRequest]:
-        """Apply the step's diffs; re-attach in-process logits processors to new requests."""
-        for req_id in sched.finished_req_ids:
-            self._logits_processors.pop(req_id, None)
+        """Apply the step's diffs; attach in-process logits processors to new requests."""
         reqs = self.requests.update(sched)
         if self._logits_processors:
             for new in sched.scheduled_new_reqs:
-                processors = self._logits_processors.get(new.req_id)
+                processors = self._logits_processors.pop(new.req_id, None)
                 if processors:
                     state = self.requests.requests[new.req_id]
                     state.sampling_params = state.sampling_params.clone()

@@ -22,6 +22,7 @@ import torch
 from pagedllm.attention import Attention, AttentionMetadata, build_attention_metadata
 from pagedllm.attention.backends import (
     BACKEND_ENV, AttentionSpec, cpu_paged, cpu_sdpa, resolve_backend_name)
+from pagedllm.engine.arg_utils import EngineArgs
 
 HAVE_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 
@@ -294,14 +295,18 @@ def test_stale_build_lock_is_removed(tmp_path):
 
 def test_backend_env_var(monkeypatch):
     """PAGEDLLM_ATTENTION_BACKEND overrides "auto" only; explicit choices win; typos raise."""
+    # Read once where EngineArgs is built; models pass ModelConfig.attention_backend to their layers.
+    def configured() -> str:
+        return EngineArgs().create_engine_config(128)[0].attention_backend
+
     monkeypatch.setenv(BACKEND_ENV, "cpu_paged")
-    assert resolve_backend_name("auto") == "cpu_paged"
-    assert Attention(4, 8, 1, scale=1.0).backend == "cpu_paged"
+    assert resolve_backend_name(configured()) == "cpu_paged"
+    assert Attention(4, 8, 1, scale=1.0, backend=configured()).backend == "cpu_paged"
     assert Attention(4, 8, 1, scale=1.0, backend="torch_ref").backend == "torch_ref"
     monkeypatch.setenv(BACKEND_ENV, "torch_ref")
-    assert Attention(4, 8, 1, scale=1.0).backend == "torch_ref"
+    assert Attention(4, 8, 1, scale=1.0, backend=configured()).backend == "torch_ref"
     monkeypatch.setenv(BACKEND_ENV, "flash")
     with pytest.raises(ValueError, match=BACKEND_ENV):
-        Attention(4, 8, 1, scale=1.0)
+        Attention(4, 8, 1, scale=1.0, backend=configured())
     monkeypatch.setenv(BACKEND_ENV, "")
-    assert resolve_backend_name("auto") in ("cpu_sdpa", "cpu_paged")
+    assert resolve_backend_name(configured()) in ("cpu_sdpa", "cpu_paged")

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.linear import (CPU_GEMM_ENV, MergedLinear, PackedLinear, lm_head_logits,
                                     onednn_linear_available, pack_linear_layers)
 from pagedllm.models.utils import load_named_weights
@@ -52,8 +53,8 @@ def test_pack_linear_layers_replaces_linears_and_packs_tied_head(monkeypatch, ti
 
 def test_pack_linear_layers_is_a_no_op_for_torch_gemm_and_bf16(monkeypatch, tied_toy):
     model = tied_toy()
-    monkeypatch.setenv(CPU_GEMM_ENV, "torch")
-    assert pack_linear_layers(model, torch.float32, torch.device("cpu"), 8) == 0
+    monkeypatch.setenv(CPU_GEMM_ENV, "torch")  # read once by EngineArgs, passed on through ModelConfig.cpu_gemm
+    assert pack_linear_layers(model, torch.float32, torch.device("cpu"), 8, EngineArgs().cpu_gemm) == 0
     assert isinstance(model.model.proj, nn.Linear) and model.packed_lm_head is None
     monkeypatch.delenv(CPU_GEMM_ENV)
     assert pack_linear_layers(model.to(torch.bfloat16), torch.bfloat16, torch.device("cpu"), 8) == 0
@@ -63,7 +64,9 @@ def test_pack_linear_layers_is_a_no_op_for_torch_gemm_and_bf16(monkeypatch, tied
 def test_bad_cpu_gemm_name_is_a_value_error(monkeypatch, tied_toy):
     monkeypatch.setenv(CPU_GEMM_ENV, "blas")
     with pytest.raises(ValueError, match=CPU_GEMM_ENV):
-        pack_linear_layers(tied_toy(), torch.float32, torch.device("cpu"), 8)
+        pack_linear_layers(tied_toy(), torch.float32, torch.device("cpu"), 8, EngineArgs().cpu_gemm)
+    with pytest.raises(ValueError, match=CPU_GEMM_ENV):
+        EngineArgs().create_engine_config(128)
 
 
 class _Attn(nn.Module):
