@@ -142,7 +142,8 @@ class OutputProcessor:
             if out.new_prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
                 room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
                 parent.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs[:max(room, 0)]))
-            if out.new_token_ids:
+            # max_tokens=0 (prompt only): the one token the engine sampled is dropped.
+            if out.new_token_ids and sample.params.max_tokens != 0:
                 if iteration_stats is not None:
                     iteration_stats.num_generation_tokens += len(out.new_token_ids)
                     prev_times.setdefault(parent.request_id, (parent.metrics.first_token_time,

@@ -44,11 +44,13 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   TokenizeRequest, VersionResponse)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception, run_until_disconnect
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_from_exception
+from pagedllm.entrypoints.openai.serving_engine import run_until_disconnect
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S
 from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +169,6 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI app over ``state`` (the engine thread starts with the app's lifespan)."""
-    from pagedllm import __version__
-
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
