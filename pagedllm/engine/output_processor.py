@@ -224,7 +224,9 @@ class OutputProcessor:
             outputs.append(CompletionOutput(index, text, token_ids, cumulative, logprobs,
                                             s.finish_reason, s.stop_reason))
         prompt_logprobs = parent.prompt_logprobs
-        if delta and parent.prompt_logprobs_sent:
+        # A delta carries the prompt logprobs once, complete (a chunked prefill delivers them in parts).
+        complete = prompt_logprobs is not None and len(prompt_logprobs) >= len(parent.prompt_token_ids)
+        if delta and (parent.prompt_logprobs_sent or not complete):
             prompt_logprobs = None
         elif prompt_logprobs is not None:
             parent.prompt_logprobs_sent = True

@@ -106,6 +106,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM extras.
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
+    echo: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = False
