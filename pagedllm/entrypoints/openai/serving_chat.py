@@ -118,7 +118,7 @@ class OpenAIServingChat(OpenAIServing):
             outputs = self.engine.add_request(request_id, {"prompt": processed.prompt, "prompt_token_ids": ids},
                                               params, arrival_time=arrival_time)
         except Exception as e:
-            raise error_from_exception(e, self.fields) from e
+            raise error_from_exception(e, self.fields, prompt_param="messages") from e
         created = int(time.time())
         if stream:
             return StreamingResponse(self._stream(request, outputs, request_id, created, model_name, n, len(ids),

@@ -66,8 +66,9 @@ class TextOffsets:
     """Character offsets of tokens in a text decoded incrementally (OpenAI's ``text_offset``).
 
     A token's offset is the length of the text before it; tokens that only add part of a
-    character share the offset where that character starts. Offsets are capped at ``limit``
-    (a text cut by a stop string).
+    character share the offset where that character starts. A whole token whose text comes out
+    together with earlier tokens' bytes (which decode to U+FFFD) starts where its own text does.
+    Offsets are capped at ``limit`` (a text cut by a stop string).
 
     Args:
         tokenizer: the ``tokenizers.Tokenizer``.
@@ -76,6 +77,8 @@ class TextOffsets:
     """
 
     def __init__(self, tokenizer, context_ids: list[int], skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._detok = IncrementalDetokenizer(tokenizer, context_ids,
                                              SamplingParams(skip_special_tokens=skip_special_tokens))
         self._count = 0
@@ -85,10 +88,16 @@ class TextOffsets:
         ``base + limit`` when given."""
         offsets = []
         for tok in token_ids:
-            offset = len(self._detok.output_text)
-            offsets.append(base + (offset if limit is None else min(offset, limit)))
+            before = len(self._detok.output_text)
             self._count += 1
             self._detok.update([tok], self._count)
+            after = len(self._detok.output_text)
+            own = self._tokenizer.decode([tok], skip_special_tokens=self._skip_special_tokens)
+            offset = before
+            if own and "\ufffd" not in own and after - before > len(own) and \
+                    self._detok.output_text.endswith(own):
+                offset = after - len(own)
+            offsets.append(base + (offset if limit is None else min(offset, limit)))
         return offsets
 
 
