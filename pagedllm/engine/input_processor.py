@@ -35,7 +35,9 @@ class ProcessedInput:
         prompt: the text, or None when token ids were given.
         prompt_token_ids: the tokens.
         params: a copy of the caller's params, with the model's EOS ids recorded.
-        max_tokens: tokens this request may generate (max_tokens, or what fits in max_model_len).
+        max_tokens: tokens this request may generate (max_tokens, or what fits in max_model_len);
+            at least 1: a ``max_tokens=0`` (prompt-only) request samples one token, which the
+            output processor drops.
     """
 
     prompt: str | None
