@@ -248,3 +248,20 @@ def test_max_tokens_zero_returns_the_prompt_only(llm):
         assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == n_prompt
         assert all(entry is not None for entry in o.prompt_logprobs[1:])
     assert _free_all(llm)
+
+
+def test_streamed_prompt_logprobs_come_once_and_complete_under_chunked_prefill(make_tiny_checkpoint):
+    from pagedllm.sampling_params import RequestOutputKind
+
+    small = LLM(make_tiny_checkpoint("llama"), max_model_len=128, max_num_batched_tokens=8,
+                kv_cache_memory_bytes=8 << 20, seed=0)
+    engine = small.llm_engine
+    prompt = list(range(10, 40))  # 30 tokens: four prefill chunks of at most 8
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    engine.add_request("r", prompt, params)
+    sent = []
+    while engine.has_unfinished_requests():
+        sent += [list(o.prompt_logprobs) for o in engine.step() if o.prompt_logprobs is not None]
+    assert len(sent) == 1 and len(sent[0]) == len(prompt)
+    assert sent[0][0] is None and all(entry is not None for entry in sent[0][1:])
