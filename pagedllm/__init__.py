@@ -2,8 +2,8 @@
 
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 

@@ -44,7 +44,9 @@ class SamplingParams:
             ``include_stop_str_in_output``.
         stop_token_ids: extra token ids that end generation (kept in ``token_ids``).
         ignore_eos: keep generating past the model's EOS ids.
-        max_tokens: most tokens to generate; ``None`` means up to ``max_model_len``.
+        max_tokens: most tokens to generate; ``None`` means up to ``max_model_len``; 0 asks for the
+            prompt only (its ``prompt_logprobs``): the engine computes the prompt, samples one token
+            and drops it, and the output has no tokens, finish reason "length".
         min_tokens: EOS ids and ``stop_token_ids`` are masked until this many tokens exist.
         logprobs: number of top log-probabilities returned per generated token (plus the sampled one).
         prompt_logprobs: number of top log-probabilities returned per prompt token.
@@ -149,8 +151,8 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be an int >= 0, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

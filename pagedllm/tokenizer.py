@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -35,6 +36,22 @@ logger = logging.getLogger(__name__)
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                          "cls_token", "mask_token")
 _END_OF_TURN_TOKENS = ("<end_of_turn>",)
+_BYTE_FALLBACK_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _byte_level_decoding_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character standing for each byte
+    (``tokenizers.pre_tokenizers.ByteLevel.alphabet()``, in GPT-2's ``bytes_to_unicode`` order)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
+        list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -110,6 +127,7 @@ class Tokenizer:
         self.folder = folder
         self._tokenizer_config = dict(tokenizer_config)
         self._hf_tokenizer = None
+        self._byte_level_table: dict[str, int] | None = None  # built on first token_bytes call
 
         self.special_tokens: dict[str, str] = {}
         for name in _NAMED_SPECIAL_TOKENS:
@@ -223,6 +241,31 @@ class Tokenizer:
         """Text of ``ids`` (equal to transformers' ``decode`` with the same flag)."""
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token adds to decoded text (special tokens: their written form).
+
+        A byte-fallback piece (``<0xF0>``) is its one byte; with a byte-level decoder (GPT-2 style
+        BPE) each character of the piece stands for one byte; otherwise the token's decoded text in
+        UTF-8. A token may hold part of a character, so the result need not be valid UTF-8.
+
+        Raises:
+            ValueError: for an id outside the vocabulary.
+        """
+        piece = self.backend.id_to_token(int(token_id))
+        if piece is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+        if int(token_id) in self.all_special_ids:
+            return piece.encode("utf-8")
+        if (m := _BYTE_FALLBACK_PIECE.match(piece)) is not None:
+            return bytes([int(m.group(1), 16)])
+        if self._byte_level_table is None:
+            decoder = self.backend.decoder
+            state = decoder.__getstate__() if decoder is not None else b""
+            self._byte_level_table = _byte_level_decoding_table() if b'"ByteLevel"' in state else {}
+        if self._byte_level_table and all(c in self._byte_level_table for c in piece):
+            return bytes(self._byte_level_table[c] for c in piece)
+        return self.backend.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings of ``ids`` (e.g. ``"▁Hello"``); raises ValueError for unknown ids."""

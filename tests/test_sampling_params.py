@@ -27,7 +27,7 @@ BAD = [
     ("frequency_penalty", dict(frequency_penalty=-2.5)),
     ("repetition_penalty", dict(repetition_penalty=0.0)),
     ("repetition_penalty", dict(repetition_penalty=float("nan"))),
-    ("max_tokens", dict(max_tokens=0)),
+    ("max_tokens", dict(max_tokens=-1)),
     ("max_tokens", dict(max_tokens=True)),
     ("min_tokens", dict(min_tokens=-1)),
     ("min_tokens", dict(min_tokens=5, max_tokens=4)),

@@ -12,6 +12,21 @@ from pagedllm.tokenizer import Tokenizer
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
+class PromptTooLongError(ValueError):
+    """The prompt alone is longer than ``max_model_len`` (the server answers 400
+    ``context_length_exceeded``).
+
+    Attributes:
+        num_prompt_tokens: the prompt's length (tokens).
+        max_model_len: the limit (tokens).
+    """
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(f"the prompt is {num_prompt_tokens} tokens long, longer than max_model_len={max_model_len}")
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
 @dataclass
 class ProcessedInput:
     """A request ready for the engine.
@@ -20,7 +35,9 @@ class ProcessedInput:
         prompt: the text, or None when token ids were given.
         prompt_token_ids: the tokens.
         params: a copy of the caller's params, with the model's EOS ids recorded.
-        max_tokens: tokens this request may generate (max_tokens, or what fits in max_model_len).
+        max_tokens: tokens this request may generate (max_tokens, or what fits in max_model_len);
+            at least 1: a ``max_tokens=0`` (prompt-only) request samples one token, which the
+            output processor drops.
     """
 
     prompt: str | None
@@ -50,7 +67,7 @@ class InputProcessor:
 
         Raises:
             ValueError: empty prompt; token ids outside [0, vocab_size); prompt longer than
-                max_model_len (both lengths in the message); logprobs / prompt_logprobs above
+                max_model_len (``PromptTooLongError``, both lengths in the message); logprobs / prompt_logprobs above
                 max_logprobs; logit_bias / allowed_token_ids / stop_token_ids outside the vocabulary;
                 a prompt of an unknown type.
         """
@@ -61,8 +78,7 @@ class InputProcessor:
             raise ValueError("prompt must not be empty")
         self._check_ids(token_ids, "prompt token ids")
         if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(token_ids)} tokens long, longer than max_model_len={self.max_model_len}")
+            raise PromptTooLongError(len(token_ids), self.max_model_len)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:

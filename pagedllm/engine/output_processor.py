@@ -142,7 +142,8 @@ class OutputProcessor:
             if out.new_prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
                 room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
                 parent.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs[:max(room, 0)]))
-            if out.new_token_ids:
+            # max_tokens=0 (prompt only): the one token the engine sampled is dropped.
+            if out.new_token_ids and sample.params.max_tokens != 0:
                 if iteration_stats is not None:
                     iteration_stats.num_generation_tokens += len(out.new_token_ids)
                     prev_times.setdefault(parent.request_id, (parent.metrics.first_token_time,
@@ -223,7 +224,9 @@ class OutputProcessor:
             outputs.append(CompletionOutput(index, text, token_ids, cumulative, logprobs,
                                             s.finish_reason, s.stop_reason))
         prompt_logprobs = parent.prompt_logprobs
-        if delta and parent.prompt_logprobs_sent:
+        # A delta carries the prompt logprobs once, complete (a chunked prefill delivers them in parts).
+        complete = prompt_logprobs is not None and len(prompt_logprobs) >= len(parent.prompt_token_ids)
+        if delta and (parent.prompt_logprobs_sent or not complete):
             prompt_logprobs = None
         elif prompt_logprobs is not None:
             parent.prompt_logprobs_sent = True

@@ -2,7 +2,8 @@
 
 Every metric carries a ``model_name`` label (the first served name). Metrics live in a
 ``CollectorRegistry`` owned by the logger (no process-global state); the server exposes it at
-``GET /metrics``. Only metrics of features that exist are exported: there is no prefix cache and no
+``GET /metrics``, without prometheus-client's ``*_created`` series. Only metrics of features that
+exist are exported: there is no prefix cache and no
 swap yet, so ``pagedllm:num_requests_swapped`` and the prefix-cache hit counters are absent.
 
 | name | type | meaning |
@@ -26,6 +27,7 @@ swap yet, so ``pagedllm:num_requests_swapped`` and the prefix-cache hit counters
 
 from __future__ import annotations
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedllm.core.sched_output import SchedulerStats
@@ -38,6 +40,10 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
+
+# No `*_created` series (one per counter / histogram child, a start timestamp nobody charts), as
+# vLLM. prometheus-client reads this process-wide switch at every collection.
+prometheus_client.disable_created_metrics()
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:

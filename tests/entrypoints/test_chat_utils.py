@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pagedllm.entrypoints.chat_utils import (GEMMA_CHAT_TEMPLATE_PATH, ChatTemplateError, apply_chat_template,
@@ -94,3 +96,50 @@ def test_llm_chat_equals_generate_on_rendered_prompt(make_tiny_checkpoint, token
         llm.chat(CONVERSATION[1:2], params, use_tqdm=False)
     with pytest.raises(ValueError, match="must not be empty"):
         llm.chat([], params, use_tqdm=False)
+
+
+# -- every OpenAI role with the shipped Gemma template: rendered in full, or a clear error ---------
+
+ROLES = ["system", "developer", "user", "assistant", "tool"]
+
+
+def _expected_gemma(roles: list[str]) -> tuple[str | None, str | None]:
+    """What Gemma 3's turn format makes of these roles, written independently of the template:
+    (text, None), or (None, a fragment of the error) for the first message it cannot hold. A first
+    system/developer message opens the first user turn (alone, it is that turn); then user and
+    assistant ("model") alternate, starting with user; Gemma has no tool turn."""
+    contents = [f"text of message {i} ({role})" for i, role in enumerate(roles)]
+    prefix = ""
+    rest = list(zip(roles, contents))
+    if roles and roles[0] in ("system", "developer"):
+        prefix, rest = contents[0] + "\n\n", rest[1:]
+        if not rest:
+            return f"<bos><start_of_turn>user\n{contents[0]}<end_of_turn>\n<start_of_turn>model\n", None
+    out = "<bos>"
+    for i, (role, content) in enumerate(rest):
+        if role in ("system", "developer"):
+            return None, f"{role} message only as the first message"
+        if role == "tool":
+            return None, "no 'tool' role"
+        if role != ("user" if i % 2 == 0 else "assistant"):
+            return None, "must alternate user/assistant/user/assistant/... starting with user"
+        out += f"<start_of_turn>{'model' if role == 'assistant' else 'user'}\n{prefix if i == 0 else ''}{content}" \
+               "<end_of_turn>\n"
+    return out + "<start_of_turn>model\n", None
+
+
+@pytest.mark.parametrize("roles", [[r] for r in ROLES] + [[a, b] for a in ROLES for b in ROLES]
+                         + [["system", "user", "assistant", "user"], ["developer", "user", "assistant", "user"],
+                            ["user", "assistant", "tool"], ["system", "user", "assistant", "system"],
+                            ["user", "assistant", "user", "developer"]])
+def test_gemma_template_renders_every_role_or_refuses_clearly(tokenizer, roles):
+    messages = [{"role": role, "content": f"text of message {i} ({role})"} for i, role in enumerate(roles)]
+    expected, error = _expected_gemma(roles)
+    if expected is not None:
+        text = apply_chat_template(tokenizer, messages, GEMMA)
+        assert text == expected
+        for m in messages:  # nothing dropped
+            assert text.count(m["content"]) == 1
+        return
+    with pytest.raises(ChatTemplateError, match=re.escape(error)):
+        apply_chat_template(tokenizer, messages, GEMMA)

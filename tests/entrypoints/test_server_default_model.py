@@ -15,7 +15,9 @@ import time
 import httpx
 import pytest
 
+from pagedllm import SamplingParams
 from pagedllm.entrypoints.chat_utils import GEMMA_CHAT_TEMPLATE_PATH
+from pagedllm.entrypoints.openai.serving_engine import readable_token
 
 GEMMA_TEMPLATE = str(GEMMA_CHAT_TEMPLATE_PATH)
 
@@ -73,8 +75,6 @@ def test_models_and_health(server, http, model_name):
 
 
 def test_greedy_completion_equals_llm_generate(client, model_name, default_llm):
-    from pagedllm import SamplingParams
-
     expected = default_llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     response = client.completions.create(model=model_name, prompt=PROMPTS[:3], max_tokens=12, temperature=0)
     assert response.object == "text_completion" and response.id.startswith("cmpl-")
@@ -89,8 +89,6 @@ def test_greedy_completion_equals_llm_generate(client, model_name, default_llm):
 
 
 def test_chat_greedy_equals_llm_chat(client, model_name, default_llm):
-    from pagedllm import SamplingParams
-
     expected = default_llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False,
                                 chat_template=GEMMA_TEMPLATE)[0]
     response = client.chat.completions.create(model=model_name, messages=CHAT, max_completion_tokens=12,
@@ -212,7 +210,7 @@ def test_chat_logprobs(client, model_name):
         assert len(item.top_logprobs) == 2
         assert item.top_logprobs[0].token == item.token  # greedy: the sampled token ranks first
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
-        assert bytes(item.bytes).decode("utf-8", errors="replace") == item.token
+        assert readable_token(bytes(item.bytes)) == item.token
     streamed = list(client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=5, temperature=0,
                                                    logprobs=True, top_logprobs=2, stream=True))
     tokens = [t.token for c in streamed[1:] if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
@@ -307,6 +305,60 @@ def test_metrics_exposition(server):
     assert server.metric("pagedllm:request_success_total", finished_reason="length") > 0
     assert server.metric("pagedllm:request_success_total", finished_reason="stop") > 0
     assert metrics["pagedllm:kv_cache_usage_perc"] == 0.0
+    assert not [name for name in metrics if "_created" in name]
+
+
+def test_prompt_ending_inside_a_character(client, model_name, default_llm):
+    # The issue's input: "<bos>Hello world " and then 3 of the 4 bytes of "𝔞" (F0 9D 94 9E).
+    prompt = [2, 9259, 1902, 236743, 478, 395, 386]
+    tok = default_llm.get_tokenizer()
+    assert tok.convert_ids_to_tokens(prompt[-3:]) == ["<0xF0>", "<0x9D>", "<0x94>"]
+    response = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0)
+    assert response.usage.completion_tokens == 1
+    token = response.choices[0].text
+    assert "Hello" not in token and "world" not in token and "\ufffd" not in token
+    last = tok.backend.token_to_id("<0x9E>")
+    kwargs = dict(model=model_name, prompt=prompt, max_tokens=1, temperature=0,
+                  extra_body={"allowed_token_ids": [last]})
+    assert client.completions.create(**kwargs).choices[0].text == "𝔞"
+    assert "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True)) == "𝔞"
+    assert client.completions.create(**kwargs, echo=True).choices[0].text == "<bos>Hello world 𝔞"
+    offline = default_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=[last]),
+                                   use_tqdm=False)
+    assert offline[0].outputs[0].text == "𝔞"
+
+
+def test_byte_fallback_tokens_in_chat_logprobs(client, model_name, default_llm):
+    tok = default_llm.get_tokenizer()
+    byte_ids = [tok.backend.token_to_id(f"<0x{b:02X}>") for b in "𝔞".encode()]
+    response = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4, temperature=0,
+                                              logprobs=True, top_logprobs=2,
+                                              extra_body={"allowed_token_ids": byte_ids})
+    content = response.choices[0].logprobs.content
+    assert len(content) == 4
+    for item in content:
+        assert len(item.bytes) == 1 and item.bytes[0] in "𝔞".encode()
+        assert item.token == f"bytes:\\x{item.bytes[0]:02x}"
+    # The alternatives come from the raw distribution (any token): each names its exact bytes.
+    for item in (t for c in content for t in c.top_logprobs):
+        assert item.token == readable_token(bytes(item.bytes))
+
+
+def test_issue_inputs_echo_max_tokens_zero_and_empty_prompt(http, model_name):
+    body = {"model": model_name, "prompt": "Your answer: Yes", "max_tokens": 0, "echo": True, "logprobs": 1,
+            "temperature": 0}
+    data = http.post("/v1/completions", json=body).json()
+    choice = data["choices"][0]
+    assert choice["text"] == "Your answer: Yes" and choice["finish_reason"] == "length"
+    assert data["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert lp["tokens"][0] == "<bos>" and "".join(lp["tokens"][1:]) == "Your answer: Yes"
+    assert lp["token_logprobs"][0] is None and all(v < 0 for v in lp["token_logprobs"][1:])
+    assert len(lp["tokens"]) == data["usage"]["prompt_tokens"]
+    # "" is [<bos>] on both routes.
+    assert http.post("/tokenize", json={"prompt": ""}).json()["tokens"] == [2]
+    empty = http.post("/v1/completions", json={"model": model_name, "prompt": "", "max_tokens": 2}).json()
+    assert empty["usage"]["prompt_tokens"] == 1 and empty["usage"]["completion_tokens"] >= 1
 
 
 def test_graceful_shutdown_finishes_in_flight_stream(server, model_name):

@@ -99,7 +99,6 @@ def test_unknown_route_404(http):
     ({"top_k": -5}, "top_k", "top_k"),
     ({"min_p": 2}, "min_p", "min_p"),
     ({"n": 0}, "n must", "n"),
-    ({"max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"max_tokens": -3}, "max_tokens", "max_tokens"),
     ({"presence_penalty": 3}, "presence_penalty", "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty", "frequency_penalty"),
@@ -130,6 +129,7 @@ def test_out_of_vocabulary_ids_400(http, fields, param):
     assert error["param"] in (param, None)
 
 
+# This tokenizer adds no BOS, so "" has no token (with Gemma's, "" is [<bos>] and runs).
 @pytest.mark.parametrize("prompt", ["", [], [[]], ["ok", ""], [[1, 2], []]])
 def test_empty_prompt_400(http, prompt):
     assert_error(completion(http, prompt=prompt), 400, "empty", param="prompt")
@@ -141,20 +141,23 @@ def test_prompt_plus_max_tokens_over_max_model_len_400(http):
                          param="max_tokens", code="context_length_exceeded")
     assert "maximum context length" in error["message"]
     assert completion(http, prompt=ids, max_tokens=34).status_code == 200
+    # A prompt that alone is too long gets the same code.
     assert_error(completion(http, prompt=list(range(10, 10 + MAX_MODEL_LEN + 1))), 400, str(MAX_MODEL_LEN),
-                 str(MAX_MODEL_LEN + 1))
-    # A prompt that fills the context leaves no room when max_tokens is omitted.
+                 str(MAX_MODEL_LEN + 1), param="prompt", code="context_length_exceeded")
+    # A prompt that fills the context leaves no room for the default 16 tokens.
     body = {"model": "tiny", "prompt": list(range(10, 10 + MAX_MODEL_LEN))}
     assert_error(http.post("/v1/completions", json=body), 400, str(MAX_MODEL_LEN), code="context_length_exceeded")
 
 
-def test_omitted_max_tokens_means_up_to_max_model_len(http):
+def test_omitted_max_tokens_means_16(http):
     ids = list(range(10, 50))  # 40 tokens
     body = {"model": "tiny", "prompt": ids, "temperature": 0, "ignore_eos": True}
     data = http.post("/v1/completions", json=body).json()
-    assert data["usage"] == {"prompt_tokens": 40, "completion_tokens": MAX_MODEL_LEN - 40,
-                             "total_tokens": MAX_MODEL_LEN}
+    assert data["usage"] == {"prompt_tokens": 40, "completion_tokens": 16, "total_tokens": 56}
     assert data["choices"][0]["finish_reason"] == "length"
+    # 16 do not fit after 50 prompt tokens: a 400, as when the client asks for 16 itself.
+    body["prompt"] = list(range(10, 60))
+    assert_error(http.post("/v1/completions", json=body), 400, "66", code="context_length_exceeded")
 
 
 def test_malformed_json_400(http):

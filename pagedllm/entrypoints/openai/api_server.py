@@ -44,11 +44,13 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   TokenizeRequest, VersionResponse)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception, run_until_disconnect
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_from_exception
+from pagedllm.entrypoints.openai.serving_engine import DEFAULT_MAX_N, run_until_disconnect
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S
 from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ def default_served_model_name(args: EngineArgs, model_files) -> str:
 
 def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = None,
                 chat_template: str | None = None, api_key: str | None = None, log_requests: bool = True,
-                log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S) -> ServerState:
+                log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S, max_n: int = DEFAULT_MAX_N) -> ServerState:
     """Load the model and wire the handlers.
 
     Args:
@@ -95,11 +97,14 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
         api_key: see ``ServerState``.
         log_requests: log each request at INFO.
         log_stats_interval_s: seconds between periodic stats lines; None disables them.
+        max_n: the most samples (``n``, ``best_of``) one request may ask for.
     Raises:
-        ValueError: bad engine arguments or an unparsable chat template.
+        ValueError: bad engine arguments, an unparsable chat template, or ``max_n < 1``.
     """
     from pagedllm.engine.llm_engine import LLMEngine
 
+    if not isinstance(max_n, int) or max_n < 1:
+        raise ValueError(f"max_n must be an int >= 1, got {max_n!r}")
     if chat_template is not None:
         import jinja2
         try:
@@ -115,12 +120,12 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                                       registry, initial=engine.scheduler.make_stats())
     async_engine = AsyncLLM(engine, stat_loggers=[prometheus], log_stats_interval_s=log_stats_interval_s)
     models = OpenAIServingModels(names, root, engine.max_model_len)
-    chat = OpenAIServingChat(async_engine, models, chat_template, engine_args.max_logprobs, log_requests)
+    chat = OpenAIServingChat(async_engine, models, chat_template, engine_args.max_logprobs, log_requests, max_n)
     if chat_template is None and engine.tokenizer.chat_template is None:
         logger.warning("the model has no chat template: /v1/chat/completions will answer 400; start with "
                        "--chat-template (e.g. %s for Gemma models)", GEMMA_CHAT_TEMPLATE_PATH)
     return ServerState(engine=async_engine, models=models,
-                       completion=OpenAIServingCompletion(async_engine, models, log_requests), chat=chat,
+                       completion=OpenAIServingCompletion(async_engine, models, log_requests, max_n), chat=chat,
                        tokenization=OpenAIServingTokenization(chat), registry=registry, api_key=api_key)
 
 
@@ -167,8 +172,6 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI app over ``state`` (the engine thread starts with the app's lifespan)."""
-    from pagedllm import __version__
-
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
@@ -254,6 +257,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1 routes "
                                                    f"(default: ${API_KEY_ENV})")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                   help=f"most samples one request may ask for with n or best_of (default: {DEFAULT_MAX_N}, "
+                        "OpenAI's limit); more is a 400")
     g.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_INTERVAL_S,
                    help="seconds between stats log lines (--disable-log-stats turns them off)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -285,7 +291,8 @@ def run_server(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     state = build_state(args, ns.served_model_name, chat_template, api_key,
                         log_requests=not ns.disable_log_requests,
-                        log_stats_interval_s=None if ns.disable_log_stats else ns.log_stats_interval)
+                        log_stats_interval_s=None if ns.disable_log_stats else ns.log_stats_interval,
+                        max_n=ns.max_n)
     app = build_app(state)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             access_log=not ns.disable_uvicorn_access_log,

@@ -6,8 +6,9 @@ Field names and defaults follow the OpenAI API reference, plus vLLM's extra samp
 checks types only; value ranges are checked by ``SamplingParams`` and the serving layer, whose
 ``ValueError`` messages name the field (HTTP 400 with OpenAI's error body).
 
-Unknown request fields are accepted and ignored (``extra="allow"``; the server logs them), as
-vLLM does, so newer clients keep working.
+Fields nobody defines are accepted and ignored (``extra="allow"``; the server logs a warning), as
+vLLM does, so newer clients keep working. Fields OpenAI or vLLM define that this server does not
+implement yet are refused by the handlers (``serving_engine.UNSUPPORTED_FIELDS``), never ignored.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 
 
 class CompletionRequest(_SamplingRequest):
-    """``POST /v1/completions``. An omitted ``max_tokens`` means up to ``max_model_len``."""
+    """``POST /v1/completions``. An omitted ``max_tokens`` means 16 (OpenAI's default)."""
 
     prompt: PromptInput
     best_of: int | None = None
@@ -94,7 +95,8 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    """``POST /v1/chat/completions``. Messages stay plain dicts; ``chat_utils`` checks them."""
+    """``POST /v1/chat/completions``. Messages stay plain dicts; ``chat_utils`` checks them. An
+    omitted ``max_tokens`` means up to ``max_model_len``."""
 
     messages: list[Any]
     logprobs: bool | None = False
@@ -106,6 +108,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM extras.
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
+    echo: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = False

@@ -1,5 +1,11 @@
 """``POST /v1/chat/completions``: messages rendered with the chat template (``chat_utils``), then
-generated like a completion; streamed as ``chat.completion.chunk`` events, the role first."""
+generated like a completion; streamed as ``chat.completion.chunk`` events, the role first.
+
+``echo`` (vLLM's field) puts the last message's content before the reply when that message has the
+reply's role (``assistant`` with ``add_generation_prompt``, else the last message's own role, as
+with ``continue_final_message``). Logprob entries cover the tokens of the reply's text: a stop
+token the text leaves out has none, so the entries' ``bytes`` joined give the content.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +19,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, OutputStream
-from pagedllm.entrypoints.chat_utils import ChatTemplateError, render_chat_prompt
+from pagedllm.entrypoints.chat_utils import ChatTemplateError, parse_chat_messages, render_chat_prompt
+from pagedllm.entrypoints.openai.errors import bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                   ChatCompletionLogProbsContent, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatCompletionResponseChoice,
                                                   ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
                                                   ChatMessage, DeltaMessage, UsageInfo)
-from pagedllm.entrypoints.openai.serving_engine import (MIN_LOGPROB, OpenAIServing, bad_request, clamp_logprob,
-                                                       error_from_exception)
+from pagedllm.entrypoints.openai.serving_engine import (CHAT_UNSUPPORTED_FIELDS, DEFAULT_MAX_N, MIN_LOGPROB,
+                                                       OpenAIServing, clamp_logprob)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -35,13 +42,14 @@ class OpenAIServingChat(OpenAIServing):
         engine, models, log_requests: as ``OpenAIServing``.
         chat_template: the server's template text (``--chat-template``); None = the model's own.
         max_logprobs: the most ``top_logprobs`` a request may ask for.
+        max_n: the most choices (``n``) a request may ask for.
     """
 
     fields = set(ChatCompletionRequest.model_fields)
 
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, chat_template: str | None,
-                 max_logprobs: int, log_requests: bool = True) -> None:
-        super().__init__(engine, models, log_requests)
+                 max_logprobs: int, log_requests: bool = True, max_n: int = DEFAULT_MAX_N) -> None:
+        super().__init__(engine, models, log_requests, max_n)
         self.chat_template = chat_template
         self.max_logprobs = max_logprobs
 
@@ -78,16 +86,15 @@ class OpenAIServingChat(OpenAIServing):
         """
         arrival_time = time.monotonic()
         model_name = self.models.resolve(request.model)
-        self.warn_unknown_fields(request)
+        self.check_unsupported_fields(request, CHAT_UNSUPPORTED_FIELDS)
+        self.warn_unknown_fields(request, CHAT_UNSUPPORTED_FIELDS)
         stream = bool(request.stream)
         n = 1 if request.n is None else request.n
+        self.check_n(n)
         if request.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if request.tools and request.tool_choice != "none":
             raise bad_request("tools are not supported by this server (no tool-call parser)", param="tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise bad_request(f"response_format type {request.response_format.get('type')!r} is not supported "
-                              "(only 'text')", param="response_format")
         num_top = None
         if request.logprobs:
             num_top = 0 if request.top_logprobs is None else request.top_logprobs
@@ -96,6 +103,7 @@ class OpenAIServingChat(OpenAIServing):
         if num_top is not None and not 0 <= num_top <= self.max_logprobs:
             raise bad_request(f"top_logprobs must be in [0, {self.max_logprobs}], got {num_top}", param="top_logprobs")
         prompt = self.render(request)
+        echo = self.echo_content(request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -108,11 +116,11 @@ class OpenAIServingChat(OpenAIServing):
             self.log_request(request_id, processed.prompt, len(ids), processed.params)
             outputs = self.engine.add_request(request_id, processed, arrival_time=arrival_time)
         except Exception as e:
-            raise error_from_exception(e, self.fields) from e
+            raise error_from_exception(e, self.fields, prompt_param="messages") from e
         created = int(time.time())
         if stream:
             return StreamingResponse(self._stream(request, outputs, request_id, created, model_name, n, len(ids),
-                                                  num_top), media_type="text/event-stream")
+                                                  num_top, echo), media_type="text/event-stream")
         final: RequestOutput | None = None
         try:
             async for out in outputs:
@@ -128,9 +136,9 @@ class OpenAIServingChat(OpenAIServing):
             num_completion += len(o.token_ids)
             logprobs = None
             if num_top is not None:
-                logprobs = ChatCompletionLogProbs(content=self.chat_logprobs(o.token_ids, o.logprobs or [], num_top))
+                logprobs = ChatCompletionLogProbs(content=self.chat_logprobs(*self.text_tokens(o), num_top))
             choices.append(ChatCompletionResponseChoice(
-                index=o.index, message=ChatMessage(role="assistant", content=o.text), logprobs=logprobs,
+                index=o.index, message=ChatMessage(role="assistant", content=echo + o.text), logprobs=logprobs,
                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         choices.sort(key=lambda c: c.index)
         response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
@@ -139,21 +147,31 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(response.model_dump())
 
     async def _stream(self, request: ChatCompletionRequest, outputs: OutputStream, request_id: str, created: int,
-                      model_name: str, n: int, num_prompt: int, num_top: int | None) -> AsyncIterator[str]:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        exclude = None if include_usage else {"usage"}
+                      model_name: str, n: int, num_prompt: int, num_top: int | None,
+                      echo: str = "") -> AsyncIterator[str]:
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = bool(options and options.continuous_usage_stats)
+        num_completion = 0
+
+        def usage() -> UsageInfo:
+            return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                             total_tokens=num_prompt + num_completion)
 
         def chunk(index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None) -> str:
             body = ChatCompletionStreamResponse(
                 id=request_id, created=created, model=model_name,
                 choices=[ChatCompletionResponseStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                                            finish_reason=finish_reason, stop_reason=stop_reason)])
-            return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
+                                                            finish_reason=finish_reason, stop_reason=stop_reason)],
+                usage=usage() if continuous_usage else None)
+            return f"data: {body.model_dump_json(exclude=None if continuous_usage else {'usage'})}\n\n"
 
-        num_completion = 0
         try:
             for index in range(n):
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
+            if echo:
+                for index in range(n):
+                    yield chunk(index, DeltaMessage(content=echo))
             async for out in outputs:
                 for o in out.outputs:
                     num_completion += len(o.token_ids)
@@ -161,15 +179,12 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     logprobs = None
                     if num_top is not None:
-                        logprobs = ChatCompletionLogProbs(
-                            content=self.chat_logprobs(o.token_ids, o.logprobs or [], num_top))
+                        logprobs = ChatCompletionLogProbs(content=self.chat_logprobs(*self.text_tokens(o), num_top))
                     delta = DeltaMessage(content=o.text) if o.text or o.finish_reason is None else DeltaMessage()
                     yield chunk(o.index, delta, logprobs, o.finish_reason, o.stop_reason)
             if include_usage:
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                  total_tokens=num_prompt + num_completion)
                 body = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
-                                                    usage=usage)
+                                                    usage=usage())
                 yield f"data: {body.model_dump_json()}\n\n"
         except (EngineStepError, EngineDeadError) as e:
             logger.error("request %s failed: %s", request_id, e)
@@ -178,25 +193,41 @@ class OpenAIServingChat(OpenAIServing):
             outputs.abort()
         yield "data: [DONE]\n\n"
 
+    @staticmethod
+    def echo_content(request: ChatCompletionRequest) -> str:
+        """With ``echo``: the last message's text when its role is the reply's (``assistant`` when
+        a generation prompt is added, else the last message's role), else ""."""
+        if not request.echo:
+            return ""
+        last = parse_chat_messages(request.messages)[-1]
+        role = "assistant" if request.add_generation_prompt else last["role"]
+        return last.get("content") or "" if last["role"] == role else ""
+
+    @staticmethod
+    def text_tokens(o: CompletionOutput) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """The sample's token ids and logprob entries, less a final stop token (EOS or a
+        ``stop_token_ids`` id, which the content never holds)."""
+        token_ids, entries = list(o.token_ids), list(o.logprobs or [])
+        if (o.finish_reason == "stop" and isinstance(o.stop_reason, int) and token_ids
+                and token_ids[-1] == o.stop_reason):
+            token_ids, entries = token_ids[:-1], entries[:len(token_ids) - 1]
+        return token_ids, entries
+
     def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None],
                       num_top: int) -> list[ChatCompletionLogProbsContent]:
-        """OpenAI's chat logprobs: per generated token its text, logprob, UTF-8 bytes and the
-        ``num_top`` most likely alternatives (by rank)."""
+        """OpenAI's chat logprobs: per token its string (``bytes:\\xNN`` when it is part of a
+        character), logprob, exact bytes and the ``num_top`` most likely alternatives (by rank)."""
         content = []
         for token_id, entry in zip(token_ids, entries):
             if entry is None:
                 continue
             chosen = entry.get(token_id)
-            token = self.token_str(token_id, chosen)
             ranked = sorted(((lp.rank, tid, lp) for tid, lp in entry.items()
                              if lp.rank is not None and lp.rank <= num_top), key=lambda x: x[0])[:num_top]
-            top = []
-            for _, tid, lp in ranked:
-                text = self.token_str(tid, lp)
-                top.append(ChatCompletionLogProb(token=text, logprob=clamp_logprob(lp.logprob),
-                                                 bytes=self.token_bytes(tid, text)))
+            top = [ChatCompletionLogProb(token=self.token_str(tid), logprob=clamp_logprob(lp.logprob),
+                                         bytes=self.token_bytes(tid)) for _, tid, lp in ranked]
             content.append(ChatCompletionLogProbsContent(
-                token=token, logprob=clamp_logprob(chosen.logprob) if chosen is not None else MIN_LOGPROB,
-                bytes=self.token_bytes(token_id, token), top_logprobs=top))
+                token=self.token_str(token_id),
+                logprob=clamp_logprob(chosen.logprob) if chosen is not None else MIN_LOGPROB,
+                bytes=self.token_bytes(token_id), top_logprobs=top))
         return content
-

@@ -1,6 +1,12 @@
 """``POST /v1/completions``: prompts (text, list of texts, token ids, list of token-id lists),
 ``echo``, ``logprobs``, ``n``, ``best_of``, ``stop``, ``seed``, ``logit_bias``; streamed as
-server-sent events (``data: {...}`` chunks, then ``data: [DONE]``)."""
+server-sent events (``data: {...}`` chunks, then ``data: [DONE]``).
+
+``max_tokens`` defaults to 16 (OpenAI's and vLLM's default on this route); 0 returns the prompt
+only (with ``echo``, its text and logprobs). Echoed text, logprob tokens and ``text_offset`` agree:
+``text_offset[i]`` is where token ``i``'s text starts in the choice's ``text`` (tokens that add no
+text there, such as a BOS the tokenizer added or part of a character, share the next offset).
+"""
 
 from __future__ import annotations
 
@@ -15,39 +21,52 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import EngineDeadError, EngineStepError, OutputStream
+from pagedllm.engine.detokenizer import incomplete_tail_length
+from pagedllm.entrypoints.openai.errors import bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                   CompletionResponseChoice, CompletionStreamResponse, UsageInfo)
-from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, bad_request, clamp_logprob, error_from_exception
+from pagedllm.entrypoints.openai.serving_engine import (UNSUPPORTED_FIELDS, OpenAIServing, TextOffsets,
+                                                       clamp_logprob)
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
+# OpenAI's and vLLM's max_tokens when a completions request omits it.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
 
 @dataclass
 class _Prompt:
-    text: str
+    """One prompt of the request.
+
+    Attributes:
+        text: the prompt string, or None for token ids.
+        token_ids: its tokens.
+        tail: trailing tokens that end partway through a character (token-id prompts only).
+    """
+
+    text: str | None
     token_ids: list[int]
+    tail: int = 0
 
 
 def _parse_prompts(prompt) -> list[str | list[int]]:
     """The request's ``prompt`` as a list of engine prompts.
 
     Raises:
-        OpenAIError: 400 for an empty prompt (``""``, ``[]``, ``[[]]``) or a mixed list.
+        OpenAIError: 400 for an empty token list (``[]``, ``[[]]``) or a mixed list. Text is
+            checked after tokenizing: ``""`` is a valid prompt when the tokenizer adds a BOS.
     """
     empty = bad_request("prompt must not be empty", param="prompt")
     if isinstance(prompt, str):
-        if not prompt:
-            raise empty
+        # "" is tokenized like any text (to [BOS] when the tokenizer adds one), as /tokenize does.
         return [prompt]
     if not prompt:
         raise empty
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return [list(prompt)]
     if all(isinstance(p, str) for p in prompt):
-        if any(not p for p in prompt):
-            raise empty
         return list(prompt)
     if all(isinstance(p, list) for p in prompt):
         if any(not p for p in prompt):
@@ -71,12 +90,14 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         arrival_time = time.monotonic()
         model_name = self.models.resolve(request.model)
-        self.warn_unknown_fields(request)
+        self.check_unsupported_fields(request, UNSUPPORTED_FIELDS)
+        self.warn_unknown_fields(request, UNSUPPORTED_FIELDS)
         if request.suffix:
             raise bad_request("suffix is not supported: no model served here can insert text (fill-in-the-middle)",
                               param="suffix")
         stream = bool(request.stream)
         n = 1 if request.n is None else request.n
+        self.check_n(n, request.best_of)
         if request.best_of is not None:
             if stream and request.best_of > 1:
                 raise bad_request(f"best_of={request.best_of} cannot be streamed: the best completions are known "
@@ -87,6 +108,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         prompts = _parse_prompts(request.prompt)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if max_tokens is None:
+            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
         num_top = request.logprobs
         prompt_logprobs = request.prompt_logprobs
         if request.echo and num_top is not None:
@@ -105,19 +128,20 @@ class OpenAIServingCompletion(OpenAIServing):
                 ids = processed.prompt_token_ids
                 # The processed request owns its params copy: record the effective limit there.
                 processed.params.max_tokens = self.check_max_tokens(len(ids), max_tokens)
-                text = processed.prompt if processed.prompt is not None else \
-                    self.tokenizer.decode(ids, skip_special_tokens=False)
+                tail = 0 if processed.prompt is not None else \
+                    incomplete_tail_length(self.tokenizer.backend, ids, skip_special_tokens=False)
                 request_id = f"{cmpl_id}-{i}"
                 engine_requests.append((request_id, processed, None))
-                infos.append(_Prompt(text, ids))
+                infos.append(_Prompt(processed.prompt, ids, tail))
                 self.log_request(request_id, processed.prompt, len(ids), processed.params)
             outputs = self.engine.add_requests(engine_requests, arrival_time=arrival_time)
         except Exception as e:
             raise error_from_exception(e, self.fields) from e
         created = int(time.time())
+        skip_special = base.skip_special_tokens
         if stream:
-            return StreamingResponse(self._stream(request, outputs, cmpl_id, created, model_name, infos, n),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._stream(request, outputs, cmpl_id, created, model_name, infos, n,
+                                                  skip_special), media_type="text/event-stream")
         finals: dict[str, RequestOutput] = {}
         try:
             async for out in outputs:
@@ -134,15 +158,16 @@ class OpenAIServingCompletion(OpenAIServing):
             num_prompt += len(info.token_ids)
             for o in out.outputs:
                 num_completion += len(o.token_ids)
-                text = info.text + o.text if request.echo else o.text
+                echo = self.echo_text(info, bool(o.token_ids)) if request.echo else ""
                 logprobs = None
                 if num_top is not None:
-                    token_ids, entries = list(o.token_ids), list(o.logprobs or [])
+                    logprobs = CompletionLogProbs()
                     if request.echo:
-                        token_ids = info.token_ids + token_ids
-                        entries = list(out.prompt_logprobs or [None] * len(info.token_ids)) + entries
-                    logprobs = self.completion_logprobs(token_ids, entries, num_top, 0)
-                choices.append(CompletionResponseChoice(index=i * n + o.index, text=text, logprobs=logprobs,
+                        self.add_prompt_logprobs(logprobs, info, echo, out.prompt_logprobs, num_top)
+                    offsets = TextOffsets(self.tokenizer.backend, info.token_ids, skip_special)
+                    self.add_logprobs(logprobs, o.token_ids, o.logprobs or [], num_top,
+                                      offsets.advance(o.token_ids, len(echo), len(o.text)))
+                choices.append(CompletionResponseChoice(index=i * n + o.index, text=echo + o.text, logprobs=logprobs,
                                                         finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         choices.sort(key=lambda c: c.index)
         response = CompletionResponse(id=cmpl_id, created=created, model=model_name, choices=choices,
@@ -151,15 +176,23 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse(response.model_dump())
 
     async def _stream(self, request: CompletionRequest, outputs: OutputStream, cmpl_id: str, created: int,
-                      model_name: str, infos: list[_Prompt], n: int) -> AsyncIterator[str]:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        exclude = None if include_usage else {"usage"}
+                      model_name: str, infos: list[_Prompt], n: int, skip_special: bool) -> AsyncIterator[str]:
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = bool(options and options.continuous_usage_stats)
         num_top = request.logprobs
+        num_prompt = sum(len(info.token_ids) for info in infos)
         index_of = {rid: i for i, rid in enumerate(outputs.request_ids)}
-        echoed: set[int] = set()
-        offsets: dict[int, int] = {}
+        echoed: dict[int, int] = {}  # choice index -> length of its echoed prompt text
+        generated: dict[int, int] = {}  # choice index -> characters of generated text sent
+        trackers: dict[int, TextOffsets] = {}
         prompt_lps: dict[int, list] = {}
         num_completion = 0
+
+        def usage() -> UsageInfo:
+            return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                             total_tokens=num_prompt + num_completion)
+
         try:
             async for out in outputs:
                 i = index_of[out.request_id]
@@ -168,29 +201,32 @@ class OpenAIServingCompletion(OpenAIServing):
                 for o in out.outputs:
                     index = i * n + o.index
                     num_completion += len(o.token_ids)
-                    text, token_ids, entries = o.text, list(o.token_ids), list(o.logprobs or [])
+                    text = o.text
+                    logprobs = CompletionLogProbs() if num_top is not None else None
                     if request.echo and index not in echoed:
-                        echoed.add(index)
-                        text = infos[i].text + text
-                        token_ids = infos[i].token_ids + token_ids
-                        entries = prompt_lps.get(i, [None] * len(infos[i].token_ids)) + entries
-                    if not text and not token_ids and o.finish_reason is None:
+                        echo = self.echo_text(infos[i], bool(o.token_ids))
+                        echoed[index] = len(echo)
+                        text = echo + text
+                        if logprobs is not None:
+                            self.add_prompt_logprobs(logprobs, infos[i], echo, prompt_lps.get(i), num_top)
+                    elif not o.text and not o.token_ids and o.finish_reason is None:
                         continue
-                    logprobs = None
-                    if num_top is not None:
-                        logprobs = self.completion_logprobs(token_ids, entries, num_top, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + len(text)
+                    if logprobs is not None:
+                        tracker = trackers.setdefault(
+                            index, TextOffsets(self.tokenizer.backend, infos[i].token_ids, skip_special))
+                        sent = generated.get(index, 0)
+                        offsets = tracker.advance(o.token_ids, echoed.get(index, 0), sent + len(o.text))
+                        self.add_logprobs(logprobs, o.token_ids, o.logprobs or [], num_top, offsets)
+                    generated[index] = generated.get(index, 0) + len(o.text)
                     chunk = CompletionStreamResponse(
                         id=cmpl_id, created=created, model=model_name,
                         choices=[CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
-                                                          finish_reason=o.finish_reason, stop_reason=o.stop_reason)])
-                    yield f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+                                                          finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
+                        usage=usage() if continuous_usage else None)
+                    yield f"data: {chunk.model_dump_json(exclude=None if continuous_usage else {'usage'})}\n\n"
             if include_usage:
-                num_prompt = sum(len(info.token_ids) for info in infos)
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                  total_tokens=num_prompt + num_completion)
                 chunk = CompletionStreamResponse(id=cmpl_id, created=created, model=model_name, choices=[],
-                                                 usage=usage)
+                                                 usage=usage())
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except (EngineStepError, EngineDeadError) as e:
             logger.error("request %s failed: %s", cmpl_id, e)
@@ -199,27 +235,46 @@ class OpenAIServingCompletion(OpenAIServing):
             outputs.abort()
         yield "data: [DONE]\n\n"
 
-    def completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None], num_top: int,
-                            initial_offset: int) -> CompletionLogProbs:
-        """OpenAI's completions logprobs: per token its text, logprob, top alternatives (the sampled
-        token plus the ``num_top`` most likely) and character offset. A prompt's first token has no
-        logprob (None)."""
-        result = CompletionLogProbs()
-        offset = initial_offset
-        for token_id, entry in zip(token_ids, entries):
-            chosen = None if entry is None else entry.get(token_id)
-            token = self.token_str(token_id, chosen)
-            result.tokens.append(token)
+    # -- echo and logprobs ------------------------------------------------------------------------
+
+    def echo_text(self, info: _Prompt, has_output_tokens: bool) -> str:
+        """The prompt as echoed: the prompt string, or the token ids decoded with their special
+        tokens. A token prompt ending partway through a character leaves that character to the
+        generated text (which completes it or drops it); with no generated tokens it is kept."""
+        if info.text is not None:
+            return info.text
+        ids = info.token_ids[:len(info.token_ids) - info.tail] if has_output_tokens else info.token_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def add_prompt_logprobs(self, result: CompletionLogProbs, info: _Prompt, echo: str,
+                            entries: list[dict[int, Logprob] | None] | None, num_top: int) -> None:
+        """The echoed prompt's tokens, logprobs (the first token's is None) and offsets in ``echo``."""
+        ids = info.token_ids
+        offsets = TextOffsets(self.tokenizer.backend, [], skip_special_tokens=False).advance(ids)
+        decoded = self.tokenizer.decode(ids, skip_special_tokens=False)
+        # Tokens the tokenizer added to a text prompt (a BOS) are not in the echoed string.
+        shift = len(decoded) - len(echo) if decoded != echo and decoded.endswith(echo) else 0
+        offsets = [min(max(o - shift, 0), len(echo)) for o in offsets]
+        entries = list(entries) if entries else [None] * len(ids)
+        entries += [None] * (len(ids) - len(entries))
+        self.add_logprobs(result, ids, entries, num_top, offsets)
+
+    def add_logprobs(self, result: CompletionLogProbs, token_ids: list[int],
+                     entries: list[dict[int, Logprob] | None], num_top: int, offsets: list[int]) -> None:
+        """Append OpenAI's completions logprobs: per token its string (``bytes:\\xNN`` for part of a
+        character), logprob, top alternatives (the sampled token plus the ``num_top`` most likely)
+        and character offset. A token without an entry (a prompt's first) gets None."""
+        for token_id, entry, offset in zip(token_ids, entries, offsets):
+            result.tokens.append(self.token_str(token_id))
             result.text_offset.append(offset)
-            offset += len(token)
             if entry is None:
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
                 continue
+            chosen = entry.get(token_id)
             result.token_logprobs.append(None if chosen is None else clamp_logprob(chosen.logprob))
             top: dict[str, float] = {}
             for tid, lp in entry.items():
                 if tid == token_id or (lp.rank is not None and lp.rank <= num_top):
-                    top.setdefault(self.token_str(tid, lp), clamp_logprob(lp.logprob))
+                    top.setdefault(self.token_str(tid), clamp_logprob(lp.logprob))
             result.top_logprobs.append(top)
-        return result

@@ -1,76 +1,104 @@
-"""What the completion and chat handlers share: OpenAI errors, the served-model check, request ->
-``SamplingParams``, the strict context-length check, logprob formatting and disconnect handling."""
+"""What the completion and chat handlers share: request -> ``SamplingParams``, the limits on ``n``
+and the context length, the fields that are refused until implemented, logprob token formatting,
+character offsets, and disconnect handling."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import re
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.entrypoints.openai.errors import CONTEXT_LENGTH_EXCEEDED, bad_request
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # JSON has no -inf; a token the sampler could never pick gets this logprob (vLLM's convention).
 MIN_LOGPROB = -9999.0
-_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+# OpenAI's limit on n (and best_of); the server's --max-n.
+DEFAULT_MAX_N = 128
 
 
-class OpenAIError(Exception):
-    """An error the server answers with OpenAI's body ``{"error": {message, type, param, code}}``.
+def _unset(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
+# Fields vLLM or OpenAI define that this server does not implement yet: field -> "this value asks
+# for nothing" (such values pass; any other is a 400 naming the field).
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "use_beam_search": _unset,
+    "length_penalty": lambda v: v is None or v == 1.0,
+    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
+    "guided_decoding_backend": _unset, "guided_whitespace_pattern": _unset, "structured_outputs": _unset,
+    "response_format": lambda v: _unset(v) or (isinstance(v, dict) and v.get("type", "text") == "text"),
+    "logits_processors": _unset, "return_tokens_as_token_ids": _unset, "return_token_ids": _unset,
+    "truncate_prompt_tokens": lambda v: v is None, "priority": lambda v: v in (None, 0),
+    "kv_transfer_params": _unset, "vllm_xargs": _unset, "mm_processor_kwargs": _unset, "prompt_embeds": _unset,
+}
+CHAT_UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    **UNSUPPORTED_FIELDS,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "functions": _unset, "function_call": lambda v: v in (None, "none", "auto"),
+    "audio": _unset, "modalities": lambda v: _unset(v) or v == ["text"], "prediction": _unset,
+    "reasoning_effort": lambda v: v is None, "web_search_options": _unset, "documents": _unset,
+    "prompt_logprobs": lambda v: v is None,
+}
+
+
+def readable_token(data: bytes) -> str:
+    """A logprob token's string: its text when ``data`` is valid UTF-8 on its own, else
+    ``"bytes:"`` and each byte as ``\\xNN`` (lower-case hex), as OpenAI's API writes partial
+    characters (``b"\\xf0"`` -> ``"bytes:\\xf0"``)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+class TextOffsets:
+    """Character offsets of tokens in a text decoded incrementally (OpenAI's ``text_offset``).
+
+    A token's offset is the length of the text before it; tokens that only add part of a
+    character share the offset where that character starts. A whole token whose text comes out
+    together with earlier tokens' bytes (which decode to U+FFFD) starts where its own text does.
+    Offsets are capped at ``limit`` (a text cut by a stop string).
 
     Args:
-        status_code: HTTP status (400, 401, 404, 500, 503).
-        message: what went wrong, naming the field and value.
-        type: OpenAI's error type (``invalid_request_error``, ``server_error``, ...).
-        param: the request field at fault, if known.
-        code: OpenAI's machine-readable code (``model_not_found``, ``context_length_exceeded``, ...).
+        tokenizer: the ``tokenizers.Tokenizer``.
+        context_ids: ids before the first token (a prompt; decoded as context, not counted).
+        skip_special_tokens: as the text was decoded.
     """
 
-    def __init__(self, status_code: int, message: str, type: str | None = None, param: str | None = None,
-                 code: int | str | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type or ("invalid_request_error" if status_code < 500 else "server_error")
-        self.param = param
-        self.code = code
+    def __init__(self, tokenizer, context_ids: list[int], skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._detok = IncrementalDetokenizer(tokenizer, context_ids,
+                                             SamplingParams(skip_special_tokens=skip_special_tokens))
+        self._count = 0
 
-    def to_body(self) -> dict[str, Any]:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump()
-
-    def to_response(self) -> JSONResponse:
-        return JSONResponse(self.to_body(), status_code=self.status_code)
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, "invalid_request_error", param, code)
-
-
-def error_from_exception(e: BaseException, fields: set[str] | None = None) -> OpenAIError:
-    """Map an exception to an ``OpenAIError``: ``ValueError`` -> 400 (``param`` guessed from the
-    message's first word when it names a request field), engine failures -> 500 / 503."""
-    if isinstance(e, OpenAIError):
-        return e
-    if isinstance(e, EngineStepError):
-        return OpenAIError(500, str(e), "server_error")
-    if isinstance(e, EngineDeadError):
-        return OpenAIError(503, str(e), "server_error")
-    if isinstance(e, ValueError):
-        message = str(e)
-        first = message.split(" ", 1)[0].split("[", 1)[0]
-        return bad_request(message, param=first if fields and first in fields else None)
-    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+    def advance(self, token_ids: list[int], base: int = 0, limit: int | None = None) -> list[int]:
+        """Offsets of ``token_ids`` (continuing the earlier calls), plus ``base``, capped at
+        ``base + limit`` when given."""
+        offsets = []
+        for tok in token_ids:
+            before = len(self._detok.output_text)
+            self._count += 1
+            self._detok.update([tok], self._count)
+            after = len(self._detok.output_text)
+            own = self._tokenizer.decode([tok], skip_special_tokens=self._skip_special_tokens)
+            offset = before
+            if own and "\ufffd" not in own and after - before > len(own) and \
+                    self._detok.output_text.endswith(own):
+                offset = after - len(own)
+            offsets.append(base + (offset if limit is None else min(offset, limit)))
+        return offsets
 
 
 def clamp_logprob(value: float) -> float:
@@ -84,15 +112,45 @@ class OpenAIServing:
         engine: the shared async engine.
         models: the served model names.
         log_requests: log each request (id, prompt length, params) at INFO.
+        max_n: the most samples (``n``, ``best_of``) one request may ask for (``--max-n``).
     """
 
-    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, log_requests: bool = True) -> None:
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, log_requests: bool = True,
+                 max_n: int = DEFAULT_MAX_N) -> None:
         self.engine = engine
         self.models = models
         self.tokenizer = engine.tokenizer
         self.log_requests = log_requests
+        self.max_n = max_n
 
     # -- checks -------------------------------------------------------------------------------
+
+    def check_n(self, n: int | None, best_of: int | None = None) -> None:
+        """Raises:
+            OpenAIError: 400 when ``n`` or ``best_of`` exceeds the server's ``--max-n``."""
+        for name, value in (("n", n), ("best_of", best_of)):
+            if isinstance(value, int) and value > self.max_n:
+                raise bad_request(f"{name} must be <= {self.max_n} (this server's --max-n; OpenAI's limit is "
+                                  f"{DEFAULT_MAX_N}), got {value}", param=name)
+
+    @staticmethod
+    def check_unsupported_fields(request, table: dict[str, Callable[[Any], bool]]) -> None:
+        """Refuse a field vLLM or OpenAI defines but this server does not implement yet, unless its
+        value asks for nothing (``use_beam_search: false``, ``response_format: {"type": "text"}``).
+
+        Raises:
+            OpenAIError: 400 naming the field.
+        """
+        extra = request.model_extra or {}
+        for name, is_noop in table.items():
+            if name in type(request).model_fields:
+                value = getattr(request, name)
+            elif name in extra:
+                value = extra[name]
+            else:
+                continue
+            if not is_noop(value):
+                raise bad_request(f"{name}={value!r} is not supported by this server yet", param=name)
 
     def check_max_tokens(self, prompt_len: int, max_tokens: int | None, what: str = "prompt") -> int:
         """The strict length check (the engine itself only caps).
@@ -108,14 +166,14 @@ class OpenAIServing:
                 raise bad_request(
                     f"This model's maximum context length is {limit} tokens. However, your {what} has "
                     f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length "
-                    f"of the {what}.", param="max_tokens", code="context_length_exceeded")
+                    f"of the {what}.", param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
             return limit - prompt_len
         if prompt_len + max_tokens > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the completion). "
                 f"Please reduce the length of the {what} or completion.",
-                param="max_tokens", code="context_length_exceeded")
+                param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
         return max_tokens
 
     @staticmethod
@@ -151,8 +209,10 @@ class OpenAIServing:
             allowed_token_ids=request.allowed_token_ids, bad_words_token_ids=request.bad_words_token_ids,
             output_kind=output_kind)
 
-    def warn_unknown_fields(self, request) -> None:
-        extra = sorted((request.model_extra or {}).keys())
+    @staticmethod
+    def warn_unknown_fields(request, known: dict[str, Any] | None = None) -> None:
+        """Log fields neither OpenAI, vLLM nor this server defines (they are ignored)."""
+        extra = sorted(k for k in (request.model_extra or {}) if k not in (known or {}))
         if extra:
             logger.warning("ignoring unknown request field(s) %s", extra)
 
@@ -165,17 +225,13 @@ class OpenAIServing:
 
     # -- logprobs -------------------------------------------------------------------------------
 
-    def token_str(self, token_id: int, logprob: Logprob | None = None) -> str:
-        if logprob is not None and logprob.decoded_token is not None:
-            return logprob.decoded_token
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The exact bytes of a token (a byte-fallback token ``<0xF0>`` is its one byte)."""
+        return list(self.tokenizer.token_bytes(token_id))
 
-    def token_bytes(self, token_id: int, text: str) -> list[int]:
-        """UTF-8 bytes of a token; a byte-fallback token (``<0xF0>``) gives its one raw byte."""
-        piece = self.tokenizer.backend.id_to_token(token_id)
-        if piece is not None and (m := _BYTE_TOKEN.match(piece)):
-            return [int(m.group(1), 16)]
-        return list(text.encode("utf-8", errors="replace"))
+    def token_str(self, token_id: int) -> str:
+        """A logprob token's string (see :func:`readable_token`)."""
+        return readable_token(self.tokenizer.token_bytes(token_id))
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList
 
 
@@ -38,8 +39,6 @@ class OpenAIServingModels:
         Raises:
             OpenAIError: 404 ``model_not_found`` for a name that is not served.
         """
-        from pagedllm.entrypoints.openai.serving_engine import OpenAIError
-
         if name is None or name == "":
             return self.default_name
         if name in self.served_model_names:

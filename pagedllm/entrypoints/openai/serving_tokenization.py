@@ -5,7 +5,8 @@ from __future__ import annotations
 from pagedllm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                                   TokenizeResponse)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, bad_request
+from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -16,7 +17,7 @@ class OpenAIServingTokenization(OpenAIServing):
     """
 
     def __init__(self, chat: OpenAIServingChat) -> None:
-        super().__init__(chat.engine, chat.models, chat.log_requests)
+        super().__init__(chat.engine, chat.models, chat.log_requests, chat.max_n)
         self.chat = chat
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
