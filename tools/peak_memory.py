@@ -1,0 +1,64 @@
+"""Run a command and report its wall time and the peak of the summed RSS of it and all its
+descendants (e.g. pytest plus the server subprocesses the tests start), sampled every 0.2 s.
+
+    python tools/peak_memory.py -- python -m pytest -q -m "not slow"
+
+One process's ``time -v`` maximum misses the children a test suite starts; the cgroup's
+``memory.peak`` needs a cgroup of one's own. Summed RSS counts pages shared between processes
+(mapped libraries) once per process, so it is an upper bound of what the command needs. Prints one
+line to stderr at the end and exits with the command's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import psutil
+
+SAMPLE_INTERVAL_S = 0.2
+
+
+def tree_rss_bytes(root: psutil.Process) -> tuple[int, int]:
+    """(summed RSS in bytes, number of processes) of ``root`` and its descendants now."""
+    total, count = 0, 0
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0, 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+            count += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total, count
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--interval", type=float, default=SAMPLE_INTERVAL_S, help="seconds between samples")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    ns = parser.parse_args(argv)
+    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    if not command:
+        parser.error("no command given")
+    start = time.monotonic()
+    proc = subprocess.Popen(command)
+    root = psutil.Process(proc.pid)
+    peak, peak_count, peak_at = 0, 0, 0.0
+    while proc.poll() is None:
+        rss, count = tree_rss_bytes(root)
+        if rss > peak:
+            peak, peak_count, peak_at = rss, count, time.monotonic() - start
+        time.sleep(ns.interval)
+    wall = time.monotonic() - start
+    print(f"peak_memory: exit {proc.returncode}, wall {wall:.1f} s, peak summed RSS {peak / 2**30:.2f} GiB "
+          f"({peak_count} processes, at {peak_at:.0f} s)", file=sys.stderr)
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
