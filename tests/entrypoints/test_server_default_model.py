@@ -40,7 +40,25 @@ def sse(lines) -> list:
 
 
 @pytest.fixture(scope="module")
-def server(launch_server):
+def offline_expected():
+    """``LLM.generate`` / ``LLM.chat`` results the server must reproduce, computed before the server
+    starts and with the offline engine freed again, so that the test process and the server never
+    hold the model at the same time (the suite's peak memory)."""
+    import gc
+
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(None, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    expected = {"generate": llm.generate(PROMPTS[:3], params, use_tqdm=False),
+                "chat": llm.chat(CHAT, params, use_tqdm=False, chat_template=GEMMA_TEMPLATE)[0]}
+    del llm
+    gc.collect()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def server(launch_server, offline_expected):
     args = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "256MiB",
             "--chat-template", GEMMA_TEMPLATE, "--disable-log-requests"]
     # The API key comes from the environment here (PAGEDLLM_API_KEY).
@@ -72,10 +90,8 @@ def test_models_and_health(server, http, model_name):
     assert httpx.get(server.base_url + "/models").status_code == 401  # key from $PAGEDLLM_API_KEY
 
 
-def test_greedy_completion_equals_llm_generate(client, model_name, default_llm):
-    from pagedllm import SamplingParams
-
-    expected = default_llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+def test_greedy_completion_equals_llm_generate(client, model_name, offline_expected):
+    expected = offline_expected["generate"]
     response = client.completions.create(model=model_name, prompt=PROMPTS[:3], max_tokens=12, temperature=0)
     assert response.object == "text_completion" and response.id.startswith("cmpl-")
     assert [c.index for c in response.choices] == [0, 1, 2]
@@ -88,11 +104,8 @@ def test_greedy_completion_equals_llm_generate(client, model_name, default_llm):
     assert by_ids.choices[0].text == expected[0].outputs[0].text
 
 
-def test_chat_greedy_equals_llm_chat(client, model_name, default_llm):
-    from pagedllm import SamplingParams
-
-    expected = default_llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False,
-                                chat_template=GEMMA_TEMPLATE)[0]
+def test_chat_greedy_equals_llm_chat(client, model_name, offline_expected):
+    expected = offline_expected["chat"]
     response = client.chat.completions.create(model=model_name, messages=CHAT, max_completion_tokens=12,
                                               temperature=0)
     assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
