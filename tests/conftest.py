@@ -5,6 +5,9 @@ copies stay alive at once."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import shutil
 
@@ -14,6 +17,32 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_LIBC_NAME = ctypes.util.find_library("c")
+_MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC_NAME), "malloc_trim", None) if _LIBC_NAME else None
+
+
+def release_memory() -> None:
+    """Collect garbage, then give the heap pages it freed back to the OS (glibc's ``malloc_trim``;
+    without glibc, only the collection). Without the trim, a freed model's many small tensors stay
+    in the process's RSS and add to the next module's peak."""
+    gc.collect()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory_after_module():
+    """What a module freed (engines, tokenizers, checkpoints) leaves the process when it ends."""
+    yield
+    release_memory()
+
+
+@pytest.fixture(scope="session")
+def free_memory():
+    """``release_memory`` as a fixture (conftest modules are not importable by name)."""
+    return release_memory
+
 
 _CORPUS = """The quick brown fox jumps over the lazy dog. A paged KV cache splits keys and values into
 blocks of a fixed number of tokens. Continuous batching admits new requests at every iteration.

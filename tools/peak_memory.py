@@ -21,20 +21,19 @@ import psutil
 SAMPLE_INTERVAL_S = 0.2
 
 
-def tree_rss_bytes(root: psutil.Process) -> tuple[int, int]:
-    """(summed RSS in bytes, number of processes) of ``root`` and its descendants now."""
-    total, count = 0, 0
+def tree_rss(root: psutil.Process) -> list[tuple[int, str]]:
+    """(RSS in bytes, command line) of ``root`` and each of its descendants now."""
     try:
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0, 0
+        return []
+    out = []
     for proc in procs:
         try:
-            total += proc.memory_info().rss
-            count += 1
+            out.append((proc.memory_info().rss, " ".join(proc.cmdline())[:100]))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    return total, count
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,15 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     proc = subprocess.Popen(command)
     root = psutil.Process(proc.pid)
-    peak, peak_count, peak_at = 0, 0, 0.0
+    peak, peak_procs, peak_at = 0, [], 0.0
     while proc.poll() is None:
-        rss, count = tree_rss_bytes(root)
+        procs = tree_rss(root)
+        rss = sum(r for r, _ in procs)
         if rss > peak:
-            peak, peak_count, peak_at = rss, count, time.monotonic() - start
+            peak, peak_procs, peak_at = rss, procs, time.monotonic() - start
         time.sleep(ns.interval)
     wall = time.monotonic() - start
     print(f"peak_memory: exit {proc.returncode}, wall {wall:.1f} s, peak summed RSS {peak / 2**30:.2f} GiB "
-          f"({peak_count} processes, at {peak_at:.0f} s)", file=sys.stderr)
+          f"({len(peak_procs)} processes, at {peak_at:.0f} s)", file=sys.stderr)
+    for rss, cmd in sorted(peak_procs, reverse=True):
+        print(f"  {rss / 2**30:6.2f} GiB  {cmd}", file=sys.stderr)
     return proc.returncode
 
 

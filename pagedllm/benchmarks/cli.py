@@ -12,7 +12,6 @@ import gc
 import json
 import logging
 import math
-import os
 
 from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 

@@ -40,12 +40,10 @@ def sse(lines) -> list:
 
 
 @pytest.fixture(scope="module")
-def offline_expected():
+def offline_expected(free_memory):
     """``LLM.generate`` / ``LLM.chat`` results the server must reproduce, computed before the server
     starts and with the offline engine freed again, so that the test process and the server never
     hold the model at the same time (the suite's peak memory)."""
-    import gc
-
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(None, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 << 20)
@@ -53,7 +51,7 @@ def offline_expected():
     expected = {"generate": llm.generate(PROMPTS[:3], params, use_tqdm=False),
                 "chat": llm.chat(CHAT, params, use_tqdm=False, chat_template=GEMMA_TEMPLATE)[0]}
     del llm
-    gc.collect()
+    free_memory()
     return expected
 
 
