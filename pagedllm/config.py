@@ -18,6 +18,8 @@ from typing import Any
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_BLOCK_SIZE = 16
+# vLLM's default; on the CPU it does not apply (the worker says so only when it differs from this).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 SUPPORTED_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 # ``quantization`` values: None / "gguf" run the weights in ``dtype`` (a GGUF file is dequantized);
 # "int8" runs linear layers in int8 on the CPU (layers/quantization.py).
@@ -39,7 +41,7 @@ class CacheConfig:
             CPU, ``PAGEDLLM_CPU_KVCACHE_SPACE`` GiB if set, else min(25% of available RAM, 4 GiB);
             on CUDA, derived from ``gpu_memory_utilization`` after a profiling forward.
         gpu_memory_utilization: fraction (0, 1] of device memory for weights + activations + KV on
-            CUDA. Accepted and logged as not applying on the CPU.
+            CUDA. Accepted on the CPU, where it does not apply (logged when not the default).
         num_gpu_blocks_override: force the number of KV blocks (tests), bypassing the budget.
         cpu_kvcache_space_bytes: the CPU KV budget in bytes when ``kv_cache_memory_bytes`` is
             None (``EngineArgs`` fills it from ``PAGEDLLM_CPU_KVCACHE_SPACE``, GiB); None means
@@ -48,7 +50,7 @@ class CacheConfig:
 
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     num_gpu_blocks_override: int | None = None
     cpu_kvcache_space_bytes: int | None = None
 

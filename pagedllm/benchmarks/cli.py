@@ -12,28 +12,19 @@ import gc
 import json
 import logging
 import math
-import os
 
 from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 logger = logging.getLogger(__name__)
 
-# The project's shared workload, relative to the repository root (and to the working directory).
-DEFAULT_WORKLOAD = os.path.join("..", "shared", "bench", "workload.jsonl")
+# The project's 64-request workload, shipped as package data (``--dataset workload``).
+DEFAULT_WORKLOAD = "workload"
 THROUGHPUT_TABLE_KEYS = ("num_requests", "num_prompt_tokens", "num_output_tokens", "duration_s", "requests_per_s",
                          "output_tokens_per_s", "total_tokens_per_s", "mean_ttft_s", "p50_ttft_s", "p99_ttft_s",
                          "mean_tpot_s", "p50_tpot_s", "p99_tpot_s", "peak_kv_usage", "kv_utilization",
                          "num_preemptions", "prefix_cache_hit_rate")
 SERVING_TABLE_KEYS = THROUGHPUT_TABLE_KEYS[:13] + ("mean_itl_s", "p50_itl_s", "p90_itl_s", "p99_itl_s",
                                                    "num_failed")
-
-
-def default_workload_path() -> str:
-    """``../shared/bench/workload.jsonl`` from the working directory, else from the repository root."""
-    if os.path.isfile(DEFAULT_WORKLOAD):
-        return DEFAULT_WORKLOAD
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.path.normpath(os.path.join(repo_root, DEFAULT_WORKLOAD))
 
 
 def _int_list(text: str) -> list[int]:
@@ -56,8 +47,8 @@ def _str_list(text: str) -> list[str]:
 def _add_dataset_args(p: argparse.ArgumentParser, default_dataset: str) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default=default_dataset,
-                   help="'random', 'sharegpt-like' or a JSONL file of {prompt, max_tokens} "
-                        f"(the shared workload: {DEFAULT_WORKLOAD}; default: %(default)s)")
+                   help="'random', 'sharegpt-like', 'workload' (the project's 64-request workload, shipped "
+                        "in the package) or a JSONL file of {prompt, max_tokens}")
     g.add_argument("--num-prompts", type=int, default=None,
                    help="requests (default: all rows of a file, 64 generated ones)")
     g.add_argument("--input-len", type=int, default=128,
@@ -67,6 +58,7 @@ def _add_dataset_args(p: argparse.ArgumentParser, default_dataset: str) -> None:
     g.add_argument("--range-ratio", type=float, default=0.5,
                    help="random: lengths uniform in len*(1-r)..len*(1+r)")
     g.add_argument("--dataset-seed", type=int, default=0, help="seed of the generated / resampled workload")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def format_breakdown(breakdown: dict[str, float]) -> str:
@@ -90,7 +82,7 @@ def _write_json(path: str | None, obj: dict) -> None:
 # -- throughput ----------------------------------------------------------------------------------
 
 def _cmd_throughput(ns) -> int:
-    from pagedllm.benchmarks.datasets import build_requests
+    from pagedllm.benchmarks.datasets import build_requests, check_dataset
     from pagedllm.benchmarks.metrics import RESULT_KEYS, format_table, ratios
     from pagedllm.benchmarks.throughput import run_throughput
     from pagedllm.engine.arg_utils import engine_args_from_cli
@@ -98,6 +90,7 @@ def _cmd_throughput(ns) -> int:
 
     if ns.baseline == "openai" and not ns.base_url:
         raise ValueError("--baseline openai needs --base-url")
+    check_dataset(ns.dataset, ns.num_prompts)  # before minutes of model loading
     args = engine_args_from_cli(ns)
     llm = LLM(**vars(args))
     engine = llm.llm_engine
@@ -106,7 +99,8 @@ def _cmd_throughput(ns) -> int:
     dtype = str(engine.executor.driver_worker.dtype).replace("torch.", "")
     logger.info("throughput: %d requests (%d output tokens) from %s, dtype %s", len(requests),
                 sum(r.max_tokens for r in requests), ns.dataset, dtype)
-    result, prompt_ids = run_throughput(llm, requests, warmup=not ns.no_warmup, breakdown=ns.breakdown)
+    result, prompt_ids = run_throughput(llm, requests, warmup=not ns.no_warmup, breakdown=ns.breakdown,
+                                        progress=not ns.no_progress)
     result.update(model=engine.model_files.source, dtype=dtype, block_size=engine.cache_config.block_size,
                   num_blocks=engine.num_blocks, max_num_seqs=engine.scheduler_config.max_num_seqs,
                   max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
@@ -155,8 +149,9 @@ def _cmd_throughput(ns) -> int:
 # -- serving -------------------------------------------------------------------------------------
 
 def _serving_requests(ns):
-    from pagedllm.benchmarks.datasets import DATASET_CHOICES, BenchRequest, build_requests
+    from pagedllm.benchmarks.datasets import DATASET_CHOICES, BenchRequest, build_requests, check_dataset
 
+    check_dataset(ns.dataset, ns.num_prompts)
     tok = None
     if ns.dataset in DATASET_CHOICES:
         from pagedllm.loaders import resolve_model
@@ -179,7 +174,8 @@ def _cmd_serving(ns) -> int:
     requests = _serving_requests(ns)
     records, duration, model = run_serving(ns.base_url, ns.model, requests, request_rate=ns.request_rate,
                                            max_concurrency=ns.max_concurrency, burstiness=ns.burstiness,
-                                           seed=ns.dataset_seed, ignore_eos=not ns.no_ignore_eos)
+                                           seed=ns.dataset_seed, ignore_eos=not ns.no_ignore_eos,
+                                           progress=not ns.no_progress)
     result = summarize(records, duration, itl=True, goodput_slos=slos)
     result.update(model=model, base_url=ns.base_url, request_rate=ns.request_rate, burstiness=ns.burstiness,
                   max_concurrency=ns.max_concurrency, dataset=ns.dataset)
@@ -217,17 +213,20 @@ def _cmd_latency(ns) -> int:
 # -- memory --------------------------------------------------------------------------------------
 
 def _cmd_memory(ns) -> int:
-    from pagedllm.benchmarks.datasets import load_jsonl_requests, resample_lengths
+    from pagedllm.benchmarks.datasets import dataset_file, load_jsonl_requests, resample_lengths
     from pagedllm.benchmarks.memory import format_memory_table, simulate_kv_concurrency
 
-    path = ns.dataset or default_workload_path()
-    lengths = resample_lengths(load_jsonl_requests(path), ns.num_requests, ns.dataset_seed)
+    if ns.num_requests is not None:
+        logger.warning("--num-requests is deprecated; use --num-prompts")
+        ns.num_prompts = ns.num_requests
+    path = dataset_file(ns.dataset)
+    lengths = resample_lengths(load_jsonl_requests(path), ns.num_prompts, ns.dataset_seed)
     sizes = sorted(set(ns.block_sizes) | {ns.block_size})
     results = [simulate_kv_concurrency(lengths, block_size=bs, max_model_len=ns.max_model_len,
                                        static_concurrency=ns.static_concurrency, max_num_seqs=ns.max_num_seqs,
                                        max_num_batched_tokens=ns.max_num_batched_tokens) for bs in sizes]
     head = next(r for r in results if r.block_size == ns.block_size)
-    print(f"==== KV memory: {ns.num_requests} requests resampled from {path} (seed {ns.dataset_seed}); "
+    print(f"==== KV memory: {ns.num_prompts} requests resampled from {path} (seed {ns.dataset_seed}); "
           f"scheduler + KV cache manager, no model ====")
     print(f"KV budget {head.kv_budget_tokens} tokens = {ns.static_concurrency} x max_model_len {ns.max_model_len}: "
           f"a static allocator runs {head.static_concurrency} requests at once")
@@ -236,7 +235,7 @@ def _cmd_memory(ns) -> int:
           f"mean {head.mean_concurrency_all_steps:.1f} over all steps; KV utilization {head.kv_utilization:.3f}, "
           f"{head.num_preemptions} preemptions")
     print(format_memory_table(results))
-    _write_json(ns.output_json, {"dataset": path, "num_requests": ns.num_requests, "seed": ns.dataset_seed,
+    _write_json(ns.output_json, {"dataset": path, "num_requests": ns.num_prompts, "seed": ns.dataset_seed,
                                  "headline": head.to_dict(), "block_size_sweep": [r.to_dict() for r in results]})
     return 0
 
@@ -266,11 +265,12 @@ def _cmd_kernels(ns) -> int:
 
 def _cmd_accuracy(ns) -> int:
     from pagedllm.benchmarks.accuracy import ACCURACY_TABLE_KEYS, compare_scores, score_prompts
-    from pagedllm.benchmarks.datasets import build_requests
+    from pagedllm.benchmarks.datasets import build_requests, check_dataset
     from pagedllm.benchmarks.metrics import format_table
     from pagedllm.engine.arg_utils import engine_args_from_cli
     from pagedllm.entrypoints.llm import LLM
 
+    check_dataset(ns.dataset, ns.num_prompts)
     candidate_args = engine_args_from_cli(ns)
     reference_args = dataclasses.replace(candidate_args, dtype="float32", quantization=None)
     label = f"dtype {candidate_args.dtype}, quantization {candidate_args.quantization}"
@@ -362,8 +362,10 @@ def add_bench_parser(subparsers) -> None:
 
     mm = sub.add_parser("memory", help="requests sharing a KV budget: paged vs. max_model_len reservations "
                                        "(scheduler only, no model)")
-    mm.add_argument("--dataset", default=None, help=f"JSONL workload to resample (default: {DEFAULT_WORKLOAD})")
-    mm.add_argument("--num-requests", type=int, default=256)
+    mm.add_argument("--dataset", default=DEFAULT_WORKLOAD,
+                    help="JSONL workload to resample: 'workload' (shipped in the package) or a file")
+    mm.add_argument("--num-prompts", type=int, default=256, help="requests resampled from the workload")
+    mm.add_argument("--num-requests", type=int, default=None, help=argparse.SUPPRESS)  # deprecated alias
     mm.add_argument("--dataset-seed", type=int, default=0)
     mm.add_argument("--max-model-len", type=int, default=2048)
     mm.add_argument("--static-concurrency", type=int, default=8,

@@ -9,7 +9,9 @@ Every loader returns a list of :class:`BenchRequest` and is deterministic for a 
   drawn from log-normal distributions (a long right tail, as real chat traffic has), median =
   ``input_len`` / ``output_len``, clipped to ``[4, 8 x median]``.
 - a ``.jsonl`` file: one ``{"prompt": str | [int, ...], "max_tokens": int}`` object per line,
-  optional ``"prompt_len"`` (the shared ``../shared/bench/workload.jsonl`` has all three).
+  optional ``"prompt_len"``.
+- ``workload``: the project's 64-request workload, shipped as package data
+  (``pagedllm/data/workload.jsonl``, all three fields per line).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -205,12 +208,36 @@ def resample_lengths(requests: list[BenchRequest], num: int, seed: int = 0) -> l
 
 
 DATASET_CHOICES = ("random", "sharegpt-like")
+# JSONL workloads shipped inside the package, by ``--dataset`` name.
+NAMED_DATASET_FILES = {"workload": str(Path(__file__).resolve().parent.parent / "data" / "workload.jsonl")}
+
+
+def dataset_file(dataset: str) -> str:
+    """The JSONL file ``--dataset`` names: a shipped workload's path (``NAMED_DATASET_FILES``), else
+    ``dataset`` itself as a path."""
+    return NAMED_DATASET_FILES.get(dataset, dataset)
+
+
+def check_dataset(dataset: str, num_prompts: int | None = None) -> None:
+    """Fail fast (before a model loads) on a ``--dataset`` that names no generator and no readable
+    JSONL file; a file is parsed whole, so a malformed line fails here too.
+
+    Raises:
+        ValueError: naming the dataset and the choices, or the loader's ``path:line`` error.
+    """
+    if dataset in DATASET_CHOICES:
+        return
+    path = dataset_file(dataset)
+    if not os.path.isfile(path):
+        raise ValueError(f"--dataset {dataset!r} is neither one of {DATASET_CHOICES + tuple(NAMED_DATASET_FILES)} "
+                         "nor an existing JSONL file")
+    load_jsonl_requests(path, num_prompts)
 
 
 def build_requests(dataset: str, num_prompts: int | None, input_len: int, output_len: int,
                    range_ratio: float, seed: int, vocab_size: int | None,
                    max_model_len: int | None = None) -> list[BenchRequest]:
-    """``--dataset`` dispatch: ``random``, ``sharegpt-like`` or a JSONL path.
+    """``--dataset`` dispatch: ``random``, ``sharegpt-like``, a shipped workload name or a JSONL path.
 
     Args:
         num_prompts: None = all rows of a file, or 64 generated requests.
@@ -225,4 +252,4 @@ def build_requests(dataset: str, num_prompts: int | None, input_len: int, output
         if dataset == "random":
             return random_requests(n, input_len, output_len, vocab_size, range_ratio, seed, max_model_len)
         return sharegpt_like_requests(n, input_len, output_len, vocab_size, seed, max_model_len)
-    return load_jsonl_requests(dataset, num_prompts)
+    return load_jsonl_requests(dataset_file(dataset), num_prompts)

@@ -205,11 +205,24 @@ def ratios(ours: dict, baseline: dict, keys: Iterable[str] = RESULT_KEYS) -> dic
     return out
 
 
+# Latency keys (seconds in the results) that tables show in milliseconds, renamed ``*_ms``.
+_MS_KEY_PARTS = ("ttft", "tpot", "itl", "e2e_latency")
+
+
+def display_key(key: str) -> str:
+    """A result key as a table row names it: latencies (``*_ttft_s``, ``*_tpot_s``, ``*_itl_s``,
+    ``*_e2e_latency_s``) become ``*_ms``, since tables show them in milliseconds; other keys
+    (``duration_s`` in seconds, rates, counts) keep their name and unit."""
+    if key.endswith("_s") and not key.endswith("per_s") and any(p in key for p in _MS_KEY_PARTS):
+        return key[:-2] + "_ms"
+    return key
+
+
 def _fmt(key: str, value) -> str:
     if value is None:
         return "n/a"
-    if isinstance(value, float) and key.endswith("_s") and not key.endswith("per_s"):
-        return f"{value * 1000:.1f} ms"
+    if isinstance(value, float) and display_key(key) != key:
+        return f"{value * 1000:.1f}"
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
     return str(value)
@@ -217,17 +230,18 @@ def _fmt(key: str, value) -> str:
 
 def format_table(title: str, result: dict, keys: Sequence[str], baseline: dict | None = None,
                  baseline_name: str = "baseline") -> str:
-    """A plain-text table of ``keys`` (latencies shown in ms), with baseline and ratio columns."""
-    rows = [(k, _fmt(k, result.get(k))) for k in keys]
-    width = max(len(k) for k in keys) + 2
+    """A plain-text table of ``keys`` with baseline and ratio columns. Each row is named by
+    :func:`display_key`, so its name gives its unit (latencies ``*_ms`` in ms, ``*_s`` in s)."""
+    rows = [(display_key(k), _fmt(k, result.get(k))) for k in keys]
+    width = max(len(name) for name, _ in rows) + 2
     lines = [f"==== {title} ===="]
     if baseline is None:
-        lines += [f"{k:<{width}}{v:>14}" for k, v in rows]
+        lines += [f"{name:<{width}}{v:>14}" for name, v in rows]
     else:
         rat = ratios(result, baseline, keys)
         lines.append(f"{'metric':<{width}}{'pagedllm':>14}{baseline_name:>18}{'ratio':>10}")
-        for k, v in rows:
+        for k, (name, v) in zip(keys, rows):
             r = rat.get(k)
-            lines.append(f"{k:<{width}}{v:>14}{_fmt(k, baseline.get(k)):>18}"
+            lines.append(f"{name:<{width}}{v:>14}{_fmt(k, baseline.get(k)):>18}"
                          f"{'n/a' if r is None else f'{r:.2f}x':>10}")
     return "\n".join(lines)

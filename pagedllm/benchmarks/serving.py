@@ -19,6 +19,7 @@ import time
 from typing import Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from pagedllm.benchmarks.datasets import BenchRequest
 from pagedllm.benchmarks.metrics import RequestRecord
@@ -120,11 +121,13 @@ async def send_completion(client, url: str, model: str, req: BenchRequest, ignor
 async def run_requests(base_url: str, model: str | None, requests: Sequence[BenchRequest],
                        request_rate: float = math.inf, max_concurrency: int | None = None,
                        burstiness: float = 1.0, seed: int = 0, ignore_eos: bool = True, client=None,
-                       timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[list[RequestRecord], float, str]:
+                       timeout_s: float = DEFAULT_TIMEOUT_S,
+                       progress: bool = False) -> tuple[list[RequestRecord], float, str]:
     """Send the workload; returns (records in request order, duration in s, model name).
 
     Args:
         client: an ``httpx.AsyncClient`` (tests pass one with a mock transport); None = a new one.
+        progress: a progress bar of finished requests (tqdm, on stderr).
     Raises:
         ValueError: bad rate / burstiness / concurrency, or no model name to be had.
     """
@@ -142,12 +145,16 @@ async def run_requests(base_url: str, model: str | None, requests: Sequence[Benc
             model = await fetch_model_name(client, base_url)
         url = completions_url(base_url)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
 
         async def one(req: BenchRequest) -> RequestRecord:
-            if sem is None:
-                return await send_completion(client, url, model, req, ignore_eos)
-            async with sem:
-                return await send_completion(client, url, model, req, ignore_eos)
+            try:
+                if sem is None:
+                    return await send_completion(client, url, model, req, ignore_eos)
+                async with sem:
+                    return await send_completion(client, url, model, req, ignore_eos)
+            finally:
+                bar.update(1)
 
         t0 = time.perf_counter()
         tasks = []
@@ -157,6 +164,7 @@ async def run_requests(base_url: str, model: str | None, requests: Sequence[Benc
             tasks.append(asyncio.create_task(one(req)))
         records = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0
+        bar.close()
     finally:
         if own_client:
             await client.aclose()

@@ -85,7 +85,7 @@ def to_engine_prompt(req: BenchRequest):
 
 
 def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
-                   breakdown: bool = False) -> tuple[dict, list[list[int]]]:
+                   breakdown: bool = False, progress: bool = False) -> tuple[dict, list[list[int]]]:
     """Run the workload through ``llm`` (a ``pagedllm.LLM``) with everything submitted at once.
 
     Args:
@@ -94,6 +94,7 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
         warmup: first run one short request (untimed) so one-off start-up costs stay out.
         breakdown: time the engine's components too (``StepBreakdown``; result key
             ``breakdown``: seconds per component). Slightly slows the run.
+        progress: show ``LLM.generate``'s progress bar (tqdm, on stderr) during the timed run.
     Returns:
         (result, prompt_token_ids): the flat result dict (``metrics.summarize``'s keys plus
         ``peak_kv_usage``, ``kv_utilization``, ``num_preemptions``, ``prefix_cache_hit_rate``
@@ -118,7 +119,7 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
     try:
         with timer if timer is not None else nullcontext():
             t0 = time.monotonic()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.generate(prompts, params, use_tqdm=progress)
             duration = time.monotonic() - t0
     finally:
         engine.stat_loggers.remove(stat_logger)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -16,11 +17,14 @@ def _read_prompts(ns) -> list:
     {"prompt_token_ids": [...]}, optional per-line "max_tokens").
 
     Raises:
-        ValueError: if no prompt is given or a JSONL line is malformed (names the line).
+        ValueError: if no prompt is given, the file does not exist, or a JSONL line is malformed
+            (names the line).
     """
     prompts: list = list(ns.prompts or [])
     if ns.prompts_file:
         path = ns.prompts_file
+        if not os.path.isfile(path):
+            raise ValueError(f"--prompts-file {path!r}: no such file")
         with open(path, encoding="utf-8") as f:
             if path.endswith((".jsonl", ".json")):
                 for lineno, line in enumerate(f, 1):
@@ -78,7 +82,8 @@ def _cmd_generate(ns) -> int:
                                  "stop_reason": o.stop_reason} for o in ro.outputs]}, ensure_ascii=False) + "\n")
             else:
                 for o in ro.outputs:
-                    out.write(f"--- [{i}.{o.index}] finish_reason={o.finish_reason}\n")
+                    label = f"{i}" if len(ro.outputs) == 1 else f"{i}.{o.index}"  # [i.j]: sample j of n
+                    out.write(f"--- [{label}] finish_reason={o.finish_reason}\n")
                     out.write(f"{ro.prompt if ro.prompt is not None else ro.prompt_token_ids}"
                               f"\033[1m{o.text}\033[0m\n" if out.isatty() else
                               f"{ro.prompt if ro.prompt is not None else ro.prompt_token_ids}{o.text}\n")
@@ -93,6 +98,23 @@ def _cmd_generate(ns) -> int:
     return 0
 
 
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Make ``--help`` give each option's default, in ``parser`` and every subcommand's parser
+    (added anywhere), as ``argparse.ArgumentDefaultsHelpFormatter`` does, and also for options
+    without a help text. Left out: options whose help already speaks of a default, ``None``
+    defaults (nothing to show) and on/off flags."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
+            continue
+        text = action.help or ""
+        if (not action.option_strings or text is argparse.SUPPRESS or "default" in text
+                or action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool)):
+            continue
+        action.help = f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pagedllm.engine.arg_utils import add_engine_cli_args
 
@@ -105,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts-file", help="text file (one prompt per line) or JSONL ({'prompt': ...})")
     gen.add_argument("--output-file", help="write results here instead of stdout")
     gen.add_argument("--output-format", choices=["text", "jsonl"], default="text")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -116,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--logprobs", type=int, default=None)
-    gen.add_argument("--no-progress", action="store_true")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_engine_cli_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
@@ -130,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_parser(sub)
     except ImportError:
         pass
+    _show_defaults(parser)
     return parser
 
 

@@ -9,7 +9,8 @@ import time
 import torch
 from torch import nn
 
-from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.attention.backends import prepare_backend
+from pagedllm.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.linear import pack_linear_layers
 from pagedllm.layers.quantization import quantize_linear_layers
@@ -153,6 +154,7 @@ class Worker:
         self.weights_load_s = time.perf_counter() - t0
         logger.info("Model weights: %.1f MiB in %s on %s, loaded in %.2f s",
                     weight_bytes / 2**20, str(self.dtype).replace("torch.", ""), self.device, self.weights_load_s)
+        prepare_backend(self.model_config.attention_backend, self.device, self.dtype)  # compiles the CPU kernel on a first start
         self.kv_shape = KVCacheShape(
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim, block_size=self.cache_config.block_size,
@@ -172,8 +174,10 @@ class Worker:
         if cache_config.kv_cache_memory_bytes is not None:
             budget = cache_config.kv_cache_memory_bytes
         elif self.device.type == "cpu":
-            logger.info("gpu_memory_utilization=%s does not apply on the CPU; the KV budget comes from "
-                        "kv_cache_memory_bytes or PAGEDLLM_CPU_KVCACHE_SPACE", cache_config.gpu_memory_utilization)
+            if cache_config.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:  # the user set it
+                logger.info("gpu_memory_utilization=%s does not apply on the CPU; the KV budget comes from "
+                            "kv_cache_memory_bytes or PAGEDLLM_CPU_KVCACHE_SPACE",
+                            cache_config.gpu_memory_utilization)
             budget = default_cpu_kv_cache_bytes(cache_config.cpu_kvcache_space_bytes)
         else:
             budget = kv_bytes_from_utilization(

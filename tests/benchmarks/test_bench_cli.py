@@ -39,8 +39,23 @@ def test_bench_throughput_json_keys_and_token_count(make_tiny_checkpoint, tmp_pa
     assert res["num_preemptions"] == 0 and res["prefix_cache_hit_rate"] is None
     assert res["mean_ttft_s"] > 0 and res["p99_ttft_s"] >= res["mean_ttft_s"] * 0.999
     assert res["block_size"] == 8
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
     assert "output_tokens_per_s" in table and "kv_utilization" in table
+    # Row names give the unit of what they show: latencies in ms as *_ms, the run in seconds as duration_s.
+    rows = {line.split()[0]: line.split()[1] for line in table.splitlines()[1:]}
+    assert float(rows["mean_ttft_ms"]) == pytest.approx(res["mean_ttft_s"] * 1000, abs=0.051)
+    assert float(rows["duration_s"]) == pytest.approx(res["duration_s"], abs=0.0051)
+    assert not {"mean_ttft_s", "p99_tpot_s"} & set(rows)
+    assert "Processed prompts: 100%" in captured.err  # the progress bar, on stderr
+
+
+def test_bench_throughput_checks_the_dataset_before_loading_a_model(tmp_path, capsys):
+    missing_model = str(tmp_path / "no-model")  # loading it would fail with another message
+    rc = main(["bench", "throughput", "--model", missing_model, "--dataset", str(tmp_path / "nope.jsonl")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "nope.jsonl' is neither one of" in err and "no-model" not in err
 
 
 def test_bench_throughput_hf_baseline(make_tiny_checkpoint, tmp_path):
@@ -85,7 +100,7 @@ def test_bench_latency_reports_steps_and_ceiling(make_tiny_checkpoint, tmp_path)
 def test_bench_memory_json(tmp_path, capsys):
     data = _workload(tmp_path, [{"prompt": "x", "prompt_len": 13, "max_tokens": 3}])
     out = tmp_path / "m.json"
-    rc = main(["bench", "memory", "--dataset", data, "--num-requests", "12", "--max-model-len", "32",
+    rc = main(["bench", "memory", "--dataset", data, "--num-prompts", "12", "--max-model-len", "32",
                "--static-concurrency", "2", "--block-size", "4", "--block-sizes", "4,8",
                "--max-num-batched-tokens", "64", "--output-json", str(out)])
     assert rc == 0
@@ -93,6 +108,20 @@ def test_bench_memory_json(tmp_path, capsys):
     assert res["headline"]["peak_concurrency"] == 4 and res["headline"]["static_concurrency"] == 2
     assert [r["block_size"] for r in res["block_size_sweep"]] == [4, 8]
     assert "peak 4 concurrent (2.0x)" in capsys.readouterr().out
+
+
+def test_bench_memory_defaults_to_the_shipped_workload(tmp_path, caplog):
+    out = tmp_path / "m.json"
+    rc = main(["bench", "memory", "--num-prompts", "32", "--block-sizes", "16", "--output-json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    from pagedllm.benchmarks.datasets import dataset_file
+    assert res["dataset"] == dataset_file("workload") and res["num_requests"] == 32
+    # --num-requests still works, with a warning
+    with caplog.at_level("WARNING"):
+        assert main(["bench", "memory", "--num-requests", "8", "--block-sizes", "16", "--output-json", str(out)]) == 0
+    assert json.loads(out.read_text())["num_requests"] == 8
+    assert "--num-requests is deprecated; use --num-prompts" in caplog.text
 
 
 def test_bench_bad_dataset_line_is_a_clean_error(tmp_path, capsys):

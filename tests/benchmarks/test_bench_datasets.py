@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 
-from pagedllm.benchmarks.cli import default_workload_path
 from pagedllm.benchmarks.datasets import (MIN_RANDOM_TOKEN_ID, SHAREGPT_MAX_OVER_MEDIAN, BenchRequest,
-                                          build_requests, load_jsonl_requests, random_requests,
-                                          resample_lengths, sharegpt_like_requests)
+                                          build_requests, check_dataset, dataset_file, load_jsonl_requests,
+                                          random_requests, resample_lengths, sharegpt_like_requests)
 
 
 def test_random_is_seeded_and_spread_within_range():
@@ -105,10 +105,28 @@ def test_jsonl_missing_or_empty_file(tmp_path):
         load_jsonl_requests(str(empty))
 
 
-def test_shared_workload_loads():
-    reqs = load_jsonl_requests(default_workload_path())
+def test_shipped_workload_loads():
+    """``--dataset workload`` is package data inside pagedllm/, not a file outside the repository."""
+    import pagedllm
+    path = dataset_file("workload")
+    assert path.startswith(os.path.dirname(pagedllm.__file__) + os.sep) and os.path.isfile(path)
+    reqs = load_jsonl_requests(path)
     assert len(reqs) == 64
     assert all(isinstance(r.prompt, str) and r.prompt_len >= 1 and r.max_tokens >= 1 for r in reqs)
+    assert sum(r.prompt_len for r in reqs) == 9619 and sum(r.max_tokens for r in reqs) == 5830
+    assert build_requests("workload", 5, 8, 4, 0.0, 0, vocab_size=None) == reqs[:5]
+
+
+def test_check_dataset_fails_before_any_model(tmp_path):
+    for name in ("random", "sharegpt-like", "workload"):
+        check_dataset(name)
+    with pytest.raises(ValueError, match=r"--dataset 'nope\.jsonl' is neither one of .*'workload'.* nor an existing"):
+        check_dataset("nope.jsonl")
+    bad = _write(tmp_path, ['{"prompt": "x"}'])
+    with pytest.raises(ValueError, match="missing field 'max_tokens'"):
+        check_dataset(bad)
+    with pytest.raises(ValueError, match="holds 64 requests, fewer than num_prompts=65"):
+        check_dataset("workload", 65)
 
 
 def test_resample_is_seeded_and_draws_whole_rows():

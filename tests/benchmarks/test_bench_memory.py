@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.benchmarks.cli import default_workload_path
-from pagedllm.benchmarks.datasets import load_jsonl_requests, resample_lengths
+from pagedllm.benchmarks.datasets import dataset_file, load_jsonl_requests, resample_lengths
 from pagedllm.benchmarks.memory import simulate_kv_concurrency
 
 
@@ -53,8 +52,8 @@ def test_bad_configs():
         simulate_kv_concurrency([])
 
 
-def test_shared_workload_beats_static_and_sweep_orders_utilization():
-    lengths = resample_lengths(load_jsonl_requests(default_workload_path()), 256, seed=0)
+def test_shipped_workload_beats_static_and_sweep_orders_utilization():
+    lengths = resample_lengths(load_jsonl_requests(dataset_file("workload")), 256, seed=0)
     results = {bs: simulate_kv_concurrency(lengths, block_size=bs) for bs in (8, 16, 32)}
     r16 = results[16]
     assert r16.static_concurrency == 8 and r16.num_requests == 256

@@ -87,7 +87,21 @@ def test_ratios_and_table():
     assert set(r) == set(RESULT_KEYS)
     assert r["requests_per_s"] == 0.5 and r["num_preemptions"] is None and r["prefix_cache_hit_rate"] is None
     table = format_table("t", {**ours, "prefix_cache_hit_rate": None}, RESULT_KEYS, base, "hf")
-    assert "mean_ttft_s" in table and "2000.0 ms" in table and "0.50x" in table and "n/a" in table
+    assert "0.50x" in table and "n/a" in table
+    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[2:]}
+    assert rows["mean_ttft_ms"] == ["2000.0", "4000.0", "0.50x"]     # seconds in the results, ms in the table
+    assert rows["requests_per_s"] == ["2.000", "4.000", "0.50x"]
+    assert not any(name.endswith("_s") and not name.endswith("per_s") for name in rows)
+
+
+def test_table_row_names_give_their_units():
+    """Latencies are shown in ms under ``*_ms`` names; the run's duration stays in seconds as ``duration_s``."""
+    result = {"duration_s": 12.5, "mean_ttft_s": 0.25, "p99_tpot_s": 0.0125, "mean_itl_s": 0.002,
+              "mean_e2e_latency_s": 3.0, "output_tokens_per_s": 55.0}
+    table = format_table("t", result, tuple(result))
+    rows = dict(line.split() for line in table.splitlines()[1:])
+    assert rows == {"duration_s": "12.5", "mean_ttft_ms": "250.0", "p99_tpot_ms": "12.5", "mean_itl_ms": "2.0",
+                    "mean_e2e_latency_ms": "3000.0", "output_tokens_per_s": "55.0"}
 
 
 def test_static_batches_and_per_request_accounting():

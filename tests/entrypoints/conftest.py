@@ -106,9 +106,10 @@ class RemoteServer:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def launch_server(tmp_path_factory):
-    """Factory: (args, name, **kwargs) -> a started ``RemoteServer``; all are stopped at session end."""
+    """Factory: (args, name, **kwargs) -> a started ``RemoteServer``; all are stopped at the end of the
+    test module, so that at most one module's server processes (each loading a model) are alive."""
     servers: list[RemoteServer] = []
 
     def launch(args: list[str], name: str = "server", **kwargs) -> RemoteServer:

@@ -4,6 +4,7 @@ blocks, a failing step that fails only its requests, shutdown."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -95,15 +96,31 @@ def test_concurrent_callers_share_the_batch(async_llm, expected):
 
 
 def test_late_request_joins_running_batch(async_llm, expected):
+    """A request added while another decodes joins its batch. No timing: the first request's logits
+    hook holds the engine thread at its second token until the second request is queued."""
+    decoding, queued = threading.Event(), threading.Event()
+
+    def hold_at_second_token(output_ids, logits):
+        if len(output_ids) == 1 and not decoding.is_set():
+            decoding.set()
+            queued.wait(60)
+        return logits
+
     async def main():
-        first = asyncio.ensure_future(_collect(async_llm, PROMPTS[1], _greedy(max_tokens=40)))
-        await asyncio.sleep(0.05)
-        second = await _collect(async_llm, PROMPTS[2], _greedy())
-        assert not first.done()  # joined while the first was still decoding
+        first = asyncio.ensure_future(_collect(async_llm, PROMPTS[1], _greedy(
+            max_tokens=40, logits_processors=[hold_at_second_token])))
+        assert await asyncio.to_thread(decoding.wait, 60)
+        second_task = asyncio.ensure_future(_collect(async_llm, PROMPTS[2], _greedy()))
+        await asyncio.sleep(0)  # the task runs to its first await: the request is queued (add_request)
+        queued.set()
+        second = await second_task
+        # The second's 12 tokens took 12 steps, each also a step of the first, which had 38 left.
+        assert not first.done()
         return second, await first
     second, first = asyncio.run(main())
     assert second[1] == expected[2].token_ids
     assert first[1][:12] == expected[1].token_ids
+    assert async_llm.engine.stat_loggers[0].max_running == 2
 
 
 def test_deltas_never_split_multibyte_characters(async_llm):

@@ -28,6 +28,8 @@ MAX_MODEL_LEN = 512
 PROMPTS = ["Hello, my name is", "The capital of France is", "The future of AI is",
            "def fibonacci(n):", "Paged attention splits the KV cache into"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+# The conformance issue's input: "<bos>Hello world " and then 3 of the 4 bytes of "𝔞" (F0 9D 94 9E).
+TAIL_PROMPT = [2, 9259, 1902, 236743, 478, 395, 386]
 
 
 def sse(lines) -> list:
@@ -42,7 +44,29 @@ def sse(lines) -> list:
 
 
 @pytest.fixture(scope="module")
-def server(launch_server):
+def offline_expected(free_memory):
+    """``LLM.generate`` / ``LLM.chat`` results the server must reproduce, computed before the server
+    starts and with the offline engine freed again, so that the test process and the server never
+    hold the model at the same time (the suite's peak memory)."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(None, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    tok = llm.get_tokenizer()
+    last = tok.backend.token_to_id("<0x9E>")
+    expected = {"generate": llm.generate(PROMPTS[:3], params, use_tqdm=False),
+                "chat": llm.chat(CHAT, params, use_tqdm=False, chat_template=GEMMA_TEMPLATE)[0],
+                "tokenizer": tok,
+                "prompt_tail": llm.generate([TAIL_PROMPT], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                          allowed_token_ids=[last]),
+                                            use_tqdm=False)[0]}
+    del llm
+    free_memory()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def server(launch_server, offline_expected):
     args = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "256MiB",
             "--chat-template", GEMMA_TEMPLATE, "--disable-log-requests"]
     # The API key comes from the environment here (PAGEDLLM_API_KEY).
@@ -74,8 +98,8 @@ def test_models_and_health(server, http, model_name):
     assert httpx.get(server.base_url + "/models").status_code == 401  # key from $PAGEDLLM_API_KEY
 
 
-def test_greedy_completion_equals_llm_generate(client, model_name, default_llm):
-    expected = default_llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+def test_greedy_completion_equals_llm_generate(client, model_name, offline_expected):
+    expected = offline_expected["generate"]
     response = client.completions.create(model=model_name, prompt=PROMPTS[:3], max_tokens=12, temperature=0)
     assert response.object == "text_completion" and response.id.startswith("cmpl-")
     assert [c.index for c in response.choices] == [0, 1, 2]
@@ -88,9 +112,8 @@ def test_greedy_completion_equals_llm_generate(client, model_name, default_llm):
     assert by_ids.choices[0].text == expected[0].outputs[0].text
 
 
-def test_chat_greedy_equals_llm_chat(client, model_name, default_llm):
-    expected = default_llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False,
-                                chat_template=GEMMA_TEMPLATE)[0]
+def test_chat_greedy_equals_llm_chat(client, model_name, offline_expected):
+    expected = offline_expected["chat"]
     response = client.chat.completions.create(model=model_name, messages=CHAT, max_completion_tokens=12,
                                               temperature=0)
     assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
@@ -308,10 +331,9 @@ def test_metrics_exposition(server):
     assert not [name for name in metrics if "_created" in name]
 
 
-def test_prompt_ending_inside_a_character(client, model_name, default_llm):
-    # The issue's input: "<bos>Hello world " and then 3 of the 4 bytes of "𝔞" (F0 9D 94 9E).
-    prompt = [2, 9259, 1902, 236743, 478, 395, 386]
-    tok = default_llm.get_tokenizer()
+def test_prompt_ending_inside_a_character(client, model_name, offline_expected):
+    prompt = TAIL_PROMPT
+    tok = offline_expected["tokenizer"]
     assert tok.convert_ids_to_tokens(prompt[-3:]) == ["<0xF0>", "<0x9D>", "<0x94>"]
     response = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0)
     assert response.usage.completion_tokens == 1
@@ -323,13 +345,11 @@ def test_prompt_ending_inside_a_character(client, model_name, default_llm):
     assert client.completions.create(**kwargs).choices[0].text == "𝔞"
     assert "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True)) == "𝔞"
     assert client.completions.create(**kwargs, echo=True).choices[0].text == "<bos>Hello world 𝔞"
-    offline = default_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=[last]),
-                                   use_tqdm=False)
-    assert offline[0].outputs[0].text == "𝔞"
+    assert offline_expected["prompt_tail"].outputs[0].text == "𝔞"
 
 
-def test_byte_fallback_tokens_in_chat_logprobs(client, model_name, default_llm):
-    tok = default_llm.get_tokenizer()
+def test_byte_fallback_tokens_in_chat_logprobs(client, model_name, offline_expected):
+    tok = offline_expected["tokenizer"]
     byte_ids = [tok.backend.token_to_id(f"<0x{b:02X}>") for b in "𝔞".encode()]
     response = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4, temperature=0,
                                               logprobs=True, top_logprobs=2,

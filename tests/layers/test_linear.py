@@ -11,8 +11,16 @@ from pagedllm.layers.linear import (CPU_GEMM_ENV, MergedLinear, PackedLinear, lm
                                     onednn_linear_available, pack_linear_layers)
 from pagedllm.models.utils import load_named_weights
 
-needs_onednn = pytest.mark.skipif(not onednn_linear_available(torch.float32),
-                                  reason="oneDNN float32 inner product not available")
+# Skip only where this torch build has no oneDNN (mkldnn) at all; where it has it, the probe must
+# succeed (test below), so a broken probe fails instead of skipping every oneDNN test.
+HAS_ONEDNN = torch.backends.mkldnn.is_available()
+needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this torch build has no oneDNN (mkldnn)")
+
+
+@needs_onednn
+def test_onednn_probe_succeeds_where_onednn_exists():
+    assert onednn_linear_available(torch.float32)
+    assert not onednn_linear_available(torch.bfloat16)  # the packed path is float32 only
 
 
 @needs_onednn

@@ -20,12 +20,15 @@ backend); this module reads no environment variable.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,3 +119,35 @@ def get_backend(name: str) -> BackendForward:
         return cpu_paged.forward
     from pagedllm.attention.backends import cpu_sdpa
     return cpu_sdpa.forward
+
+
+def prepare_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Get backend ``name`` (``"auto"`` allowed) ready to run on ``device`` in ``dtype``, and log
+    which backend will run and why (one INFO line).
+
+    For ``cpu_paged`` this loads the C++ kernel, compiling it first on a machine that has not yet
+    (about 30 s, announced by its own log line), so that the cost falls at engine start and not
+    inside the first forward; without a compiler, off the CPU, or in another dtype the layers
+    run ``cpu_sdpa`` instead.
+
+    Returns:
+        The backend that will run: ``torch_ref``, ``cpu_sdpa`` or ``cpu_paged``.
+    Raises:
+        ValueError: as :func:`resolve_backend_name`.
+    """
+    resolved = resolve_backend_name(name)
+    forced = None if name == "auto" else f"attention_backend={name!r} (or ${BACKEND_ENV})"
+    if resolved != "cpu_paged":
+        why = f"set by {forced}" if forced else "asked for by name"
+    else:
+        from pagedllm.attention.backends import cpu_paged
+        if device.type != "cpu":
+            resolved, why = "cpu_sdpa", f"the cpu_paged kernel runs on the CPU only, not {device.type}"
+        elif dtype not in cpu_paged.SUPPORTED_DTYPES:
+            resolved, why = "cpu_sdpa", f"the cpu_paged kernel takes float32 or bfloat16, not {dtype}"
+        elif cpu_paged.load_kernel() is None:
+            resolved, why = "cpu_sdpa", "the cpu_paged kernel could not be built (see the warning above)"
+        else:
+            why = f"set by {forced}" if forced else "the default on the CPU: the C++ paged-attention kernel"
+    logger.info("Attention backend: %s (%s)", resolved, why)
+    return resolved

@@ -11,8 +11,9 @@ accumulation (bfloat16 is widened on load). One kernel call per layer covers the
 batch: decodes, chunked prefills and fresh prefills (for these too the kernel measured faster than
 SDPA on this machine's CPU, see docs/performance.md; it also has the soft cap SDPA lacks).
 
-The kernel is compiled on first use with ``torch.utils.cpp_extension.load`` (g++ with ``-O3
--march=native -fopenmp``; about a minute on 2 cores) into
+The kernel is compiled on first use (``attention.backends.prepare_backend`` does it at engine
+start, before any progress bar) with ``torch.utils.cpp_extension.load`` (g++ with ``-O3
+-march=native -fopenmp`` through ninja; about 30 s on 2 cores) into
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/pagedllm/torch_extensions``, under a name hashing the
 source, the flags, torch's version and this CPU's flags, so later processes load it in
 milliseconds and a different CPU or torch rebuilds it. If the build fails (no compiler), a WARNING
@@ -132,6 +133,8 @@ def load_kernel() -> ModuleType | None:
             action = "built"
             from torch.utils import cpp_extension
 
+            logger.info("compiling the paged-attention kernel once, about 30 s (%s; later starts load it "
+                        "in milliseconds)", build_dir)
             build_dir.mkdir(parents=True, exist_ok=True)
             _remove_stale_lock(build_dir)
             module = cpp_extension.load(
