@@ -29,8 +29,8 @@ class ScheduledRequest:
         prompt_token_ids: the request's prompt (shared list, read-only), for penalties.
         output_token_ids: tokens generated so far (shared list, read-only), for penalties and
             ``min_tokens``.
-        resumed: True on the first step after the request was (re)admitted with no cached
-            tokens (new, or resumed after a recompute preemption).
+        resumed: True on the first step after the request was (re)admitted (new, or resumed
+            after a recompute preemption); ``num_computed_tokens`` is then its prefix-cache hit.
     """
 
     request_id: str

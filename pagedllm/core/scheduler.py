@@ -155,20 +155,26 @@ class Scheduler:
         if not preempted_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
+                # [prefix caching] hit blocks from the prompt start (a waiting request has none).
+                computed = self.kv_cache_manager.get_computed_blocks(request)
+                request.num_computed_tokens = computed.num_computed_tokens
                 num_new = request.num_tokens - request.num_computed_tokens
                 if not self.enable_chunked_prefill and num_new > budget:
+                    request.num_computed_tokens = 0
                     break
                 num_new = self._num_new_tokens(request, budget)
-                if num_new <= 0:
-                    break
-                if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                if num_new <= 0 or self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
+                    request.num_computed_tokens = 0
                     break  # FCFS: do not let later requests skip ahead
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = computed.num_computed_tokens
+                # [/prefix caching]
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
-                sched = self._make_scheduled(request, num_new)
+                sched = self._make_scheduled(request, num_new, admitted=True)
                 scheduled.append(sched)
                 num_prefill_tokens += num_new
                 budget -= num_new
@@ -202,10 +208,13 @@ class Scheduler:
         num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
         return num_new
 
-    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        """Build the request's share of the step and advance its ``num_computed_tokens``."""
+    def _make_scheduled(self, request: Request, num_new: int, admitted: bool = False) -> ScheduledRequest:
+        """Build the request's share of the step and advance its ``num_computed_tokens``.
+
+        ``admitted``: the request comes from the waiting queue this step (new or preempted; its
+        ``num_computed_tokens`` is its prefix-cache hit, possibly 0)."""
         start = request.num_computed_tokens
-        resumed = start == 0
+        resumed = admitted
         if resumed:
             # A fresh (re)computation: the runner will produce prompt logprobs from the start.
             request.num_prompt_logprobs_seen = 0
@@ -266,6 +275,9 @@ class Scheduler:
                 f"runner returned {len(runner_output.sampled_token_ids)} sampled tokens for "
                 f"{len(req_ids)} requests")
         should_sample = {s.request_id for s in scheduler_output.scheduled if s.sample}
+        # [prefix caching] the step's K/V is written: register the blocks it filled.
+        for request in self.running:
+            self.kv_cache_manager.cache_blocks(request)
         outputs: dict[str, EngineCoreOutput] = {}
 
         # Prompt logprobs first, while every request of the step is still known.
