@@ -34,12 +34,15 @@ class CacheConfig:
         gpu_memory_utilization: fraction (0, 1] of device memory for weights + activations + KV on
             CUDA. Accepted and logged as not applying on the CPU.
         num_gpu_blocks_override: force the number of KV blocks (tests), bypassing the budget.
+        enable_prefix_caching: share full KV blocks across requests by content hash (automatic
+            prefix caching, as vLLM V1; on by default).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -117,6 +117,7 @@ class EngineCoreOutput:
         new_prompt_logprobs: prompt logprobs computed this step, if asked for.
         finish_reason: ``None`` while running, else "stop", "length" or "abort".
         stop_reason: the stop token id that ended the request, if any.
+        num_cached_tokens: the request's ``num_cached_tokens`` (prefix-cache hit, tokens).
     """
 
     request_id: str
@@ -126,6 +127,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -304,7 +304,8 @@ class Scheduler:
                     f"runner sampled for request {req_id!r}, which was not scheduled to sample")
             token_id = runner_output.sampled_token_ids[i]
             request.append_output_token_ids(token_id)
-            out = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id])
+            out = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id],
+                                   num_cached_tokens=request.num_cached_tokens)
             logprob = runner_output.sampled_logprobs[i] if i < len(runner_output.sampled_logprobs) else math.nan
             if not math.isnan(logprob):  # NaN: the request did not ask for it
                 out.new_logprobs.append(logprob)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -36,7 +37,8 @@ class EngineArgs:
         disable_log_stats, swap_space: accepted for compatibility (see ``create_engine_config``).
         quantization: None / "gguf" (weights dequantized to ``dtype``) or "int8" (CPU only:
             int8 linear layers with dynamic activation quantization; not exact, see README).
-        enable_prefix_caching: only its "off" value is supported yet.
+        enable_prefix_caching: automatic prefix caching (content-hashed full blocks shared
+            across requests); on by default, as in vLLM.
     """
 
     model: str | None = None
@@ -64,7 +66,7 @@ class EngineArgs:
     download_dir: str | None = None
     disable_log_stats: bool = False
     swap_space: float | None = None
-    enable_prefix_caching: bool | None = None
+    enable_prefix_caching: bool = True
     quantization: str | None = None
     served_model_name: list[str] | str | None = field(default=None)
 
@@ -89,8 +91,6 @@ class EngineArgs:
         Raises:
             ValueError: for unsupported values (naming the argument) or out-of-range numbers.
         """
-        if self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching=True is not supported yet")
         if self.tokenizer_mode not in ("auto", "hf", "fast"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported (auto)")
         if self.revision is not None or self.tokenizer_revision is not None:
@@ -115,7 +115,8 @@ class EngineArgs:
                             quantization=self.quantization)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,
-                            num_gpu_blocks_override=self.num_gpu_blocks_override)
+                            num_gpu_blocks_override=self.num_gpu_blocks_override,
+                            enable_prefix_caching=bool(self.enable_prefix_caching))
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
@@ -158,7 +159,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--swap-space", type=float, default=None)
-    g.add_argument("--enable-prefix-caching", action="store_true", default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share full KV blocks across requests by content hash (default: on)")
     g.add_argument("--quantization", "-q", default=None, choices=[q for q in SUPPORTED_QUANTIZATION if q],
                    help="int8: CPU linear layers and LM head in int8 with dynamic activation "
                         "quantization (faster at decode batch sizes, not exact; default: none)")

@@ -56,7 +56,8 @@ class LLMEngine:
         self.vocab_size = int(text_cfg["vocab_size"])
         self.model_runner = ModelRunner(self.worker.model, self.worker.kv_caches, cache_cfg.block_size,
                                         self.worker.device, self.vocab_size, seed=model_cfg.seed)
-        self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.worker.num_blocks)
+        self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.worker.num_blocks,
+                                               enable_caching=cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               args.max_logprobs)
@@ -65,10 +66,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.load_time_s = time.perf_counter() - t0
         logger.info("Engine ready in %.2f s: model=%s dtype=%s quantization=%s device=%s max_model_len=%d "
-                    "block_size=%d max_num_seqs=%d max_num_batched_tokens=%d", self.load_time_s, files.source,
+                    "block_size=%d max_num_seqs=%d max_num_batched_tokens=%d prefix_caching=%s", self.load_time_s,
+                    files.source,
                     str(self.worker.dtype).replace("torch.", ""), model_cfg.quantization, self.worker.device,
                     sched_cfg.max_model_len,
-                    cache_cfg.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
+                    cache_cfg.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
+                    cache_cfg.enable_prefix_caching)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -129,6 +132,14 @@ class LLMEngine:
         if stats is not None:
             self._record_stats(stats)
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``).
+
+        Returns:
+            True when cleared; False (nothing changed) while requests hold blocks.
+        """
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -47,6 +47,7 @@ class ParentState:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -143,6 +144,8 @@ class OutputProcessor:
                 room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
                 parent.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs[:max(room, 0)]))
             if out.new_token_ids:
+                if parent.num_cached_tokens is None and sample.index == 0:
+                    parent.num_cached_tokens = out.num_cached_tokens
                 if iteration_stats is not None:
                     iteration_stats.num_generation_tokens += len(out.new_token_ids)
                     prev_times.setdefault(parent.request_id, (parent.metrics.first_token_time,
@@ -228,7 +231,7 @@ class OutputProcessor:
         elif prompt_logprobs is not None:
             parent.prompt_logprobs_sent = True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
-                             outputs, parent.finished, parent.metrics)
+                             outputs, parent.finished, parent.metrics, num_cached_tokens=parent.num_cached_tokens)
 
     def _drop(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)
