@@ -155,6 +155,8 @@ class SchedulerStats:
         num_allocated_slots: slots of the blocks in use (used blocks x ``block_size``);
             ``num_stored_tokens / num_allocated_slots`` is the KV utilization (1 - internal
             fragmentation of the last blocks).
+        prefix_cache_queries_total / prefix_cache_hits_total: tokens looked up in / found in the
+            prefix cache since the scheduler started (running totals, as vLLM counts them).
     """
 
     num_running: int = 0
@@ -171,3 +173,5 @@ class SchedulerStats:
     # KV utilization (benchmarks): tokens stored vs. slots in allocated blocks.
     num_stored_tokens: int = 0
     num_allocated_slots: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0

@@ -400,4 +400,6 @@ class Scheduler:
             num_decode_tokens=s.num_decode_tokens,
             num_stored_tokens=num_stored_tokens,
             num_allocated_slots=num_allocated_slots,
+            prefix_cache_queries_total=kv.prefix_cache_stats.queries,  # [prefix caching]
+            prefix_cache_hits_total=kv.prefix_cache_stats.hits,
         )

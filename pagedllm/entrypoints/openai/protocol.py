@@ -40,10 +40,17 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class PromptTokenUsageInfo(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details``: ``cached_tokens`` = prompt tokens found in the
+    prefix cache (sent only with ``--enable-prompt-tokens-details``)."""
+    cached_tokens: int | None = None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class _SamplingRequest(OpenAIBaseModel):

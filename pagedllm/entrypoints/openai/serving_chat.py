@@ -136,8 +136,7 @@ class OpenAIServingChat(OpenAIServing):
                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         choices.sort(key=lambda c: c.index)
         response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
-                                          usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=num_completion,
-                                                          total_tokens=len(ids) + num_completion))
+                                          usage=self.usage(len(ids), num_completion, final.num_cached_tokens))
         return JSONResponse(response.model_dump())
 
     async def _stream(self, request: ChatCompletionRequest, outputs: OutputStream, request_id: str, created: int,
@@ -153,10 +152,12 @@ class OpenAIServingChat(OpenAIServing):
             return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
 
         num_completion = 0
+        num_cached = None
         try:
             for index in range(n):
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
             async for out in outputs:
+                num_cached = out.num_cached_tokens if out.num_cached_tokens is not None else num_cached
                 for o in out.outputs:
                     num_completion += len(o.token_ids)
                     if not o.text and o.finish_reason is None and (num_top is None or not o.token_ids):
@@ -168,8 +169,7 @@ class OpenAIServingChat(OpenAIServing):
                     delta = DeltaMessage(content=o.text) if o.text or o.finish_reason is None else DeltaMessage()
                     yield chunk(o.index, delta, logprobs, o.finish_reason, o.stop_reason)
             if include_usage:
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                  total_tokens=num_prompt + num_completion)
+                usage = self.usage(num_prompt, num_completion, num_cached)
                 body = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
                                                     usage=usage)
                 yield f"data: {body.model_dump_json()}\n\n"

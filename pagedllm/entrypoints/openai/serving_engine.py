@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.core.sched_output import Logprob
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokenUsageInfo, UsageInfo
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -91,6 +91,14 @@ class OpenAIServing:
         self.models = models
         self.tokenizer = engine.tokenizer
         self.log_requests = log_requests
+        # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (prefix cache).
+        self.enable_prompt_tokens_details = False
+
+    def usage(self, num_prompt: int, num_completion: int, num_cached: int | None) -> UsageInfo:
+        """The ``usage`` object; ``prompt_tokens_details`` only with ``--enable-prompt-tokens-details``."""
+        details = PromptTokenUsageInfo(cached_tokens=num_cached or 0) if self.enable_prompt_tokens_details else None
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                         total_tokens=num_prompt + num_completion, prompt_tokens_details=details)
 
     # -- checks -------------------------------------------------------------------------------
 
