@@ -290,7 +290,8 @@ class KVCacheManager:
                 an unreferenced block is missing from it (or a free block has ref_cnt != 0), a
                 cached hash does not map to exactly one block storing that hash, or a block is
                 registered at a table position the request may still write (past its
-                ``num_cached_block``, or past its computed tokens).
+                ``num_cached_block``, or past its computed tokens); with ``requests``, also if a
+                table is not exactly ``cdiv(num_computed_tokens, block_size)`` blocks long.
         """
         pool = self.block_pool
         holders: Counter[int] = Counter()
@@ -348,6 +349,9 @@ class KVCacheManager:
             request = None if requests is None else requests.get(rid)
             if request is None:
                 continue
+            if len(table) != cdiv(request.num_computed_tokens, bs):
+                raise RuntimeError(f"request {rid!r}: a table of {len(table)} blocks for "
+                                   f"{request.num_computed_tokens} computed tokens")
             if num_cached * bs > request.num_computed_tokens:
                 raise RuntimeError(f"request {rid!r}: {num_cached} blocks registered but only "
                                    f"{request.num_computed_tokens} tokens computed")

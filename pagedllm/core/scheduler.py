@@ -157,15 +157,14 @@ class Scheduler:
                 request = self.waiting[0]
                 # [prefix caching] hit blocks from the prompt start (a waiting request has none).
                 computed = self.kv_cache_manager.get_computed_blocks(request)
-                request.num_computed_tokens = computed.num_computed_tokens
-                num_new = request.num_tokens - request.num_computed_tokens
-                if not self.enable_chunked_prefill and num_new > budget:
-                    request.num_computed_tokens = 0
-                    break
+                request.num_computed_tokens = computed.num_computed_tokens  # for the budget math
                 num_new = self._num_new_tokens(request, budget)
+                request.num_computed_tokens = 0  # allocate_slots adds the hit itself
+                if not self.enable_chunked_prefill and request.num_tokens - computed.num_computed_tokens > budget:
+                    break
                 if num_new <= 0 or self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
-                    request.num_computed_tokens = 0
                     break  # FCFS: do not let later requests skip ahead
+                request.num_computed_tokens = computed.num_computed_tokens
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = computed.num_computed_tokens
                 # [/prefix caching]
