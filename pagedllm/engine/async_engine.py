@@ -325,8 +325,8 @@ class AsyncLLM:
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
-        if self._thread is None:
-            return self.engine.reset_prefix_cache()
+        if self._thread is None or not self._thread.is_alive():
+            return self.engine.reset_prefix_cache()  # no engine thread: nothing else touches the engine
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             self._calls.append((self.engine.reset_prefix_cache, future))
