@@ -222,6 +222,26 @@ class KVCacheManager:
         if table:
             self.block_pool.free_blocks(reversed(table))
 
+    def num_stored_tokens(self, requests: Mapping[str, Request]) -> int:
+        """Tokens whose K/V the used blocks hold, each shared block counted once.
+
+        A request's first ``num_computed_tokens // block_size`` blocks are full; its last one
+        holds the remainder. Tables of requests missing from ``requests`` are skipped.
+        """
+        full: set[int] = set()
+        partial: dict[int, int] = {}
+        bs = self.block_size
+        for rid, table in self.block_tables.items():
+            request = requests.get(rid)
+            if request is None:
+                continue
+            n_full, rest = divmod(request.num_computed_tokens, bs)
+            full.update(table[:n_full])
+            if rest and n_full < len(table):
+                block_id = table[n_full]
+                partial[block_id] = max(partial.get(block_id, 0), rest)
+        return bs * len(full) + sum(n for b, n in partial.items() if b not in full)
+
     def get_block_table(self, request_id: str) -> list[int]:
         """A copy of the request's physical block ids in logical order ([] if it has none)."""
         return list(self.block_tables.get(request_id, ()))

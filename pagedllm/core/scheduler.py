@@ -381,9 +381,9 @@ class Scheduler:
         """Queue sizes and KV usage now, with the counts of the last ``schedule()`` call."""
         s = self._step_stats
         kv = self.kv_cache_manager
-        # KV utilization: tokens cached by the requests holding blocks vs. slots in used blocks.
-        num_stored_tokens = sum(self.requests[req_id].num_computed_tokens
-                                for req_id in kv.block_tables if req_id in self.requests)
+        # KV utilization: tokens cached by the requests holding blocks vs. slots in used blocks
+        # (a block shared by several requests, e.g. a prefix-cache hit, counts once).
+        num_stored_tokens = kv.num_stored_tokens(self.requests)
         num_allocated_slots = (kv.num_blocks - kv.num_free_blocks) * kv.block_size
         return SchedulerStats(
             num_running=len(self.running),

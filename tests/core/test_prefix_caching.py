@@ -201,3 +201,17 @@ def test_integrity_catches_a_hash_mapped_to_the_wrong_block():
     pool.blocks[b0].block_hash = b"w" * 32
     with pytest.raises(RuntimeError, match="another hash"):
         kv.check_integrity()
+
+
+def test_stored_tokens_count_shared_blocks_once():
+    sched, kv = make()
+    sched.add_request(req("a", range(100, 110), max_tokens=4))
+    step(sched)
+    sched.add_request(req("b", list(range(100, 108)) + [1, 2, 3], max_tokens=4))
+    step(sched)
+    # a: 11 computed (blocks 0, 1 full + 3 tokens in block 2); b: hit 0, 1 + 3 tokens in block 3.
+    assert kv.get_block_table("a") == [0, 1, 2] and kv.get_block_table("b") == [0, 1, 3]
+    stats = sched.make_stats()
+    assert stats.num_stored_tokens == 8 + 3 + 3
+    assert stats.num_allocated_slots == 4 * 4
+    assert stats.prefix_cache_queries_total == 10 + 11 and stats.prefix_cache_hits_total == 8
