@@ -52,6 +52,13 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokenUsageInfo | None = None
 
+    @model_serializer(mode="wrap")
+    def _drop_absent_details(self, handler):
+        data = handler(self)
+        if data.get("prompt_tokens_details", 0) is None:  # only with --enable-prompt-tokens-details
+            del data["prompt_tokens_details"]
+        return data
+
 
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
