@@ -46,6 +46,8 @@ class CacheConfig:
         cpu_kvcache_space_bytes: the CPU KV budget in bytes when ``kv_cache_memory_bytes`` is
             None (``EngineArgs`` fills it from ``PAGEDLLM_CPU_KVCACHE_SPACE``, GiB); None means
             min(25% of available RAM, 4 GiB).
+        enable_prefix_caching: share full KV blocks across requests by content hash (automatic
+            prefix caching, as vLLM V1; on by default).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -53,6 +55,7 @@ class CacheConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     num_gpu_blocks_override: int | None = None
     cpu_kvcache_space_bytes: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:

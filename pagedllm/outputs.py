@@ -80,6 +80,8 @@ class RequestOutput:
         outputs: one ``CompletionOutput`` per sample, by index.
         finished: True when every sample has finished.
         metrics: request timings.
+        num_cached_tokens: prompt tokens found in the prefix cache (vLLM's name; of the first
+            sample), None until the first token; ``usage.prompt_tokens_details.cached_tokens``.
     """
 
     request_id: str
@@ -89,3 +91,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    num_cached_tokens: int | None = None

@@ -22,9 +22,9 @@ DEFAULT_WORKLOAD = "workload"
 THROUGHPUT_TABLE_KEYS = ("num_requests", "num_prompt_tokens", "num_output_tokens", "duration_s", "requests_per_s",
                          "output_tokens_per_s", "total_tokens_per_s", "mean_ttft_s", "p50_ttft_s", "p99_ttft_s",
                          "mean_tpot_s", "p50_tpot_s", "p99_tpot_s", "peak_kv_usage", "kv_utilization",
-                         "num_preemptions", "prefix_cache_hit_rate")
+                         "num_preemptions", "prefix_cache_hit_rate", "prefill_tokens_saved")
 SERVING_TABLE_KEYS = THROUGHPUT_TABLE_KEYS[:13] + ("mean_itl_s", "p50_itl_s", "p90_itl_s", "p99_itl_s",
-                                                   "num_failed")
+                                                   "num_failed", "prefix_cache_hit_rate")
 
 
 def _int_list(text: str) -> list[int]:
@@ -48,7 +48,9 @@ def _add_dataset_args(p: argparse.ArgumentParser, default_dataset: str) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default=default_dataset,
                    help="'random', 'sharegpt-like', 'workload' (the project's 64-request workload, shipped "
-                        "in the package) or a JSONL file of {prompt, max_tokens}")
+                        "in the package), 'prefix-sharing' (64 requests: a shared 1000-token prefix "
+                        "+ a 50-300-token question, 64-128 output tokens), 'multi-turn' (users sending 4 turns, "
+                        "each prompt the whole conversation) or a JSONL file of {prompt, max_tokens}")
     g.add_argument("--num-prompts", type=int, default=None,
                    help="requests (default: all rows of a file, 64 generated ones)")
     g.add_argument("--input-len", type=int, default=128,
@@ -160,14 +162,14 @@ def _serving_requests(ns):
     requests = build_requests(ns.dataset, ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
                               ns.dataset_seed, None if tok is None else len(tok))
     if tok is not None:  # every OpenAI server takes text; token-id prompts are an extension
-        requests = [BenchRequest(tok.decode(r.prompt, skip_special_tokens=False), r.prompt_len, r.max_tokens)
-                    for r in requests]
+        requests = [BenchRequest(tok.decode(r.prompt, skip_special_tokens=False), r.prompt_len, r.max_tokens,
+                                 r.conversation_id) for r in requests]
     return requests
 
 
 def _cmd_serving(ns) -> int:
     from pagedllm.benchmarks.metrics import format_table, parse_goodput, summarize
-    from pagedllm.benchmarks.serving import run_serving
+    from pagedllm.benchmarks.serving import prefix_cache_hit_rate, run_serving
 
     slos = parse_goodput(ns.goodput)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
@@ -178,7 +180,8 @@ def _cmd_serving(ns) -> int:
                                            progress=not ns.no_progress)
     result = summarize(records, duration, itl=True, goodput_slos=slos)
     result.update(model=model, base_url=ns.base_url, request_rate=ns.request_rate, burstiness=ns.burstiness,
-                  max_concurrency=ns.max_concurrency, dataset=ns.dataset)
+                  max_concurrency=ns.max_concurrency, dataset=ns.dataset,
+                  prefix_cache_hit_rate=prefix_cache_hit_rate(records))
     keys = SERVING_TABLE_KEYS + (("goodput_requests_per_s",) if slos else ())
     rate = "inf" if math.isinf(ns.request_rate) else f"{ns.request_rate:g}/s"
     print(format_table(f"serving {model} at {ns.base_url}, rate {rate}", result, keys))

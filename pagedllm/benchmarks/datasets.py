@@ -8,6 +8,13 @@ Every loader returns a list of :class:`BenchRequest` and is deterministic for a 
 - ``sharegpt-like``: a synthetic stand-in for ShareGPT (no download): prompt and output lengths
   drawn from log-normal distributions (a long right tail, as real chat traffic has), median =
   ``input_len`` / ``output_len``, clipped to ``[4, 8 x median]``.
+- ``prefix-sharing``: one shared random "system prompt" of ``PREFIX_SHARING_SYSTEM_LEN`` tokens
+  followed by a distinct random question of 50-300 tokens, 64-128 output tokens (the prefix-caching
+  workload; ``--input-len`` / ``--output-len`` do not apply).
+- ``multi-turn``: simulated users each sending ``MULTI_TURN_NUM_TURNS`` turns; each prompt is the
+  whole conversation so far (earlier user messages and synthetic assistant replies of the earlier
+  turns' ``max_tokens`` length). A user's turns share ``conversation_id`` and are sent one after
+  the other by ``bench serving``.
 - a ``.jsonl`` file: one ``{"prompt": str | [int, ...], "max_tokens": int}`` object per line,
   optional ``"prompt_len"``.
 - ``workload``: the project's 64-request workload, shipped as package data
@@ -30,6 +37,11 @@ SHAREGPT_INPUT_SIGMA = 1.0
 SHAREGPT_OUTPUT_SIGMA = 0.8
 SHAREGPT_MAX_OVER_MEDIAN = 8
 SHAREGPT_MIN_LEN = 4
+# prefix-sharing workload (issue 12): shared prompt, question and output lengths in tokens.
+PREFIX_SHARING_SYSTEM_LEN = 1000
+PREFIX_SHARING_QUESTION_LEN = (50, 300)
+PREFIX_SHARING_OUTPUT_LEN = (64, 128)
+MULTI_TURN_NUM_TURNS = 4
 
 
 @dataclass(frozen=True)
@@ -42,11 +54,14 @@ class BenchRequest:
             gives none; the engine's tokenizer has the last word).
         max_tokens: tokens to generate (>= 1); the benchmarks set ``ignore_eos``, so a request
             makes exactly this many.
+        conversation_id: requests with the same id are turns of one conversation, sent in
+            order, each after the previous one finished (``None``: independent).
     """
 
     prompt: str | list[int]
     prompt_len: int | None
     max_tokens: int
+    conversation_id: int | None = None
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -130,6 +145,88 @@ def sharegpt_like_requests(num_prompts: int, input_len: int, output_len: int, vo
     return requests
 
 
+def prefix_sharing_requests(num_prompts: int, vocab_size: int, seed: int = 0,
+                            system_len: int = PREFIX_SHARING_SYSTEM_LEN,
+                            question_len: tuple[int, int] = PREFIX_SHARING_QUESTION_LEN,
+                            output_len: tuple[int, int] = PREFIX_SHARING_OUTPUT_LEN,
+                            max_model_len: int | None = None) -> list[BenchRequest]:
+    """Requests sharing one random prompt prefix, each with its own random question.
+
+    Args:
+        num_prompts: requests (>= 1).
+        vocab_size: token ids are drawn uniformly from ``[MIN_RANDOM_TOKEN_ID, vocab_size)``.
+        seed: the generator's seed.
+        system_len: tokens of the shared prefix (>= 1).
+        question_len, output_len: inclusive ``(low, high)`` ranges, drawn uniformly per request.
+        max_model_len: if given, outputs (then prompts, from the question's end) are shortened to fit.
+    Raises:
+        ValueError: for a non-positive count or length, an empty range, or a vocabulary too small.
+    """
+    _check_positive("num_prompts", num_prompts)
+    _check_positive("system_len", system_len)
+    for name, (lo, hi) in (("question_len", question_len), ("output_len", output_len)):
+        _check_positive(name, lo)
+        if hi < lo:
+            raise ValueError(f"{name} range must have low <= high, got {(lo, hi)}")
+    if vocab_size <= MIN_RANDOM_TOKEN_ID:
+        raise ValueError(f"vocab_size must be > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+    rng = np.random.default_rng(seed)
+    system = rng.integers(MIN_RANDOM_TOKEN_ID, vocab_size, size=system_len).tolist()
+    q_lens = rng.integers(question_len[0], question_len[1] + 1, size=num_prompts).tolist()
+    o_lens = rng.integers(output_len[0], output_len[1] + 1, size=num_prompts).tolist()
+    requests = []
+    for q_len, o_len in zip(q_lens, o_lens):
+        ids = system + rng.integers(MIN_RANDOM_TOKEN_ID, vocab_size, size=q_len).tolist()
+        p_len, o_len = _clip_to_model_len(len(ids), o_len, max_model_len)
+        requests.append(BenchRequest(prompt=ids[:p_len], prompt_len=p_len, max_tokens=o_len))
+    return requests
+
+
+def multi_turn_requests(num_users: int, input_len: int, output_len: int, vocab_size: int,
+                        num_turns: int = MULTI_TURN_NUM_TURNS, seed: int = 0,
+                        max_model_len: int | None = None) -> list[BenchRequest]:
+    """Conversations of ``num_turns`` turns; each turn's prompt is the conversation so far.
+
+    Turn ``k``'s prompt = user message 0, reply 0, ..., user message k (random tokens); user
+    messages are uniform in ``[input_len / 2, 3 * input_len / 2]`` tokens, replies (and each
+    turn's ``max_tokens``) in ``[output_len / 2, 3 * output_len / 2]``. The reply in a later
+    prompt is synthetic (the earlier turn's ``max_tokens`` random tokens), so the dataset is fixed
+    whatever the server answers; the earlier prompt is a prefix of the later one.
+
+    Returns:
+        ``num_users * num_turns`` requests, user by user, turns in order; ``conversation_id`` =
+        the user's index. Conversations that would exceed ``max_model_len`` stop early.
+    Raises:
+        ValueError: for a non-positive count or length, or a vocabulary too small.
+    """
+    _check_positive("num_users", num_users)
+    _check_positive("num_turns", num_turns)
+    _check_positive("input_len", input_len)
+    _check_positive("output_len", output_len)
+    if vocab_size <= MIN_RANDOM_TOKEN_ID:
+        raise ValueError(f"vocab_size must be > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+    rng = np.random.default_rng(seed)
+
+    def length(mean: int) -> int:
+        return int(rng.integers(max(1, mean // 2), max(1, mean * 3 // 2) + 1))
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(MIN_RANDOM_TOKEN_ID, vocab_size, size=n).tolist()
+
+    requests = []
+    for user in range(num_users):
+        history: list[int] = []
+        for _turn in range(num_turns):
+            prompt = history + tokens(length(input_len))
+            max_tokens = length(output_len)
+            if max_model_len is not None and len(prompt) + max_tokens > max_model_len:
+                break
+            requests.append(BenchRequest(prompt=prompt, prompt_len=len(prompt), max_tokens=max_tokens,
+                                         conversation_id=user))
+            history = prompt + tokens(max_tokens)
+    return requests
+
+
 def load_jsonl_requests(path: str, num_prompts: int | None = None) -> list[BenchRequest]:
     """Read ``{"prompt": str | [int, ...], "max_tokens": int, "prompt_len"?: int}`` lines.
 
@@ -207,7 +304,7 @@ def resample_lengths(requests: list[BenchRequest], num: int, seed: int = 0) -> l
     return [(int(requests[i].prompt_len), int(requests[i].max_tokens)) for i in idx.tolist()]
 
 
-DATASET_CHOICES = ("random", "sharegpt-like")
+DATASET_CHOICES = ("random", "sharegpt-like", "prefix-sharing", "multi-turn")
 # JSONL workloads shipped inside the package, by ``--dataset`` name.
 NAMED_DATASET_FILES = {"workload": str(Path(__file__).resolve().parent.parent / "data" / "workload.jsonl")}
 
@@ -237,10 +334,12 @@ def check_dataset(dataset: str, num_prompts: int | None = None) -> None:
 def build_requests(dataset: str, num_prompts: int | None, input_len: int, output_len: int,
                    range_ratio: float, seed: int, vocab_size: int | None,
                    max_model_len: int | None = None) -> list[BenchRequest]:
-    """``--dataset`` dispatch: ``random``, ``sharegpt-like``, a shipped workload name or a JSONL path.
+    """``--dataset`` dispatch: ``random``, ``sharegpt-like``, ``prefix-sharing``, ``multi-turn``,
+    a shipped workload name or a JSONL path.
 
     Args:
-        num_prompts: None = all rows of a file, or 64 generated requests.
+        num_prompts: None = all rows of a file, or 64 generated requests (``multi-turn``: 64
+            requests = 16 users x 4 turns; ``num_prompts`` counts requests, rounded up to users).
         vocab_size: needed for the generated datasets.
     Raises:
         ValueError: as the loaders; also for a generated dataset without ``vocab_size``.
@@ -251,5 +350,11 @@ def build_requests(dataset: str, num_prompts: int | None, input_len: int, output
         n = 64 if num_prompts is None else num_prompts
         if dataset == "random":
             return random_requests(n, input_len, output_len, vocab_size, range_ratio, seed, max_model_len)
+        if dataset == "prefix-sharing":
+            return prefix_sharing_requests(n, vocab_size, seed, max_model_len=max_model_len)
+        if dataset == "multi-turn":
+            num_users = -(-n // MULTI_TURN_NUM_TURNS)
+            return multi_turn_requests(num_users, input_len, output_len, vocab_size, seed=seed,
+                                       max_model_len=max_model_len)
         return sharegpt_like_requests(n, input_len, output_len, vocab_size, seed, max_model_len)
     return load_jsonl_requests(dataset_file(dataset), num_prompts)

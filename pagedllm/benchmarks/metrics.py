@@ -66,6 +66,8 @@ class RequestRecord:
         token_times: arrival time of each token (or streamed chunk), for ITL; may be empty.
         success: False when the request failed (HTTP error, ...); left out of the latencies.
         error: what went wrong.
+        num_cached_tokens: prompt tokens the server found in its prefix cache
+            (``usage.prompt_tokens_details.cached_tokens``), None when not reported.
     """
 
     prompt_len: int
@@ -76,6 +78,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)
     success: bool = True
     error: str | None = None
+    num_cached_tokens: int | None = None
 
     @property
     def ttft(self) -> float | None:

@@ -7,6 +7,12 @@ streaming completion (greedy, ``ignore_eos``). Every streamed chunk with text is
 (``time.perf_counter``); TTFT, TPOT, ITL and goodput follow ``metrics``. The output token count is
 the server's ``usage.completion_tokens`` when it sends one (``stream_options.include_usage``),
 else the number of text chunks.
+
+Requests sharing a ``conversation_id`` (the ``multi-turn`` dataset) are one simulated user's
+turns: the arrival process starts the conversation, and each turn is sent when the previous one
+has finished. The prefix-cache hit rate is the share of prompt tokens the server reports as
+cached (``usage.prompt_tokens_details.cached_tokens``; pagedllm sends it with
+``--enable-prompt-tokens-details``), None when the server does not report it.
 """
 
 from __future__ import annotations
@@ -113,9 +119,39 @@ async def send_completion(client, url: str, model: str, req: BenchRequest, ignor
                              error=f"{type(e).__name__}: {e}")
     n_out = int(usage["completion_tokens"]) if usage and usage.get("completion_tokens") is not None else len(times)
     n_prompt = int(usage["prompt_tokens"]) if usage and usage.get("prompt_tokens") is not None else (req.prompt_len or 0)
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    n_cached = details.get("cached_tokens")
+    n_cached = int(n_cached) if n_cached is not None else None
     if not times:
-        return RequestRecord(n_prompt, n_out, start, None, None, success=False, error="no tokens streamed")
-    return RequestRecord(n_prompt, n_out, start, times[0], times[-1], token_times=times)
+        return RequestRecord(n_prompt, n_out, start, None, None, success=False, error="no tokens streamed",
+                             num_cached_tokens=n_cached)
+    return RequestRecord(n_prompt, n_out, start, times[0], times[-1], token_times=times, num_cached_tokens=n_cached)
+
+
+def prefix_cache_hit_rate(records: Sequence[RequestRecord]) -> float | None:
+    """Cached / prompt tokens over the successful requests; None unless every one reported it."""
+    ok = [r for r in records if r.success]
+    if not ok or any(r.num_cached_tokens is None for r in ok):
+        return None
+    prompt = sum(r.prompt_len for r in ok)
+    return sum(r.num_cached_tokens for r in ok) / prompt if prompt else None
+
+
+def conversation_groups(requests: Sequence[BenchRequest]) -> list[list[int]]:
+    """Request indices grouped into units sent one after the other: each conversation's turns in
+    order (by first appearance), every independent request alone."""
+    groups: list[list[int]] = []
+    where: dict[int, int] = {}
+    for i, req in enumerate(requests):
+        cid = req.conversation_id
+        if cid is None:
+            groups.append([i])
+        elif cid in where:
+            groups[where[cid]].append(i)
+        else:
+            where[cid] = len(groups)
+            groups.append([i])
+    return groups
 
 
 async def run_requests(base_url: str, model: str | None, requests: Sequence[BenchRequest],
@@ -135,7 +171,8 @@ async def run_requests(base_url: str, model: str | None, requests: Sequence[Benc
 
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-    gaps = arrival_gaps(len(requests), request_rate, burstiness, seed)
+    groups = conversation_groups(requests)
+    gaps = arrival_gaps(len(groups), request_rate, burstiness, seed)
     own_client = client is None
     if own_client:
         client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s),
@@ -156,13 +193,20 @@ async def run_requests(base_url: str, model: str | None, requests: Sequence[Benc
             finally:
                 bar.update(1)
 
+        slots: list[RequestRecord | None] = [None] * len(requests)
+
+        async def turns(group: list[int]) -> None:
+            for i in group:
+                slots[i] = await one(requests[i])
+
         t0 = time.perf_counter()
         tasks = []
-        for gap, req in zip(gaps, requests):
+        for gap, group in zip(gaps, groups):
             if gap > 0:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(req)))
-        records = list(await asyncio.gather(*tasks))
+            tasks.append(asyncio.create_task(turns(group)))
+        await asyncio.gather(*tasks)
+        records = list(slots)
         duration = time.perf_counter() - t0
         bar.close()
     finally:

@@ -98,7 +98,9 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
     Returns:
         (result, prompt_token_ids): the flat result dict (``metrics.summarize``'s keys plus
         ``peak_kv_usage``, ``kv_utilization``, ``num_preemptions``, ``prefix_cache_hit_rate``
-        (None: no prefix caching yet), ``num_steps``), and each request's prompt as the engine
+        (cached / looked-up prompt tokens over the timed run; None with caching off),
+        ``prefill_tokens_saved`` (prompt tokens found cached, not computed), ``num_steps``), and
+        each request's prompt as the engine
         tokenized it (for baselines that must see the same tokens).
     Raises:
         ValueError: a prompt the engine rejects (too long for ``max_model_len``, ...).
@@ -114,6 +116,8 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
     prompts = [to_engine_prompt(r) for r in requests]
     stat_logger = BenchStatLogger()
     preempt_before = engine.scheduler.num_preemptions_total
+    kv = engine.kv_cache_manager
+    queries_before, hits_before = kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits
     engine.stat_loggers.append(stat_logger)
     timer = StepBreakdown(engine) if breakdown else None
     try:
@@ -140,7 +144,9 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
         peak_kv_usage=stat_logger.peak_kv_usage,
         kv_utilization=stat_logger.kv_utilization,
         num_preemptions=engine.scheduler.num_preemptions_total - preempt_before,
-        prefix_cache_hit_rate=None,
+        prefix_cache_hit_rate=((kv.prefix_cache_stats.hits - hits_before)
+                               / max(kv.prefix_cache_stats.queries - queries_before, 1)) if kv.enable_caching else None,
+        prefill_tokens_saved=kv.prefix_cache_stats.hits - hits_before,
         num_steps=len(stat_logger.steps),
     )
     if timer is not None:

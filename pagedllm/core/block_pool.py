@@ -6,12 +6,19 @@ objects, as vLLM V1's ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.p
 pops from the head (least recently freed), freeing appends to the tail, and ``remove`` takes a
 block out of the middle in O(1). That last operation is what prefix caching needs to revive a
 freed block whose contents are still valid, and evicting from the head is its LRU policy.
+
+Prefix caching (vLLM V1's ``BlockPool``): a full block whose K/V is written can be registered
+under its chained content hash (``cache_full_block``). It keeps hash and contents when freed
+(ref_cnt 0, still in ``cached_block_hash_to_block``), so a later request can take it back out of
+the free queue (``touch``); it loses them only when ``get_new_blocks`` evicts it from the head.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import Iterable, Iterator
+
+from pagedllm.core.kv_cache_utils import BlockHash
 
 
 class NoFreeBlocksError(ValueError):
@@ -24,7 +31,9 @@ class KVCacheBlock:
     Attributes:
         block_id: row index in the KV tensors, 0..num_blocks-1.
         ref_cnt: how many block tables hold this block; 0 means it is in the free queue.
-        block_hash: hash of the full block's tokens (prefix caching; unused for now, ``None``).
+        block_hash: chained hash of the full block's tokens while it is registered in the
+            prefix cache (``BlockPool.cache_full_block``), else ``None``. Kept while the block
+            sits in the free queue, dropped when it is evicted (reallocated).
         prev_free, next_free: links of the free queue; ``None`` while the block is in use.
     """
 
@@ -33,12 +42,13 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: BlockHash | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+        cached = "" if self.block_hash is None else f", hash={self.block_hash[:4].hex()}"
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached})"
 
 
 class FreeKVCacheBlockQueue:
@@ -109,7 +119,11 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """Physical blocks ``0..num_blocks-1`` with reference counts and a free queue.
+    """Physical blocks ``0..num_blocks-1`` with reference counts, a free queue and the prefix
+    cache's hash -> block map.
+
+    Attributes:
+        cached_block_hash_to_block: hash -> the one block registered under it (in use or free).
 
     Args:
         num_blocks: blocks in the pool (>= 1).
@@ -123,6 +137,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
     def _check_ids(self, block_ids: Iterable[int]) -> list[int]:
         ids = list(block_ids)
@@ -132,7 +147,9 @@ class BlockPool:
         return ids
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks from the head of the free queue, each with ref_cnt 1.
+        """Take ``num_blocks`` blocks from the head (LRU end) of the free queue, each with
+        ref_cnt 1. A block still registered in the prefix cache is evicted: its hash leaves
+        ``cached_block_hash_to_block`` and the block's ``block_hash`` is cleared.
 
         Returns:
             The physical block ids, in allocation order.
@@ -155,7 +172,7 @@ class BlockPool:
                 raise RuntimeError(
                     f"block {block.block_id} was in the free queue with ref_cnt {block.ref_cnt}")
             block.ref_cnt = 1
-            block.block_hash = None  # no prefix caching yet: its contents are about to change
+            self._evict(block)  # its contents are about to change
             out.append(block.block_id)
         return out
 
@@ -195,6 +212,81 @@ class BlockPool:
                 raise RuntimeError(f"cannot share free block {block_id} (ref_cnt 0)")
         for block_id in ids:
             self.blocks[block_id].ref_cnt += 1
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_block_hash_to_block.get(block.block_hash) is block:
+                del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+
+    # -- prefix cache ----------------------------------------------------------------------
+
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        """The id of the block registered under ``block_hash`` (in use or free), or ``None``."""
+        block = self.cached_block_hash_to_block.get(block_hash)
+        return None if block is None else block.block_id
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add one reference to each block, taking free (ref_cnt 0) ones out of the free queue.
+
+        This is how a prefix-cache hit revives a freed block whose contents are still valid.
+
+        Raises:
+            ValueError: for an id outside the pool.
+        """
+        for block_id in self._check_ids(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_block(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a full, written block under its chained hash.
+
+        Call only once every slot of the block holds K/V that no request will write again.
+        If another block is already registered under ``block_hash`` (the same content computed
+        twice, e.g. a recomputed last prompt block), this one stays unregistered: each hash maps
+        to exactly one block.
+
+        Returns:
+            True if the block was registered now or already was under this hash.
+        Raises:
+            ValueError: for an id outside the pool.
+            RuntimeError: if the block is free, or already registered under another hash.
+        """
+        block = self.blocks[self._check_ids([block_id])[0]]
+        if block.ref_cnt <= 0:
+            raise RuntimeError(f"cannot register free block {block_id} in the prefix cache")
+        if block.block_hash is not None:
+            if block.block_hash != block_hash:
+                raise RuntimeError(f"block {block_id} is already registered under another hash")
+            return True
+        if block_hash in self.cached_block_hash_to_block:
+            return False
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block[block_hash] = block
+        return True
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (in use or free)."""
+        return len(self.cached_block_hash_to_block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every registered hash (vLLM's semantics: only when no block is in use).
+
+        Returns:
+            True if the cache was cleared; False (nothing changed) while any block has
+            ref_cnt > 0, since running requests may still read or register blocks.
+        """
+        if len(self.free_block_queue) != self.num_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    # -- sizes -----------------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue."""

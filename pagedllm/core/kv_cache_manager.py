@@ -4,14 +4,23 @@ Logical block ``i`` of a request holds its tokens ``[i * block_size, (i + 1) * b
 its block table maps ``i`` to a physical block id of the ``BlockPool``. Blocks are allocated
 lazily, only when the tokens of the coming step need them, and shared blocks (``fork``) are
 reference counted and copied before a write (copy-on-write).
+
+Automatic prefix caching (vLLM V1's ``KVCacheManager``): every full block of a request has a
+chained content hash (``kv_cache_utils``), kept in ``request.block_hashes``. Once a full block's
+K/V is written (``cache_blocks``, called after the step that computed its last token), it is
+registered in the pool under that hash. A new request first asks ``get_computed_blocks`` for the
+longest run of registered blocks from its start and passes them to ``allocate_slots``, which
+takes a reference to each (reviving freed ones) and allocates only the rest.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Mapping
 
 from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.kv_cache_utils import ComputedBlocks, PrefixCacheStats, hash_block_tokens
 from pagedllm.core.request import Request
 
 logger = logging.getLogger(__name__)
@@ -28,17 +37,28 @@ class KVCacheManager:
     Args:
         block_size: tokens per block (>= 1).
         num_blocks: physical blocks in the pool (>= 1).
+        enable_caching: automatic prefix caching. The engine passes
+            ``CacheConfig.enable_prefix_caching`` (on by default there); off here so that
+            block-table tests see plain allocation unless they ask for caching.
     Raises:
         ValueError: for a non-positive ``block_size`` or ``num_blocks``.
+
+    Attributes:
+        block_tables: request id -> physical block ids, logical order.
+        num_cached_block: request id -> how many of its leading blocks are registered in the
+            prefix cache (or were found there); blocks past that index may still be written.
+        prefix_cache_stats: running totals of lookups and hits (tokens).
     """
 
-    def __init__(self, block_size: int, num_blocks: int) -> None:
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = False) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         self.block_size = block_size
+        self.enable_caching = bool(enable_caching)
         self.block_pool = BlockPool(num_blocks)
-        # request id -> physical block ids, logical order.
         self.block_tables: dict[str, list[int]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
 
     # -- sizes -----------------------------------------------------------------------------
 
@@ -63,43 +83,133 @@ class KVCacheManager:
 
     # -- allocation ------------------------------------------------------------------------
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: ComputedBlocks | None = None) -> list[int] | None:
         """Make the request's table cover the tokens it computes in the coming step.
 
-        Token ranges (vLLM V1's ``allocate_slots`` picture, without prefix caching)::
+        Token ranges (vLLM V1's ``allocate_slots`` picture)::
 
-            | <------------- num_computed_tokens -------------> | <- num_new_tokens -> |
-            | computed (K/V cached)                             | scheduled this step  |
-            |<--- already in the table --->|<- newly allocated blocks (if needed) ->|
+            | num_computed_tokens | new_computed_blocks' tokens | <- num_new_tokens -> |
+            | computed (K/V cached, in the table) | prefix-cache hit | scheduled this step |
+            |<---- already in the table ---->|<- hit blocks ->|<- newly allocated blocks ->|
 
-        Only ``cdiv(num_computed_tokens + num_new_tokens, block_size) - len(table)`` blocks are
-        taken (0 when the last block still has room). Call it before ``num_computed_tokens``
-        advances for the step.
+        Only ``cdiv(num_computed_tokens + hit tokens + num_new_tokens, block_size) - len(table)
+        - len(hit blocks)`` blocks are taken (0 when the last block still has room). The hit
+        blocks get one more reference each (free ones leave the free queue), and the lookup is
+        counted in ``prefix_cache_stats``. Call it before ``num_computed_tokens`` advances for
+        the step; the caller then sets ``num_computed_tokens`` to include the hit tokens.
 
         Args:
             request: the request; ``request.num_computed_tokens`` tokens are already cached.
             num_new_tokens: tokens to be computed this step (>= 0).
+            new_computed_blocks: the ``get_computed_blocks`` result, for a request being
+                admitted (no table yet); ``None`` for a running request.
         Returns:
-            The newly allocated physical block ids (possibly empty), or ``None`` when the pool
-            lacks free blocks; nothing is allocated then (the caller preempts or waits).
+            The newly allocated physical block ids (possibly empty; hit blocks not included),
+            or ``None`` when the pool lacks free blocks; nothing changes then (the caller
+            preempts or waits).
         Raises:
-            ValueError: if ``num_new_tokens < 0``.
+            ValueError: if ``num_new_tokens < 0``, or hit blocks are passed for a request that
+                already has a table.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        table = self.block_tables.get(request.request_id)
+        rid = request.request_id
+        table = self.block_tables.get(rid)
         have = 0 if table is None else len(table)
-        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - have
-        if need <= 0:
-            return []
-        if need > self.block_pool.get_num_free_blocks():
+        hits = list(new_computed_blocks.block_ids) if new_computed_blocks is not None else []
+        if hits and have:
+            raise ValueError(f"request {rid!r} already has {have} blocks; prefix-cache hits are only "
+                             "taken at admission")
+        pool = self.block_pool
+        num_tokens = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        need = max(cdiv(num_tokens, self.block_size) - have - len(hits), 0)
+        # Hit blocks sitting in the free queue leave it when touched: they are not free for `need`.
+        free_hits = sum(1 for b in hits if pool.ref_cnt(b) == 0)
+        if need > pool.get_num_free_blocks() - free_hits:
             return None
-        new_ids = self.block_pool.get_new_blocks(need)
+        pool.touch(hits)
+        new_ids = pool.get_new_blocks(need)
         if table is None:
-            self.block_tables[request.request_id] = new_ids.copy()
-        else:
-            table.extend(new_ids)
+            table = self.block_tables[rid] = []
+        table.extend(hits)
+        table.extend(new_ids)
+        if new_computed_blocks is not None:
+            self.num_cached_block[rid] = len(hits)
+            if new_computed_blocks.num_query_tokens:
+                stats = self.prefix_cache_stats
+                stats.num_requests += 1
+                stats.queries += new_computed_blocks.num_query_tokens
+                stats.hits += new_computed_blocks.num_computed_tokens
         return new_ids
+
+    # -- prefix caching --------------------------------------------------------------------
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to every full block of its known tokens."""
+        hashes, bs = request.block_hashes, self.block_size
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest run of registered full blocks matching the request from its first token.
+
+        At most ``(num_tokens - 1) // block_size`` blocks are taken, so at least the last token
+        is computed (its logits are needed): a fully cached prompt recomputes its last block, as
+        vLLM does. Nothing changes in the pool (``allocate_slots`` takes the references).
+
+        Returns:
+            The hit (possibly empty). Empty with ``num_query_tokens == 0`` when caching is off
+            or the request asks for prompt logprobs (they need every prompt position).
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return ComputedBlocks()
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.block_pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return ComputedBlocks(block_ids, len(block_ids) * self.block_size, request.num_tokens)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
+        """Register the request's newly full, written blocks in the prefix cache.
+
+        Call after the step that computed them has written their K/V (the scheduler does so in
+        ``update_from_output``): blocks ``num_cached_block[rid] .. num_computed_tokens //
+        block_size - 1`` are registered. A no-op with caching off or without a table.
+
+        Args:
+            num_computed_tokens: tokens whose K/V is written; default
+                ``request.num_computed_tokens``.
+        """
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        table = self.block_tables.get(rid)
+        if not table:
+            return
+        n = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        num_full = min(n // self.block_size, len(table))
+        start = self.num_cached_block.get(rid, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        for i in range(start, num_full):
+            self.block_pool.cache_full_block(table[i], request.block_hashes[i])
+        self.num_cached_block[rid] = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every registered block (vLLM's ``reset_prefix_cache``).
+
+        Returns:
+            True when cleared; False (nothing changed) while any block is in use.
+        """
+        return self.block_pool.reset_prefix_cache()
 
     def free(self, request: Request) -> None:
         """Drop the request's table and one reference to each of its blocks.
@@ -108,8 +218,29 @@ class KVCacheManager:
         without a table is a no-op.
         """
         table = self.block_tables.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
         if table:
             self.block_pool.free_blocks(reversed(table))
+
+    def num_stored_tokens(self, requests: Mapping[str, Request]) -> int:
+        """Tokens whose K/V the used blocks hold, each shared block counted once.
+
+        A request's first ``num_computed_tokens // block_size`` blocks are full; its last one
+        holds the remainder. Tables of requests missing from ``requests`` are skipped.
+        """
+        full: set[int] = set()
+        partial: dict[int, int] = {}
+        bs = self.block_size
+        for rid, table in self.block_tables.items():
+            request = requests.get(rid)
+            if request is None:
+                continue
+            n_full, rest = divmod(request.num_computed_tokens, bs)
+            full.update(table[:n_full])
+            if rest and n_full < len(table):
+                block_id = table[n_full]
+                partial[block_id] = max(partial.get(block_id, 0), rest)
+        return bs * len(full) + sum(n for b, n in partial.items() if b not in full)
 
     def get_block_table(self, request_id: str) -> list[int]:
         """A copy of the request's physical block ids in logical order ([] if it has none)."""
@@ -134,6 +265,7 @@ class KVCacheManager:
             raise ValueError(f"parent request {parent.request_id!r} has no blocks to share")
         self.block_pool.incr_ref(parent_table)
         self.block_tables[child.request_id] = list(parent_table)
+        self.num_cached_block[child.request_id] = self.num_cached_block.get(parent.request_id, 0)
 
     def cow_last_block_if_shared(self, request: Request) -> tuple[int, int] | None:
         """Copy-on-write the block the request writes next, when another table shares it.
@@ -166,13 +298,20 @@ class KVCacheManager:
 
     # -- invariants ------------------------------------------------------------------------
 
-    def check_integrity(self) -> None:
-        """Check the pool against the tables.
+    def check_integrity(self, requests: Mapping[str, Request] | None = None) -> None:
+        """Check the pool against the tables and the prefix cache.
 
+        Args:
+            requests: the live requests by id, if known (the scheduler's); enables the checks
+                against each request's ``num_computed_tokens`` and ``block_hashes``.
         Raises:
             RuntimeError: with the counts, if free + used != total, a block's ref_cnt differs
                 from the number of tables holding it, a referenced block is in the free queue,
-                or an unreferenced block is missing from it.
+                an unreferenced block is missing from it (or a free block has ref_cnt != 0), a
+                cached hash does not map to exactly one block storing that hash, or a block is
+                registered at a table position the request may still write (past its
+                ``num_cached_block``, or past its computed tokens); with ``requests``, also if a
+                table is not exactly ``cdiv(num_computed_tokens, block_size)`` blocks long.
         """
         pool = self.block_pool
         holders: Counter[int] = Counter()
@@ -199,3 +338,45 @@ class KVCacheManager:
             if block.ref_cnt > 0 and block.block_id in free_set:
                 raise RuntimeError(
                     f"block {block.block_id} has ref_cnt {block.ref_cnt} and is in the free queue")
+        for block_id in free_ids:
+            if pool.blocks[block_id].ref_cnt != 0:
+                raise RuntimeError(f"free block {block_id} has ref_cnt {pool.blocks[block_id].ref_cnt}")
+        self._check_prefix_cache(requests)
+
+    def _check_prefix_cache(self, requests: Mapping[str, Request] | None) -> None:
+        pool, bs = self.block_pool, self.block_size
+        for block_hash, block in pool.cached_block_hash_to_block.items():
+            if block.block_hash != block_hash:
+                raise RuntimeError(f"cached hash {block_hash[:4].hex()} maps to block {block.block_id}, "
+                                   f"which stores another hash")
+        hashed = [b for b in pool.blocks if b.block_hash is not None]
+        if len(hashed) != len(pool.cached_block_hash_to_block):
+            raise RuntimeError(f"{len(hashed)} blocks store a hash but the cache maps "
+                               f"{len(pool.cached_block_hash_to_block)} hashes")
+        if hashed and not self.enable_caching:
+            raise RuntimeError(f"{len(hashed)} blocks are registered with prefix caching off")
+        if set(self.num_cached_block) - set(self.block_tables):
+            raise RuntimeError("num_cached_block lists requests without a table")
+        for rid, table in self.block_tables.items():
+            num_cached = self.num_cached_block.get(rid, 0)
+            if num_cached > len(table):
+                raise RuntimeError(f"request {rid!r}: {num_cached} cached blocks but a table of {len(table)}")
+            for i, block_id in enumerate(table):
+                if i >= num_cached and pool.blocks[block_id].block_hash is not None:
+                    raise RuntimeError(
+                        f"request {rid!r} may still write block {block_id} (logical {i}, "
+                        f"{num_cached} cached) but it is registered in the prefix cache")
+            request = None if requests is None else requests.get(rid)
+            if request is None:
+                continue
+            if len(table) != cdiv(request.num_computed_tokens, bs):
+                raise RuntimeError(f"request {rid!r}: a table of {len(table)} blocks for "
+                                   f"{request.num_computed_tokens} computed tokens")
+            if num_cached * bs > request.num_computed_tokens:
+                raise RuntimeError(f"request {rid!r}: {num_cached} blocks registered but only "
+                                   f"{request.num_computed_tokens} tokens computed")
+            for i in range(min(num_cached, len(request.block_hashes))):
+                stored = pool.blocks[table[i]].block_hash
+                if stored is not None and stored != request.block_hashes[i]:
+                    raise RuntimeError(f"request {rid!r}: block {table[i]} (logical {i}) is registered "
+                                       f"under a hash that is not the request's")

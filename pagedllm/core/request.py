@@ -74,6 +74,10 @@ class Request:
         first_scheduled_time: ``time.monotonic()`` seconds of the first schedule, or ``None``.
         first_token_time: ``time.monotonic()`` seconds of the first generated token, or ``None``
             (TTFT = first_token_time - arrival_time).
+        block_hashes: chained hashes of the request's full blocks (``kv_cache_utils``), filled
+            incrementally by the ``KVCacheManager`` as blocks fill.
+        num_cached_tokens: prompt tokens found in the prefix cache at the first admission (vLLM's
+            name); the model ran ``num_prompt_tokens - num_cached_tokens`` of them then.
     Raises:
         ValueError: for an empty prompt or ``max_tokens < 1``.
     """
@@ -109,6 +113,8 @@ class Request:
         # entries delivered to the caller, and entries the runner produced since (re)admission.
         self.num_prompt_logprobs_delivered = 0
         self.num_prompt_logprobs_seen = 0
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = 0
 
     @property
     def all_token_ids(self) -> list[int]:

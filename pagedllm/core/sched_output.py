@@ -125,6 +125,7 @@ class EngineCoreOutput:
         new_prompt_logprobs: prompt logprobs computed this step, if asked for.
         finish_reason: ``None`` while running, else "stop", "length" or "abort".
         stop_reason: the stop token id that ended the request, if any.
+        num_cached_tokens: the request's ``num_cached_tokens`` (prefix-cache hit, tokens).
     """
 
     request_id: str
@@ -134,6 +135,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -161,6 +163,8 @@ class SchedulerStats:
         num_allocated_slots: slots of the blocks in use (used blocks x ``block_size``);
             ``num_stored_tokens / num_allocated_slots`` is the KV utilization (1 - internal
             fragmentation of the last blocks).
+        prefix_cache_queries_total / prefix_cache_hits_total: tokens looked up in / found in the
+            prefix cache since the scheduler started (running totals, as vLLM counts them).
     """
 
     num_running: int = 0
@@ -177,3 +181,5 @@ class SchedulerStats:
     # KV utilization (benchmarks): tokens stored vs. slots in allocated blocks.
     num_stored_tokens: int = 0
     num_allocated_slots: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0

@@ -162,20 +162,25 @@ class Scheduler:
         if not preempted_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                num_new = request.num_tokens - request.num_computed_tokens
-                if not self.enable_chunked_prefill and num_new > budget:
-                    break
+                # [prefix caching] hit blocks from the prompt start (a waiting request has none).
+                computed = self.kv_cache_manager.get_computed_blocks(request)
+                request.num_computed_tokens = computed.num_computed_tokens  # for the budget math
                 num_new = self._num_new_tokens(request, budget)
-                if num_new <= 0:
+                request.num_computed_tokens = 0  # allocate_slots adds the hit itself
+                if not self.enable_chunked_prefill and request.num_tokens - computed.num_computed_tokens > budget:
                     break
-                if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                if num_new <= 0 or self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
                     break  # FCFS: do not let later requests skip ahead
+                request.num_computed_tokens = computed.num_computed_tokens
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = computed.num_computed_tokens
+                # [/prefix caching]
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
-                self._schedule_request(request, num_new, output)
+                self._schedule_request(request, num_new, output, admitted=True)
                 num_prefill_tokens += num_new
                 budget -= num_new
 
@@ -205,12 +210,16 @@ class Scheduler:
         num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
         return num_new
 
-    def _schedule_request(self, request: Request, num_new: int, output: SchedulerOutput) -> None:
+    def _schedule_request(self, request: Request, num_new: int, output: SchedulerOutput,
+                          admitted: bool = False) -> None:
         """Add the request's share of the step to ``output`` (in full the first time the worker
-        sees it, else as a diff) and advance its ``num_computed_tokens``."""
+        sees it, else as a diff) and advance its ``num_computed_tokens``.
+
+        ``admitted``: the request comes from the waiting queue this step (new or preempted; its
+        ``num_computed_tokens`` is its prefix-cache hit, possibly 0)."""
         req_id = request.request_id
         start = request.num_computed_tokens
-        if start == 0:
+        if admitted:
             # A fresh (re)computation: the runner will produce prompt logprobs from the start.
             request.num_prompt_logprobs_seen = 0
         block_table = self.kv_cache_manager.get_block_table(req_id)
@@ -274,6 +283,9 @@ class Scheduler:
                 f"runner returned {len(runner_output.sampled_token_ids)} sampled tokens for "
                 f"{len(req_ids)} requests")
         scheduled = scheduler_output.num_scheduled_tokens
+        # [prefix caching] the step's K/V is written: register the blocks it filled.
+        for request in self.running:
+            self.kv_cache_manager.cache_blocks(request)
         outputs: dict[str, EngineCoreOutput] = {}
 
         # Prompt logprobs first, while every request of the step is still known.
@@ -300,7 +312,8 @@ class Scheduler:
                     f"runner sampled for request {req_id!r}, which was not scheduled to sample")
             token_id = runner_output.sampled_token_ids[i]
             request.append_output_token_ids(token_id)
-            out = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id])
+            out = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id],
+                                   num_cached_tokens=request.num_cached_tokens)
             logprob = runner_output.sampled_logprobs[i] if i < len(runner_output.sampled_logprobs) else math.nan
             if not math.isnan(logprob):  # NaN: the request did not ask for it
                 out.new_logprobs.append(logprob)
@@ -380,9 +393,9 @@ class Scheduler:
         """Queue sizes and KV usage now, with the counts of the last ``schedule()`` call."""
         s = self._step_stats
         kv = self.kv_cache_manager
-        # KV utilization: tokens cached by the requests holding blocks vs. slots in used blocks.
-        num_stored_tokens = sum(self.requests[req_id].num_computed_tokens
-                                for req_id in kv.block_tables if req_id in self.requests)
+        # KV utilization: tokens cached by the requests holding blocks vs. slots in used blocks
+        # (a block shared by several requests, e.g. a prefix-cache hit, counts once).
+        num_stored_tokens = kv.num_stored_tokens(self.requests)
         num_allocated_slots = (kv.num_blocks - kv.num_free_blocks) * kv.block_size
         return SchedulerStats(
             num_running=len(self.running),
@@ -398,4 +411,6 @@ class Scheduler:
             num_decode_tokens=s.num_decode_tokens,
             num_stored_tokens=num_stored_tokens,
             num_allocated_slots=num_allocated_slots,
+            prefix_cache_queries_total=kv.prefix_cache_stats.queries,  # [prefix caching]
+            prefix_cache_hits_total=kv.prefix_cache_stats.hits,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -48,7 +49,8 @@ class EngineArgs:
         disable_log_stats, swap_space: accepted for compatibility (see ``create_engine_config``).
         quantization: None / "gguf" (weights dequantized to ``dtype``) or "int8" (CPU only:
             int8 linear layers with dynamic activation quantization; not exact, see README).
-        enable_prefix_caching: only its "off" value is supported yet.
+        enable_prefix_caching: automatic prefix caching (content-hashed full blocks shared
+            across requests); on by default, as in vLLM.
         attention_backend: what attention layers built with "auto" use: "auto" (the C++ paged
             kernel) or a name from ``attention.backends.BACKEND_NAMES``; default
             ``$PAGEDLLM_ATTENTION_BACKEND`` or "auto".
@@ -84,7 +86,7 @@ class EngineArgs:
     download_dir: str | None = None
     disable_log_stats: bool = False
     swap_space: float | None = None
-    enable_prefix_caching: bool | None = None
+    enable_prefix_caching: bool = True
     quantization: str | None = None
     served_model_name: list[str] | str | None = field(default=None)
     attention_backend: str = field(default_factory=lambda: _env(ATTENTION_BACKEND_ENV) or "auto")
@@ -127,8 +129,6 @@ class EngineArgs:
                 raise ValueError("create_engine_config needs model_max_len or hf_config")
             model_max_len = arch["max_position_embeddings"]
         self._check_env_settings()
-        if self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching=True is not supported yet")
         if self.tokenizer_mode not in ("auto", "hf", "fast"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported (auto)")
         if self.revision is not None or self.tokenizer_revision is not None:
@@ -156,7 +156,8 @@ class EngineArgs:
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
-                            cpu_kvcache_space_bytes=space)
+                            cpu_kvcache_space_bytes=space,
+                            enable_prefix_caching=bool(self.enable_prefix_caching))
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
@@ -223,7 +224,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--swap-space", type=float, default=None)
-    g.add_argument("--enable-prefix-caching", action="store_true", default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share full KV blocks across requests by content hash (default: on)")
     g.add_argument("--quantization", "-q", default=None, choices=[q for q in SUPPORTED_QUANTIZATION if q],
                    help="int8: CPU linear layers and LM head in int8 with dynamic activation "
                         "quantization (faster at decode batch sizes, not exact; default: none)")

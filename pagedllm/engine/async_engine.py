@@ -32,12 +32,13 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable, Sequence
+from typing import AsyncIterator, Callable, Iterable, Sequence
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.input_processor import ProcessedInput, PromptType
@@ -174,6 +175,7 @@ class AsyncLLM:
         # Guarded by _cv: the inbox, the sinks of live requests, the stop flag.
         self._pending: list[_NewRequest] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[], object], concurrent.futures.Future]] = []  # run in the engine thread
         self._sinks: dict[str, _Sink] = {}
         self._stopping = False
         self._dead: BaseException | None = None
@@ -318,6 +320,24 @@ class AsyncLLM:
                 self._aborts.extend(removed)
                 self._cv.notify()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block, in the engine thread between steps.
+
+        Returns:
+            True when cleared; False while requests hold blocks (vLLM's semantics).
+        Raises:
+            EngineDeadError: if the engine loop has died.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
+        if self._thread is None or not self._thread.is_alive():
+            return self.engine.reset_prefix_cache()  # no engine thread: nothing else touches the engine
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._calls.append((self.engine.reset_prefix_cache, future))
+            self._cv.notify()
+        return await asyncio.wrap_future(future)
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine thread: requests still running get ``EngineDeadError`` and are aborted.
 
@@ -344,10 +364,12 @@ class AsyncLLM:
         try:
             while True:
                 with self._cv:
-                    if not (self._pending or self._aborts or self._stopping or engine.has_unfinished_requests()):
+                    if not (self._pending or self._aborts or self._calls or self._stopping
+                            or engine.has_unfinished_requests()):
                         self._cv.wait(self._idle_wait())
                     pending, self._pending = self._pending, []
                     aborts, self._aborts = self._aborts, []
+                    calls, self._calls = self._calls, []
                     stopping = self._stopping
                     # A request aborted before it reached the engine is simply never added.
                     pending = [r for r in pending if r.request_id in self._sinks]
@@ -365,6 +387,11 @@ class AsyncLLM:
                     if known:
                         engine.abort_request(known)
                         logger.debug("aborted %d request(s): %s", len(known), known[:8])
+                for fn, future in calls:
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:
+                        future.set_exception(e)
                 if stopping:
                     self._stop_all()
                     return

@@ -57,7 +57,8 @@ class LLMEngine:
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
         self.vocab_size = model_cfg.vocab_size
-        self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks)
+        self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
+                                               enable_caching=cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               args.max_logprobs)
@@ -68,10 +69,11 @@ class LLMEngine:
         self._pending_processors: set[str] = set()
         self.load_time_s = time.perf_counter() - t0
         logger.info("Engine ready in %.2f s: model=%s dtype=%s quantization=%s device=%s executor=%s "
-                    "max_model_len=%d block_size=%d num_blocks=%d max_num_seqs=%d max_num_batched_tokens=%d",
+                    "max_model_len=%d block_size=%d num_blocks=%d max_num_seqs=%d max_num_batched_tokens=%d prefix_caching=%s",
                     self.load_time_s, files.source, model_cfg.dtype, model_cfg.quantization,
                     model_cfg.device or "auto", executor_class.__name__, sched_cfg.max_model_len,
-                    cache_cfg.block_size, self.num_blocks, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
+                    cache_cfg.block_size, self.num_blocks, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
+                    cache_cfg.enable_prefix_caching)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -150,6 +152,14 @@ class LLMEngine:
         if stats is not None:
             self._record_stats(stats)
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``).
+
+        Returns:
+            True when cleared; False (nothing changed) while requests hold blocks.
+        """
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

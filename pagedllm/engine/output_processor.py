@@ -47,6 +47,7 @@ class ParentState:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -142,6 +143,8 @@ class OutputProcessor:
             if out.new_prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
                 room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
                 parent.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs[:max(room, 0)]))
+            if out.new_token_ids and parent.num_cached_tokens is None and sample.index == 0:
+                parent.num_cached_tokens = out.num_cached_tokens
             # max_tokens=0 (prompt only): the one token the engine sampled is dropped.
             if out.new_token_ids and sample.params.max_tokens != 0:
                 if iteration_stats is not None:
@@ -231,7 +234,7 @@ class OutputProcessor:
         elif prompt_logprobs is not None:
             parent.prompt_logprobs_sent = True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
-                             outputs, parent.finished, parent.metrics)
+                             outputs, parent.finished, parent.metrics, num_cached_tokens=parent.num_cached_tokens)
 
     def _drop(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)

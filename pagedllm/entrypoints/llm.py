@@ -39,6 +39,14 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's ``LLM.reset_prefix_cache``).
+
+        Returns:
+            True when cleared; False (nothing changed) while requests hold blocks, as in vLLM.
+        """
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -18,7 +18,11 @@ class LoggingStatLogger:
     """Accumulates token counts between log lines and logs, at most every ``interval_s``:
 
         Avg prompt throughput: 12.3 tokens/s, Avg generation throughput: 45.6 tokens/s,
-        Running: 3 reqs, Waiting: 0 reqs, KV cache usage: 1.2% (450/455 blocks free), Preemptions: 0
+        Running: 3 reqs, Waiting: 0 reqs, KV cache usage: 1.2% (450/455 blocks free), Preemptions: 0,
+        Prefix cache hit rate: 87.5%
+
+    The hit rate is hits / queries (tokens) over the interval since the last line (0.0% when no
+    request was admitted in it).
 
     ``record`` runs in the engine thread; ``maybe_log`` may run in any thread. A line is skipped
     when nothing happened since the last one and no request is queued (an idle server stays quiet).
@@ -38,6 +42,7 @@ class LoggingStatLogger:
         self._finished = 0
         self._preemptions_total = 0
         self._sched: SchedulerStats | None = None
+        self._prefix_seen: tuple[int, int] | None = None  # (queries, hits) totals at the last line
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         with self._lock:
@@ -69,10 +74,15 @@ class LoggingStatLogger:
             gen_tps = self._generation_tokens / elapsed
             self._last_log = now
             self._prompt_tokens = self._generation_tokens = self._finished = 0
+            if s is not None:
+                q0, h0 = self._prefix_seen or (0, 0)
+                queries, hits = s.prefix_cache_queries_total - q0, s.prefix_cache_hits_total - h0
+                self._prefix_seen = (s.prefix_cache_queries_total, s.prefix_cache_hits_total)
         if not active or s is None:
             return False
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%% (%d/%d blocks free), "
-                    "Preemptions: %d", prompt_tps, gen_tps, s.num_running, s.num_waiting,
-                    100.0 * s.kv_cache_usage, s.num_free_blocks, s.num_blocks, self._preemptions_total)
+                    "Preemptions: %d, Prefix cache hit rate: %.1f%%", prompt_tps, gen_tps, s.num_running,
+                    s.num_waiting, 100.0 * s.kv_cache_usage, s.num_free_blocks, s.num_blocks,
+                    self._preemptions_total, 100.0 * hits / queries if queries else 0.0)
         return True

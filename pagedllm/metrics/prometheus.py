@@ -3,8 +3,7 @@
 Every metric carries a ``model_name`` label (the first served name). Metrics live in a
 ``CollectorRegistry`` owned by the logger (no process-global state); the server exposes it at
 ``GET /metrics``, without prometheus-client's ``*_created`` series. Only metrics of features that
-exist are exported: there is no prefix cache and no
-swap yet, so ``pagedllm:num_requests_swapped`` and the prefix-cache hit counters are absent.
+exist are exported: there is no swap yet, so ``pagedllm:num_requests_swapped`` is absent.
 
 | name | type | meaning |
 |---|---|---|
@@ -14,6 +13,8 @@ swap yet, so ``pagedllm:num_requests_swapped`` and the prefix-cache hit counters
 | pagedllm:num_free_blocks | gauge | KV blocks in the free queue |
 | pagedllm:num_total_blocks | gauge | KV blocks in the pool |
 | pagedllm:num_preemptions_total | counter | requests preempted (recompute) |
+| pagedllm:prefix_cache_queries_total | counter | tokens looked up in the prefix cache (admitted requests' tokens) |
+| pagedllm:prefix_cache_hits_total | counter | of those, tokens found cached (hit rate = hits / queries) |
 | pagedllm:prompt_tokens_total | counter | prompt tokens of requests that got their first token |
 | pagedllm:generation_tokens_total | counter | sampled tokens |
 | pagedllm:request_success_total{finished_reason} | counter | finished requests: stop, length, abort |
@@ -93,6 +94,12 @@ class PrometheusStatLogger:
         self.num_free_blocks = gauge("pagedllm:num_free_blocks", "KV blocks in the free queue.")
         self.num_total_blocks = gauge("pagedllm:num_total_blocks", "KV blocks in the pool.")
         self.num_preemptions = counter("pagedllm:num_preemptions", "Requests preempted (by recomputation).")
+        self.prefix_cache_queries = counter("pagedllm:prefix_cache_queries",
+                                            "Tokens looked up in the prefix cache (tokens of admitted requests).")
+        self.prefix_cache_hits = counter("pagedllm:prefix_cache_hits", "Tokens found in the prefix cache.")
+        # The scheduler reports running totals; the counters advance by the difference.
+        self._queries_seen = 0 if initial is None else initial.prefix_cache_queries_total
+        self._hits_seen = 0 if initial is None else initial.prefix_cache_hits_total
         self.prompt_tokens = counter("pagedllm:prompt_tokens", "Prompt tokens processed (once per request).")
         self.generation_tokens = counter("pagedllm:generation_tokens", "Generated tokens.")
         success = Counter("pagedllm:request_success", "Finished requests, by finish reason.",
@@ -123,6 +130,13 @@ class PrometheusStatLogger:
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self._set_gauges(scheduler_stats)
+        s = scheduler_stats
+        if s.prefix_cache_queries_total > self._queries_seen:
+            self.prefix_cache_queries.inc(s.prefix_cache_queries_total - self._queries_seen)
+            self._queries_seen = s.prefix_cache_queries_total
+        if s.prefix_cache_hits_total > self._hits_seen:
+            self.prefix_cache_hits.inc(s.prefix_cache_hits_total - self._hits_seen)
+            self._hits_seen = s.prefix_cache_hits_total
         it = iteration_stats
         if it.num_preempted:
             self.num_preemptions.inc(it.num_preempted)

@@ -146,3 +146,39 @@ def test_build_requests_dispatch(tmp_path):
         build_requests("random", 3, 8, 4, 0.0, 0, vocab_size=None)
     path = _write(tmp_path, ['{"prompt": "ok", "max_tokens": 1}'])
     assert build_requests(path, None, 8, 4, 0.0, 0, vocab_size=None) == [BenchRequest("ok", None, 1)]
+
+
+def test_prefix_sharing_dataset_is_seeded_and_shares_one_prefix():
+    from pagedllm.benchmarks.datasets import PREFIX_SHARING_SYSTEM_LEN, build_requests, prefix_sharing_requests
+
+    reqs = prefix_sharing_requests(64, vocab_size=5000, seed=3)
+    assert reqs == prefix_sharing_requests(64, vocab_size=5000, seed=3)
+    assert reqs != prefix_sharing_requests(64, vocab_size=5000, seed=4)
+    assert len(reqs) == 64 and PREFIX_SHARING_SYSTEM_LEN == 1000
+    system = reqs[0].prompt[:1000]
+    for r in reqs:
+        assert r.prompt[:1000] == system and 50 <= len(r.prompt) - 1000 <= 300
+        assert r.prompt_len == len(r.prompt) and 64 <= r.max_tokens <= 128
+        assert all(10 <= t < 5000 for t in r.prompt)
+    assert len({tuple(r.prompt[1000:]) for r in reqs}) == 64  # distinct questions
+    assert build_requests("prefix-sharing", None, 128, 64, 0.5, 3, 5000) == reqs
+    clipped = prefix_sharing_requests(4, vocab_size=5000, seed=0, max_model_len=1100)
+    assert all(r.prompt_len + r.max_tokens <= 1100 for r in clipped)
+
+
+def test_multi_turn_dataset_prompts_grow_by_the_conversation():
+    from pagedllm.benchmarks.datasets import build_requests, multi_turn_requests
+
+    reqs = multi_turn_requests(3, input_len=20, output_len=10, vocab_size=500, seed=1)
+    assert reqs == multi_turn_requests(3, input_len=20, output_len=10, vocab_size=500, seed=1)
+    assert len(reqs) == 12 and [r.conversation_id for r in reqs] == [0] * 4 + [1] * 4 + [2] * 4
+    for user in range(3):
+        turns = reqs[4 * user:4 * user + 4]
+        for prev, cur in zip(turns, turns[1:]):
+            # the next prompt = this prompt + a reply of max_tokens tokens + a 10..30-token message
+            assert cur.prompt[:len(prev.prompt)] == prev.prompt
+            assert 10 <= len(cur.prompt) - len(prev.prompt) - prev.max_tokens <= 30
+            assert 5 <= prev.max_tokens <= 15
+    assert len(build_requests("multi-turn", 10, 20, 10, 0.5, 1, 500)) == 12  # rounded up to 3 users
+    short = multi_turn_requests(2, input_len=20, output_len=10, vocab_size=500, seed=1, max_model_len=60)
+    assert all(r.prompt_len + r.max_tokens <= 60 for r in short)

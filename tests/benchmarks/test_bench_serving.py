@@ -63,3 +63,36 @@ def test_counts_chunks_without_usage_and_can_skip_ignore_eos():
                          request_rate=100.0)
     assert records[0].output_len == 3 and records[0].prompt_len == 1
     assert "ignore_eos" not in seen[0]
+
+
+def test_conversation_turns_are_sent_in_order_and_hit_rate_comes_from_usage():
+    from pagedllm.benchmarks.serving import prefix_cache_hit_rate
+
+    log = []
+
+    async def handle_async(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]})
+        body = json.loads(request.content)
+        log.append(("start", body["prompt"]))
+        await asyncio.sleep(0.01)
+        log.append(("end", body["prompt"]))
+        cached = 4 * (len(body["prompt"]) // 8)
+        chunks = [{"choices": [{"index": 0, "text": "x"}]},
+                  {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1,
+                                            "prompt_tokens_details": {"cached_tokens": cached}}}]
+        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+
+    reqs = [BenchRequest([1] * 8, 8, 1, conversation_id=0), BenchRequest([2] * 8, 8, 1, conversation_id=1),
+            BenchRequest([1] * 16, 16, 1, conversation_id=0), BenchRequest([2] * 16, 16, 1, conversation_id=1)]
+    records, _, _ = _run(reqs, handle_async)
+    # Turn 2 of a conversation starts only after its turn 1 ended; the two users overlap.
+    for conv in (1, 2):
+        prompts = [p for _, p in log if p[0] == conv]
+        assert len(prompts) == 4
+        first_end = log.index(("end", [conv] * 8))
+        assert log.index(("start", [conv] * 16)) > first_end
+    assert log[0][0] == log[1][0] == "start"
+    assert [r.num_cached_tokens for r in records] == [4, 4, 8, 8]
+    assert prefix_cache_hit_rate(records) == 24 / 48
+    assert prefix_cache_hit_rate([records[0].__class__(8, 1, 0.0, 0.1, 0.1)]) is None

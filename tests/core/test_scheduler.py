@@ -3,7 +3,6 @@ token counts, block tables, statuses and preemptions."""
 
 from __future__ import annotations
 
-import pickle
 from typing import Callable
 
 import pytest
@@ -13,26 +12,11 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.worker.request_states import RequestStates
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
+from scheduler_mirror import MirroredScheduler
 
 EOS = 2
-
-
-class MirroredScheduler(Scheduler):
-    """A ``Scheduler`` whose outputs also get ``scheduled``: the step as the worker rebuilds it
-    (``worker.request_states.RequestStates``) from the message after a pickle round trip, so the
-    assertions below check what actually crosses the engine-worker boundary."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.worker_states = RequestStates()
-
-    def schedule(self):
-        out = super().schedule()
-        out.scheduled = self.worker_states.update(pickle.loads(pickle.dumps(out)))
-        return out
 
 
 def make_scheduler(block_size=4, num_blocks=16, max_num_seqs=8, max_num_batched_tokens=64,

@@ -8,7 +8,6 @@ at the end every request has finished with the right number of tokens and no blo
 
 from __future__ import annotations
 
-import pickle
 import random
 
 import pytest
@@ -18,25 +17,10 @@ from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.worker.request_states import RequestStates
 from pagedllm.sampling_params import SamplingParams
+from scheduler_mirror import MirroredScheduler
 
 EOS = 0
-
-
-class MirroredScheduler(Scheduler):
-    """A ``Scheduler`` whose outputs also get ``scheduled``: the step as the worker rebuilds it
-    (``worker.request_states.RequestStates``) from the message after a pickle round trip, so the
-    assertions below check what actually crosses the engine-worker boundary."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.worker_states = RequestStates()
-
-    def schedule(self):
-        out = super().schedule()
-        out.scheduled = self.worker_states.update(pickle.loads(pickle.dumps(out)))
-        return out
 
 
 class FakeRunner:

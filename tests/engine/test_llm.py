@@ -29,8 +29,6 @@ def test_unknown_and_unsupported_arguments_raise_value_error(make_tiny_checkpoin
         LLM(path, not_an_argument=1)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(path, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
-        LLM(path, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="dtype"):
         LLM(path, dtype="int3")
     with pytest.raises(ValueError, match="block_size"):

@@ -87,7 +87,8 @@ def default_served_model_name(args: EngineArgs, model_files) -> str:
 
 def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = None,
                 chat_template: str | None = None, api_key: str | None = None, log_requests: bool = True,
-                log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S, max_n: int = DEFAULT_MAX_N) -> ServerState:
+                log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S, max_n: int = DEFAULT_MAX_N,
+                enable_prompt_tokens_details: bool = False) -> ServerState:
     """Load the model and wire the handlers.
 
     Args:
@@ -98,6 +99,7 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
         log_requests: log each request at INFO.
         log_stats_interval_s: seconds between periodic stats lines; None disables them.
         max_n: the most samples (``n``, ``best_of``) one request may ask for.
+        enable_prompt_tokens_details: send ``usage.prompt_tokens_details.cached_tokens``.
     Raises:
         ValueError: bad engine arguments, an unparsable chat template, or ``max_n < 1``.
     """
@@ -124,8 +126,9 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
     if chat_template is None and engine.tokenizer.chat_template is None:
         logger.warning("the model has no chat template: /v1/chat/completions will answer 400; start with "
                        "--chat-template (e.g. %s for Gemma models)", GEMMA_CHAT_TEMPLATE_PATH)
-    return ServerState(engine=async_engine, models=models,
-                       completion=OpenAIServingCompletion(async_engine, models, log_requests, max_n), chat=chat,
+    completion = OpenAIServingCompletion(async_engine, models, log_requests, max_n)
+    completion.enable_prompt_tokens_details = chat.enable_prompt_tokens_details = enable_prompt_tokens_details
+    return ServerState(engine=async_engine, models=models, completion=completion, chat=chat,
                        tokenization=OpenAIServingTokenization(chat), registry=registry, api_key=api_key)
 
 
@@ -229,6 +232,14 @@ def build_app(state: ServerState) -> FastAPI:
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await run_until_disconnect(state.chat.create_chat_completion(request, raw_request), raw_request)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        # vLLM's semantics: clears only while no request holds KV blocks; 409 otherwise.
+        if await state.engine.reset_prefix_cache():
+            return Response(status_code=200)
+        return OpenAIError(409, "cannot reset the prefix cache while requests hold KV blocks; retry when idle",
+                           "invalid_request_error").to_response()
+
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
         return JSONResponse(state.tokenization.tokenize(request).model_dump(exclude_none=True))
@@ -267,6 +278,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="add usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix cache)")
     return parser
 
 
@@ -292,7 +305,7 @@ def run_server(ns: argparse.Namespace) -> int:
     state = build_state(args, ns.served_model_name, chat_template, api_key,
                         log_requests=not ns.disable_log_requests,
                         log_stats_interval_s=None if ns.disable_log_stats else ns.log_stats_interval,
-                        max_n=ns.max_n)
+                        max_n=ns.max_n, enable_prompt_tokens_details=ns.enable_prompt_tokens_details)
     app = build_app(state)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             access_log=not ns.disable_uvicorn_access_log,

@@ -41,10 +41,24 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class PromptTokenUsageInfo(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details``: ``cached_tokens`` = prompt tokens found in the
+    prefix cache (sent only with ``--enable-prompt-tokens-details``)."""
+    cached_tokens: int | None = None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_details(self, handler):
+        data = handler(self)
+        if data.get("prompt_tokens_details", 0) is None:  # only with --enable-prompt-tokens-details
+            del data["prompt_tokens_details"]
+        return data
 
 
 class _SamplingRequest(OpenAIBaseModel):

@@ -142,8 +142,7 @@ class OpenAIServingChat(OpenAIServing):
                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         choices.sort(key=lambda c: c.index)
         response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
-                                          usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=num_completion,
-                                                          total_tokens=len(ids) + num_completion))
+                                          usage=self.usage(len(ids), num_completion, final.num_cached_tokens))
         return JSONResponse(response.model_dump())
 
     async def _stream(self, request: ChatCompletionRequest, outputs: OutputStream, request_id: str, created: int,
@@ -153,10 +152,10 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
         num_completion = 0
+        num_cached = None
 
         def usage() -> UsageInfo:
-            return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                             total_tokens=num_prompt + num_completion)
+            return self.usage(num_prompt, num_completion, num_cached)
 
         def chunk(index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None) -> str:
             body = ChatCompletionStreamResponse(
@@ -173,6 +172,7 @@ class OpenAIServingChat(OpenAIServing):
                 for index in range(n):
                     yield chunk(index, DeltaMessage(content=echo))
             async for out in outputs:
+                num_cached = out.num_cached_tokens if out.num_cached_tokens is not None else num_cached
                 for o in out.outputs:
                     num_completion += len(o.token_ids)
                     if not o.text and o.finish_reason is None and (num_top is None or not o.token_ids):

@@ -171,8 +171,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                                         finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         choices.sort(key=lambda c: c.index)
         response = CompletionResponse(id=cmpl_id, created=created, model=model_name, choices=choices,
-                                      usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                                      total_tokens=num_prompt + num_completion))
+                                      usage=self.usage(num_prompt, num_completion,
+                                                       sum(finals[r].num_cached_tokens or 0 for r in finals)))
         return JSONResponse(response.model_dump())
 
     async def _stream(self, request: CompletionRequest, outputs: OutputStream, cmpl_id: str, created: int,
@@ -188,14 +188,16 @@ class OpenAIServingCompletion(OpenAIServing):
         trackers: dict[int, TextOffsets] = {}
         prompt_lps: dict[int, list] = {}
         num_completion = 0
+        cached: dict[int, int] = {}
 
         def usage() -> UsageInfo:
-            return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                             total_tokens=num_prompt + num_completion)
+            return self.usage(num_prompt, num_completion, sum(cached.values()))
 
         try:
             async for out in outputs:
                 i = index_of[out.request_id]
+                if out.num_cached_tokens is not None:
+                    cached[i] = out.num_cached_tokens
                 if out.prompt_logprobs is not None:
                     prompt_lps[i] = list(out.prompt_logprobs)
                 for o in out.outputs:

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.entrypoints.openai.errors import CONTEXT_LENGTH_EXCEEDED, bad_request
+from pagedllm.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -122,6 +123,14 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.log_requests = log_requests
         self.max_n = max_n
+        # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (prefix cache).
+        self.enable_prompt_tokens_details = False
+
+    def usage(self, num_prompt: int, num_completion: int, num_cached: int | None) -> UsageInfo:
+        """The ``usage`` object; ``prompt_tokens_details`` only with ``--enable-prompt-tokens-details``."""
+        details = PromptTokenUsageInfo(cached_tokens=num_cached or 0) if self.enable_prompt_tokens_details else None
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                         total_tokens=num_prompt + num_completion, prompt_tokens_details=details)
 
     # -- checks -------------------------------------------------------------------------------
 
