@@ -79,4 +79,4 @@ def test_start_log_names_the_attention_backend_and_why(tiny_dir, caplog, monkeyp
     assert f"Attention backend: {expected}" in _start_log(tiny_dir, caplog)
     caplog.clear()
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "cpu_sdpa")
-    assert "Attention backend: cpu_sdpa (set by $PAGEDLLM_ATTENTION_BACKEND)" in _start_log(tiny_dir, caplog)
+    assert "Attention backend: cpu_sdpa (set by attention_backend='cpu_sdpa' / $PAGEDLLM_ATTENTION_BACKEND)" in _start_log(tiny_dir, caplog)

@@ -136,7 +136,7 @@ def prepare_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
         ValueError: as :func:`resolve_backend_name`.
     """
     resolved = resolve_backend_name(name)
-    forced = None if name == "auto" else f"attention_backend={name!r} (or ${BACKEND_ENV})"
+    forced = None if name == "auto" else f"attention_backend={name!r} / ${BACKEND_ENV}"
     if resolved != "cpu_paged":
         why = f"set by {forced}" if forced else "asked for by name"
     else:
