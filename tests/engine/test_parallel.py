@@ -90,7 +90,8 @@ _REFERENCE: dict[str, dict] = {}
     ("llama_1kv", 1, 2),    # untied head on the last stage
     ("gemma3", 1, 2),       # tied embedding on the first and the last stage
     ("gemma3", 2, 2),       # 4 ranks (1 thread each on this 2-core machine)
-], ids=["llama-tp2", "gemma3-tp2", "llama-pp2", "gemma3-pp2", "gemma3-tp2-pp2"])
+    ("qwen2", 2, 1),        # q/k/v biases split with their rows
+], ids=["llama-tp2", "gemma3-tp2", "llama-pp2", "gemma3-pp2", "gemma3-tp2-pp2", "qwen2-tp2"])
 def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_kv_head, hf_greedy, arch, tp, pp):
     folder = llama_one_kv_head if arch == "llama_1kv" else make_tiny_checkpoint(arch)
     if arch not in _REFERENCE:
@@ -149,6 +150,47 @@ def test_killed_worker_is_a_clear_error_not_a_hang(llama_one_kv_head):
     assert not any(p.is_alive() for p in processes)
 
 
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)   # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_signal_to_the_engine_process_ends_every_rank(llama_one_kv_head, tmp_path, sig):
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine.py"
+    script.write_text(f"""
+import time
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+if __name__ == "__main__":
+    engine = LLMEngine(EngineArgs(model={llama_one_kv_head!r}, max_model_len=128, tensor_parallel_size=2,
+                                  cpu_threads_per_rank=1, kv_cache_memory_bytes=4 << 20))
+    print(" ".join(str(p.pid) for p in engine.executor.processes), flush=True)
+    time.sleep(300)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(_gone(p) for p in pids), "a worker outlived its engine"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_bad_sizes_are_refused_before_any_weight_loads(make_tiny_checkpoint):
     path = make_tiny_checkpoint("llama")   # 4 heads, 2 KV heads, intermediate 128, 3 layers
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's 4 attention heads"):
@@ -176,3 +218,22 @@ def test_stage_layers_and_executor_selection():
     assert [cfg.stage_layers(18, r) for r in range(2)] == [(0, 10), (10, 18)]
     assert Executor.get_class(ParallelConfig(tensor_parallel_size=2)) is MultiprocExecutor
     assert Executor.get_class(ParallelConfig(distributed_executor_backend="mp")) is MultiprocExecutor
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_default_model_split_two_ways_equals_transformers(default_model_reference, tp, pp):
+    """Gemma 3 270M (4 query heads, 1 KV head replicated at TP=2; 18 layers split 9 + 9 at PP=2),
+    float32: transformers' recorded greedy tokens, exactly, for every recorded prompt."""
+    refs = default_model_reference["greedy_float32"]
+    llm = LLM(None, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, seed=0,
+              tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    processes = list(llm.llm_engine.executor.processes)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=len(refs[0]["token_ids"]), ignore_eos=True)
+        outs = llm.generate([r["prompt"] for r in refs], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [r["token_ids"] for r in refs]
+    finally:
+        llm.llm_engine.shutdown()
+    assert not any(p.is_alive() for p in processes)
