@@ -237,3 +237,36 @@ def test_default_model_split_two_ways_equals_transformers(default_model_referenc
     finally:
         llm.llm_engine.shutdown()
     assert not any(p.is_alive() for p in processes)
+
+
+@pytest.mark.timeout(120)
+def test_async_engine_fails_requests_when_a_worker_dies(llama_one_kv_head):
+    """Through ``AsyncLLM`` (the server's engine): the request running when rank 1 dies gets an
+    ``EngineStepError`` naming the rank (HTTP 500), a later one fails the same way, no hang."""
+    import asyncio
+
+    from pagedllm.engine.async_engine import AsyncLLM, EngineStepError
+    from pagedllm.entrypoints.openai.errors import error_from_exception
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=llama_one_kv_head, max_model_len=128, block_size=8,
+                                               kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2,
+                                               cpu_threads_per_rank=1))
+    processes = list(llm.engine.executor.processes)
+
+    async def consume(rid: str, kill: bool):
+        params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        async for _ in llm.generate(PROMPTS[0], params, rid):
+            if kill:
+                os.kill(processes[1].pid, signal.SIGKILL)
+                kill = False
+
+    try:
+        for rid, kill in (("a", True), ("b", False)):
+            with pytest.raises(EngineStepError, match="rank 1") as info:
+                asyncio.run(asyncio.wait_for(consume(rid, kill), timeout=60))
+            assert error_from_exception(info.value).status_code == 500
+    finally:
+        llm.shutdown()
+    for p in processes:
+        p.join(timeout=10)
+    assert not any(p.is_alive() for p in processes)
