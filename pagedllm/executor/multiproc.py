@@ -173,6 +173,9 @@ class MultiprocExecutor(Executor):
                     "%d threads each), driver rank %d", self.world_size, self.parallel_config.tensor_parallel_size,
                     self.parallel_config.pipeline_parallel_size, self.num_threads, self.driver_rank)
         self._collect(timeout_s=WORKER_START_TIMEOUT_S, what="start")
+        # Every rank has joined every group: the rendezvous file is no longer read, and removing
+        # it now leaves nothing behind even if this process is killed later.
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
         self.collective_rpc("load_model")
 
     def determine_num_blocks(self) -> int:
