@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 ATTENTION_BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"   # -> attention_backend
 CPU_GEMM_ENV = "PAGEDLLM_CPU_GEMM"                     # -> cpu_gemm
 CPU_KVCACHE_SPACE_ENV = "PAGEDLLM_CPU_KVCACHE_SPACE"   # -> cpu_kvcache_space (GiB)
+PP_LAYER_PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"  # -> pp_layer_partition ("10,8": layers per stage)
+CPU_THREADS_PER_RANK_ENV = "PAGEDLLM_CPU_THREADS_PER_RANK"  # -> cpu_threads_per_rank
 
 
 def _env(name: str) -> str | None:
@@ -44,7 +46,8 @@ class EngineArgs:
         num_gpu_blocks_override: force the number of KV blocks (testing).
         device: "cpu" | "cuda" | None (auto).
         max_logprobs: most top logprobs a request may ask for.
-        tensor_parallel_size, pipeline_parallel_size, data_parallel_size: must be 1 for now.
+        tensor_parallel_size, pipeline_parallel_size: ranks per layer / pipeline stages (README,
+            "Tensor and pipeline parallelism"); data_parallel_size must be 1.
         trust_remote_code, enforce_eager, tokenizer_mode, revision, download_dir,
         disable_log_stats, swap_space: accepted for compatibility (see ``create_engine_config``).
         quantization: None / "gguf" (weights dequantized to ``dtype``) or "int8" (CPU only:
@@ -58,7 +61,12 @@ class EngineArgs:
             ``$PAGEDLLM_CPU_GEMM`` or "onednn".
         cpu_kvcache_space: [GiB] the CPU KV budget when ``kv_cache_memory_bytes`` is None; default
             ``$PAGEDLLM_CPU_KVCACHE_SPACE`` or None (min(25% of available RAM, 4 GiB)).
-        distributed_executor_backend: None (by world size) or "uni" (``executor/``).
+        distributed_executor_backend: None (by world size: "uni" for 1, else "mp"), "uni" or "mp"
+            (``executor/``).
+        pp_layer_partition: layers per pipeline stage, "10,8"; default ``$PAGEDLLM_PP_LAYER_PARTITION``
+            or None (even split).
+        cpu_threads_per_rank: torch threads per worker process; default
+            ``$PAGEDLLM_CPU_THREADS_PER_RANK`` or None (``os.cpu_count() // world_size``).
     """
 
     model: str | None = None
@@ -93,6 +101,8 @@ class EngineArgs:
     cpu_gemm: str = field(default_factory=lambda: _env(CPU_GEMM_ENV) or "onednn")
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
     distributed_executor_backend: str | None = None
+    pp_layer_partition: str | None = field(default_factory=lambda: _env(PP_LAYER_PARTITION_ENV))
+    cpu_threads_per_rank: int | str | None = field(default_factory=lambda: _env(CPU_THREADS_PER_RANK_ENV))
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -161,8 +171,29 @@ class EngineArgs:
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
-                                  self.distributed_executor_backend)
+                                  self.distributed_executor_backend, self._pp_partition(), self._threads_per_rank())
+        if arch:  # before any weight loads: the model must split this way
+            parallel.check_model(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size,
+                                 model.num_hidden_layers)
         return model, cache, sched, parallel
+
+    def _pp_partition(self) -> tuple[int, ...] | None:
+        if self.pp_layer_partition is None or self.pp_layer_partition == "":
+            return None
+        try:
+            return tuple(int(n) for n in str(self.pp_layer_partition).split(","))
+        except ValueError:
+            raise ValueError(f"pp_layer_partition (${PP_LAYER_PARTITION_ENV}) must be comma-separated layer "
+                             f"counts, got {self.pp_layer_partition!r}") from None
+
+    def _threads_per_rank(self) -> int | None:
+        if self.cpu_threads_per_rank is None or self.cpu_threads_per_rank == "":
+            return None
+        try:
+            return int(self.cpu_threads_per_rank)
+        except ValueError:
+            raise ValueError(f"cpu_threads_per_rank (${CPU_THREADS_PER_RANK_ENV}) must be an int, "
+                             f"got {self.cpu_threads_per_rank!r}") from None
 
     def _check_env_settings(self) -> None:
         """Validate the fields whose defaults come from environment variables.
@@ -221,6 +252,9 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+                   help="uni: one worker in the engine process; mp: one worker process per rank "
+                        "(default: uni for world size 1, else mp)")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--swap-space", type=float, default=None)

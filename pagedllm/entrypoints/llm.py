@@ -25,7 +25,8 @@ class LLM:
         **kwargs: any ``EngineArgs`` field with vLLM's name: ``dtype``, ``block_size``,
             ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``max_num_seqs``,
             ``max_num_batched_tokens``, ``max_model_len``, ``seed``, ``tokenizer``,
-            ``trust_remote_code``, ``enforce_eager``, ``tensor_parallel_size`` (1), ...
+            ``trust_remote_code``, ``enforce_eager``, ``tensor_parallel_size``,
+            ``pipeline_parallel_size`` (README, "Tensor and pipeline parallelism"), ...
     Raises:
         ValueError: an unknown argument or unsupported value (never a TypeError), an unsupported
             model, or a KV budget too small for ``max_model_len``.

@@ -43,14 +43,17 @@ class Executor(ABC):
         """The executor class for ``parallel_config`` (vLLM's ``Executor.get_class``).
 
         ``distributed_executor_backend`` "uni", or None with a world size of 1, gives
-        ``UniProcExecutor``.
+        ``UniProcExecutor``; "mp", or None with more ranks, ``MultiprocExecutor``.
 
         Raises:
-            ValueError: for a backend or world size no executor implements yet.
+            ValueError: for a backend or world size no executor implements.
         """
         backend = parallel_config.distributed_executor_backend
-        if backend is None and parallel_config.world_size == 1:
-            backend = "uni"
+        if backend is None:
+            backend = "uni" if parallel_config.world_size == 1 else "mp"
+        if backend == "mp":
+            from pagedllm.executor.multiproc import MultiprocExecutor
+            return MultiprocExecutor
         if backend == "uni":
             if parallel_config.world_size != 1:
                 raise ValueError(f"distributed_executor_backend='uni' runs one worker, "
@@ -58,7 +61,7 @@ class Executor(ABC):
             from pagedllm.executor.uniproc import UniProcExecutor
             return UniProcExecutor
         raise ValueError(f"distributed_executor_backend={backend!r} with world size "
-                         f"{parallel_config.world_size} is not supported yet (only 'uni')")
+                         f"{parallel_config.world_size} is not supported ('uni', 'mp')")
 
     # -- lifecycle ------------------------------------------------------------------------
 

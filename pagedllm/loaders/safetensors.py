@@ -22,6 +22,7 @@ import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -100,6 +101,24 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                     raise ValueError(f"tensor {name!r} appears in more than one shard ({path})")
                 seen.add(name)
                 yield name, f.get_tensor(name)
+
+
+def iterate_safetensors_slices(folder: str) -> Iterator[tuple[str, Any]]:
+    """Yield (name, slice) for every tensor of a (possibly sharded) safetensors checkpoint, reading
+    nothing yet: ``slice.get_shape()`` gives the shape, ``slice[a:b]`` / ``slice[:, a:b]`` reads only
+    those bytes from the mmap'd file (each tensor-parallel rank reads its shard).
+
+    Raises:
+        ValueError: as :func:`iterate_safetensors`.
+    """
+    seen: set[str] = set()
+    for path in list_safetensors_files(folder):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} appears in more than one shard ({path})")
+                seen.add(name)
+                yield name, f.get_slice(name)
 
 
 @dataclass(frozen=True)

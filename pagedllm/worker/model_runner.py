@@ -10,6 +10,8 @@ from torch import nn
 
 from pagedllm.attention.ops import build_attention_metadata
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.communication import recv_from_prev_stage, send_to_next_stage
+from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.outputs import Logprob
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
@@ -35,10 +37,16 @@ class ModelRunner:
         device: where the model lives.
         vocab_size: logits width.
         seed: seeds the generator shared by unseeded random rows.
+        parallel: this rank's tensor / pipeline place (None: the whole model). Every rank runs
+            every step on the same message; a later pipeline stage receives the previous one's
+            hidden states ([num_tokens, hidden_size], ``dtype``) and all ranks of the last stage
+            compute the logits (a collective), but only the driver rank samples.
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, vocab_size: int, seed: int = 0) -> None:
+                 block_size: int, device: torch.device, vocab_size: int, seed: int = 0,
+                 parallel: ParallelContext | None = None, hidden_size: int = 0,
+                 dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -50,6 +58,10 @@ class ModelRunner:
         # In-process logits processors of the next step's new requests (never in the message; see
         # ``add_logits_processors``), moved into the request's state by that step.
         self._logits_processors: dict[str, list[LogitsProcessor]] = {}
+        # -- tensor / pipeline parallelism (issue 14) --
+        self.parallel = parallel or ParallelContext()
+        self.is_driver = self.parallel.is_driver
+        self.hidden_size, self.dtype = hidden_size, dtype
 
     def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
         """Attach the logits processors of a request that the next ``execute_model`` sends as
@@ -100,13 +112,22 @@ class ModelRunner:
         positions = torch.from_numpy(np.arange(int(q.sum()), dtype=np.int64) + starts).to(self.device)
         md = build_attention_metadata(query_lens, context_lens, [r.block_table for r in reqs],
                                       self.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, md)          # [T, H]
+        # -- pipeline parallelism (issue 14): a later stage starts from the previous stage's output --
+        if self.parallel.is_first_stage:
+            hidden = self.model(input_ids, positions, self.kv_caches, md)      # [T, H]
+        else:
+            received = recv_from_prev_stage((int(q.sum()), self.hidden_size), self.dtype, self.device, self.parallel)
+            hidden = self.model(input_ids, positions, self.kv_caches, md, hidden_states=received)
+        if not self.parallel.is_last_stage:
+            send_to_next_stage(hidden, self.parallel)
+            return output
 
         ends = np.cumsum(q) - 1                                                # last token index per request
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
         if sample_rows:
             idx = torch.as_tensor(ends[sample_rows], device=self.device)
             logits = self.model.compute_logits(hidden[idx]).float()            # [N, V]
+        if sample_rows and self.is_driver:  # the other ranks of the last stage only joined the gather
             sampling_reqs = [reqs[i] for i in sample_rows]
             metadata = SamplingMetadata.build(
                 [r.sampling_params for r in sampling_reqs],
@@ -158,6 +179,8 @@ class ModelRunner:
                 continue
             rows = hidden[int(starts[i]): int(starts[i]) + (last - first)]
             logits = self.model.compute_logits(rows).float()
+            if not self.is_driver:  # joined the logits' all-gather only
+                continue
             targets = torch.as_tensor(prompt[first + 1: last + 1], device=self.device)
             tgt_lp, ranks, top_ids, top_lps = compute_prompt_logprobs(logits, targets, k)
             tgt_lp, ranks = tgt_lp.tolist(), ranks.tolist()

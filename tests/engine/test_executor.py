@@ -127,5 +127,5 @@ def test_executor_selection():
     assert Executor.get_class(ParallelConfig(distributed_executor_backend="uni")) is UniProcExecutor
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         ParallelConfig(distributed_executor_backend="ray")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        ParallelConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size=2"):
+        ParallelConfig(data_parallel_size=2)
