@@ -92,7 +92,8 @@ class LLMEngine:
         processed request carries its own), passed on unchanged.
 
         Sample ``i`` gets engine id ``f"{i}_{request_id}"`` and, if ``params.seed`` is set, seed
-        ``params.seed + i``.
+        ``params.seed + i``. Sample 0 computes the prompt once; the others fork its KV blocks
+        (copy-on-write) and draw their first token from the same logits row.
 
         Returns:
             The request id.
@@ -130,11 +131,19 @@ class LLMEngine:
         sample_ids = [request_id] if num_samples == 1 else [f"{i}_{request_id}" for i in range(num_samples)]
         self.output_processor.add_request(request_id, sample_ids, processed.prompt, processed.prompt_token_ids,
                                           base, sample_params, arrival_time)
+        requests = []
         for sid, sp in zip(sample_ids, sample_params):
             if sp.logits_processors:
                 self._pending_processors.add(sid)
-            self.scheduler.add_request(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
-                                               arrival_time=arrival_time))
+            requests.append(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
+                                    arrival_time=arrival_time))
+        # Sample 0 computes the prompt; the others fork its blocks when it is done (Scheduler.add_request).
+        try:
+            self.scheduler.add_request(requests[0], forks=requests[1:])
+        except ValueError:
+            self.output_processor.abort_requests([request_id])
+            self._pending_processors.difference_update(sample_ids)
+            raise
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
