@@ -189,6 +189,9 @@ class SchedulerStats:
             fragmentation of the last blocks).
         prefix_cache_queries_total / prefix_cache_hits_total: tokens looked up in / found in the
             prefix cache since the scheduler started (running totals, as vLLM counts them).
+        num_swapped: requests whose blocks are in the host pool (swap preemption).
+        num_preemptions_by_mode: preemptions since the scheduler started, by mode
+            ("recompute", "swap").
     """
 
     num_running: int = 0
@@ -207,3 +210,5 @@ class SchedulerStats:
     num_allocated_slots: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    num_swapped: int = 0
+    num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)

@@ -61,6 +61,10 @@ class Scheduler:
         # Finished or aborted since the last schedule(); reported in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        self.preemption_mode = scheduler_config.preemption_mode
+        # Preemptions since construction by how they were done ("recompute" / "swap").
+        self.num_preemptions_by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
+        self._logged_swap_fallback = False
         self._step_stats = SchedulerStats()
         # What the worker holds of each request it has seen (the per-step message sends only what
         # it lacks): tokens and block-table entries, by request id. A request is added when first
@@ -204,6 +208,20 @@ class Scheduler:
                 group = len(self._pending_forks.get(request.request_id, ()))
                 if len(self.running) + self.num_pending_forks + 1 + group > self.max_num_seqs:
                     break  # its samples will fork: admit the group only with room for all
+                if self.kv_cache_manager.is_swapped(request):
+                    # Swapped out: back into fresh device blocks, nothing recomputed.
+                    num_new = self._num_new_tokens(request, budget)
+                    pairs = None if num_new <= 0 else self.kv_cache_manager.swap_in(request, num_new)
+                    if pairs is None:
+                        break
+                    output.blocks_to_swap_in.extend(pairs)
+                    self.waiting.popleft()
+                    self.running.append(request)
+                    request.status = RequestStatus.RUNNING
+                    self._schedule_request(request, num_new, output)
+                    num_prefill_tokens += num_new
+                    budget -= num_new
+                    continue
                 # [prefix caching] hit blocks from the prompt start (a waiting request has none).
                 computed = self.kv_cache_manager.get_computed_blocks(request)
                 request.num_computed_tokens = computed.num_computed_tokens  # for the budget math
@@ -373,14 +391,33 @@ class Scheduler:
         request.num_computed_tokens = start + num_new
 
     def _preempt(self, request: Request, output: SchedulerOutput | None = None) -> None:
-        """Recompute preemption: free the blocks, forget the progress, requeue at the front."""
-        self.kv_cache_manager.free(request)
+        """Preempt a running request and requeue it at the front.
+
+        "recompute": free the blocks and forget the progress. "swap": copy its blocks to the
+        host pool (``output.blocks_to_swap_out``) and keep ``num_computed_tokens``; when the host
+        pool cannot take it, recompute instead (logged once).
+        """
+        kv = self.kv_cache_manager
+        mode = "recompute"
+        if self.preemption_mode == "swap" and output is not None:
+            if kv.can_swap_out(request):
+                output.blocks_to_swap_out.extend(kv.swap_out(request))
+                mode = "swap"
+            elif not self._logged_swap_fallback:
+                self._logged_swap_fallback = True
+                logger.warning("the swap space (%d host blocks, %d free) cannot take request %s: it is "
+                               "preempted by recomputation (logged once)", kv.num_cpu_blocks,
+                               0 if kv.cpu_block_pool is None else kv.cpu_block_pool.get_num_free_blocks(),
+                               request.request_id)
+        if mode == "recompute":
+            kv.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         if request.request_id in self._worker_num_tokens:
             self._preempted_since_scheduled.add(request.request_id)
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+        self.num_preemptions_by_mode[mode] += 1
         self.waiting.appendleft(request)
         logger.debug("preempted request %s (%d tokens, preemption #%d)", request.request_id,
                      request.num_tokens, request.num_preemptions)
@@ -553,6 +590,8 @@ class Scheduler:
             num_decode_tokens=s.num_decode_tokens,
             num_stored_tokens=num_stored_tokens,
             num_allocated_slots=num_allocated_slots,
+            num_swapped=len(kv.cpu_block_tables),
+            num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
             prefix_cache_queries_total=kv.prefix_cache_stats.queries,  # [prefix caching]
             prefix_cache_hits_total=kv.prefix_cache_stats.hits,
         )

@@ -55,10 +55,12 @@ class LLMEngine:
             self.executor.initialize()
             self.tokenizer = tokenizer_future.result()
         self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(self.num_blocks)
+        self.num_cpu_blocks = self.executor.determine_num_cpu_blocks()
+        self.executor.initialize_cache(self.num_blocks, self.num_cpu_blocks)
         self.vocab_size = model_cfg.vocab_size
         self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
-                                               enable_caching=cache_cfg.enable_prefix_caching)
+                                               enable_caching=cache_cfg.enable_prefix_caching,
+                                               num_cpu_blocks=self.num_cpu_blocks)
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               args.max_logprobs)
