@@ -304,27 +304,33 @@ class Scheduler:
         num_tokens - 1``). The child gets the parent's prompt, its outputs with the last one
         replaced by ``last_token_id``, and the parent's blocks (shared; copy-on-write before
         the first write into the shared partial block), so nothing of the prefix is recomputed.
+        A parent preempted meanwhile has no blocks to share: the child then waits and computes
+        its tokens.
 
         Raises:
-            ValueError: if the parent is not running between steps, the child's id is in use,
+            ValueError: if the parent has not just sampled a token, the child's id is in use,
                 or the child is not fresh.
         """
         parent = self.requests.get(parent_id)
-        if parent is None or parent.status != RequestStatus.RUNNING or parent.num_output_tokens == 0 \
-                or parent.num_computed_tokens != parent.num_tokens - 1:
-            raise ValueError(f"request {parent_id!r} is not a running request that has just sampled a token")
+        if parent is None or parent.num_output_tokens == 0 or parent.num_computed_tokens > parent.num_tokens - 1:
+            raise ValueError(f"request {parent_id!r} is not an unfinished request that has just sampled a token")
         if child.request_id in self.requests:
             raise ValueError(f"request id {child.request_id!r} is already scheduled")
         if child.num_output_tokens or child.prompt_token_ids != parent.prompt_token_ids:
             raise ValueError("the child must be a fresh request with the parent's prompt")
         child.append_output_token_ids(parent.output_token_ids[:-1] + [last_token_id])
+        bs = self.kv_cache_manager.block_size
+        child.block_hashes = parent.block_hashes[:(child.num_tokens - 1) // bs]
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.requests[child.request_id] = child
+        if parent.status != RequestStatus.RUNNING or not self.kv_cache_manager.get_block_table(parent_id):
+            # The parent was preempted meanwhile (no device blocks): the child computes its tokens.
+            self.waiting.append(child)
+            return
         self.kv_cache_manager.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.block_hashes = parent.block_hashes[:child.num_computed_tokens // self.kv_cache_manager.block_size]
         child.status = RequestStatus.RUNNING
         child.first_scheduled_time = time.monotonic()
-        self.requests[child.request_id] = child
         self.running.append(child)
 
     def replace_last_token(self, request_id: str, token_id: int) -> None:
@@ -335,16 +341,17 @@ class Scheduler:
             ValueError: if the request is not running between steps with a sampled token.
         """
         request = self.requests.get(request_id)
-        if request is None or request.status != RequestStatus.RUNNING or request.num_output_tokens == 0 \
-                or request.num_computed_tokens != request.num_tokens - 1:
-            raise ValueError(f"request {request_id!r} is not a running request that has just sampled a token")
+        if request is None or request.num_output_tokens == 0 or request.num_computed_tokens > request.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} is not an unfinished request that has just sampled a token")
         request.output_token_ids[-1] = token_id
         request.all_token_ids[-1] = token_id
-        del request.block_hashes[request.num_computed_tokens // self.kv_cache_manager.block_size:]
+        del request.block_hashes[(request.num_tokens - 1) // self.kv_cache_manager.block_size:]
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens to compute for ``request`` this step: the rest of its known tokens, capped by
-        the token budget (chunked prefill) and by ``max_model_len``."""
+        the token budget (chunked prefill) and by ``max_model_len``; 0 while it is paused."""
+        if request.paused:
+            return 0
         num_new = request.num_tokens - request.num_computed_tokens
         num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
         return num_new
@@ -367,8 +374,9 @@ class Scheduler:
             params.logits_processors = None  # callables stay in this process (Executor docs)
             output.scheduled_new_reqs.append(NewRequestData(
                 req_id=req_id, prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
-                block_ids=block_table, num_computed_tokens=start))
-            self._worker_num_tokens[req_id] = request.num_prompt_tokens
+                block_ids=block_table, num_computed_tokens=start,
+                output_token_ids=list(request.output_token_ids)))  # a beam forked between steps
+            self._worker_num_tokens[req_id] = request.num_tokens
         else:
             resumed = req_id in self._preempted_since_scheduled
             self._preempted_since_scheduled.discard(req_id)

@@ -11,6 +11,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.beam_search import BeamSearchManager, BeamSearchParams
 from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import Executor
@@ -65,6 +66,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               args.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
         self._ids = itertools.count()
         # Samples whose logits processors go to the in-process worker on their first step.
@@ -148,6 +150,24 @@ class LLMEngine:
             raise
         return request_id
 
+    def add_beam_search_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
+                                params: BeamSearchParams, arrival_time: float | None = None) -> str:
+        """Queue a beam search (``engine/beam_search.py``); its one ``RequestOutput`` comes out of
+        ``step()`` when it finishes, with the best ``beam_width`` sequences as ``outputs`` (best
+        first) and vLLM's ``BeamSearchSequence``s in ``beam_sequences``.
+
+        Raises:
+            ValueError: invalid prompt or params, a duplicate id, or ``beam_width`` above ``max_num_seqs``.
+        """
+        processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(
+            prompt, SamplingParams(max_tokens=params.max_tokens))
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if self.output_processor.has_request(request_id) or self.beam_search.has_request(request_id):
+            raise ValueError(f"request_id {request_id!r} is already running")
+        self.beam_search.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
+                                     time.monotonic() if arrival_time is None else arrival_time)
+        return request_id
+
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests (by the caller's id): their blocks are freed at once.
 
@@ -155,6 +175,7 @@ class LLMEngine:
             Final outputs (finish_reason "abort") for the requests that were still known.
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        beam_outputs = [o for o in (self.beam_search.abort(i) for i in ids) if o is not None]
         sample_ids = [sid for rid in ids for sid in self.output_processor.sample_ids(rid)]
         self._pending_processors.difference_update(sample_ids)
         self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
@@ -162,7 +183,7 @@ class LLMEngine:
         outputs = self.output_processor.abort_requests(ids, stats)
         if stats is not None:
             self._record_stats(stats)
-        return outputs
+        return outputs + beam_outputs
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's ``reset_prefix_cache``).
@@ -191,13 +212,16 @@ class LLMEngine:
             self._hand_over_logits_processors(sched_out)
         runner_out = self.executor.execute_model(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        beam_finished: list[RequestOutput] = []
+        if self.beam_search.instances:
+            core_outputs, beam_finished = self.beam_search.process_outputs(core_outputs)
         processed = self.output_processor.process_outputs(core_outputs, stats)
         if processed.reqs_to_abort:
             self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         if stats is not None:
             stats.observe_step(sched_out, time.perf_counter() - t0)
             self._record_stats(stats)
-        return processed.request_outputs
+        return processed.request_outputs + beam_finished
 
     def _hand_over_logits_processors(self, sched_out) -> None:
         """Callables stay in this process: hand the logits processors of this step's new requests
