@@ -48,6 +48,8 @@ class CacheConfig:
             min(25% of available RAM, 4 GiB).
         enable_prefix_caching: share full KV blocks across requests by content hash (automatic
             prefix caching, as vLLM V1; on by default).
+        swap_space_bytes: host memory for swapped-out KV blocks (bytes per worker; vLLM's
+            ``swap_space``, GiB there). Allocated only with ``preemption_mode="swap"``.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -56,8 +58,11 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     cpu_kvcache_space_bytes: int | None = None
     enable_prefix_caching: bool = True
+    swap_space_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space_bytes} bytes")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -73,6 +78,10 @@ class CacheConfig:
                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
 
 
+# ``SchedulerConfig.preemption_mode`` values (vLLM's names).
+PREEMPTION_MODES = ("recompute", "swap")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Token and sequence budgets of one scheduler step (continuous batching, Orca / vLLM).
@@ -82,14 +91,20 @@ class SchedulerConfig:
         max_num_batched_tokens: most tokens (prefill chunks + decodes) in one forward.
         max_model_len: most tokens (prompt + output) of one request.
         enable_chunked_prefill: split prompts longer than the remaining token budget.
+        preemption_mode: what happens to a request preempted for blocks: "recompute" (free its
+            blocks, compute its tokens again later; the default) or "swap" (copy its blocks to
+            the host pool, ``CacheConfig.swap_space_bytes``, and back; nothing recomputed).
     """
 
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

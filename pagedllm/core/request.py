@@ -78,6 +78,7 @@ class Request:
             incrementally by the ``KVCacheManager`` as blocks fill.
         num_cached_tokens: prompt tokens found in the prefix cache at the first admission (vLLM's
             name); the model ran ``num_prompt_tokens - num_cached_tokens`` of them then.
+        paused: not scheduled while True (beam search holds a beam between rounds).
     Raises:
         ValueError: for an empty prompt or ``max_tokens < 1``.
     """
@@ -115,6 +116,9 @@ class Request:
         self.num_prompt_logprobs_seen = 0
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = 0
+        # Beam search: a beam that reported its step's candidates waits (is not scheduled) until
+        # the other beams of its prompt have reported too.
+        self.paused = False
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-                             SUPPORTED_QUANTIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+                             PREEMPTION_MODES, SUPPORTED_QUANTIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,10 @@ class EngineArgs:
         tensor_parallel_size, pipeline_parallel_size: ranks per layer / pipeline stages (README,
             "Tensor and pipeline parallelism"); data_parallel_size must be 1.
         trust_remote_code, enforce_eager, tokenizer_mode, revision, download_dir,
-        disable_log_stats, swap_space: accepted for compatibility (see ``create_engine_config``).
+        disable_log_stats: accepted for compatibility (see ``create_engine_config``).
+        preemption_mode: "recompute" (default) or "swap" (``SchedulerConfig.preemption_mode``).
+        swap_space: GiB of host memory per worker for swapped-out KV blocks (vLLM's default 4;
+            allocated only with ``preemption_mode="swap"``; >= 0).
         quantization: None / "gguf" (weights dequantized to ``dtype``) or "int8" (CPU only:
             int8 linear layers with dynamic activation quantization; not exact, see README).
         enable_prefix_caching: automatic prefix caching (content-hashed full blocks shared
@@ -93,7 +96,8 @@ class EngineArgs:
     tokenizer_revision: str | None = None
     download_dir: str | None = None
     disable_log_stats: bool = False
-    swap_space: float | None = None
+    swap_space: float = 4.0
+    preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     quantization: str | None = None
     served_model_name: list[str] | str | None = field(default=None)
@@ -147,8 +151,10 @@ class EngineArgs:
             logger.info("trust_remote_code=True: no remote code is ever run; supported architectures are built in")
         if self.enforce_eager:
             logger.info("enforce_eager=True: pagedllm runs eagerly")
-        if self.swap_space:
-            logger.info("swap_space=%s GiB is accepted; preemption recomputes (swap is not implemented)", self.swap_space)
+        if not isinstance(self.swap_space, (int, float)) or not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         max_model_len = self.max_model_len or model_max_len
@@ -167,9 +173,11 @@ class EngineArgs:
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
                             cpu_kvcache_space_bytes=space,
-                            enable_prefix_caching=bool(self.enable_prefix_caching))
+                            enable_prefix_caching=bool(self.enable_prefix_caching),
+                            swap_space_bytes=int(self.swap_space * (1 << 30)))
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
-                                max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
+                                max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                                preemption_mode=self.preemption_mode)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
                                   self.distributed_executor_backend, self._pp_partition(), self._threads_per_rank())
         if arch:  # before any weight loads: the model must split this way
@@ -257,7 +265,10 @@ def add_engine_cli_args(parser) -> None:
                         "(default: uni for world size 1, else mp)")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--swap-space", type=float, default=None)
+    g.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of host memory per worker for swapped-out KV blocks (used with --preemption-mode swap)")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="on a full KV pool: recompute the preempted request later, or swap its blocks to the host")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share full KV blocks across requests by content hash (default: on)")
     g.add_argument("--quantization", "-q", default=None, choices=[q for q in SUPPORTED_QUANTIZATION if q],

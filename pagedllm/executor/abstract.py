@@ -81,9 +81,15 @@ class Executor(ABC):
             ValueError: if the KV budget cannot hold one request of ``max_model_len`` tokens.
         """
 
+    def determine_num_cpu_blocks(self) -> int:
+        """Host blocks for swap preemption every worker can hold (0 unless
+        ``preemption_mode="swap"``)."""
+        return min(self.collective_rpc("determine_num_cpu_blocks"))
+
     @abstractmethod
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` KV blocks on every worker and build their model runners."""
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Allocate ``num_blocks`` KV blocks (and ``num_cpu_blocks`` host blocks) on every
+        worker and build their model runners."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -124,6 +124,7 @@ class Worker:
         self.model: nn.Module | None = None
         self.model_runner: ModelRunner | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._weight_bytes = 0
         self.distributed_init_method = distributed_init_method
@@ -207,10 +208,22 @@ class Worker:
                 cache_config.gpu_memory_utilization, self._profile_peak_bytes(scheduler_config))
         return num_blocks_for_budget(budget, self.kv_shape, scheduler_config.max_model_len)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` KV blocks per layer and build the model runner."""
+    def determine_num_cpu_blocks(self) -> int:
+        """Host blocks for swap preemption: ``swap_space_bytes`` // bytes per block with
+        ``preemption_mode="swap"``, else 0 (no host pool is allocated)."""
+        if self.scheduler_config.preemption_mode != "swap":
+            return 0
+        return self.cache_config.swap_space_bytes // self.kv_shape.bytes_per_block
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Allocate ``num_blocks`` KV blocks per layer (and ``num_cpu_blocks`` host blocks for
+        swap preemption, pinned on CUDA) and build the model runner."""
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv_caches(num_blocks)
+        self.host_kv_caches = self._allocate_kv_caches(num_cpu_blocks, torch.device("cpu")) if num_cpu_blocks else []
+        if num_cpu_blocks:
+            logger.info("Swap space: %d host blocks (%.1f MiB)", num_cpu_blocks,
+                        num_cpu_blocks * self.kv_shape.bytes_per_block / 2**20)
         max_len = self.scheduler_config.max_model_len
         block_size = self.cache_config.block_size
         logger.info(
@@ -221,7 +234,7 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.kv_caches, block_size, self.device,
                                         self.model_config.vocab_size, seed=self.model_config.seed,
                                         parallel=self.parallel, hidden_size=self.model_config.hidden_size,
-                                        dtype=self.dtype)
+                                        dtype=self.dtype, host_kv_caches=self.host_kv_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (``ModelRunner.execute_model``)."""
@@ -241,6 +254,7 @@ class Worker:
         """Drop the model runner, the KV cache and the model; leave the process group."""
         self.model_runner = None
         self.kv_caches = []
+        self.host_kv_caches = []
         self.model = None
         if self.parallel_config.world_size > 1:
             destroy_parallel_context()
@@ -263,10 +277,14 @@ class Worker:
         torch.cuda.synchronize(self.device)
         return int(torch.cuda.max_memory_allocated(self.device))
 
-    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_caches(self, num_blocks: int, device: torch.device | None = None
+                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         s = self.kv_shape
+        device = device or self.device
         shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        # Host blocks of a CUDA worker are pinned (fast, asynchronous copies).
+        pin = device.type == "cpu" and self.device.type == "cuda"
         # Uninitialised on purpose (pages are touched on first write): attention only reads slots
         # written through the slot mapping, and masks (and zeroes) the rest of a gathered block.
-        return [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                 torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
+        return [(torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin),
+                 torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin)) for _ in range(s.num_layers)]
