@@ -73,23 +73,24 @@ class Executor(ABC):
             ValueError: unsupported model or settings.
         """
 
-    @abstractmethod
     def determine_num_blocks(self) -> int:
-        """KV blocks every worker can hold (the minimum over workers).
+        """KV blocks every worker can hold (the minimum over workers; each rank's pool holds its
+        own KV heads and layers).
 
         Raises:
             ValueError: if the KV budget cannot hold one request of ``max_model_len`` tokens.
         """
+        return min(self.collective_rpc("determine_num_blocks"))
 
     def determine_num_cpu_blocks(self) -> int:
         """Host blocks for swap preemption every worker can hold (0 unless
         ``preemption_mode="swap"``)."""
         return min(self.collective_rpc("determine_num_cpu_blocks"))
 
-    @abstractmethod
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """Allocate ``num_blocks`` KV blocks (and ``num_cpu_blocks`` host blocks) on every
         worker and build their model runners."""
+        self.collective_rpc("initialize_cache", (num_blocks, num_cpu_blocks))
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

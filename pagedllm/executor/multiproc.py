@@ -178,13 +178,6 @@ class MultiprocExecutor(Executor):
         shutil.rmtree(self._tmpdir, ignore_errors=True)
         self.collective_rpc("load_model")
 
-    def determine_num_blocks(self) -> int:
-        """The minimum over ranks (each rank's pool holds its own KV heads and layers)."""
-        return min(self.collective_rpc("determine_num_blocks"))
-
-    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        self.collective_rpc("initialize_cache", (num_blocks, num_cpu_blocks))
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Send the step's message to every rank (pickled once); return the driver's output.
 

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,14 +93,7 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     Raises:
         ValueError: if the folder has no safetensors weights, or a name appears in two shards.
     """
-    seen: set[str] = set()
-    for path in list_safetensors_files(folder):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name in seen:
-                    raise ValueError(f"tensor {name!r} appears in more than one shard ({path})")
-                seen.add(name)
-                yield name, f.get_tensor(name)
+    yield from _iterate_shards(folder, lambda f, name: f.get_tensor(name))
 
 
 def iterate_safetensors_slices(folder: str) -> Iterator[tuple[str, Any]]:
@@ -111,6 +104,15 @@ def iterate_safetensors_slices(folder: str) -> Iterator[tuple[str, Any]]:
     Raises:
         ValueError: as :func:`iterate_safetensors`.
     """
+    yield from _iterate_shards(folder, lambda f, name: f.get_slice(name))
+
+
+def _iterate_shards(folder: str, read: Callable[[Any, str], Any]) -> Iterator[tuple[str, Any]]:
+    """(name, ``read(open_file, name)``) over every shard, each name once.
+
+    Raises:
+        ValueError: if the folder has no safetensors weights, or a name appears in two shards.
+    """
     seen: set[str] = set()
     for path in list_safetensors_files(folder):
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -118,7 +120,7 @@ def iterate_safetensors_slices(folder: str) -> Iterator[tuple[str, Any]]:
                 if name in seen:
                     raise ValueError(f"tensor {name!r} appears in more than one shard ({path})")
                 seen.add(name)
-                yield name, f.get_slice(name)
+                yield name, read(f, name)
 
 
 @dataclass(frozen=True)
