@@ -39,6 +39,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _forget(pool: BlockPool, block_ids, forward: dict[int, int], backward: dict[int, int]) -> None:
+    """Drop the copy records of the blocks of ``pool`` among ``block_ids`` that are now free:
+    their entries in ``forward`` (keyed by them) and in ``backward`` (pointing at them)."""
+    freed = {b for b in block_ids if pool.blocks[b].ref_cnt == 0}
+    if freed:
+        for b in freed:
+            forward.pop(b, None)
+        for other, b in list(backward.items()):
+            if b in freed:
+                del backward[other]
+
+
 class KVCacheManager:
     """Allocates, shares and frees the blocks of each request.
 
@@ -256,20 +268,8 @@ class KVCacheManager:
 
     def _forget_freed(self, device_ids, cpu_ids) -> None:
         """Drop copy records whose device or host end was just freed (it may be reused)."""
-        freed = {d for d in device_ids if self.block_pool.blocks[d].ref_cnt == 0}
-        if freed:
-            for d in freed:
-                self._dev_to_cpu.pop(d, None)
-            for cc, dd in list(self._cpu_to_dev.items()):
-                if dd in freed:
-                    del self._cpu_to_dev[cc]
-        freed = {c for c in cpu_ids if self.cpu_block_pool.blocks[c].ref_cnt == 0}
-        if freed:
-            for c in freed:
-                self._cpu_to_dev.pop(c, None)
-            for dd, cc in list(self._dev_to_cpu.items()):
-                if cc in freed:
-                    del self._dev_to_cpu[dd]
+        _forget(self.block_pool, device_ids, self._dev_to_cpu, self._cpu_to_dev)
+        _forget(self.cpu_block_pool, cpu_ids, self._cpu_to_dev, self._dev_to_cpu)
 
     def _num_full(self, request: Request) -> int:
         return request.num_computed_tokens // self.block_size

@@ -122,10 +122,7 @@ class Executor(ABC):
             f"{type(self).__name__} runs its workers out of process (use a single-process engine, "
             f"distributed_executor_backend='uni')")
 
+    @abstractmethod
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Call ``method`` on every worker; one result per rank.
-
-        Raises:
-            NotImplementedError: if the executor does not support it.
-        """
-        raise NotImplementedError(f"{type(self).__name__} does not implement collective_rpc")
+        """Call ``Worker.<method>(*args, **kwargs)`` on every worker; one result per rank, in rank
+        order (the default ``determine_num_blocks`` / ``initialize_cache`` go through it)."""

@@ -72,6 +72,29 @@ class TensorParallelSizes:
                    vocab_per_rank=-(-config.vocab_size // t))
 
 
+def init_attention_projections(attn: nn.Module, config: ModelConfig, ctx: ParallelContext | None,
+                                qkv_bias: bool, o_bias: bool) -> None:
+    """Give an attention module this rank's sizes and projections (Llama, Qwen, Gemma 3 alike).
+
+    Sets ``ctx``, ``num_heads`` (this rank's query heads), ``num_kv_heads`` (its KV heads,
+    replicated when ``H_kv < T``), ``head_dim``, ``q_size`` / ``kv_size`` (features), the
+    column-parallel ``qkv_proj`` (q/k/v as one ``MergedLinear``, checkpoint names kept) and the
+    row-parallel ``o_proj`` (the caller all-reduces its output).
+
+    Raises:
+        ValueError: as :meth:`TensorParallelSizes.of`.
+    """
+    from pagedllm.layers.linear import MergedLinear
+
+    attn.ctx = ctx or ParallelContext()
+    sizes = TensorParallelSizes.of(config, attn.ctx)
+    attn.num_heads, attn.num_kv_heads, attn.head_dim = sizes.num_heads, sizes.num_kv_heads, config.head_dim
+    attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    attn.qkv_proj = MergedLinear(config.hidden_size, [attn.q_size, attn.kv_size, attn.kv_size],
+                                 ("q_proj", "k_proj", "v_proj"), bias=qkv_bias)
+    attn.o_proj = nn.Linear(attn.q_size, config.hidden_size, bias=o_bias)
+
+
 def checkpoint_shard(name: str, config: ModelConfig, ctx: ParallelContext) -> Shard | None:
     """The slice of checkpoint tensor ``name`` (Hugging Face names) that this rank loads.
 

@@ -21,8 +21,8 @@ from pagedllm.distributed.communication import tensor_parallel_all_gather, tenso
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.linear import MergedLinear, lm_head_logits
 from pagedllm.layers.norm import GemmaRMSNorm
-from pagedllm.layers.parallel import (PPMissingLayer, TensorParallelSizes, VocabParallelEmbedding,
-                                      checkpoint_shard, zero_row_parallel_biases)
+from pagedllm.layers.parallel import (PPMissingLayer, TensorParallelSizes, VocabParallelEmbedding, checkpoint_shard,
+                                      init_attention_projections, zero_row_parallel_biases)
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.models.utils import load_named_weights, pp_missing_prefixes
 
@@ -53,19 +53,8 @@ class Gemma3MLP(nn.Module):
 class Gemma3Attention(nn.Module):
     def __init__(self, config: ModelConfig, sliding_window: int | None, ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        hidden = config.hidden_size
-        self.ctx = ctx or ParallelContext()
-        sizes = TensorParallelSizes.of(config, self.ctx)
-        self.num_heads = sizes.num_heads          # this rank's query heads
-        self.num_kv_heads = sizes.num_kv_heads    # this rank's KV heads (replicated when H_kv < T)
-        self.head_dim = config.head_dim
-        bias = config.attention_bias
+        init_attention_projections(self, config, ctx, config.attention_bias, config.attention_bias)
         eps = config.rms_norm_eps
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # q_proj, k_proj and v_proj as one layer (checkpoint names kept; models/utils.py).
-        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size],
-                                     ("q_proj", "k_proj", "v_proj"), bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps)
         self.sliding_window = sliding_window
