@@ -95,6 +95,26 @@ def init_attention_projections(attn: nn.Module, config: ModelConfig, ctx: Parall
     attn.o_proj = nn.Linear(attn.q_size, config.hidden_size, bias=o_bias)
 
 
+def init_stage_and_lm_head(lm: nn.Module, config: ModelConfig, ctx: ParallelContext) -> None:
+    """Finish a ``*ForCausalLM`` module for this rank, once its ``model`` (with ``layers``) is built.
+
+    Sets ``tie_word_embeddings``, ``lm_head`` (untied: a vocabulary-parallel ``nn.Linear`` of
+    ``ceil(V / T)`` rows on the last stage, a ``PPMissingLayer`` elsewhere; tied: none, the head is
+    the embedding), ``packed_lm_head`` (None until ``pack_linear_layers``), ``stage_layers`` (this
+    stage's decoder layers), and the per-rank KV shape the worker sizes its pool by:
+    ``num_kv_heads``, ``head_dim``, ``num_layers``.
+    """
+    sizes = TensorParallelSizes.of(config, ctx)
+    lm.tie_word_embeddings = config.tie_word_embeddings
+    if not lm.tie_word_embeddings:
+        lm.lm_head = (nn.Linear(config.hidden_size, sizes.vocab_per_rank, bias=False) if ctx.is_last_stage
+                      else PPMissingLayer())
+    lm.packed_lm_head = None  # set by pack_linear_layers (tied head, CPU float32)
+    lm.stage_layers = [layer for layer in lm.model.layers if not isinstance(layer, PPMissingLayer)]
+    lm.num_kv_heads, lm.head_dim = sizes.num_kv_heads, config.head_dim   # per rank
+    lm.num_layers = len(lm.stage_layers)                                  # this stage's
+
+
 def checkpoint_shard(name: str, config: ModelConfig, ctx: ParallelContext) -> Shard | None:
     """The slice of checkpoint tensor ``name`` (Hugging Face names) that this rank loads.
 

@@ -19,7 +19,8 @@ from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.linear import MergedLinear, lm_head_logits
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.parallel import (PPMissingLayer, TensorParallelSizes, VocabParallelEmbedding, checkpoint_shard,
-                                      init_attention_projections, zero_row_parallel_biases)
+                                      init_attention_projections, init_stage_and_lm_head,
+                                      zero_row_parallel_biases)
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.models.utils import load_named_weights, pp_missing_prefixes
 
@@ -137,16 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.ctx = ctx = ctx or ParallelContext(layer_end=config.num_hidden_layers)
         windows = list(config.layer_sliding_windows)
         self.model = LlamaModel(config, self.bias_flags(config), self.qk_norm, windows, ctx)
-        self.tie_word_embeddings = config.tie_word_embeddings
-        sizes = TensorParallelSizes.of(config, ctx)
-        if not self.tie_word_embeddings and ctx.is_last_stage:  # vocabulary-parallel head
-            self.lm_head = nn.Linear(config.hidden_size, sizes.vocab_per_rank, bias=False)
-        elif not self.tie_word_embeddings:
-            self.lm_head = PPMissingLayer()
-        self.packed_lm_head = None  # set by pack_linear_layers (tied head, CPU float32)
-        self.stage_layers = [layer for layer in self.model.layers if not isinstance(layer, PPMissingLayer)]
-        self.num_kv_heads, self.head_dim = sizes.num_kv_heads, config.head_dim   # per rank
-        self.num_layers = len(self.stage_layers)                                  # this stage's
+        init_stage_and_lm_head(self, config, ctx)
         self.layer_sliding_windows = windows[ctx.layer_start: ctx.layer_start + self.num_layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
