@@ -43,7 +43,8 @@ class Executor(ABC):
         """The executor class for ``parallel_config`` (vLLM's ``Executor.get_class``).
 
         ``distributed_executor_backend`` "uni", or None with a world size of 1, gives
-        ``UniProcExecutor``; "mp", or None with more ranks, ``MultiprocExecutor``.
+        ``UniProcExecutor``; "mp", or None with more ranks, ``MultiprocExecutor``; "ray"
+        ``RayDistributedExecutor`` (which raises ImportError naming the ``[ray]`` extra without Ray).
 
         Raises:
             ValueError: for a backend or world size no executor implements.
@@ -54,6 +55,9 @@ class Executor(ABC):
         if backend == "mp":
             from pagedllm.executor.multiproc import MultiprocExecutor
             return MultiprocExecutor
+        if backend == "ray":
+            from pagedllm.executor.ray_executor import RayDistributedExecutor
+            return RayDistributedExecutor
         if backend == "uni":
             if parallel_config.world_size != 1:
                 raise ValueError(f"distributed_executor_backend='uni' runs one worker, "
@@ -61,7 +65,7 @@ class Executor(ABC):
             from pagedllm.executor.uniproc import UniProcExecutor
             return UniProcExecutor
         raise ValueError(f"distributed_executor_backend={backend!r} with world size "
-                         f"{parallel_config.world_size} is not supported ('uni', 'mp')")
+                         f"{parallel_config.world_size} is not supported ('uni', 'mp', 'ray')")
 
     # -- lifecycle ------------------------------------------------------------------------
 
