@@ -46,6 +46,9 @@ class LLMEngine:
         self.model_files = files
         model_cfg, cache_cfg, sched_cfg, parallel_cfg = args.create_engine_config(
             hf_config=load_config(files.folder), model_folder=files.folder)
+        if parallel_cfg.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={parallel_cfg.data_parallel_size}: one LLMEngine is one replica; "
+                             "LLM(...) and pagedllm serve start the replicas (engine/dp_client.py)")
         self.model_config, self.cache_config, self.scheduler_config = model_cfg, cache_cfg, sched_cfg
         self.parallel_config = parallel_cfg
         executor_class = executor_class or Executor.get_class(parallel_cfg)
