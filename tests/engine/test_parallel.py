@@ -115,6 +115,47 @@ def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_k
     assert not any(p.is_alive() for p in processes)
 
 
+def _run_many(engine: LLMEngine) -> dict:
+    """Eight requests (greedy with logprobs, greedy, seeded sampling), prompts of 9..30 tokens."""
+    for i in range(8):
+        prompt = [(7 * i + 3 * j) % 200 + 3 for j in range(9 + 3 * i)]
+        params = (SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2) if i % 3 == 0 else
+                  SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True) if i % 3 == 1 else
+                  SamplingParams(temperature=1.0, top_k=20, seed=100 + i, max_tokens=10, ignore_eos=True, logprobs=1))
+        engine.add_request(f"r{i}", prompt, params)
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                out[o.request_id] = (c.token_ids, None if c.logprobs is None else
+                                     [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_keeps_two_batches_in_flight_with_the_same_tokens(make_tiny_checkpoint):
+    """PP=2: the engine writes a second step before the first's output is read (stage 0 runs
+    batch k+1 while stage 1 runs batch k); tokens (greedy, seeded) and logprobs equal one process."""
+    folder = make_tiny_checkpoint("gemma3")
+    # A 32-token budget splits the 8 prompts over several batches, so there is work for two.
+    single = _engine(folder, max_num_batched_tokens=32)
+    want = _run_many(single)
+    single.shutdown()
+    engine = _engine(folder, pipeline_parallel_size=2, cpu_threads_per_rank=1, max_num_batched_tokens=32)
+    processes = list(engine.executor.processes)
+    try:
+        assert engine.batch_queue_size == engine.executor.max_concurrent_batches == 2
+        _assert_same(_run_many(engine), want)
+        assert engine.executor.max_num_batches_in_flight == 2
+        assert engine.scheduler.num_in_flight == 0 and not engine._batch_queue
+        kv = engine.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        engine.shutdown()
+    assert not any(p.is_alive() for p in processes)
+
+
 @pytest.mark.timeout(120)
 def test_killed_worker_is_a_clear_error_not_a_hang(llama_one_kv_head):
     engine = _engine(llama_one_kv_head, tensor_parallel_size=2, cpu_threads_per_rank=1)
