@@ -12,7 +12,9 @@ With pipeline parallelism the engine keeps up to ``pipeline_parallel_size`` batc
 (vLLM V1's batch queue): ``schedule()`` may run again before an earlier batch's output is back.
 A request in a batch still in flight is skipped (not scheduled again, not chosen for
 preemption) until ``update_from_output`` receives that batch, so each request is in at most one
-batch at a time and its tokens come out as with one batch at a time.
+batch at a time and its tokens come out as with one batch at a time. A batch then takes at most
+``ceil((running + waiting) / P)`` requests, so requests admitted together are spread over P
+batches instead of moving through the stages as one.
 
 A request's largest size (prompt + max_tokens, at most ``max_model_len``) must fit in the whole
 KV pool; the engine checks ``num_blocks * block_size >= max_model_len`` at startup, otherwise a
@@ -46,6 +48,8 @@ class Scheduler:
         scheduler_config: budgets (``max_num_seqs``, ``max_num_batched_tokens``,
             ``max_model_len``, ``enable_chunked_prefill``).
         kv_cache_manager: the block tables; the scheduler is its only writer.
+        max_concurrent_batches: batches the engine keeps in flight (``pipeline_parallel_size``
+            with the multi-process executor, else 1).
 
     Attributes:
         waiting: WAITING and PREEMPTED requests, FCFS (preempted ones re-enter at the front).
@@ -53,8 +57,12 @@ class Scheduler:
         num_preemptions_total: preemptions since construction.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 max_concurrent_batches: int = 1) -> None:
         self.scheduler_config = scheduler_config
+        # Batches the engine keeps in flight (pipeline stages); above 1 a batch takes at most
+        # ceil(unfinished requests / max_concurrent_batches) requests, so each stage gets work.
+        self.max_concurrent_batches = max_concurrent_batches
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -173,9 +181,14 @@ class Scheduler:
         num_prefill_tokens = num_decode_tokens = 0
         now = time.monotonic()
 
+        # With P batches in flight, one batch takes at most 1/P of the requests (rounded up):
+        # otherwise a burst admitted together would move as one batch, one stage at a time.
+        max_batch_reqs = self.max_num_seqs if self.max_concurrent_batches == 1 else \
+            -(-(len(self.running) + len(self.waiting)) // self.max_concurrent_batches)
+
         # 1) RUNNING requests, in admission order.
         req_index = 0
-        while req_index < len(self.running) and budget > 0:
+        while req_index < len(self.running) and budget > 0 and len(output.num_scheduled_tokens) < max_batch_reqs:
             request = self.running[req_index]
             num_new = 0 if request.request_id in self._in_flight else self._num_new_tokens(request, budget)
             if num_new <= 0:
@@ -217,7 +230,8 @@ class Scheduler:
 
         # 2) WAITING requests, FCFS, only if nobody had to be preempted this step.
         if not preempted_ids:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+                    and len(output.num_scheduled_tokens) < max_batch_reqs:
                 request = self.waiting[0]
                 group = len(self._pending_forks.get(request.request_id, ()))
                 if len(self.running) + self.num_pending_forks + 1 + group > self.max_num_seqs:

@@ -63,7 +63,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
                                                enable_caching=cache_cfg.enable_prefix_caching,
                                                num_cpu_blocks=self.num_cpu_blocks)
-        self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager)
+        self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager,
+                                   max_concurrent_batches=self.executor.max_concurrent_batches)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               args.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -111,3 +111,23 @@ def test_an_id_still_in_flight_cannot_be_reused():
         sched.add_request(make_request("a", 6))
     sched.update_from_output(out, fake_runner(out))   # the late output is ignored
     sched.add_request(make_request("a", 6))           # and the id is free again
+
+
+def test_with_two_batches_in_flight_a_batch_takes_half_the_requests():
+    from pagedllm.config import SchedulerConfig
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from scheduler_mirror import MirroredScheduler
+
+    sched = MirroredScheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+                      KVCacheManager(block_size=4, num_blocks=32), max_concurrent_batches=2)
+    _add(sched, 5)
+    first, second = sched.schedule(), sched.schedule()   # ceil(5 / 2) = 3, then the other 2
+    assert list(first.num_scheduled_tokens) == ["r0", "r1", "r2"]
+    assert list(second.num_scheduled_tokens) == ["r3", "r4"]
+    sched.update_from_output(first, fake_runner(first, _token(sched)))
+    third = sched.schedule()
+    assert list(third.num_scheduled_tokens) == ["r0", "r1", "r2"]   # decodes, the same split
+    for out in (second, third):
+        sched.update_from_output(out, fake_runner(out, _token(sched)))
+    _, batches = _run(sched, depth=2)
+    assert all(len(b) <= 3 for b in batches) and not sched.has_unfinished_requests()
