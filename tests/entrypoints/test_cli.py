@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm.entrypoints.cli import build_parser, main
 
-TINY_FLAGS = ["--max-model-len", "64", "--kv-cache-memory-bytes", "8MiB", "--no-progress"]
+TINY_FLAGS = ["--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory-bytes", "8MiB", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
