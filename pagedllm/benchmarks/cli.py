@@ -112,7 +112,8 @@ def _cmd_throughput(ns) -> int:
                   dataset=ns.dataset, engine_load_time_s=engine.load_time_s)
     model_folder = engine.model_files.folder
     sched = engine.scheduler_config
-    kv_bytes = engine.num_blocks * engine.executor.driver_worker.kv_shape.bytes_per_block
+    driver = getattr(engine.executor, "driver_worker", None)  # uniproc; else vLLM gets our default budget
+    kv_bytes = engine.num_blocks * driver.kv_shape.bytes_per_block if driver is not None else 4 << 30
     del llm, engine
     gc.collect()
     if ns.baseline:  # ours first, so a baseline that fails or is killed loses nothing
