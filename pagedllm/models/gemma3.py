@@ -63,7 +63,7 @@ class Gemma3Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=scalar ** -0.5,
                               sliding_window=self.sliding_window,
                               logits_soft_cap=config.attn_logit_softcapping,
-                              backend=config.attention_backend)
+                              backend=config.attention_backend, cpu_isa=config.cpu_isa)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -60,7 +60,7 @@ class LlamaAttention(nn.Module):
         self.qk_norm = qk_norm
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               scale=self.head_dim ** -0.5, sliding_window=sliding_window,
-                              backend=config.attention_backend)
+                              backend=config.attention_backend, cpu_isa=config.cpu_isa)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:

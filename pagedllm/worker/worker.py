@@ -41,25 +41,38 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.device) -> torch.dtype:
-    """"auto" -> float32 on the CPU (exact parity with transformers), the checkpoint's
-    ``dtype`` / ``torch_dtype`` (``ModelConfig.checkpoint_dtype``; float32 -> bfloat16 not
-    applied) on CUDA.
+def resolve_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.device,
+                  cpu_isa: str | None = None) -> torch.dtype:
+    """"auto" -> on the CPU, bfloat16 where the CPU multiplies it natively (``avx512_bf16`` or
+    AMX, and ``ModelConfig.cpu_isa`` does not force a path without them), else float32 (one INFO
+    line says which and why); on CUDA, the checkpoint's ``dtype`` / ``torch_dtype``
+    (``ModelConfig.checkpoint_dtype``; float32 -> bfloat16 not applied).
 
     Args:
         dtype: the asked dtype name.
         model_config: the model's config (or its config.json dict).
         device: where the model runs.
+        cpu_isa: overrides ``model_config.cpu_isa`` (for a dict: default "auto").
+    Raises:
+        ValueError: as ``platforms.cpu.native_bf16`` (a forced ``cpu_isa`` this CPU lacks).
     """
+    from pagedllm.platforms.cpu import native_bf16
+
+    if cpu_isa is None:
+        cpu_isa = "auto" if isinstance(model_config, dict) else model_config.cpu_isa
+    if dtype == "auto" and not isinstance(model_config, dict) and model_config.quantization == "int8":
+        return torch.float32  # int8 layers take float32 activations (layers/quantization.py)
     if dtype != "auto":
         if device.type == "cpu" and _DTYPES[dtype] in (torch.bfloat16, torch.float16) \
-                and torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):
-            logger.warning("%s on a CPU without AVX-512 (capability %s): its matmuls run several times "
-                           "slower than float32 here (docs/performance.md); --dtype float32 is faster",
-                           dtype, torch.backends.cpu.get_cpu_capability())
+                and not native_bf16(cpu_isa)[0]:
+            logger.warning("%s on a CPU without native bf16 (%s): its matmuls run several times slower "
+                           "than float32 here (docs/performance.md); --dtype float32 is faster",
+                           dtype, native_bf16(cpu_isa)[1])
         return _DTYPES[dtype]
     if device.type == "cpu":
-        return torch.float32
+        bf16, why = native_bf16(cpu_isa)
+        logger.info("dtype auto -> %s on the CPU: %s", "bfloat16" if bf16 else "float32", why)
+        return torch.bfloat16 if bf16 else torch.float32
     if isinstance(model_config, dict):
         name = model_config.get("dtype") or model_config.get("torch_dtype")
     else:
@@ -168,14 +181,15 @@ class Worker:
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
             weight_bytes += quantize_linear_layers(self.model)
-        else:  # CPU float32: linear layers move into oneDNN's packed layout (layers/linear.py).
+        else:  # CPU float32 (and bfloat16 where native): linear layers move into oneDNN's packed layout (layers/linear.py).
             weight_bytes += pack_linear_layers(self.model, self.dtype, self.device,
                                                self.scheduler_config.max_num_seqs, self.model_config.cpu_gemm)
         self._weight_bytes = weight_bytes
         self.weights_load_s = time.perf_counter() - t0
         logger.info("Model weights: %.1f MiB in %s on %s, loaded in %.2f s",
                     weight_bytes / 2**20, str(self.dtype).replace("torch.", ""), self.device, self.weights_load_s)
-        prepare_backend(self.model_config.attention_backend, self.device, self.dtype)  # compiles the CPU kernel on a first start
+        prepare_backend(self.model_config.attention_backend, self.device, self.dtype,
+                        self.model_config.cpu_isa)  # compiles the CPU kernel on a first start
         self.kv_shape = KVCacheShape(
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim, block_size=self.cache_config.block_size,

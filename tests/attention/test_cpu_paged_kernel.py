@@ -23,6 +23,7 @@ from pagedllm.attention import Attention, AttentionMetadata, build_attention_met
 from pagedllm.attention.backends import (
     BACKEND_ENV, AttentionSpec, cpu_paged, cpu_sdpa, resolve_backend_name)
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.platforms.cpu import CpuIsa, cpu_flags, missing_flags
 
 HAVE_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 
@@ -35,6 +36,9 @@ def test_kernel_builds_here():
     kernel = cpu_paged.load_kernel()
     assert kernel is not None
     assert isinstance(kernel.built_with_avx2(), bool)
+    # Every path this CPU can run is compiled in (-march=native allows each of them).
+    can_run = [isa.value for isa in CpuIsa if not missing_flags(isa, cpu_flags())]
+    assert kernel.compiled_isas() == can_run
     assert cpu_paged.build_directory().name == cpu_paged.extension_name()
 
 
@@ -73,7 +77,7 @@ SCHEDULE = {
 
 def run_schedule(backend, *, block_size=16, num_heads=4, num_kv_heads=2, head_dim=64,
                  windows=(None,), soft_cap=None, dtype=torch.float32, seed=0,
-                 decodes_first=False):
+                 decodes_first=False, cpu_isa="auto"):
     """Yield (step, window, out, dense) for every step and layer (one layer per window)."""
     gen = torch.Generator().manual_seed(seed)
     h, h_kv, d, bs = num_heads, num_kv_heads, head_dim, block_size
@@ -89,7 +93,7 @@ def run_schedule(backend, *, block_size=16, num_heads=4, num_kv_heads=2, head_di
         full_tables[name] = perm[used:used + n]
         used += n
     layers = [Attention(h, d, h_kv, scale, sliding_window=w, logits_soft_cap=soft_cap,
-                        backend=backend) for w in windows]
+                        backend=backend, cpu_isa=cpu_isa) for w in windows]
     caches = [(torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype),
                torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype))
               for _ in windows]
@@ -255,7 +259,7 @@ def test_kernel_rejects_out_of_range_block_id():
     with pytest.raises(RuntimeError, match="out of range"):
         kernel.paged_attention(q, torch.empty_like(q), cache, cache, md.block_tables,
                                md.query_start_loc, md.seq_lens, md.context_lens,
-                               torch.zeros(1, dtype=torch.int32), 1.0, 0, 0.0)
+                               torch.zeros(1, dtype=torch.int32), 1.0, 0, 0.0, 0)
 
 
 def test_build_failure_warns_and_falls_back(monkeypatch, caplog):
@@ -310,3 +314,56 @@ def test_backend_env_var(monkeypatch):
         Attention(4, 8, 1, scale=1.0, backend=configured())
     monkeypatch.setenv(BACKEND_ENV, "")
     assert resolve_backend_name(configured()) in ("cpu_sdpa", "cpu_paged")
+
+
+def require_isa(isa: CpuIsa) -> None:
+    """Skip, naming the CPU flags that are missing, where this CPU cannot run ``isa``."""
+    missing = missing_flags(isa, cpu_flags())
+    if missing:
+        pytest.skip(f"the CPU lacks {', '.join(missing)} (needed by the {isa.value} path)")
+    if not HAVE_COMPILER:
+        pytest.skip("no C++ compiler on PATH")
+
+
+# bfloat16 outputs are rounded to bfloat16 (8 bits of mantissa): paths that sum in another order
+# can differ by one unit in the last place, 2^-8 relative.
+@pytest.mark.parametrize("isa", [CpuIsa.AVX2, CpuIsa.AVX512, CpuIsa.AVX512_BF16], ids=lambda i: i.value)
+@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 2e-6, 1e-5), (torch.bfloat16, 8e-3, 8e-3)],
+                         ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim, soft_cap, windows", [(64, None, (None, 10)), (256, 50.0, (None,)),
+                                                          (40, None, (7,))], ids=["d64", "d256-cap", "d40-window"])
+def test_isa_path_matches_portable(isa, dtype, atol, rtol, head_dim, soft_cap, windows):
+    """Each SIMD path against the portable C++ loops on the same multi-step schedule (prefills,
+    chunks, decodes, window, soft cap; head_dim 40 leaves a tail after the 16- and 32-wide loops)."""
+    require_isa(isa)
+    kwargs = dict(head_dim=head_dim, soft_cap=soft_cap, windows=windows, dtype=dtype, num_heads=4,
+                  num_kv_heads=1, seed=3)
+    portable = list(run_schedule("cpu_paged", cpu_isa="portable", **kwargs))
+    fast = list(run_schedule("cpu_paged", cpu_isa=isa.value, **kwargs))
+    assert len(portable) == len(fast)
+    for (step, window, out_ref, _), (_, _, out, _) in zip(portable, fast):
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), out_ref.float(), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{isa.value} step {step} window {window}: {m}")
+
+
+def test_kernel_path_names():
+    """Which micro-kernels a layer runs: the bf16 dot products for bfloat16 only."""
+    require_isa(CpuIsa.AVX512_BF16)
+    kernel = cpu_paged.load_kernel()
+    assert cpu_paged.kernel_path(kernel, CpuIsa.AVX512_BF16, torch.bfloat16) == "avx512_bf16"
+    assert cpu_paged.kernel_path(kernel, CpuIsa.AVX512_BF16, torch.float32) == "avx512"
+    assert cpu_paged.kernel_path(kernel, CpuIsa.AVX2, torch.bfloat16) == "avx2"
+    assert cpu_paged.kernel_path(kernel, CpuIsa.PORTABLE, torch.float32) == "portable"
+
+
+def test_kernel_rejects_path_not_compiled():
+    kernel = cpu_paged.load_kernel()
+    if kernel is None:
+        pytest.skip("kernel unavailable")
+    md = build_attention_metadata([1], [0], [[0]], block_size=4, device="cpu")
+    q = torch.randn(1, 2, 8)
+    cache = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="not compiled"):
+        kernel.paged_attention(q, torch.empty_like(q), cache, cache, md.block_tables, md.query_start_loc,
+                               md.seq_lens, md.context_lens, torch.zeros(1, dtype=torch.int32), 1.0, 0, 0.0, 9)

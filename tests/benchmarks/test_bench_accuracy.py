@@ -84,7 +84,9 @@ def test_bench_accuracy_int8_on_a_tiny_model(make_tiny_checkpoint, tmp_path, cap
 
 
 @pytest.mark.parametrize("flags", [["--dtype", "float32"], [], ["--quantization", "gguf"]])
-def test_bench_accuracy_refuses_the_reference_itself(make_tiny_checkpoint, capsys, flags):
+def test_bench_accuracy_refuses_the_reference_itself(make_tiny_checkpoint, capsys, monkeypatch, flags):
+    # dtype "auto" is float32 on a path without bf16 instructions (bfloat16 where the CPU has them).
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "portable")
     rc = main(["bench", "accuracy", "--model", make_tiny_checkpoint("llama"), *flags,
                "--dataset", "random", "--num-prompts", "2", *ENGINE_FLAGS])
     assert rc == 2

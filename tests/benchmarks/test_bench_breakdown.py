@@ -9,7 +9,7 @@ from pagedllm.benchmarks.breakdown import StepBreakdown
 
 
 def test_breakdown_sums_to_wall_and_restores_the_engine(make_tiny_checkpoint):
-    llm = LLM(make_tiny_checkpoint("gemma3"), kv_cache_memory_bytes=8 << 20, max_model_len=128, block_size=8)
+    llm = LLM(make_tiny_checkpoint("gemma3"), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128, block_size=8)
     engine = llm.llm_engine
     model = engine.executor.driver_worker.model_runner.model
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

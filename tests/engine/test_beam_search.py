@@ -22,7 +22,7 @@ def engines(make_tiny_checkpoint):
     def get(arch):
         if arch not in cache:
             path = make_tiny_checkpoint(arch)
-            cache[arch] = (path, LLM(path, max_model_len=128, kv_cache_memory_bytes=16 << 20, seed=0, block_size=4))
+            cache[arch] = (path, LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20, seed=0, block_size=4))
         return cache[arch]
 
     return get

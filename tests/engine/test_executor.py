@@ -66,7 +66,7 @@ def _run(engine: LLMEngine, prompts, params) -> dict:
 
 
 def _engine(folder, executor_class=None, **kwargs) -> LLMEngine:
-    args = EngineArgs(model=folder, max_model_len=128, seed=0, block_size=8, **kwargs)
+    args = EngineArgs(model=folder, dtype="float32", max_model_len=128, seed=0, block_size=8, **kwargs)
     return LLMEngine(args, executor_class=executor_class)
 
 

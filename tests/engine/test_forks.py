@@ -44,7 +44,7 @@ class StepProbe:
 
 @pytest.fixture(scope="module")
 def llm(make_tiny_checkpoint):
-    engine = LLM(make_tiny_checkpoint("llama"), max_model_len=256, kv_cache_memory_bytes=16 << 20, seed=0,
+    engine = LLM(make_tiny_checkpoint("llama"), dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20, seed=0,
                  block_size=BS, enable_prefix_caching=False)
     return engine, StepProbe(engine)
 
@@ -76,7 +76,7 @@ def test_n4_seeded_equals_four_requests_prompt_once_stored_once(llm):
 
 
 def test_greedy_n3_with_chunked_prefill_and_penalties(make_tiny_checkpoint):
-    engine = LLM(make_tiny_checkpoint("llama"), max_model_len=256, kv_cache_memory_bytes=16 << 20, seed=0,
+    engine = LLM(make_tiny_checkpoint("llama"), dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20, seed=0,
                  block_size=BS, max_num_batched_tokens=16)
     probe = StepProbe(engine)
     params = SamplingParams(n=3, temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3)

@@ -12,7 +12,7 @@ from pagedllm import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(make_tiny_checkpoint):
-    return LLM(make_tiny_checkpoint("llama"), max_model_len=128, kv_cache_memory_bytes=32 << 20, seed=0)
+    return LLM(make_tiny_checkpoint("llama"), dtype="float32", max_model_len=128, kv_cache_memory_bytes=32 << 20, seed=0)
 
 
 def _free_all(llm):
@@ -39,11 +39,11 @@ def test_kv_budget_too_small_says_largest_max_model_len(make_tiny_checkpoint):
     path = make_tiny_checkpoint("llama")
     # 3 layers * 2 * 2 kv heads * 16 dims * 4 bytes = 768 B/token; 16 KiB hold 21 tokens -> 1 block of 16.
     with pytest.raises(ValueError, match=r"max_model_len <= 16"):
-        LLM(path, max_model_len=128, kv_cache_memory_bytes=16 << 10)
+        LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 10)
 
 
 def test_vllm_compat_arguments_are_accepted(make_tiny_checkpoint):
-    llm = LLM(make_tiny_checkpoint("llama"), max_model_len=64, kv_cache_memory_bytes=8 << 20,
+    llm = LLM(make_tiny_checkpoint("llama"), dtype="float32", max_model_len=64, kv_cache_memory_bytes=8 << 20,
               trust_remote_code=True, enforce_eager=True, tensor_parallel_size=1, gpu_memory_utilization=0.5,
               tokenizer=make_tiny_checkpoint("llama"))
     assert llm.generate("hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -197,7 +197,8 @@ def test_cli_generate_jsonl(make_tiny_checkpoint, tmp_path, capsys):
     out_file = tmp_path / "out.jsonl"
     rc = main(["generate", "--model", make_tiny_checkpoint("llama"), "--prompts-file", str(prompts),
                "--output-format", "jsonl", "--output-file", str(out_file), "--max-tokens", "6", "--ignore-eos",
-               "--max-model-len", "64", "--kv-cache-memory-bytes", "8MiB", "--no-progress"])
+               "--max-model-len", "64", "--kv-cache-memory-bytes", "8MiB", "--no-progress",
+               "--dtype", "float32"])
     assert rc == 0
     rows = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert [len(r["outputs"][0]["token_ids"]) for r in rows] == [4, 6]
@@ -251,7 +252,7 @@ def test_max_tokens_zero_returns_the_prompt_only(llm):
 def test_streamed_prompt_logprobs_come_once_and_complete_under_chunked_prefill(make_tiny_checkpoint):
     from pagedllm.sampling_params import RequestOutputKind
 
-    small = LLM(make_tiny_checkpoint("llama"), max_model_len=128, max_num_batched_tokens=8,
+    small = LLM(make_tiny_checkpoint("llama"), dtype="float32", max_model_len=128, max_num_batched_tokens=8,
                 kv_cache_memory_bytes=8 << 20, seed=0)
     engine = small.llm_engine
     prompt = list(range(10, 40))  # 30 tokens: four prefill chunks of at most 8

@@ -52,7 +52,7 @@ def llama_one_kv_head(tmp_path_factory, tiny_tokenizer_dir) -> str:
 
 
 def _engine(folder: str, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=folder, max_model_len=128, seed=0, block_size=8,
+    return LLMEngine(EngineArgs(model=folder, dtype="float32", max_model_len=128, seed=0, block_size=8,
                                 kv_cache_memory_bytes=4 << 20, **kwargs))
 
 
@@ -221,7 +221,7 @@ import time
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 if __name__ == "__main__":
-    engine = LLMEngine(EngineArgs(model={llama_one_kv_head!r}, max_model_len=128, tensor_parallel_size=2,
+    engine = LLMEngine(EngineArgs(model={llama_one_kv_head!r}, dtype="float32", max_model_len=128, tensor_parallel_size=2,
                                   cpu_threads_per_rank=1, kv_cache_memory_bytes=4 << 20))
     print(" ".join(str(p.pid) for p in engine.executor.processes), flush=True)
     time.sleep(300)
@@ -307,7 +307,7 @@ def test_async_engine_fails_requests_when_a_worker_dies(llama_one_kv_head):
     from pagedllm.engine.async_engine import AsyncLLM, EngineStepError
     from pagedllm.entrypoints.openai.errors import error_from_exception
 
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=llama_one_kv_head, max_model_len=128, block_size=8,
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=llama_one_kv_head, dtype="float32", max_model_len=128, block_size=8,
                                                kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2,
                                                cpu_threads_per_rank=1))
     processes = list(llm.engine.executor.processes)

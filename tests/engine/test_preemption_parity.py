@@ -17,7 +17,7 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
 
 
 def run(path, **kw):
-    engine = LLM(path, max_model_len=64, seed=0, block_size=8, **kw)
+    engine = LLM(path, dtype="float32", max_model_len=64, seed=0, block_size=8, **kw)
     probe = StepProbe(engine)
     outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
     kv = engine.llm_engine.kv_cache_manager
@@ -55,7 +55,7 @@ def test_small_pool_preemption_matches_large_pool(reference, mode):
 def test_swap_without_host_pool_room_recomputes(reference):
     path, want = reference
     # 1 host block: no request fits, every preemption falls back to recompute.
-    engine = LLM(path, max_model_len=64, seed=0, block_size=8, num_gpu_blocks_override=9,
+    engine = LLM(path, dtype="float32", max_model_len=64, seed=0, block_size=8, num_gpu_blocks_override=9,
                  preemption_mode="swap", swap_space=0)
     outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
     assert [[o.token_ids for o in r.outputs] for r in outs] == [[t for t, _ in r] for r in want]
@@ -65,7 +65,7 @@ def test_swap_without_host_pool_room_recomputes(reference):
 
 def test_abort_while_swapped_frees_everything(reference):
     path, _ = reference
-    engine = LLM(path, max_model_len=64, seed=0, block_size=8, num_gpu_blocks_override=9,
+    engine = LLM(path, dtype="float32", max_model_len=64, seed=0, block_size=8, num_gpu_blocks_override=9,
                  preemption_mode="swap", swap_space=0.01)
     core = engine.llm_engine
     for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS)):

@@ -19,7 +19,7 @@ BS = 16
 def make_llm(path: str, enable: bool, **kwargs) -> LLM:
     kw = dict(max_model_len=256, kv_cache_memory_bytes=16 << 20, seed=0, block_size=BS)
     kw.update(kwargs)
-    return LLM(path, enable_prefix_caching=enable, **kw)
+    return LLM(path, dtype="float32", enable_prefix_caching=enable, **kw)
 
 
 class PromptTokenCounter:

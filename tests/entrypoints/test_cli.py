@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm.entrypoints.cli import build_parser, main
 
-TINY_FLAGS = ["--max-model-len", "64", "--kv-cache-memory-bytes", "8MiB", "--no-progress"]
+TINY_FLAGS = ["--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory-bytes", "8MiB", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +74,15 @@ def test_gpu_memory_utilization_line_only_when_set(tiny_dir, caplog, monkeypatch
 
 def test_start_log_names_the_attention_backend_and_why(tiny_dir, caplog, monkeypatch):
     from pagedllm.attention.backends.cpu_paged import load_kernel
-    expected = ("cpu_paged (the default on the CPU: the C++ paged-attention kernel)" if load_kernel() is not None
+    from pagedllm.platforms.cpu import cpu_flags, missing_flags, CpuIsa
+    expected = ("cpu_paged (the default on the CPU: the C++ paged-attention kernel;" if load_kernel() is not None
                 else "cpu_sdpa (the cpu_paged kernel could not be built")
-    assert f"Attention backend: {expected}" in _start_log(tiny_dir, caplog)
+    log = _start_log(tiny_dir, caplog)
+    assert f"Attention backend: {expected}" in log
+    if load_kernel() is not None:  # which micro-kernels run, and which path "auto" chose from the CPU's flags
+        best = "avx512" if not missing_flags(CpuIsa.AVX512, cpu_flags()) else \
+            "avx2" if not missing_flags(CpuIsa.AVX2, cpu_flags()) else "portable"
+        assert f"{best} micro-kernels for float32 (cpu_isa 'auto' -> " in log
     caplog.clear()
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "cpu_sdpa")
     assert "Attention backend: cpu_sdpa (set by attention_backend='cpu_sdpa' / $PAGEDLLM_ATTENTION_BACKEND)" in _start_log(tiny_dir, caplog)

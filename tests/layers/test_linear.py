@@ -10,6 +10,12 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.linear import (CPU_GEMM_ENV, MergedLinear, PackedLinear, lm_head_logits,
                                     onednn_linear_available, pack_linear_layers)
 from pagedllm.models.utils import load_named_weights
+from pagedllm.platforms.cpu import cpu_flags
+
+# bfloat16 runs packed where the CPU multiplies it natively (oneDNN on AVX-512 bf16 / AMX).
+NATIVE_BF16 = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+needs_native_bf16 = pytest.mark.skipif(not NATIVE_BF16, reason="the CPU lacks avx512_bf16 and amx_bf16 "
+                                       "(bfloat16 is packed only where oneDNN runs it natively)")
 
 # Skip only where this torch build has no oneDNN (mkldnn) at all; where it has it, the probe must
 # succeed (test below), so a broken probe fails instead of skipping every oneDNN test.
@@ -20,7 +26,8 @@ needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this torch build has n
 @needs_onednn
 def test_onednn_probe_succeeds_where_onednn_exists():
     assert onednn_linear_available(torch.float32)
-    assert not onednn_linear_available(torch.bfloat16)  # the packed path is float32 only
+    assert onednn_linear_available(torch.bfloat16) is NATIVE_BF16
+    assert not onednn_linear_available(torch.float16)
 
 
 @needs_onednn
@@ -59,14 +66,44 @@ def test_pack_linear_layers_replaces_linears_and_packs_tied_head(monkeypatch, ti
     torch.testing.assert_close(lm_head_logits(model, x), want_logits, rtol=1e-5, atol=1e-5)
 
 
+@needs_onednn
+@needs_native_bf16
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_packed_linear_bf16_matches_f_linear(m):
+    """bfloat16 weights and inputs, float32 accumulation: F.linear's result to bfloat16 rounding."""
+    torch.manual_seed(m)
+    w, b = torch.randn(96, 640).bfloat16(), torch.randn(96).bfloat16()
+    x = torch.randn(m, 640).bfloat16()
+    y = PackedLinear(w, b, batch_hint=64)(x)
+    assert y.dtype == torch.bfloat16
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(y.float(), want, rtol=1.6e-2, atol=0.1)
+
+
+@needs_onednn
+@needs_native_bf16
+def test_pack_linear_layers_packs_bf16_and_tied_head(monkeypatch, tied_toy):
+    """The LM head gets the same packed kernel as the other layers in bfloat16 too."""
+    monkeypatch.delenv(CPU_GEMM_ENV, raising=False)
+    torch.manual_seed(0)
+    model = tied_toy().to(torch.bfloat16)
+    x = torch.randn(3, 16).bfloat16()
+    want_logits = F.linear(x.float(), model.model.embed_tokens.weight.float())
+    extra = pack_linear_layers(model, torch.bfloat16, torch.device("cpu"), batch_hint=8)
+    assert isinstance(model.model.proj, PackedLinear) and isinstance(model.packed_lm_head, PackedLinear)
+    assert extra == 50 * 16 * 2
+    torch.testing.assert_close(lm_head_logits(model, x).float(), want_logits, rtol=1.6e-2, atol=2e-2)
+
+
 def test_pack_linear_layers_is_a_no_op_for_torch_gemm_and_bf16(monkeypatch, tied_toy):
     model = tied_toy()
     monkeypatch.setenv(CPU_GEMM_ENV, "torch")  # read once by EngineArgs, passed on through ModelConfig.cpu_gemm
     assert pack_linear_layers(model, torch.float32, torch.device("cpu"), 8, EngineArgs().cpu_gemm) == 0
     assert isinstance(model.model.proj, nn.Linear) and model.packed_lm_head is None
     monkeypatch.delenv(CPU_GEMM_ENV)
-    assert pack_linear_layers(model.to(torch.bfloat16), torch.bfloat16, torch.device("cpu"), 8) == 0
-    assert isinstance(model.model.proj, nn.Linear)
+    if not NATIVE_BF16:  # bfloat16 without native instructions stays on F.linear
+        assert pack_linear_layers(model.to(torch.bfloat16), torch.bfloat16, torch.device("cpu"), 8) == 0
+        assert isinstance(model.model.proj, nn.Linear)
 
 
 def test_bad_cpu_gemm_name_is_a_value_error(monkeypatch, tied_toy):

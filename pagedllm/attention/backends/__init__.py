@@ -104,24 +104,31 @@ def resolve_backend_name(name: str) -> str:
     return name
 
 
-def get_backend(name: str) -> BackendForward:
+def get_backend(name: str, cpu_isa: str = "auto") -> BackendForward:
     """Return the ``forward`` function of backend ``name`` (``"auto"`` allowed).
 
+    Args:
+        name: the backend.
+        cpu_isa: the C++ kernel's code path (``cpu_paged``): "auto" = the best this CPU's flags
+            allow, or a ``platforms.cpu.CpuIsa`` name.
     Raises:
-        ValueError: if the name is unknown.
+        ValueError: if the name is unknown, or as ``platforms.cpu.resolve_cpu_isa``.
     """
     name = resolve_backend_name(name)
     if name == "torch_ref":
         from pagedllm.attention.backends import torch_ref
         return torch_ref.forward
     if name == "cpu_paged":
+        import functools
+
         from pagedllm.attention.backends import cpu_paged
-        return cpu_paged.forward
+        from pagedllm.platforms.cpu import resolve_cpu_isa
+        return functools.partial(cpu_paged.forward, isa=resolve_cpu_isa(cpu_isa))
     from pagedllm.attention.backends import cpu_sdpa
     return cpu_sdpa.forward
 
 
-def prepare_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+def prepare_backend(name: str, device: torch.device, dtype: torch.dtype, cpu_isa: str = "auto") -> str:
     """Get backend ``name`` (``"auto"`` allowed) ready to run on ``device`` in ``dtype``, and log
     which backend will run and why (one INFO line).
 
@@ -148,6 +155,10 @@ def prepare_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
         elif cpu_paged.load_kernel() is None:
             resolved, why = "cpu_sdpa", "the cpu_paged kernel could not be built (see the warning above)"
         else:
-            why = f"set by {forced}" if forced else "the default on the CPU: the C++ paged-attention kernel"
+            from pagedllm.platforms.cpu import resolve_cpu_isa
+            isa = resolve_cpu_isa(cpu_isa)
+            path = cpu_paged.kernel_path(cpu_paged.load_kernel(), isa, dtype)
+            why = (f"set by {forced}" if forced else "the default on the CPU: the C++ paged-attention kernel") \
+                + f"; {path} micro-kernels for {str(dtype).replace('torch.', '')} (cpu_isa {cpu_isa!r} -> {isa.value})"
     logger.info("Attention backend: %s (%s)", resolved, why)
     return resolved

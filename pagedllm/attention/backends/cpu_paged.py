@@ -38,6 +38,7 @@ import torch
 
 from pagedllm.attention.backends import AttentionSpec, cpu_sdpa
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.platforms.cpu import CpuIsa, resolve_cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -145,9 +146,31 @@ def load_kernel() -> ModuleType | None:
         logger.warning("cpu_paged attention kernel unavailable (%s: %s); falling back to "
                        "cpu_sdpa", type(exc).__name__, exc)
         return None
-    logger.info("cpu_paged attention kernel %s %s in %.2f s (%s, AVX2 micro-kernels: %s)",
-                name, action, time.perf_counter() - start, build_dir, module.built_with_avx2())
+    logger.info("cpu_paged attention kernel %s %s in %.2f s (%s, code paths: %s)",
+                name, action, time.perf_counter() - start, build_dir, ", ".join(module.compiled_isas()))
     return module
+
+
+@functools.cache
+def _compiled(kernel: ModuleType) -> tuple[str, ...]:
+    return tuple(kernel.compiled_isas())
+
+
+@functools.cache
+def _path_index(compiled: tuple[str, ...], isa: CpuIsa, bf16: bool) -> tuple[int, str]:
+    order = list(CpuIsa)
+    for cand in reversed(order[: order.index(isa) + 1]):
+        if cand is CpuIsa.AVX512_BF16 and not bf16:
+            continue  # the bf16 dot products change bfloat16 caches only; float32 runs AVX-512
+        if cand.value in compiled:
+            return compiled.index(cand.value), cand.value
+    return 0, CpuIsa.PORTABLE.value
+
+
+def kernel_path(kernel: ModuleType, isa: CpuIsa, dtype: torch.dtype) -> str:
+    """The name of the code path the kernel runs for ``isa`` in ``dtype``: ``isa`` itself, or the
+    fastest path below it compiled into this build (``avx512_bf16`` applies to bfloat16 only)."""
+    return _path_index(_compiled(kernel), isa, dtype == torch.bfloat16)[1]
 
 
 def _seq_ids(md: AttentionMetadata) -> torch.Tensor:
@@ -164,6 +187,7 @@ def forward(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
+    isa: CpuIsa | None = None,
 ) -> torch.Tensor:
     """Paged attention over a flattened batch of prefill chunks and decodes (CPU kernel).
 
@@ -175,6 +199,8 @@ def forward(
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, already
             holding this step's K/V.
         metadata: this step's AttentionMetadata (int32 block tables and lengths on the CPU).
+        isa: the micro-kernels to run (``platforms.cpu``; None = the best the CPU's flags
+            allow); a path not compiled into this build runs the fastest one below it.
     Returns:
         [num_tokens, num_heads, head_dim] in query dtype; rows of padding tokens (past the last
         sequence's queries) are zero.
@@ -198,5 +224,6 @@ def forward(
         kernel.paged_attention(
             query, out, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
             metadata.seq_lens, metadata.context_lens, seq_ids, spec.scale,
-            spec.sliding_window or 0, spec.logits_soft_cap or 0.0)
+            spec.sliding_window or 0, spec.logits_soft_cap or 0.0,
+            _path_index(_compiled(kernel), isa or resolve_cpu_isa("auto"), query.dtype == torch.bfloat16)[0])
     return out

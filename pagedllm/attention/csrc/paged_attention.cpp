@@ -39,6 +39,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -47,12 +49,31 @@
 #else
 #define PAGEDLLM_AVX2 0
 #endif
+#if PAGEDLLM_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGEDLLM_AVX512 1
+#else
+#define PAGEDLLM_AVX512 0
+#endif
+#if PAGEDLLM_AVX512 && defined(__AVX512BF16__)
+#define PAGEDLLM_AVX512_BF16 1
+#else
+#define PAGEDLLM_AVX512_BF16 0
+#endif
 
 #ifndef PAGEDLLM_PREFETCH
 #define PAGEDLLM_PREFETCH 1  // software prefetch of the next key chunk's K/V rows
 #endif
 
 namespace {
+
+// The code paths, chosen per call by the caller (pagedllm/platforms/cpu.py picks the best one the
+// CPU's flags allow). Only paths the compiler was allowed to emit (-march=native) are compiled in.
+enum Isa : int {
+  kPortable = 0,    // plain C++ loops: the reference every other path is tested against
+  kAvx2 = 1,        // 8-wide float32 FMA
+  kAvx512 = 2,      // 16-wide float32 FMA (bfloat16 widened on load)
+  kAvx512Bf16 = 3,  // as kAvx512, with q.k of bfloat16 caches by vdpbf16ps (float32 sums)
+};
 
 constexpr int64_t kTileTokens = 16;  // query tokens per work item (prefill chunks)
 constexpr int64_t kKeyChunk = 32;    // key positions per online-softmax step
@@ -79,12 +100,6 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 // exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, Cody-Waite split of ln2, degree-5 polynomial;
 // relative error ~1e-7). Inputs below -87 return ~exp(-87) = 1.6e-38 instead of smaller values,
 // which is irrelevant next to the row maximum's exp(0) = 1.
@@ -106,30 +121,56 @@ inline __m256 exp256(__m256 x) {
 }
 #endif
 
+#if PAGEDLLM_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // Scores of R query rows (float32, pre-scaled, row stride d) against NK (1 or 2) key rows:
 // s[r * s_ld + k] = q[r] . key[k]. R * NK independent FMA chains hide the FMA latency, and each
 // loaded key vector serves R rows, each loaded query vector NK keys.
-template <int R, int NK, typename T>
+template <int ISA, int R, int NK, typename T>
 inline void dot_rows(const float* q, int64_t d, const T* const* keys, float* s, int64_t s_ld) {
   float acc[R][NK];
-  int64_t i = 0;
-#if PAGEDLLM_AVX2
-  __m256 a[R][NK];
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < NK; ++k) a[r][k] = _mm256_setzero_ps();
-  for (; i + 8 <= d; i += 8) {
-    __m256 kv[NK];
-    for (int k = 0; k < NK; ++k) kv[k] = load8(keys[k] + i);
-    for (int r = 0; r < R; ++r) {
-      const __m256 qv = _mm256_loadu_ps(q + r * d + i);
-      for (int k = 0; k < NK; ++k) a[r][k] = _mm256_fmadd_ps(qv, kv[k], a[r][k]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < NK; ++k) acc[r][k] = hsum(a[r][k]);
-#else
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < NK; ++k) acc[r][k] = 0.f;
+  int64_t i = 0;
+#if PAGEDLLM_AVX512
+  if constexpr (ISA >= kAvx512) {
+    __m512 a[R][NK];
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < NK; ++k) a[r][k] = _mm512_setzero_ps();
+    for (; i + 16 <= d; i += 16) {
+      __m512 kv[NK];
+      for (int k = 0; k < NK; ++k) kv[k] = load16(keys[k] + i);
+      for (int r = 0; r < R; ++r) {
+        const __m512 qv = _mm512_loadu_ps(q + r * d + i);
+        for (int k = 0; k < NK; ++k) a[r][k] = _mm512_fmadd_ps(qv, kv[k], a[r][k]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < NK; ++k) acc[r][k] = _mm512_reduce_add_ps(a[r][k]);
+  }
+#endif
+#if PAGEDLLM_AVX2
+  if constexpr (ISA == kAvx2) {
+    __m256 a[R][NK];
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < NK; ++k) a[r][k] = _mm256_setzero_ps();
+    for (; i + 8 <= d; i += 8) {
+      __m256 kv[NK];
+      for (int k = 0; k < NK; ++k) kv[k] = load8(keys[k] + i);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + r * d + i);
+        for (int k = 0; k < NK; ++k) a[r][k] = _mm256_fmadd_ps(qv, kv[k], a[r][k]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < NK; ++k) acc[r][k] = hsum(a[r][k]);
+  }
 #endif
   for (; i < d; ++i) {
     for (int k = 0; k < NK; ++k) {
@@ -141,41 +182,104 @@ inline void dot_rows(const float* q, int64_t d, const T* const* keys, float* s, 
     for (int k = 0; k < NK; ++k) s[r * s_ld + k] = acc[r][k];
 }
 
+#if PAGEDLLM_AVX512_BF16
+// As dot_rows for bfloat16 caches with bfloat16 query rows qb (unscaled: the model's own bf16
+// values, so nothing is rounded that the model did not round): pairs of products summed into
+// float32 lanes by vdpbf16ps (each product exact in float32), then multiplied by scale.
+template <int R, int NK>
+inline void dot_rows_bf16(const c10::BFloat16* qb, int64_t d, const c10::BFloat16* const* keys,
+                          float scale, float* s, int64_t s_ld) {
+  __m512 a[R][NK];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NK; ++k) a[r][k] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) {
+    __m512bh kv[NK];
+    for (int k = 0; k < NK; ++k) kv[k] = (__m512bh)_mm512_loadu_si512(keys[k] + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + r * d + i);
+      for (int k = 0; k < NK; ++k) a[r][k] = _mm512_dpbf16_ps(a[r][k], qv, kv[k]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int k = 0; k < NK; ++k) {
+      float acc = _mm512_reduce_add_ps(a[r][k]);
+      for (int64_t t = i; t < d; ++t) acc += to_float(qb[r * d + t]) * to_float(keys[k][t]);
+      s[r * s_ld + k] = acc * scale;
+    }
+  }
+}
+#endif
+
 // acc[r] += sum_{j in [j0, j1)} p[r * p_ld + j] * v[j] for R rows (float32 accumulators, row
 // stride d). d outer, keys inner: the accumulators stay in registers across the chunk's keys.
-template <int R, typename T>
+template <int ISA, int R, typename T>
 inline void accumulate_rows(float* acc, int64_t d, const float* p, int64_t p_ld,
                             const T* const* v, int64_t j0, int64_t j1) {
   int64_t i = 0;
-#if PAGEDLLM_AVX2
-  for (; i + 16 <= d; i += 16) {
-    __m256 a0[R], a1[R];
-    for (int r = 0; r < R; ++r) {
-      a0[r] = _mm256_loadu_ps(acc + r * d + i);
-      a1[r] = _mm256_loadu_ps(acc + r * d + i + 8);
-    }
-    for (int64_t j = j0; j < j1; ++j) {
-      const __m256 v0 = load8(v[j] + i), v1 = load8(v[j] + i + 8);
+#if PAGEDLLM_AVX512
+  if constexpr (ISA >= kAvx512) {
+    for (; i + 32 <= d; i += 32) {
+      __m512 a0[R], a1[R];
       for (int r = 0; r < R; ++r) {
-        const __m256 pr = _mm256_broadcast_ss(p + r * p_ld + j);
-        a0[r] = _mm256_fmadd_ps(pr, v0, a0[r]);
-        a1[r] = _mm256_fmadd_ps(pr, v1, a1[r]);
+        a0[r] = _mm512_loadu_ps(acc + r * d + i);
+        a1[r] = _mm512_loadu_ps(acc + r * d + i + 16);
+      }
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m512 v0 = load16(v[j] + i), v1 = load16(v[j] + i + 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512 pr = _mm512_set1_ps(p[r * p_ld + j]);
+          a0[r] = _mm512_fmadd_ps(pr, v0, a0[r]);
+          a1[r] = _mm512_fmadd_ps(pr, v1, a1[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        _mm512_storeu_ps(acc + r * d + i, a0[r]);
+        _mm512_storeu_ps(acc + r * d + i + 16, a1[r]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(acc + r * d + i, a0[r]);
-      _mm256_storeu_ps(acc + r * d + i + 8, a1[r]);
+    for (; i + 16 <= d; i += 16) {
+      __m512 a[R];
+      for (int r = 0; r < R; ++r) a[r] = _mm512_loadu_ps(acc + r * d + i);
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m512 vv = load16(v[j] + i);
+        for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_ld + j]), vv, a[r]);
+      }
+      for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * d + i, a[r]);
     }
   }
-  for (; i + 8 <= d; i += 8) {
-    __m256 a[R];
-    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * d + i);
-    for (int64_t j = j0; j < j1; ++j) {
-      const __m256 vv = load8(v[j] + i);
-      for (int r = 0; r < R; ++r)
-        a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * p_ld + j), vv, a[r]);
+#endif
+#if PAGEDLLM_AVX2
+  if constexpr (ISA == kAvx2) {
+    for (; i + 16 <= d; i += 16) {
+      __m256 a0[R], a1[R];
+      for (int r = 0; r < R; ++r) {
+        a0[r] = _mm256_loadu_ps(acc + r * d + i);
+        a1[r] = _mm256_loadu_ps(acc + r * d + i + 8);
+      }
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m256 v0 = load8(v[j] + i), v1 = load8(v[j] + i + 8);
+        for (int r = 0; r < R; ++r) {
+          const __m256 pr = _mm256_broadcast_ss(p + r * p_ld + j);
+          a0[r] = _mm256_fmadd_ps(pr, v0, a0[r]);
+          a1[r] = _mm256_fmadd_ps(pr, v1, a1[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(acc + r * d + i, a0[r]);
+        _mm256_storeu_ps(acc + r * d + i + 8, a1[r]);
+      }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * d + i, a[r]);
+    for (; i + 8 <= d; i += 8) {
+      __m256 a[R];
+      for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * d + i);
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m256 vv = load8(v[j] + i);
+        for (int r = 0; r < R; ++r)
+          a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * p_ld + j), vv, a[r]);
+      }
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * d + i, a[r]);
+    }
   }
 #endif
   for (; i < d; ++i) {
@@ -186,13 +290,23 @@ inline void accumulate_rows(float* acc, int64_t d, const float* p, int64_t p_ld,
   }
 }
 
-// Scores of rows [r0, r0 + R) against keys [j0, j1) of the chunk, two keys at a time.
-template <int R, typename T>
-inline void score_group(const float* q, int64_t d, const T* const* k_rows, int64_t j0,
-                        int64_t j1, float* s) {
+// Scores of rows [r0, r0 + R) against keys [j0, j1) of the chunk, two keys at a time. qf holds the
+// rows pre-scaled in float32; qb the same rows unscaled in T (read by the bf16 dot-product path).
+template <int ISA, int R, typename T>
+inline void score_group(const float* q, const T* qb, int64_t d, float scale,
+                        const T* const* k_rows, int64_t j0, int64_t j1, float* s) {
   int64_t j = j0;
-  for (; j + 2 <= j1; j += 2) dot_rows<R, 2>(q, d, k_rows + j, s + j, kKeyChunk);
-  if (j < j1) dot_rows<R, 1>(q, d, k_rows + j, s + j, kKeyChunk);
+#if PAGEDLLM_AVX512_BF16
+  if constexpr (ISA == kAvx512Bf16 && std::is_same_v<T, c10::BFloat16>) {
+    for (; j + 2 <= j1; j += 2) dot_rows_bf16<R, 2>(qb, d, k_rows + j, scale, s + j, kKeyChunk);
+    if (j < j1) dot_rows_bf16<R, 1>(qb, d, k_rows + j, scale, s + j, kKeyChunk);
+    return;
+  }
+#endif
+  (void)qb;
+  (void)scale;
+  for (; j + 2 <= j1; j += 2) dot_rows<ISA, R, 2>(q, d, k_rows + j, s + j, kKeyChunk);
+  if (j < j1) dot_rows<ISA, R, 1>(q, d, k_rows + j, s + j, kKeyChunk);
 }
 
 struct Item {
@@ -221,10 +335,10 @@ inline void visible_range(const Geometry& g, int64_t pos_a, int64_t pos_b, int64
   *j1 = std::min<int64_t>(n, pos_b - c0 + 1);
 }
 
-template <typename T>
+template <int ISA, typename T>
 void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, const T* k_base,
               const T* v_base, const int32_t* block_table, int64_t q_start, int64_t ctx_len,
-              std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores,
+              std::vector<float>& qf, std::vector<T>& qb, std::vector<float>& acc, std::vector<float>& scores,
               std::vector<float>& row_max, std::vector<float>& row_sum,
               std::vector<const T*>& k_ptrs, std::vector<const T*>& v_ptrs) {
   const int64_t d = g.head_dim;
@@ -239,6 +353,7 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
                      (it.kv_head * g.group + h) * g.q_stride_h;
       float* dst = qf.data() + (t * g.group + h) * d;
       for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * g.scale;
+      if constexpr (ISA == kAvx512Bf16) std::copy(src, src + d, qb.data() + (t * g.group + h) * d);
     }
   }
   std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
@@ -297,12 +412,13 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
                     &j1);
       if (j0 >= j1) continue;
       const float* q = qf.data() + r0 * d;
+      const T* q_raw = qb.data() + r0 * d;
       float* s = scores.data() + r0 * kKeyChunk;
       switch (nr) {
-        case 4: score_group<4>(q, d, k_rows, j0, j1, s); break;
-        case 3: score_group<3>(q, d, k_rows, j0, j1, s); break;
-        case 2: score_group<2>(q, d, k_rows, j0, j1, s); break;
-        default: score_group<1>(q, d, k_rows, j0, j1, s); break;
+        case 4: score_group<ISA, 4>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
+        case 3: score_group<ISA, 3>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
+        case 2: score_group<ISA, 2>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
+        default: score_group<ISA, 1>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
       }
     }
     // Online softmax per row: probabilities of this chunk (exactly 0 where masked), running
@@ -325,7 +441,7 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
       float sum = 0.f;
       int64_t j = 0;
 #if PAGEDLLM_AVX2
-      if (j0 == 0 && j1 == kKeyChunk) {  // the common full chunk: vector exp
+      if (ISA >= kAvx2 && j0 == 0 && j1 == kKeyChunk) {  // the common full chunk: vector exp
         const __m256 mx = _mm256_set1_ps(new_max);
         __m256 acc_sum = _mm256_setzero_ps();
         for (; j < kKeyChunk; j += 8) {
@@ -361,10 +477,10 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
       float* a = acc.data() + r0 * d;
       const float* p = scores.data() + r0 * kKeyChunk;
       switch (nr) {
-        case 4: accumulate_rows<4>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
-        case 3: accumulate_rows<3>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
-        case 2: accumulate_rows<2>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
-        default: accumulate_rows<1>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
+        case 4: accumulate_rows<ISA, 4>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
+        case 3: accumulate_rows<ISA, 3>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
+        case 2: accumulate_rows<ISA, 2>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
+        default: accumulate_rows<ISA, 1>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
       }
     }
     std::swap(k_rows, k_next);
@@ -383,7 +499,7 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
   }
 }
 
-template <typename T>
+template <int ISA, typename T>
 void run(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache,
          const at::Tensor& v_cache, const int32_t* block_tables, const int32_t* q_starts,
          const int32_t* ctx_lens, const std::vector<Item>& items, const Geometry& g) {
@@ -398,16 +514,27 @@ void run(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache,
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       std::vector<float> qf(max_rows * g.head_dim), acc(max_rows * g.head_dim);
+      std::vector<T> qb(ISA == kAvx512Bf16 ? max_rows * g.head_dim : 0);
       std::vector<float> scores(max_rows * kKeyChunk), row_max(max_rows), row_sum(max_rows);
       std::vector<const T*> k_ptrs(2 * kKeyChunk), v_ptrs(2 * kKeyChunk);
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
         const Item& it = items[i];
-        run_item<T>(it, g, q_base, o_base, k_base, v_base, block_tables + it.seq * g.bt_stride,
-                    q_starts[it.seq], ctx_lens[it.seq], qf, acc, scores, row_max, row_sum, k_ptrs,
+        run_item<ISA, T>(it, g, q_base, o_base, k_base, v_base, block_tables + it.seq * g.bt_stride,
+                    q_starts[it.seq], ctx_lens[it.seq], qf, qb, acc, scores, row_max, row_sum, k_ptrs,
                     v_ptrs);
       }
     }
   });
+}
+
+bool isa_compiled(int isa) {
+  switch (isa) {
+    case kPortable: return true;
+    case kAvx2: return PAGEDLLM_AVX2;
+    case kAvx512: return PAGEDLLM_AVX512;
+    case kAvx512Bf16: return PAGEDLLM_AVX512_BF16;
+    default: return false;
+  }
 }
 
 void check_int32_cpu(const at::Tensor& t, const char* name) {
@@ -422,7 +549,7 @@ void paged_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor&
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& context_lens, const at::Tensor& seq_ids, double scale,
-                     int64_t sliding_window, double logits_soft_cap) {
+                     int64_t sliding_window, double logits_soft_cap, int64_t isa) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out must be [num_tokens, num_heads, head_dim] of the same shape, got ",
               query.sizes(), " and ", out.sizes());
@@ -511,10 +638,42 @@ void paged_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor&
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  if (dtype == at::kFloat)
-    run<float>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
-  else
-    run<c10::BFloat16>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
+  TORCH_CHECK(isa >= kPortable && isa <= kAvx512Bf16 && isa_compiled(static_cast<int>(isa)),
+              "paged_attention: code path ", isa, " is not compiled into this build");
+  // The bf16 dot-product path changes only bfloat16 caches; float32 runs its AVX-512 code.
+  if (isa == kAvx512Bf16 && dtype == at::kFloat) isa = kAvx512;
+  const bool f32 = dtype == at::kFloat;
+  switch (isa) {
+#if PAGEDLLM_AVX512_BF16
+    case kAvx512Bf16:
+      run<kAvx512Bf16, c10::BFloat16>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
+      return;
+#endif
+#if PAGEDLLM_AVX512
+    case kAvx512:
+      if (f32) run<kAvx512, float>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
+      else run<kAvx512, c10::BFloat16>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
+      return;
+#endif
+#if PAGEDLLM_AVX2
+    case kAvx2:
+      if (f32) run<kAvx2, float>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
+      else run<kAvx2, c10::BFloat16>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
+      return;
+#endif
+    default:
+      if (f32) run<kPortable, float>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
+      else run<kPortable, c10::BFloat16>(query, out, k_cache, v_cache, tables, starts, ctx, items, g);
+  }
+}
+
+// Names of the code paths compiled into this build, index = the `isa` argument.
+std::vector<std::string> compiled_isas() {
+  std::vector<std::string> names{"portable"};
+  if (PAGEDLLM_AVX2) names.push_back("avx2");
+  if (PAGEDLLM_AVX512) names.push_back("avx512");
+  if (PAGEDLLM_AVX512_BF16) names.push_back("avx512_bf16");
+  return names;
 }
 
 bool built_with_avx2() { return PAGEDLLM_AVX2; }
@@ -524,5 +683,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Paged attention over the block table, in place into out (float32 / bfloat16, CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("compiled_isas", &compiled_isas,
+        "Names of the code paths compiled in; the index of a name is paged_attention's isa argument");
   m.def("built_with_avx2", &built_with_avx2, "True when the AVX2/FMA micro-kernels are compiled in");
 }

@@ -1,0 +1,1 @@
+"""What the machine the engine runs on can do (vLLM's ``platforms``): the CPU's instruction sets."""
