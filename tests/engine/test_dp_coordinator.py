@@ -62,7 +62,7 @@ def test_offline_llm_dp2_equals_dp1_and_spreads_the_batch(make_tiny_checkpoint):
     prompts = [[5 + i % 7, 9, 13, 200 - i, 17, 3, 40 + i] for i in range(16)]
     params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)] * 8
-    kwargs = dict(max_model_len=128, block_size=8, kv_cache_memory_bytes=4 << 20)
+    kwargs = dict(dtype="float32", max_model_len=128, block_size=8, kv_cache_memory_bytes=4 << 20)
     want = [o.outputs[0].token_ids for o in LLM(folder, **kwargs).generate(prompts, params, use_tqdm=False)]
     llm = LLM(folder, data_parallel_size=2, **kwargs)
     try:

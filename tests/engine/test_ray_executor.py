@@ -42,7 +42,7 @@ def _run(engine: LLMEngine) -> dict:
 
 
 def _engine(folder: str, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=folder, max_model_len=128, seed=0, block_size=8,
+    return LLMEngine(EngineArgs(model=folder, dtype="float32", max_model_len=128, seed=0, block_size=8,
                                 kv_cache_memory_bytes=4 << 20, **kwargs))
 
 

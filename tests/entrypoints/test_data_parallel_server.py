@@ -19,7 +19,7 @@ PROMPTS = [[7 + i % 5, 11, 13 + i, 200 - i, 17, 3 + i % 3, 40, 41, 42, 50 + i] f
 
 
 def _args(folder: str, dp: int) -> list[str]:
-    return [folder, "--served-model-name", "tiny", "--max-model-len", "128", "--block-size", "8",
+    return [folder, "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "128", "--block-size", "8",
             "--kv-cache-memory-bytes", "4MiB", "--data-parallel-size", str(dp)]
 
 
