@@ -203,11 +203,12 @@ class Scheduler:
 
         # 2) WAITING requests, FCFS, only if nobody had to be preempted this step.
         if not preempted_ids:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seats, groups = self._seats_in_use()
+            while self.waiting and budget > 0:
                 request = self.waiting[0]
-                group = len(self._pending_forks.get(request.request_id, ()))
-                if len(self.running) + self.num_pending_forks + 1 + group > self.max_num_seqs:
-                    break  # its samples will fork: admit the group only with room for all
+                need = self._seats_needed(request, groups)
+                if seats + need > self.max_num_seqs:
+                    break  # a group (its samples or beams will fork) enters only with room for all
                 if self.kv_cache_manager.is_swapped(request):
                     # Swapped out: back into fresh device blocks, nothing recomputed.
                     num_new = self._num_new_tokens(request, budget)
@@ -215,6 +216,7 @@ class Scheduler:
                     if pairs is None:
                         break
                     output.blocks_to_swap_in.extend(pairs)
+                    seats += self._take_seats(request, need, groups)
                     self.waiting.popleft()
                     self.running.append(request)
                     request.status = RequestStatus.RUNNING
@@ -235,6 +237,7 @@ class Scheduler:
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = computed.num_computed_tokens
                 # [/prefix caching]
+                seats += self._take_seats(request, need, groups)
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
@@ -263,6 +266,39 @@ class Scheduler:
             num_decode_tokens, len(preempted_ids), len(self.running), len(self.waiting),
             self.kv_cache_manager.num_free_blocks, self.kv_cache_manager.num_blocks)
         return output
+
+    def _seats_in_use(self) -> tuple[int, set[str]]:
+        """Seats of ``max_num_seqs`` taken now, and the beam groups holding theirs.
+
+        A running request takes one seat, except that a beam group takes its ``group_width`` once
+        (from its first running beam on: its beams fork up to that many between steps, without
+        asking); the samples that will fork from a running parent (n > 1 / best_of) take one each.
+        """
+        groups: set[str] = set()
+        seats = 0
+        for request in self.running:
+            if request.group_id is None:
+                seats += 1
+            elif request.group_id not in groups:
+                groups.add(request.group_id)
+                seats += request.group_width
+        for parent_id, forks in self._pending_forks.items():
+            if self.requests[parent_id].status == RequestStatus.RUNNING:
+                seats += len(forks)
+        return seats, groups
+
+    def _seats_needed(self, request: Request, groups: set[str]) -> int:
+        """Seats a waiting request takes when admitted: its group's width (none if the group holds
+        its seats already), or itself plus the samples that will fork from it."""
+        if request.group_id is not None:
+            return 0 if request.group_id in groups else request.group_width
+        return 1 + len(self._pending_forks.get(request.request_id, ()))
+
+    @staticmethod
+    def _take_seats(request: Request, need: int, groups: set[str]) -> int:
+        if request.group_id is not None:
+            groups.add(request.group_id)
+        return need
 
     def _fork_pending(self, output: SchedulerOutput, now: float) -> None:
         """Fork the waiting samples of every parent whose last prompt token is computed this step.

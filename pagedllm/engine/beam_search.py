@@ -145,7 +145,10 @@ class BeamSearchManager:
                                 logprobs=2 * inst.params.beam_width)
         inst.beams[rid] = seq
         self.beam_to_instance[rid] = inst
-        return Request(rid, inst.prompt_token_ids, params, inst.max_tokens, arrival_time=inst.arrival_time)
+        request = Request(rid, inst.prompt_token_ids, params, inst.max_tokens, arrival_time=inst.arrival_time)
+        # The scheduler admits the first beam only when max_num_seqs has room for all the beams.
+        request.group_id, request.group_width = inst.request_id, inst.params.beam_width
+        return request
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
         """Take this step's outputs of beam requests; advance every beam search whose round is complete.
