@@ -204,16 +204,26 @@ class Scheduler:
         # 2) WAITING requests, FCFS, only if nobody had to be preempted this step.
         if not preempted_ids:
             seats, groups = self._seats_in_use()
+            # Paused requests (preempted beams whose round is still open) keep their place but do
+            # not block the queue: their siblings behind them must run to close the round.
+            skipped: list[Request] = []
             while self.waiting and budget > 0:
                 request = self.waiting[0]
+                if request.paused:
+                    skipped.append(self.waiting.popleft())
+                    continue
                 need = self._seats_needed(request, groups)
                 if seats + need > self.max_num_seqs:
                     break  # a group (its samples or beams will fork) enters only with room for all
                 if self.kv_cache_manager.is_swapped(request):
                     # Swapped out: back into fresh device blocks, nothing recomputed.
                     num_new = self._num_new_tokens(request, budget)
-                    pairs = None if num_new <= 0 else self.kv_cache_manager.swap_in(request, num_new)
+                    if num_new <= 0:
+                        break
+                    pairs = self.kv_cache_manager.swap_in(request, num_new)
                     if pairs is None:
+                        if self._preempt_paused(output, preempted_ids):
+                            continue
                         break
                     output.blocks_to_swap_in.extend(pairs)
                     seats += self._take_seats(request, need, groups)
@@ -231,7 +241,11 @@ class Scheduler:
                 request.num_computed_tokens = 0  # allocate_slots adds the hit itself
                 if not self.enable_chunked_prefill and request.num_tokens - computed.num_computed_tokens > budget:
                     break
-                if num_new <= 0 or self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
+                if num_new <= 0:
+                    break
+                if self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
+                    if self._preempt_paused(output, preempted_ids):
+                        continue  # blocks held by an idle beam were freed: try again
                     break  # FCFS: do not let later requests skip ahead
                 request.num_computed_tokens = computed.num_computed_tokens
                 if request.num_preemptions == 0:
@@ -246,6 +260,7 @@ class Scheduler:
                 self._schedule_request(request, num_new, output, admitted=True)
                 num_prefill_tokens += num_new
                 budget -= num_new
+            self.waiting.extendleft(reversed(skipped))
 
         self._fork_pending(output, now)
         total = self.max_num_batched_tokens - budget
@@ -266,6 +281,27 @@ class Scheduler:
             num_decode_tokens, len(preempted_ids), len(self.running), len(self.waiting),
             self.kv_cache_manager.num_free_blocks, self.kv_cache_manager.num_blocks)
         return output
+
+    def _preempt_paused(self, output: SchedulerOutput, preempted_ids: set[str]) -> bool:
+        """Preempt the most recently admitted paused running request (a beam that reported its
+        round and waits for its siblings: it holds blocks but computes nothing), so that a waiting
+        request can have its blocks. Without this, paused beams holding the whole pool while their
+        preempted siblings wait for blocks would wait forever.
+
+        Its report is kept (the beam search manager has it): it stays paused in the waiting queue
+        until its round closes, then recomputes (or swaps in) its tokens with the kept last token.
+
+        Returns:
+            False when no running request is paused.
+        """
+        for index in range(len(self.running) - 1, -1, -1):
+            victim = self.running[index]
+            if victim.paused:
+                del self.running[index]
+                self._preempt(victim, output)
+                preempted_ids.add(victim.request_id)
+                return True
+        return False
 
     def _seats_in_use(self) -> tuple[int, set[str]]:
         """Seats of ``max_num_seqs`` taken now, and the beam groups holding theirs.
