@@ -274,6 +274,7 @@ class Scheduler:
             num_scheduled_tokens=total,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=num_decode_tokens,
+            num_used_blocks_scheduled=self.kv_cache_manager.num_blocks - self.kv_cache_manager.num_free_blocks,
         )
         logger.debug(
             "step: %d reqs, %d tokens (%d prefill, %d decode), %d preempted, %d running, "
@@ -672,6 +673,7 @@ class Scheduler:
             num_allocated_slots=num_allocated_slots,
             num_swapped=len(kv.cpu_block_tables),
             num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
+            num_used_blocks_scheduled=s.num_used_blocks_scheduled,
             prefix_cache_queries_total=kv.prefix_cache_stats.queries,  # [prefix caching]
             prefix_cache_hits_total=kv.prefix_cache_stats.hits,
         )
