@@ -22,7 +22,8 @@ DEFAULT_WORKLOAD = "workload"
 THROUGHPUT_TABLE_KEYS = ("num_requests", "num_prompt_tokens", "num_output_tokens", "duration_s", "requests_per_s",
                          "output_tokens_per_s", "total_tokens_per_s", "mean_ttft_s", "p50_ttft_s", "p99_ttft_s",
                          "mean_tpot_s", "p50_tpot_s", "p99_tpot_s", "peak_kv_usage", "kv_utilization",
-                         "num_preemptions", "prefix_cache_hit_rate", "prefill_tokens_saved")
+                         "num_preemptions", "prefix_cache_hit_rate", "prefill_tokens_saved", "n",
+                         "peak_blocks_used")
 SERVING_TABLE_KEYS = THROUGHPUT_TABLE_KEYS[:13] + ("mean_itl_s", "p50_itl_s", "p90_itl_s", "p99_itl_s",
                                                    "num_failed", "prefix_cache_hit_rate")
 
@@ -97,6 +98,10 @@ def _cmd_throughput(ns) -> int:
     if ns.baseline == "vllm" and not ns.baseline_python:
         raise ValueError("--baseline vllm needs --baseline-python (a vLLM CPU venv's python; "
                          "benchmarks/setup_vllm_cpu.sh builds one)")
+    if ns.n < 1:
+        raise ValueError(f"--n must be >= 1, got {ns.n}")
+    if ns.baseline and ns.n > 1:
+        raise ValueError("--baseline runs one sample per prompt: it cannot be combined with --n > 1")
     check_dataset(ns.dataset, ns.num_prompts)  # before minutes of model loading
     args = engine_args_from_cli(ns)
     llm = LLM(**vars(args))
@@ -108,11 +113,11 @@ def _cmd_throughput(ns) -> int:
     logger.info("throughput: %d requests (%d output tokens) from %s, dtype %s", len(requests),
                 sum(r.max_tokens for r in requests), ns.dataset, dtype)
     result, prompt_ids = run_throughput(llm, requests, warmup=not ns.no_warmup, breakdown=ns.breakdown,
-                                        progress=not ns.no_progress)
+                                        progress=not ns.no_progress, n=ns.n, separate=ns.n_separate)
     result.update(model=engine.model_files.source, dtype=dtype, block_size=engine.cache_config.block_size,
                   num_blocks=engine.num_blocks, max_num_seqs=engine.scheduler_config.max_num_seqs,
                   max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
-                  dataset=ns.dataset, engine_load_time_s=engine.load_time_s)
+                  dataset=ns.dataset, engine_load_time_s=engine.load_time_s, n_separate=ns.n_separate)
     model_folder = engine.model_files.folder
     sched = engine.scheduler_config
     driver = getattr(engine.executor, "driver_worker", None)  # uniproc; else vLLM gets our default budget
@@ -349,6 +354,12 @@ def add_bench_parser(subparsers) -> None:
     tp.add_argument("--baseline-timeout", type=float, default=None, help="seconds per baseline process (HF, vLLM)")
     tp.add_argument("--base-url", default=None, help="OpenAI-compatible server for --baseline openai")
     tp.add_argument("--baseline-model", default=None, help="model name for --baseline openai (default: first listed)")
+    tp.add_argument("--n", type=int, default=1,
+                    help="samples per prompt (vLLM's --n); > 1 samples at temperature 1 (seeded) and forks the "
+                         "prompt's blocks (copy-on-write)")
+    tp.add_argument("--n-separate", action="store_true",
+                    help="with --n: run each sample as its own request (seeds s..s+n-1, the same outputs), the "
+                         "baseline of the forks")
     tp.add_argument("--no-warmup", action="store_true", help="skip the untimed one-request warm-up")
     tp.add_argument("--breakdown", action="store_true",
                     help="also time the engine's components (linear layers, LM head, attention, sampler, "

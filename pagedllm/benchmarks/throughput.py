@@ -1,6 +1,9 @@
 """Offline throughput: the whole workload submitted at once to ``LLM.generate`` (vLLM's
 ``benchmark_throughput``), greedy with ``ignore_eos`` so each request makes exactly its
-``max_tokens``.
+``max_tokens``. With ``n > 1`` (vLLM's ``--n``) each prompt asks for ``n`` samples (seeded
+sampling at temperature 1, so they differ): one request whose samples fork the prompt's blocks,
+or, with ``separate``, ``n`` requests of one sample each (seeds ``s .. s + n - 1``: the same
+outputs), the baseline the forks are measured against (peak blocks, throughput).
 
 TTFT / TPOT come from each ``RequestOutput.metrics`` (``time.monotonic`` seconds; every request
 arrives when ``generate`` queues it, so TTFT includes the wait for a place in the batch). KV usage,
@@ -35,6 +38,7 @@ class StepSample:
         num_prefill_tokens / num_decode_tokens: tokens of prompt chunks / single-token decodes.
         kv_cache_usage: fraction of blocks in use after the step.
         num_stored_tokens / num_allocated_slots: see ``SchedulerStats``.
+        num_used_blocks: KV blocks in use while the step ran (right after its ``schedule()``).
     """
 
     step_time: float
@@ -44,6 +48,7 @@ class StepSample:
     kv_cache_usage: float
     num_stored_tokens: int
     num_allocated_slots: int
+    num_used_blocks: int = 0
 
 
 @dataclass
@@ -66,7 +71,13 @@ class BenchStatLogger:
             step_time=iteration_stats.step_time, num_scheduled_requests=s.num_scheduled_requests,
             num_prefill_tokens=s.num_prefill_tokens, num_decode_tokens=s.num_decode_tokens,
             kv_cache_usage=s.kv_cache_usage, num_stored_tokens=getattr(s, "num_stored_tokens", 0),
-            num_allocated_slots=getattr(s, "num_allocated_slots", 0)))
+            num_allocated_slots=getattr(s, "num_allocated_slots", 0),
+            num_used_blocks=getattr(s, "num_used_blocks_scheduled", 0)))
+
+    @property
+    def peak_blocks_used(self) -> int:
+        """Most KV blocks in use during any step (a block shared by forks counts once)."""
+        return max((s.num_used_blocks for s in self.steps), default=0)
 
     @property
     def peak_kv_usage(self) -> float:
@@ -85,7 +96,8 @@ def to_engine_prompt(req: BenchRequest):
 
 
 def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
-                   breakdown: bool = False, progress: bool = False) -> tuple[dict, list[list[int]]]:
+                   breakdown: bool = False, progress: bool = False, n: int = 1,
+                   separate: bool = False) -> tuple[dict, list[list[int]]]:
     """Run the workload through ``llm`` (a ``pagedllm.LLM``) with everything submitted at once.
 
     Args:
@@ -96,15 +108,19 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
             result key ``breakdown``: seconds per component; slightly slows the run) and each
             rank's step and collectives (result key ``rank_breakdown``: ``read_rank_times``).
         progress: show ``LLM.generate``'s progress bar (tqdm, on stderr) during the timed run.
+        n: samples per prompt (> 1: seeded sampling at temperature 1, seed ``1000 * i`` for
+            prompt ``i``).
+        separate: run the ``n`` samples as ``n`` requests of one sample (seeds ``1000 * i + j``)
+            instead of one request whose samples fork.
     Returns:
         (result, prompt_token_ids): the flat result dict (``metrics.summarize``'s keys plus
-        ``peak_kv_usage``, ``kv_utilization``, ``num_preemptions``, ``prefix_cache_hit_rate``
+        ``n``, ``peak_blocks_used``, ``peak_kv_usage``, ``kv_utilization``, ``num_preemptions``, ``prefix_cache_hit_rate``
         (cached / looked-up prompt tokens over the timed run; None with caching off),
         ``prefill_tokens_saved`` (prompt tokens found cached, not computed), ``num_steps``), and
         each request's prompt as the engine
         tokenized it (for baselines that must see the same tokens).
     Raises:
-        ValueError: a prompt the engine rejects (too long for ``max_model_len``, ...).
+        ValueError: a prompt the engine rejects (too long for ``max_model_len``, ...), or ``n < 1``.
     """
     from pagedllm.sampling_params import SamplingParams
 
@@ -113,8 +129,19 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
         warm_ids = list(range(100, 100 + WARMUP_PROMPT_TOKENS))
         llm.generate({"prompt_token_ids": warm_ids},
                      SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
-    prompts = [to_engine_prompt(r) for r in requests]
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if n == 1:
+        params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+        prompts = [to_engine_prompt(r) for r in requests]
+    elif separate:
+        params = [SamplingParams(temperature=1.0, seed=1000 * i + j, max_tokens=r.max_tokens, ignore_eos=True)
+                  for i, r in enumerate(requests) for j in range(n)]
+        prompts = [to_engine_prompt(r) for r in requests for _ in range(n)]
+    else:
+        params = [SamplingParams(n=n, temperature=1.0, seed=1000 * i, max_tokens=r.max_tokens, ignore_eos=True)
+                  for i, r in enumerate(requests)]
+        prompts = [to_engine_prompt(r) for r in requests]
     stat_logger = BenchStatLogger()
     preempt_before = engine.scheduler.num_preemptions_total
     kv = engine.kv_cache_manager
@@ -138,13 +165,15 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
         last = m.last_token_time if m.last_token_time is not None else m.finished_time
         records.append(RequestRecord(prompt_len=len(ro.prompt_token_ids), output_len=n_out, start=m.arrival_time,
                                      first_token_time=m.first_token_time, last_token_time=last))
-    expected = sum(r.max_tokens for r in requests)
+    expected = n * sum(r.max_tokens for r in requests)
     got = sum(r.output_len for r in records)
     if got != expected:
         logger.warning("made %d output tokens, expected %d (max_tokens sum): requests capped by max_model_len?",
                        got, expected)
     result = summarize(records, duration)
     result.update(
+        n=n,
+        peak_blocks_used=stat_logger.peak_blocks_used,
         peak_kv_usage=stat_logger.peak_kv_usage,
         kv_utilization=stat_logger.kv_utilization,
         num_preemptions=engine.scheduler.num_preemptions_total - preempt_before,

@@ -79,6 +79,9 @@ class Request:
         num_cached_tokens: prompt tokens found in the prefix cache at the first admission (vLLM's
             name); the model ran ``num_prompt_tokens - num_cached_tokens`` of them then.
         paused: not scheduled while True (beam search holds a beam between rounds).
+        group_id: beam search: the id shared by the beams of one prompt, else None.
+        group_width: seats of ``max_num_seqs`` the group takes as soon as one of its beams runs
+            (the beam width: its beams fork up to it between steps); 1 without a group.
     Raises:
         ValueError: for an empty prompt or ``max_tokens < 1``.
     """
@@ -119,6 +122,8 @@ class Request:
         # Beam search: a beam that reported its step's candidates waits (is not scheduled) until
         # the other beams of its prompt have reported too.
         self.paused = False
+        self.group_id: str | None = None
+        self.group_width = 1
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -192,6 +192,8 @@ class SchedulerStats:
         num_swapped: requests whose blocks are in the host pool (swap preemption).
         num_preemptions_by_mode: preemptions since the scheduler started, by mode
             ("recompute", "swap").
+        num_used_blocks_scheduled: KV blocks in use right after ``schedule()`` (what the step
+            ran with, before finished requests free theirs; benchmarks take its peak).
     """
 
     num_running: int = 0
@@ -212,3 +214,4 @@ class SchedulerStats:
     prefix_cache_hits_total: int = 0
     num_swapped: int = 0
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
+    num_used_blocks_scheduled: int = 0

@@ -230,19 +230,30 @@ class Scheduler:
 
         # 2) WAITING requests, FCFS, only if nobody had to be preempted this step.
         if not preempted_ids:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
-                    and len(output.num_scheduled_tokens) < max_batch_reqs:
+            seats, groups = self._seats_in_use()
+            # Paused requests (preempted beams whose round is still open) keep their place but do
+            # not block the queue: their siblings behind them must run to close the round.
+            skipped: list[Request] = []
+            while self.waiting and budget > 0 and len(output.num_scheduled_tokens) < max_batch_reqs:
                 request = self.waiting[0]
-                group = len(self._pending_forks.get(request.request_id, ()))
-                if len(self.running) + self.num_pending_forks + 1 + group > self.max_num_seqs:
-                    break  # its samples will fork: admit the group only with room for all
+                if request.paused:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                need = self._seats_needed(request, groups)
+                if seats + need > self.max_num_seqs:
+                    break  # a group (its samples or beams will fork) enters only with room for all
                 if self.kv_cache_manager.is_swapped(request):
                     # Swapped out: back into fresh device blocks, nothing recomputed.
                     num_new = self._num_new_tokens(request, budget)
-                    pairs = None if num_new <= 0 else self.kv_cache_manager.swap_in(request, num_new)
+                    if num_new <= 0:
+                        break
+                    pairs = self.kv_cache_manager.swap_in(request, num_new)
                     if pairs is None:
+                        if self._preempt_paused(output, preempted_ids):
+                            continue
                         break
                     output.blocks_to_swap_in.extend(pairs)
+                    seats += self._take_seats(request, need, groups)
                     self.waiting.popleft()
                     self.running.append(request)
                     request.status = RequestStatus.RUNNING
@@ -257,12 +268,17 @@ class Scheduler:
                 request.num_computed_tokens = 0  # allocate_slots adds the hit itself
                 if not self.enable_chunked_prefill and request.num_tokens - computed.num_computed_tokens > budget:
                     break
-                if num_new <= 0 or self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
+                if num_new <= 0:
+                    break
+                if self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
+                    if self._preempt_paused(output, preempted_ids):
+                        continue  # blocks held by an idle beam were freed: try again
                     break  # FCFS: do not let later requests skip ahead
                 request.num_computed_tokens = computed.num_computed_tokens
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = computed.num_computed_tokens
                 # [/prefix caching]
+                seats += self._take_seats(request, need, groups)
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
@@ -271,6 +287,7 @@ class Scheduler:
                 self._schedule_request(request, num_new, output, admitted=True)
                 num_prefill_tokens += num_new
                 budget -= num_new
+            self.waiting.extendleft(reversed(skipped))
 
         self._fork_pending(output, now)
         self._in_flight.update(output.num_scheduled_tokens)
@@ -286,6 +303,7 @@ class Scheduler:
             num_scheduled_tokens=total,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=num_decode_tokens,
+            num_used_blocks_scheduled=self.kv_cache_manager.num_blocks - self.kv_cache_manager.num_free_blocks,
         )
         logger.debug(
             "step: %d reqs, %d tokens (%d prefill, %d decode), %d preempted, %d running, "
@@ -311,6 +329,60 @@ class Scheduler:
     def num_in_flight(self) -> int:
         """Requests in batches scheduled but not yet updated from their output."""
         return len(self._in_flight)
+
+    def _preempt_paused(self, output: SchedulerOutput, preempted_ids: set[str]) -> bool:
+        """Preempt the most recently admitted paused running request (a beam that reported its
+        round and waits for its siblings: it holds blocks but computes nothing), so that a waiting
+        request can have its blocks. Without this, paused beams holding the whole pool while their
+        preempted siblings wait for blocks would wait forever.
+
+        Its report is kept (the beam search manager has it): it stays paused in the waiting queue
+        until its round closes, then recomputes (or swaps in) its tokens with the kept last token.
+
+        Returns:
+            False when no running request is paused.
+        """
+        for index in range(len(self.running) - 1, -1, -1):
+            victim = self.running[index]
+            if victim.paused and victim.request_id not in self._in_flight:
+                del self.running[index]
+                self._preempt(victim, output)
+                preempted_ids.add(victim.request_id)
+                return True
+        return False
+
+    def _seats_in_use(self) -> tuple[int, set[str]]:
+        """Seats of ``max_num_seqs`` taken now, and the beam groups holding theirs.
+
+        A running request takes one seat, except that a beam group takes its ``group_width`` once
+        (from its first running beam on: its beams fork up to that many between steps, without
+        asking); the samples that will fork from a running parent (n > 1 / best_of) take one each.
+        """
+        groups: set[str] = set()
+        seats = 0
+        for request in self.running:
+            if request.group_id is None:
+                seats += 1
+            elif request.group_id not in groups:
+                groups.add(request.group_id)
+                seats += request.group_width
+        for parent_id, forks in self._pending_forks.items():
+            if self.requests[parent_id].status == RequestStatus.RUNNING:
+                seats += len(forks)
+        return seats, groups
+
+    def _seats_needed(self, request: Request, groups: set[str]) -> int:
+        """Seats a waiting request takes when admitted: its group's width (none if the group holds
+        its seats already), or itself plus the samples that will fork from it."""
+        if request.group_id is not None:
+            return 0 if request.group_id in groups else request.group_width
+        return 1 + len(self._pending_forks.get(request.request_id, ()))
+
+    @staticmethod
+    def _take_seats(request: Request, need: int, groups: set[str]) -> int:
+        if request.group_id is not None:
+            groups.add(request.group_id)
+        return need
 
     def _fork_pending(self, output: SchedulerOutput, now: float) -> None:
         """Fork the waiting samples of every parent whose last prompt token is computed this step.
@@ -652,6 +724,7 @@ class Scheduler:
             num_allocated_slots=num_allocated_slots,
             num_swapped=len(kv.cpu_block_tables),
             num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
+            num_used_blocks_scheduled=s.num_used_blocks_scheduled,
             prefix_cache_queries_total=kv.prefix_cache_stats.queries,  # [prefix caching]
             prefix_cache_hits_total=kv.prefix_cache_stats.hits,
         )

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterable, Sequence
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.input_processor import ProcessedInput, PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
@@ -67,6 +68,7 @@ class _NewRequest:
     request_id: str
     processed: ProcessedInput
     arrival_time: float
+    beam_params: BeamSearchParams | None = None   # a beam search (LLMEngine.add_beam_search_request)
 
 
 @dataclass
@@ -200,6 +202,11 @@ class AsyncLLM:
         return self.engine.max_model_len
 
     @property
+    def max_num_seqs(self) -> int:
+        """Most sequences in one step (a beam search's width must fit)."""
+        return self.engine.scheduler_config.max_num_seqs
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
@@ -242,7 +249,8 @@ class AsyncLLM:
             self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
             self._thread.start()
 
-    def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput, SamplingParams | None]],
+    def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput,
+                                                    SamplingParams | BeamSearchParams | None]],
                      arrival_time: float | None = None) -> OutputStream:
         """Validate every request, then queue them all (all or nothing).
 
@@ -251,7 +259,10 @@ class AsyncLLM:
         Args:
             requests: (request_id or None for a fresh id, prompt, params) triples; the prompt may
                 be a ``ProcessedInput`` from :meth:`process_inputs` (params None), which is passed
-                on unchanged.
+                on unchanged. With ``BeamSearchParams`` the request is a beam search
+                (``engine/beam_search.py``; its beams are scheduled with the other requests): it
+                yields one final ``RequestOutput`` whose ``outputs`` are the ``beam_width`` best
+                sequences, best first.
             arrival_time: ``time.monotonic()`` of arrival (for TTFT / latency metrics); now if None.
         Returns:
             One ``OutputStream`` over all of them.
@@ -267,13 +278,16 @@ class AsyncLLM:
             request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
             if any(r.request_id == request_id for r in prepared):
                 raise ValueError(f"request_id {request_id!r} is given twice")
+            beam = params if isinstance(params, BeamSearchParams) else None
             if isinstance(prompt, ProcessedInput):
-                if params is not None:
+                if params is not None and beam is None:
                     raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")
                 processed = prompt
             else:
-                processed = self.process_inputs(prompt, params)
-            prepared.append(_NewRequest(request_id, processed, arrival_time))
+                processed = self.process_inputs(prompt, SamplingParams(max_tokens=beam.max_tokens) if beam else params)
+            if beam is not None:
+                self.engine.beam_search.check_request(len(processed.prompt_token_ids), beam)
+            prepared.append(_NewRequest(request_id, processed, arrival_time, beam))
         if not prepared:
             raise ValueError("no requests given")
         queue: asyncio.Queue = asyncio.Queue()
@@ -291,7 +305,8 @@ class AsyncLLM:
         return OutputStream(self, [r.request_id for r in prepared], queue)
 
     def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> OutputStream:
+                    params: SamplingParams | BeamSearchParams | None = None,
+                    arrival_time: float | None = None) -> OutputStream:
         """:meth:`add_requests` for one request."""
         return self.add_requests([(request_id, prompt, params)], arrival_time)
 
@@ -375,7 +390,11 @@ class AsyncLLM:
                     pending = [r for r in pending if r.request_id in self._sinks]
                 for r in pending:
                     try:
-                        engine.add_request(r.request_id, r.processed, arrival_time=r.arrival_time)
+                        if r.beam_params is not None:
+                            engine.add_beam_search_request(r.request_id, r.processed, r.beam_params,
+                                                           arrival_time=r.arrival_time)
+                        else:
+                            engine.add_request(r.request_id, r.processed, arrival_time=r.arrival_time)
                     except Exception as e:  # validated by the caller; only a race could get here
                         logger.warning("request %s rejected by the engine: %s", r.request_id, e)
                         self._fail([r.request_id], e)

@@ -125,19 +125,32 @@ class BeamSearchManager:
         """Start a beam search: one engine request on the prompt (the first beam).
 
         Raises:
-            ValueError: if ``beam_width`` exceeds ``max_num_seqs``.
+            ValueError: as ``check_request``.
         """
-        if params.beam_width > self.scheduler.max_num_seqs:
-            raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_seqs ({self.scheduler.max_num_seqs})")
-        max_tokens = min(params.max_tokens, self.scheduler.max_model_len - len(prompt_token_ids))
-        if max_tokens < 1:
-            raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) leaves no room for max_tokens "
-                             f"within max_model_len ({self.scheduler.max_model_len})")
+        max_tokens = self.check_request(len(prompt_token_ids), params)
         inst = _Instance(request_id, prompt, list(prompt_token_ids), params, self.tokenizer.eos_token_id,
                          arrival_time, beams={})
         inst.max_tokens = max_tokens
         self.instances[request_id] = inst
         self.scheduler.add_request(self._new_beam(inst, BeamSearchSequence(list(prompt_token_ids))))
+
+    def check_request(self, num_prompt_tokens: int, params: BeamSearchParams) -> int:
+        """Check a beam search against the scheduler's limits (pure: any thread may call it).
+
+        Returns:
+            The effective max_tokens: ``params.max_tokens`` capped by what ``max_model_len`` leaves.
+        Raises:
+            ValueError: if ``beam_width`` exceeds ``max_num_seqs`` (the beams run as one group), or
+                the prompt leaves no room for a token within ``max_model_len``.
+        """
+        if params.beam_width > self.scheduler.max_num_seqs:
+            raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_seqs ({self.scheduler.max_num_seqs}): "
+                             "the beams run as one group")
+        max_tokens = min(params.max_tokens, self.scheduler.max_model_len - num_prompt_tokens)
+        if max_tokens < 1:
+            raise ValueError(f"the prompt ({num_prompt_tokens} tokens) leaves no room for max_tokens "
+                             f"within max_model_len ({self.scheduler.max_model_len})")
+        return max_tokens
 
     def _new_beam(self, inst: _Instance, seq: BeamSearchSequence) -> Request:
         rid = f"beam{next(self._ids)}_{inst.request_id}"
@@ -145,7 +158,10 @@ class BeamSearchManager:
                                 logprobs=2 * inst.params.beam_width)
         inst.beams[rid] = seq
         self.beam_to_instance[rid] = inst
-        return Request(rid, inst.prompt_token_ids, params, inst.max_tokens, arrival_time=inst.arrival_time)
+        request = Request(rid, inst.prompt_token_ids, params, inst.max_tokens, arrival_time=inst.arrival_time)
+        # The scheduler admits the first beam only when max_num_seqs has room for all the beams.
+        request.group_id, request.group_width = inst.request_id, inst.params.beam_width
+        return request
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
         """Take this step's outputs of beam requests; advance every beam search whose round is complete.

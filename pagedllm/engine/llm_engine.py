@@ -122,7 +122,7 @@ class LLMEngine:
         else:
             processed = self.input_processor.process(prompt, params)
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if self.output_processor.has_request(request_id):
+        if self.output_processor.has_request(request_id) or self.beam_search.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")
         base = processed.params
         if base.logits_processors and not self.executor.uses_in_process_worker:

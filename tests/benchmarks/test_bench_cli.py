@@ -50,6 +50,27 @@ def test_bench_throughput_json_keys_and_token_count(make_tiny_checkpoint, tmp_pa
     assert "Processed prompts: 100%" in captured.err  # the progress bar, on stderr
 
 
+def test_bench_throughput_n_forks_against_separate_requests(make_tiny_checkpoint, tmp_path):
+    """``--n 4``: one request per prompt whose samples fork the prompt's blocks; ``--n-separate``:
+    four requests per prompt. Same tokens made; the forks hold fewer blocks at the peak (prompts of
+    40 tokens = 5 blocks of 8, stored once instead of four times; prefix caching off)."""
+    model = make_tiny_checkpoint("llama")
+    data = _workload(tmp_path, [{"prompt": list(range(10 + i, 50 + i)), "max_tokens": 6} for i in range(3)])
+    results = {}
+    for mode in ([], ["--n-separate"]):
+        out = tmp_path / f"r{len(mode)}.json"
+        rc = main(["bench", "throughput", "--model", model, "--dataset", data, "--n", "4", *mode,
+                   "--no-enable-prefix-caching", "--no-progress", "--output-json", str(out), *ENGINE_FLAGS])
+        assert rc == 0
+        results[bool(mode)] = json.loads(out.read_text())
+    forks, separate = results[False], results[True]
+    assert forks["n"] == separate["n"] == 4 and separate["n_separate"]
+    assert forks["num_output_tokens"] == separate["num_output_tokens"] == 3 * 4 * 6
+    assert forks["num_requests"] == 3 and separate["num_requests"] == 12
+    # Forks: 5 prompt blocks once + 4 private last blocks per prompt; separate: 4 x 6 per prompt.
+    assert forks["peak_blocks_used"] == 3 * (5 + 4) and separate["peak_blocks_used"] == 3 * 4 * 6
+
+
 def test_bench_throughput_checks_the_dataset_before_loading_a_model(tmp_path, capsys):
     missing_model = str(tmp_path / "no-model")  # loading it would fail with another message
     rc = main(["bench", "throughput", "--model", missing_model, "--dataset", str(tmp_path / "nope.jsonl")])

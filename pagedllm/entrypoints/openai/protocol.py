@@ -90,6 +90,9 @@ class _SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
+    # vLLM's beam search: n = the beam width; length_penalty applies only with it.
+    use_beam_search: bool | None = False
+    length_penalty: float | None = 1.0
 
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]

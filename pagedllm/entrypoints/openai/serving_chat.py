@@ -30,7 +30,7 @@ from pagedllm.entrypoints.openai.serving_engine import (CHAT_UNSUPPORTED_FIELDS,
                                                        OpenAIServing, clamp_logprob)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class OpenAIServingChat(OpenAIServing):
         model_name = self.models.resolve(request.model)
         self.check_unsupported_fields(request, CHAT_UNSUPPORTED_FIELDS)
         self.warn_unknown_fields(request, CHAT_UNSUPPORTED_FIELDS)
+        beam_search = self.check_beam_search(request)
         stream = bool(request.stream)
         n = 1 if request.n is None else request.n
         self.check_n(n)
@@ -108,13 +109,16 @@ class OpenAIServingChat(OpenAIServing):
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            base = self.sampling_params(request, max_tokens, num_top, kind)
+            # Beam search: the prompt is processed as a plain greedy request, then runs as beams.
+            base = SamplingParams(max_tokens=max_tokens, temperature=0.0) if beam_search else \
+                self.sampling_params(request, max_tokens, num_top, kind)
             processed = self.engine.process_inputs(prompt, base)
             ids = processed.prompt_token_ids
             # The processed request owns its params copy: record the effective limit there.
             processed.params.max_tokens = self.check_max_tokens(len(ids), max_tokens, what="messages")
             self.log_request(request_id, processed.prompt, len(ids), processed.params)
-            outputs = self.engine.add_request(request_id, processed, arrival_time=arrival_time)
+            beam = self.beam_search_params(request, processed.params.max_tokens) if beam_search else None
+            outputs = self.engine.add_request(request_id, processed, beam, arrival_time=arrival_time)
         except Exception as e:
             raise error_from_exception(e, self.fields, prompt_param="messages") from e
         created = int(time.time())

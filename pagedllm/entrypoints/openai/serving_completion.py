@@ -28,7 +28,7 @@ from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, Completion
 from pagedllm.entrypoints.openai.serving_engine import (UNSUPPORTED_FIELDS, OpenAIServing, TextOffsets,
                                                        clamp_logprob)
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix:
             raise bad_request("suffix is not supported: no model served here can insert text (fill-in-the-middle)",
                               param="suffix")
+        beam_search = self.check_beam_search(request)
         stream = bool(request.stream)
         n = 1 if request.n is None else request.n
         self.check_n(n, request.best_of)
@@ -117,7 +118,9 @@ class OpenAIServingCompletion(OpenAIServing):
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         best_of = request.best_of if request.best_of is not None and request.best_of > n else None
         try:
-            base = self.sampling_params(request, max_tokens, num_top, kind, best_of, prompt_logprobs)
+            # Beam search: the prompt is processed as a plain greedy request, then runs as beams.
+            base = SamplingParams(max_tokens=max_tokens, temperature=0.0) if beam_search else \
+                self.sampling_params(request, max_tokens, num_top, kind, best_of, prompt_logprobs)
             cmpl_id = f"cmpl-{uuid.uuid4().hex}"
             engine_requests, infos = [], []
             for i, prompt in enumerate(prompts):
@@ -131,7 +134,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 tail = 0 if processed.prompt is not None else \
                     incomplete_tail_length(self.tokenizer.backend, ids, skip_special_tokens=False)
                 request_id = f"{cmpl_id}-{i}"
-                engine_requests.append((request_id, processed, None))
+                beam = self.beam_search_params(request, processed.params.max_tokens) if beam_search else None
+                engine_requests.append((request_id, processed, beam))
                 infos.append(_Prompt(processed.prompt, ids, tail))
                 self.log_request(request_id, processed.prompt, len(ids), processed.params)
             outputs = self.engine.add_requests(engine_requests, arrival_time=arrival_time)

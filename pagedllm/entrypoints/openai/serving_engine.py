@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.entrypoints.openai.errors import CONTEXT_LENGTH_EXCEEDED, bad_request
 from pagedllm.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
@@ -34,8 +35,6 @@ def _unset(value: Any) -> bool:
 # Fields vLLM or OpenAI define that this server does not implement yet: field -> "this value asks
 # for nothing" (such values pass; any other is a 400 naming the field).
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "use_beam_search": _unset,
-    "length_penalty": lambda v: v is None or v == 1.0,
     "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
     "guided_decoding_backend": _unset, "guided_whitespace_pattern": _unset, "structured_outputs": _unset,
     "response_format": lambda v: _unset(v) or (isinstance(v, dict) and v.get("type", "text") == "text"),
@@ -50,6 +49,19 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "audio": _unset, "modalities": lambda v: _unset(v) or v == ["text"], "prediction": _unset,
     "reasoning_effort": lambda v: v is None, "web_search_options": _unset, "documents": _unset,
     "prompt_logprobs": lambda v: v is None,
+}
+
+
+# Sampling fields beam search cannot honour (it ranks raw log-probabilities greedily): field -> "this
+# value asks for nothing"; any other value with use_beam_search is a 400 naming the field.
+BEAM_SEARCH_UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "best_of": lambda v: v is None, "logprobs": lambda v: v is None or v is False,
+    "top_logprobs": lambda v: v is None, "prompt_logprobs": lambda v: v is None,
+    "top_p": lambda v: v in (None, 1.0), "top_k": lambda v: v in (None, 0, -1), "min_p": lambda v: v in (None, 0.0),
+    "presence_penalty": lambda v: v in (None, 0.0), "frequency_penalty": lambda v: v in (None, 0.0),
+    "repetition_penalty": lambda v: v in (None, 1.0), "stop": _unset, "stop_token_ids": _unset,
+    "min_tokens": lambda v: v in (None, 0), "logit_bias": _unset, "allowed_token_ids": _unset,
+    "bad_words_token_ids": _unset, "skip_special_tokens": lambda v: v in (None, True),
 }
 
 
@@ -160,6 +172,50 @@ class OpenAIServing:
                 continue
             if not is_noop(value):
                 raise bad_request(f"{name}={value!r} is not supported by this server yet", param=name)
+
+    def check_beam_search(self, request) -> bool:
+        """vLLM's ``use_beam_search``: ``n`` is the beam width; greedy only, never streamed.
+        Without it, ``length_penalty`` must ask for nothing.
+
+        Returns:
+            Whether the request asks for beam search.
+        Raises:
+            OpenAIError: 400 naming the field: ``stream`` true, ``temperature`` > 0, ``n`` < 1, a
+                sampling field beam search cannot honour (``BEAM_SEARCH_UNSUPPORTED_FIELDS``), or
+                ``length_penalty`` without beam search.
+        """
+        if not request.use_beam_search:
+            if request.length_penalty not in (None, 1.0):
+                raise bad_request(f"length_penalty={request.length_penalty!r} is not supported without "
+                                  "use_beam_search", param="length_penalty")
+            return False
+        if request.stream:
+            raise bad_request("use_beam_search cannot be combined with stream=true: the best beams are known "
+                              "only at the end", param="stream")
+        if request.temperature not in (None, 0.0):
+            raise bad_request(f"temperature must be 0 (or omitted) with use_beam_search, got {request.temperature}",
+                              param="temperature")
+        if request.n is not None and request.n < 1:
+            raise bad_request(f"n (the beam width with use_beam_search) must be >= 1, got {request.n}", param="n")
+        if request.n is not None and request.n > self.engine.max_num_seqs:
+            raise bad_request(f"n (the beam width with use_beam_search) must be <= max_num_seqs "
+                              f"({self.engine.max_num_seqs}): the beams run as one group, got {request.n}", param="n")
+        for name, is_noop in BEAM_SEARCH_UNSUPPORTED_FIELDS.items():
+            if name in type(request).model_fields and not is_noop(getattr(request, name)):
+                raise bad_request(f"{name}={getattr(request, name)!r} is not supported with use_beam_search",
+                                  param=name)
+        return True
+
+    @staticmethod
+    def beam_search_params(request, max_tokens: int) -> BeamSearchParams:
+        """``BeamSearchParams`` of a checked ``use_beam_search`` request (``n`` beams).
+
+        Raises:
+            ValueError: an invalid value, naming the field (-> 400).
+        """
+        return BeamSearchParams(beam_width=1 if request.n is None else request.n, max_tokens=max_tokens,
+                                ignore_eos=bool(request.ignore_eos),
+                                length_penalty=1.0 if request.length_penalty is None else request.length_penalty)
 
     def check_max_tokens(self, prompt_len: int, max_tokens: int | None, what: str = "prompt") -> int:
         """The strict length check (the engine itself only caps).
