@@ -9,6 +9,7 @@ to worker processes while the scheduler and the block manager stay in the engine
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
@@ -75,6 +76,11 @@ class SchedulerOutput:
             block tables and keeps the rest of their state until they resume.
         blocks_to_copy: (src, dst) physical block pairs to copy before the forward
             (copy-on-write; empty until block sharing lands).
+        structured_output_request_ids: request id -> row of ``grammar_bitmask``, for the
+            constrained requests that sample this step (vLLM V1's name).
+        grammar_bitmask: [len(structured_output_request_ids), ceil(vocab_size / 32)] int32 numpy
+            array filled by the engine after ``schedule()`` (xgrammar's layout: bit ``t % 32`` of
+            word ``t // 32`` set = token ``t`` allowed), or None when no row is constrained.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -84,6 +90,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -67,6 +67,9 @@ class Scheduler:
         self._worker_num_tokens: dict[str, int] = {}
         self._worker_num_blocks: dict[str, int] = {}
         self._preempted_since_scheduled: set[str] = set()
+        # [structured output] requests finished inside schedule() (their grammar failed to
+        # compile): their outputs go out with the next update_from_output.
+        self._finished_in_schedule: list[EngineCoreOutput] = []
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -97,7 +100,8 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already scheduled")
-        if request.status != RequestStatus.WAITING or request.num_computed_tokens != 0:
+        if request.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM) \
+                or request.num_computed_tokens != 0:
             raise ValueError(
                 f"request {request.request_id!r} must be new (WAITING, 0 computed tokens), got "
                 f"{request.status.name} with {request.num_computed_tokens} computed tokens")
@@ -160,8 +164,12 @@ class Scheduler:
 
         # 2) WAITING requests, FCFS, only if nobody had to be preempted this step.
         if not preempted_ids:
+            skipped: list[Request] = []  # [structured output] grammars still compiling
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
+                if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                    skipped.append(self.waiting.popleft())
+                    continue
                 # [prefix caching] hit blocks from the prompt start (a waiting request has none).
                 computed = self.kv_cache_manager.get_computed_blocks(request)
                 request.num_computed_tokens = computed.num_computed_tokens  # for the budget math
@@ -183,6 +191,7 @@ class Scheduler:
                 self._schedule_request(request, num_new, output, admitted=True)
                 num_prefill_tokens += num_new
                 budget -= num_new
+            self.waiting.extendleft(reversed(skipped))
 
         total = self.max_num_batched_tokens - budget
         output.total_num_scheduled_tokens = total
@@ -243,6 +252,27 @@ class Scheduler:
         self._worker_num_blocks[req_id] = len(block_table)
         output.num_scheduled_tokens[req_id] = num_new
         request.num_computed_tokens = start + num_new
+        if request.structured_output_request is not None and request.num_computed_tokens == request.num_tokens:
+            # [structured output] it samples this step: the engine fills its bitmask row.
+            output.structured_output_request_ids[req_id] = len(output.structured_output_request_ids)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """[structured output] Whether a WAITING_FOR_FSM request can be admitted: True once its
+        grammar is compiled (the status becomes WAITING). A grammar that failed to compile
+        finishes the request (aborted, its error logged) and returns False."""
+        handle = request.structured_output_request
+        if not handle.is_ready():
+            return False
+        if handle.error is not None:
+            logger.error("request %s: its grammar failed to compile: %s", request.request_id, handle.error)
+            self.waiting.popleft()
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+            self._finished_in_schedule.append(EngineCoreOutput(
+                request_id=request.request_id, finish_reason=request.get_finished_reason()))
+            return False
+        request.status = RequestStatus.WAITING
+        return True
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the blocks, forget the progress, requeue at the front."""
@@ -312,6 +342,9 @@ class Scheduler:
                     f"runner sampled for request {req_id!r}, which was not scheduled to sample")
             token_id = runner_output.sampled_token_ids[i]
             request.append_output_token_ids(token_id)
+            if request.structured_output_request is not None \
+                    and not request.structured_output_request.accept_tokens([token_id]):
+                logger.error("request %s: the grammar rejected sampled token %d", req_id, token_id)
             out = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id],
                                    num_cached_tokens=request.num_cached_tokens)
             logprob = runner_output.sampled_logprobs[i] if i < len(runner_output.sampled_logprobs) else math.nan
@@ -330,6 +363,9 @@ class Scheduler:
 
         for req_id, lps in prompt_lps.items():
             outputs[req_id] = EngineCoreOutput(request_id=req_id, new_prompt_logprobs=lps)
+        for out in self._finished_in_schedule:
+            outputs[out.request_id] = out
+        self._finished_in_schedule = []
 
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
@@ -344,6 +380,9 @@ class Scheduler:
         if request.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
+            return True
+        if request.structured_output_request is not None and request.structured_output_request.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more
             return True
         if (request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.max_model_len):

@@ -59,6 +59,8 @@ class EngineArgs:
         cpu_kvcache_space: [GiB] the CPU KV budget when ``kv_cache_memory_bytes`` is None; default
             ``$PAGEDLLM_CPU_KVCACHE_SPACE`` or None (min(25% of available RAM, 4 GiB)).
         distributed_executor_backend: None (by world size) or "uni" (``executor/``).
+        structured_outputs_backend: "auto" | "xgrammar" (grammar engine of constrained decoding).
+        max_structured_output_grammar_cache: [entries] compiled grammars kept (LRU).
     """
 
     model: str | None = None
@@ -93,6 +95,8 @@ class EngineArgs:
     cpu_gemm: str = field(default_factory=lambda: _env(CPU_GEMM_ENV) or "onednn")
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
     distributed_executor_backend: str | None = None
+    structured_outputs_backend: str = "auto"
+    max_structured_output_grammar_cache: int = 64
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -164,6 +168,17 @@ class EngineArgs:
                                   self.distributed_executor_backend)
         return model, cache, sched, parallel
 
+    def create_structured_outputs_config(self):
+        """The ``StructuredOutputsConfig`` of these arguments.
+
+        Raises:
+            ValueError: for an unknown backend or a cache size < 1 (naming the argument).
+        """
+        from pagedllm.config import StructuredOutputsConfig
+
+        return StructuredOutputsConfig(backend=self.structured_outputs_backend,
+                                       max_grammar_cache=self.max_structured_output_grammar_cache)
+
     def _check_env_settings(self) -> None:
         """Validate the fields whose defaults come from environment variables.
 
@@ -230,6 +245,10 @@ def add_engine_cli_args(parser) -> None:
                    help="int8: CPU linear layers and LM head in int8 with dynamic activation "
                         "quantization (faster at decode batch sizes, not exact; default: none)")
     g.add_argument("--disable-log-stats", action="store_true")
+    g.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar"],
+                   help="grammar engine for response_format / structured_outputs / tools (default: auto)")
+    g.add_argument("--max-structured-output-grammar-cache", type=int, default=64,
+                   help="compiled grammars kept, one per distinct schema (LRU; default: 64)")
 
 
 def engine_args_from_cli(ns, positional_model: str | None = None) -> EngineArgs:

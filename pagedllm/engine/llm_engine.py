@@ -18,9 +18,13 @@ from pagedllm.loaders import load_config, resolve_model
 from pagedllm.metrics.stats import IterationStats, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# [structured output] how long an empty step sleeps while only compiling grammars are waiting (s).
+_GRAMMAR_WAIT_S = 0.002
 
 
 class LLMEngine:
@@ -60,8 +64,11 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
                                                enable_caching=cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager)
+        self.structured_outputs_config = args.create_structured_outputs_config()
+        self.structured_output_manager = StructuredOutputManager(
+            self.structured_outputs_config, self.tokenizer, self.vocab_size, sched_cfg.max_num_seqs)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
-                                              args.max_logprobs)
+                                              args.max_logprobs, self.structured_outputs_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
         self._ids = itertools.count()
@@ -133,8 +140,11 @@ class LLMEngine:
         for sid, sp in zip(sample_ids, sample_params):
             if sp.logits_processors:
                 self._pending_processors.add(sid)
+            # [structured output] each sample gets its own matcher over the shared compiled grammar.
+            grammar = (self.structured_output_manager.make_request(sp.structured_outputs)
+                       if sp.structured_outputs is not None else None)
             self.scheduler.add_request(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
-                                               arrival_time=arrival_time))
+                                               arrival_time=arrival_time, structured_output_request=grammar))
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -178,6 +188,11 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if self._pending_processors:
             self._hand_over_logits_processors(sched_out)
+        if sched_out.structured_output_request_ids:  # [structured output] the step's grammar masks
+            sched_out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                self.scheduler.requests, sched_out.structured_output_request_ids)
+        elif sched_out.is_empty and any(r.status == RequestStatus.WAITING_FOR_FSM for r in self.scheduler.waiting):
+            time.sleep(_GRAMMAR_WAIT_S)  # only grammars compiling: leave the compile threads the CPU
         runner_out = self.executor.execute_model(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         processed = self.output_processor.process_outputs(core_outputs, stats)
@@ -203,5 +218,6 @@ class LLMEngine:
             stat_logger.record(sched_stats, stats)
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (idempotent)."""
+        """Stop the executor's workers and the grammar compile threads (idempotent)."""
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -14,6 +14,7 @@ from pagedllm.outputs import Logprob
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from pagedllm.sampling_params import LogitsProcessor
+from pagedllm.structured_output.bitmask import apply_step_bitmask
 from pagedllm.worker.request_states import RequestStates, ScheduledRequest
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ class ModelRunner:
             idx = torch.as_tensor(ends[sample_rows], device=self.device)
             logits = self.model.compute_logits(hidden[idx]).float()            # [N, V]
             sampling_reqs = [reqs[i] for i in sample_rows]
+            if sched.grammar_bitmask is not None:  # [structured output] grammar masks, one call
+                apply_step_bitmask(logits, [r.request_id for r in sampling_reqs],
+                                   sched.structured_output_request_ids, sched.grammar_bitmask)
             metadata = SamplingMetadata.build(
                 [r.sampling_params for r in sampling_reqs],
                 [r.state.output_token_ids for r in sampling_reqs],

@@ -1,0 +1,96 @@
+"""``StructuredOutputsParams`` -> ``xgrammar.Grammar`` (no vocabulary needed: cheap, done at the edge).
+
+The grammar of a request is built twice: once by the input processor, to refuse an invalid
+schema, regex or grammar with a ``ValueError`` before anything is queued, and again in the compile
+thread (then compiled against the vocabulary). ``grammar_key`` is the canonical text used as the
+compile cache's key: two requests with the same schema, whatever its key order or spacing, share
+one compiled grammar.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pagedllm.sampling_params import StructuredOutputsParams
+
+# ``json_object``: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+_JSON_OBJECT_SCHEMA = {"type": "object"}
+
+
+def _schema_of(params: StructuredOutputsParams) -> dict | bool:
+    """The JSON schema of a ``json`` / ``json_object`` constraint.
+
+    Raises:
+        ValueError: naming ``structured_outputs.json`` when the text is not JSON.
+    """
+    if params.json_object:
+        return _JSON_OBJECT_SCHEMA
+    schema = params.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+    return schema
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes, which
+    xgrammar's EBNF string literals accept)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def grammar_key(params: StructuredOutputsParams, disable_any_whitespace: bool) -> tuple[str, str]:
+    """(kind, canonical text) identifying the compiled grammar of ``params``.
+
+    Args:
+        params: the constraint.
+        disable_any_whitespace: the engine's default, used when ``params`` leaves it None.
+    Raises:
+        ValueError: as ``_schema_of``.
+    """
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        compact = disable_any_whitespace if params.disable_any_whitespace is None else params.disable_any_whitespace
+        text = json.dumps(_schema_of(params), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return ("json-compact" if compact else "json", text)
+    if kind == "regex":
+        return ("regex", params.regex)
+    if kind == "choice":
+        return ("grammar", _choice_ebnf(params.choice))
+    return ("grammar", params.grammar)
+
+
+def build_grammar(key: tuple[str, str]):
+    """The ``xgrammar.Grammar`` of a key from ``grammar_key``.
+
+    Raises:
+        ValueError: naming the field, with xgrammar's message, when xgrammar cannot build it.
+    """
+    import xgrammar as xgr
+
+    kind, text = key
+    try:
+        if kind in ("json", "json-compact"):
+            if kind == "json-compact":
+                return xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=(",", ":"))
+            return xgr.Grammar.from_json_schema(text, any_whitespace=True)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        return xgr.Grammar.from_ebnf(text)
+    except Exception as e:  # xgrammar raises RuntimeError / its own errors with the parser's message
+        field = {"json": "json", "json-compact": "json", "regex": "regex", "grammar": "grammar"}[kind]
+        what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar"}[field]
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"structured_outputs.{field}: xgrammar cannot compile this {what}: {message}") from None
+
+
+def validate_structured_outputs(params: StructuredOutputsParams, disable_any_whitespace: bool = True) -> None:
+    """Check that xgrammar can build the constraint's grammar (the edge check; no vocabulary).
+
+    Raises:
+        ValueError: naming the field (``structured_outputs.json`` / ``.regex`` / ``.grammar``).
+    """
+    build_grammar(grammar_key(params, disable_any_whitespace))
