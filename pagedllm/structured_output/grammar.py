@@ -36,6 +36,37 @@ def _schema_of(params: StructuredOutputsParams) -> dict | bool:
     return schema
 
 
+# One JSON string character without escapes: U+0020-U+10FFFF less '"', '\\' and the surrogates.
+_BOUNDED_STRING_PATTERN = "^[ !#-\\[\\]-\\ud7ff\\ue000-\\U0010ffff]{%d,%s}$"
+
+
+def _bounded_strings_as_patterns(node):
+    """A copy of a schema in which every length-bounded plain string (``type: string`` with
+    ``minLength`` / ``maxLength``, no ``pattern`` / ``format`` / ``enum`` / ``const``) is the
+    equivalent ``pattern`` of unescaped JSON characters, and a string with both a pattern and
+    lengths keeps only the pattern.
+
+    xgrammar 0.2.8 turns a length-bounded string into ``[^"\\\r\n]{m,n}``, which admits raw
+    control characters (U+0000-U+001F other than CR, LF): invalid JSON that ``json.loads`` and
+    pydantic refuse; and a negated class takes any continuation bytes after a UTF-8 lead byte
+    (``F0 80 80 80``), which decodes to U+FFFD and breaks the length. The pattern here lists the
+    allowed code points as ranges (no ``"``, ``\\``, control characters or surrogates), which
+    xgrammar turns into exact UTF-8 byte ranges. Strings so bounded carry no escape sequences.
+    xgrammar ignores lengths next to a pattern anyway (and warns on stderr each time).
+    """
+    if isinstance(node, list):
+        return [_bounded_strings_as_patterns(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _bounded_strings_as_patterns(v) for k, v in node.items()}
+    if out.get("type") == "string" and ("minLength" in out or "maxLength" in out) \
+            and not any(k in out for k in ("format", "enum", "const")):
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        if "pattern" not in out and isinstance(lo, int) and (hi == "" or isinstance(hi, int)):
+            out["pattern"] = _BOUNDED_STRING_PATTERN % (lo, hi)
+    return out
+
+
 def _choice_ebnf(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes, which
     xgrammar's EBNF string literals accept)."""
@@ -54,7 +85,7 @@ def grammar_key(params: StructuredOutputsParams, disable_any_whitespace: bool) -
     kind = params.kind
     if kind in ("json", "json_object"):
         compact = disable_any_whitespace if params.disable_any_whitespace is None else params.disable_any_whitespace
-        text = json.dumps(_schema_of(params), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        text = json.dumps(_bounded_strings_as_patterns(_schema_of(params)), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return ("json-compact" if compact else "json", text)
     if kind == "regex":
         return ("regex", params.regex)
