@@ -168,7 +168,9 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
-                    skipped.append(self.waiting.popleft())
+                    self.waiting.popleft()
+                    if not request.is_finished():
+                        skipped.append(request)
                     continue
                 # [prefix caching] hit blocks from the prompt start (a waiting request has none).
                 computed = self.kv_cache_manager.get_computed_blocks(request)
@@ -259,13 +261,13 @@ class Scheduler:
     def _grammar_ready(self, request: Request) -> bool:
         """[structured output] Whether a WAITING_FOR_FSM request can be admitted: True once its
         grammar is compiled (the status becomes WAITING). A grammar that failed to compile
-        finishes the request (aborted, its error logged) and returns False."""
+        finishes the request (aborted, its error logged; the caller takes it off the queue) and
+        returns False."""
         handle = request.structured_output_request
         if not handle.is_ready():
             return False
         if handle.error is not None:
             logger.error("request %s: its grammar failed to compile: %s", request.request_id, handle.error)
-            self.waiting.popleft()
             request.status = RequestStatus.FINISHED_ABORTED
             self._free_request(request)
             self._finished_in_schedule.append(EngineCoreOutput(
