@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
 from pagedllm.entrypoints.openai.serving_engine import (CHAT_UNSUPPORTED_FIELDS, DEFAULT_MAX_N, MIN_LOGPROB,
                                                        OpenAIServing, clamp_logprob)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.tool_calls import ToolPlan, parse_tool_calls, plan_tools
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
@@ -67,6 +68,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt = render_chat_prompt(self.tokenizer, request.messages, template,
                                         add_generation_prompt=bool(request.add_generation_prompt),
                                         continue_final_message=bool(request.continue_final_message),
+                                        tools=getattr(request, "tools", None) or None,
                                         **(request.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise bad_request(str(e)) from e
@@ -93,8 +95,13 @@ class OpenAIServingChat(OpenAIServing):
         self.check_n(n)
         if request.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        if request.tools and request.tool_choice != "none":
-            raise bad_request("tools are not supported by this server (no tool-call parser)", param="tools")
+        tool_plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
+        structured_outputs = self.structured_outputs(request)
+        if tool_plan.structured_outputs is not None:
+            if structured_outputs is not None:
+                raise bad_request(f"tool_choice={request.tool_choice!r} constrains the reply to a tool call; it "
+                                  "cannot be combined with response_format or structured_outputs", param="tool_choice")
+            structured_outputs = tool_plan.structured_outputs
         num_top = None
         if request.logprobs:
             num_top = 0 if request.top_logprobs is None else request.top_logprobs
@@ -108,7 +115,7 @@ class OpenAIServingChat(OpenAIServing):
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            base = self.sampling_params(request, max_tokens, num_top, kind)
+            base = self.sampling_params(request, max_tokens, num_top, kind, structured_outputs=structured_outputs)
             processed = self.engine.process_inputs(prompt, base)
             ids = processed.prompt_token_ids
             # The processed request owns its params copy: record the effective limit there.
@@ -120,7 +127,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         if stream:
             return StreamingResponse(self._stream(request, outputs, request_id, created, model_name, n, len(ids),
-                                                  num_top, echo), media_type="text/event-stream")
+                                                  num_top, echo, tool_plan), media_type="text/event-stream")
         final: RequestOutput | None = None
         try:
             async for out in outputs:
@@ -137,9 +144,15 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if num_top is not None:
                 logprobs = ChatCompletionLogProbs(content=self.chat_logprobs(*self.text_tokens(o), num_top))
+            message = ChatMessage(role="assistant", content=echo + o.text)
+            finish_reason = o.finish_reason
+            tool_calls = parse_tool_calls(tool_plan, o.text)
+            if tool_calls is not None:
+                message = ChatMessage(role="assistant", content=None, tool_calls=tool_calls)
+                finish_reason = _tool_finish_reason(tool_plan, o.finish_reason)
             choices.append(ChatCompletionResponseChoice(
-                index=o.index, message=ChatMessage(role="assistant", content=echo + o.text), logprobs=logprobs,
-                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                index=o.index, message=message, logprobs=logprobs,
+                finish_reason=finish_reason, stop_reason=o.stop_reason))
         choices.sort(key=lambda c: c.index)
         response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
                                           usage=self.usage(len(ids), num_completion, final.num_cached_tokens))
@@ -147,7 +160,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, outputs: OutputStream, request_id: str, created: int,
                       model_name: str, n: int, num_prompt: int, num_top: int | None,
-                      echo: str = "") -> AsyncIterator[str]:
+                      echo: str = "", tool_plan: ToolPlan | None = None) -> AsyncIterator[str]:
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
@@ -165,6 +178,7 @@ class OpenAIServingChat(OpenAIServing):
                 usage=usage() if continuous_usage else None)
             return f"data: {body.model_dump_json(exclude=None if continuous_usage else {'usage'})}\n\n"
 
+        tool_text: dict[int, str] = {}  # [tools] a call is sent whole once its sample ends
         try:
             for index in range(n):
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
@@ -175,6 +189,21 @@ class OpenAIServingChat(OpenAIServing):
                 num_cached = out.num_cached_tokens if out.num_cached_tokens is not None else num_cached
                 for o in out.outputs:
                     num_completion += len(o.token_ids)
+                    if tool_plan is not None and tool_plan.mode != "none":
+                        tool_text[o.index] = tool_text.get(o.index, "") + o.text
+                        if o.finish_reason is None:
+                            continue
+                        calls = parse_tool_calls(tool_plan, tool_text[o.index])
+                        if calls is None:  # cut short: the text as content
+                            yield chunk(o.index, DeltaMessage(content=tool_text[o.index]))
+                            yield chunk(o.index, DeltaMessage(), None, o.finish_reason, o.stop_reason)
+                            continue
+                        # The OpenAI client accumulates delta.tool_calls by index.
+                        yield chunk(o.index, DeltaMessage(tool_calls=[{"index": k, **call}
+                                                                      for k, call in enumerate(calls)]))
+                        yield chunk(o.index, DeltaMessage(), None, _tool_finish_reason(tool_plan, o.finish_reason),
+                                    o.stop_reason)
+                        continue
                     if not o.text and o.finish_reason is None and (num_top is None or not o.token_ids):
                         continue
                     logprobs = None
@@ -231,3 +260,9 @@ class OpenAIServingChat(OpenAIServing):
                 logprob=clamp_logprob(chosen.logprob) if chosen is not None else MIN_LOGPROB,
                 bytes=self.token_bytes(token_id), top_logprobs=top))
         return content
+
+
+def _tool_finish_reason(plan: ToolPlan, finish_reason: str | None) -> str | None:
+    """"tool_calls" for a complete call under ``tool_choice: "required"``; a named function keeps
+    "stop", as OpenAI answers a forced function."""
+    return "tool_calls" if plan.mode == "required" and finish_reason == "stop" else finish_reason

@@ -116,8 +116,10 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = max(prompt_logprobs or 0, num_top)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         best_of = request.best_of if request.best_of is not None and request.best_of > n else None
+        structured_outputs = self.structured_outputs(request)
         try:
-            base = self.sampling_params(request, max_tokens, num_top, kind, best_of, prompt_logprobs)
+            base = self.sampling_params(request, max_tokens, num_top, kind, best_of, prompt_logprobs,
+                                        structured_outputs=structured_outputs)
             cmpl_id = f"cmpl-{uuid.uuid4().hex}"
             engine_requests, infos = [], []
             for i, prompt in enumerate(prompts):
