@@ -48,6 +48,8 @@ class CacheConfig:
             min(25% of available RAM, 4 GiB).
         enable_prefix_caching: share full KV blocks across requests by content hash (automatic
             prefix caching, as vLLM V1; on by default).
+        swap_space_bytes: host memory for swapped-out KV blocks (bytes per worker; vLLM's
+            ``swap_space``, GiB there). Allocated only with ``preemption_mode="swap"``.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -56,8 +58,11 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     cpu_kvcache_space_bytes: int | None = None
     enable_prefix_caching: bool = True
+    swap_space_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space_bytes} bytes")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -73,6 +78,10 @@ class CacheConfig:
                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
 
 
+# ``SchedulerConfig.preemption_mode`` values (vLLM's names).
+PREEMPTION_MODES = ("recompute", "swap")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Token and sequence budgets of one scheduler step (continuous batching, Orca / vLLM).
@@ -82,14 +91,20 @@ class SchedulerConfig:
         max_num_batched_tokens: most tokens (prefill chunks + decodes) in one forward.
         max_model_len: most tokens (prompt + output) of one request.
         enable_chunked_prefill: split prompts longer than the remaining token budget.
+        preemption_mode: what happens to a request preempted for blocks: "recompute" (free its
+            blocks, compute its tokens again later; the default) or "swap" (copy its blocks to
+            the host pool, ``CacheConfig.swap_space_bytes``, and back; nothing recomputed).
     """
 
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -138,41 +153,104 @@ class StructuredOutputsConfig:
             raise ValueError(f"compile_threads must be >= 1, got {self.compile_threads}")
 
 
-# ``ParallelConfig.distributed_executor_backend`` values (vLLM's names); only "uni" exists today.
-SUPPORTED_EXECUTOR_BACKENDS = (None, "uni")
+# ``ParallelConfig.distributed_executor_backend`` values (vLLM's names): "uni" runs one worker in
+# the engine's process, "mp" one worker process per rank (``executor/multiproc.py``).
+SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallelism; only single-process execution exists today.
+    """How one engine's model is split over worker processes (ranks).
+
+    Rank ``r`` is tensor-parallel rank ``r % tensor_parallel_size`` of pipeline stage
+    ``r // tensor_parallel_size`` (vLLM's layout).
 
     Attributes:
-        tensor_parallel_size: shards per layer (torch.distributed); must be 1 for now.
-        pipeline_parallel_size: pipeline stages; must be 1 for now.
-        data_parallel_size: engine replicas; must be 1 for now.
+        tensor_parallel_size: ranks that split every layer's matrices (Megatron-style; one
+            all-reduce after each row-parallel layer).
+        pipeline_parallel_size: stages that split the layers (contiguous ranges).
+        data_parallel_size: engine replicas; must be 1.
         distributed_executor_backend: which executor runs the workers (``executor/``): None
-            picks by world size ("uni", one in-process worker, for 1); "uni" forces it.
+            picks by world size ("uni" for 1, "mp" above); "uni" forces the in-process worker
+            (world size 1), "mp" one worker process per rank.
+        pp_layer_partition: layers per stage, summing to the model's layers (``EngineArgs``
+            defaults it to ``$PAGEDLLM_PP_LAYER_PARTITION``, e.g. "10,8"); None = as even as
+            possible, earlier stages taking the remainder.
+        cpu_threads_per_rank: torch threads in each worker process on the CPU (``EngineArgs``
+            defaults it to ``$PAGEDLLM_CPU_THREADS_PER_RANK``); None = ``os.cpu_count() //
+            world_size``, which must be >= 1.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    pp_layer_partition: tuple[int, ...] | None = None
+    cpu_threads_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
-            if value != 1:
-                raise ValueError(
-                    f"{name}={value} is not supported yet: pagedllm runs one process per engine")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported: one engine "
+                             "per process group (run several servers for data parallelism)")
         if self.distributed_executor_backend not in SUPPORTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {SUPPORTED_EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.world_size != 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size x "
+                             f"pipeline_parallel_size = {self.world_size}; use 'mp'")
+        if self.pp_layer_partition is not None:
+            if len(self.pp_layer_partition) != self.pipeline_parallel_size \
+                    or any(int(n) < 1 for n in self.pp_layer_partition):
+                raise ValueError(f"pp_layer_partition ($PAGEDLLM_PP_LAYER_PARTITION) must give >= 1 layer to each "
+                                 f"of the {self.pipeline_parallel_size} stages, got {self.pp_layer_partition}")
+        if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank < 1:
+            raise ValueError(f"cpu_threads_per_rank ($PAGEDLLM_CPU_THREADS_PER_RANK) must be >= 1, "
+                             f"got {self.cpu_threads_per_rank}")
 
     @property
     def world_size(self) -> int:
         """Workers of one engine: tensor x pipeline parallel ranks."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_model(self, num_attention_heads: int, num_key_value_heads: int, intermediate_size: int,
+                    num_hidden_layers: int) -> None:
+        """Check that the model splits this way (called before any weight loads).
+
+        Raises:
+            ValueError: naming the numbers: query heads or the MLP width not divisible by
+                ``tensor_parallel_size``; KV heads neither divisible by it nor dividing it (a KV
+                head is replicated on ``tensor_parallel_size / num_key_value_heads`` ranks);
+                more stages than layers; a ``pp_layer_partition`` not summing to the layers.
+        """
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if num_attention_heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_attention_heads} "
+                             "attention heads")
+        if num_key_value_heads % tp and tp % num_key_value_heads:
+            raise ValueError(f"tensor_parallel_size={tp} and the model's {num_key_value_heads} key/value heads: "
+                             "one must divide the other")
+        if intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's intermediate_size "
+                             f"{intermediate_size}")
+        if pp > num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {num_hidden_layers} layers")
+        if self.pp_layer_partition is not None and sum(self.pp_layer_partition) != num_hidden_layers:
+            raise ValueError(f"pp_layer_partition {self.pp_layer_partition} sums to {sum(self.pp_layer_partition)}, "
+                             f"not the model's {num_hidden_layers} layers")
+
+    def stage_layers(self, num_hidden_layers: int, pp_rank: int) -> tuple[int, int]:
+        """[start, end) layer indices of pipeline stage ``pp_rank``."""
+        if self.pp_layer_partition is not None:
+            sizes = [int(n) for n in self.pp_layer_partition]
+        else:
+            base, extra = divmod(num_hidden_layers, self.pipeline_parallel_size)
+            sizes = [base + (1 if i < extra else 0) for i in range(self.pipeline_parallel_size)]
+        start = sum(sizes[:pp_rank])
+        return start, start + sizes[pp_rank]
 
 
 def _text_config(hf_config: dict[str, Any]) -> dict[str, Any]:

@@ -69,6 +69,12 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+def _check_vocab(vocab_size: int) -> None:
+    """Raises ValueError unless the vocabulary has ids above ``MIN_RANDOM_TOKEN_ID`` to draw from."""
+    if vocab_size <= MIN_RANDOM_TOKEN_ID:
+        raise ValueError(f"vocab_size must be > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+
+
 def _clip_to_model_len(prompt_len: int, max_tokens: int, max_model_len: int | None) -> tuple[int, int]:
     """Shrink the output (then the prompt) so prompt + output <= max_model_len."""
     if max_model_len is None or prompt_len + max_tokens <= max_model_len:
@@ -99,8 +105,7 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_siz
     _check_positive("output_len", output_len)
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
-    if vocab_size <= MIN_RANDOM_TOKEN_ID:
-        raise ValueError(f"vocab_size must be > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+    _check_vocab(vocab_size)
     rng = np.random.default_rng(seed)
     in_lo, in_hi = max(1, int(input_len * (1 - range_ratio))), max(1, int(input_len * (1 + range_ratio)))
     out_lo, out_hi = max(1, int(output_len * (1 - range_ratio))), max(1, int(output_len * (1 + range_ratio)))
@@ -128,8 +133,7 @@ def sharegpt_like_requests(num_prompts: int, input_len: int, output_len: int, vo
     _check_positive("num_prompts", num_prompts)
     _check_positive("input_len", input_len)
     _check_positive("output_len", output_len)
-    if vocab_size <= MIN_RANDOM_TOKEN_ID:
-        raise ValueError(f"vocab_size must be > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+    _check_vocab(vocab_size)
     rng = np.random.default_rng(seed)
 
     def draw(median: int, sigma: float) -> np.ndarray:
@@ -168,8 +172,7 @@ def prefix_sharing_requests(num_prompts: int, vocab_size: int, seed: int = 0,
         _check_positive(name, lo)
         if hi < lo:
             raise ValueError(f"{name} range must have low <= high, got {(lo, hi)}")
-    if vocab_size <= MIN_RANDOM_TOKEN_ID:
-        raise ValueError(f"vocab_size must be > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+    _check_vocab(vocab_size)
     rng = np.random.default_rng(seed)
     system = rng.integers(MIN_RANDOM_TOKEN_ID, vocab_size, size=system_len).tolist()
     q_lens = rng.integers(question_len[0], question_len[1] + 1, size=num_prompts).tolist()
@@ -203,8 +206,7 @@ def multi_turn_requests(num_users: int, input_len: int, output_len: int, vocab_s
     _check_positive("num_turns", num_turns)
     _check_positive("input_len", input_len)
     _check_positive("output_len", output_len)
-    if vocab_size <= MIN_RANDOM_TOKEN_ID:
-        raise ValueError(f"vocab_size must be > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+    _check_vocab(vocab_size)
     rng = np.random.default_rng(seed)
 
     def length(mean: int) -> int:

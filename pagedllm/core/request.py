@@ -103,6 +103,7 @@ class Request:
         structured_output_request: the request's grammar state (an opaque
             ``StructuredOutputHandle``), or None for an unconstrained request. Its matcher lives
             and dies with this object: nothing else keeps it.
+        paused: not scheduled while True (beam search holds a beam between rounds).
     Raises:
         ValueError: for an empty prompt or ``max_tokens < 1``.
     """
@@ -143,6 +144,9 @@ class Request:
         self.num_prompt_logprobs_seen = 0
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = 0
+        # Beam search: a beam that reported its step's candidates waits (is not scheduled) until
+        # the other beams of its prompt have reported too.
+        self.paused = False
 
     @property
     def all_token_ids(self) -> list[int]:

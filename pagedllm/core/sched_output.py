@@ -27,7 +27,13 @@ class NewRequestData:
             beside the message, ``Executor.add_logits_processors``).
         block_ids: the request's physical block ids, logical block ``i`` at index ``i``.
         num_computed_tokens: tokens already in the KV cache before this step (0, or a prefix
-            cache hit).
+            cache hit; for a fork, the parent's computed tokens).
+        output_token_ids: tokens generated before the worker first hears of the request (a
+            beam forked from another beam); empty otherwise.
+        forked_from: for a sample of an n > 1 / best_of request forked this step from the
+            sample that ran the prompt: that sample's id. The fork computes nothing this step
+            (it is not in ``num_scheduled_tokens``); its first token is drawn from the parent's
+            logits row, with its own params and generator.
     """
 
     req_id: str
@@ -35,6 +41,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    forked_from: str | None = None
 
 
 @dataclass
@@ -50,6 +58,9 @@ class CachedRequestData:
         new_block_ids: blocks appended to the block table since the last step (or the whole
             table when ``resumed_from_preemption``).
         num_computed_tokens: tokens in the KV cache before this step.
+        replaced_block_ids: (logical index, new physical id) entries of the table the worker
+            holds that changed since it last heard (copy-on-write of a shared last block),
+            applied before ``new_block_ids`` are appended; empty when the table only grew.
     """
 
     req_id: str
@@ -57,6 +68,7 @@ class CachedRequestData:
     new_token_ids: list[int]
     new_block_ids: list[int]
     num_computed_tokens: int
+    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -75,12 +87,17 @@ class SchedulerOutput:
         preempted_req_ids: requests preempted (recompute) this step; the worker forgets their
             block tables and keeps the rest of their state until they resume.
         blocks_to_copy: (src, dst) physical block pairs to copy before the forward
-            (copy-on-write; empty until block sharing lands).
+            (copy-on-write of a shared partial block; the worker does one batched copy).
+        blocks_to_swap_out: (device block, host block) pairs to copy to the host pool before
+            the forward (swap preemption).
+        blocks_to_swap_in: (host block, device block) pairs to copy back before the forward.
         structured_output_request_ids: request id -> row of ``grammar_bitmask``, for the
             constrained requests that sample this step (vLLM V1's name).
         grammar_bitmask: [len(structured_output_request_ids), ceil(vocab_size / 32)] int32 numpy
             array filled by the engine after ``schedule()`` (xgrammar's layout: bit ``t % 32`` of
             word ``t // 32`` set = token ``t`` allowed), or None when no row is constrained.
+
+    The worker applies them in this order: swap-out, copy, swap-in, then the forward.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -90,12 +107,19 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+    @property
+    def forked_req_ids(self) -> dict[str, str]:
+        """Fork id -> parent id of the samples forked this step (they sample, not compute)."""
+        return {n.req_id: n.forked_from for n in self.scheduled_new_reqs if n.forked_from is not None}
 
 
 @dataclass
@@ -173,6 +197,9 @@ class SchedulerStats:
             fragmentation of the last blocks).
         prefix_cache_queries_total / prefix_cache_hits_total: tokens looked up in / found in the
             prefix cache since the scheduler started (running totals, as vLLM counts them).
+        num_swapped: requests whose blocks are in the host pool (swap preemption).
+        num_preemptions_by_mode: preemptions since the scheduler started, by mode
+            ("recompute", "swap").
     """
 
     num_running: int = 0
@@ -191,3 +218,5 @@ class SchedulerStats:
     num_allocated_slots: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    num_swapped: int = 0
+    num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)

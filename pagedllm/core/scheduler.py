@@ -22,6 +22,7 @@ from collections import deque
 from typing import Iterable
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.block_pool import NoFreeBlocksError
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
@@ -60,16 +61,24 @@ class Scheduler:
         # Finished or aborted since the last schedule(); reported in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        self.preemption_mode = scheduler_config.preemption_mode
+        # Preemptions since construction by how they were done ("recompute" / "swap").
+        self.num_preemptions_by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
+        self._logged_swap_fallback = False
         self._step_stats = SchedulerStats()
         # What the worker holds of each request it has seen (the per-step message sends only what
         # it lacks): tokens and block-table entries, by request id. A request is added when first
         # scheduled and removed when it finishes; preemption empties its block count.
         self._worker_num_tokens: dict[str, int] = {}
         self._worker_num_blocks: dict[str, int] = {}
+        self._worker_last_block: dict[str, int] = {}  # the last block id the worker holds
         self._preempted_since_scheduled: set[str] = set()
         # [structured output] requests finished inside schedule() (their grammar failed to
         # compile): their outputs go out with the next update_from_output.
         self._finished_in_schedule: list[EngineCoreOutput] = []
+        # n > 1 / best_of: parent id -> the samples waiting to fork its blocks once its prompt
+        # is computed (they are in ``requests`` but in neither queue).
+        self._pending_forks: dict[str, list[Request]] = {}
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -82,7 +91,12 @@ class Scheduler:
         return len(self.waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + self.num_pending_forks
+
+    @property
+    def num_pending_forks(self) -> int:
+        """Samples waiting for their parent's prompt before they fork (each will take a seq)."""
+        return sum(len(forks) for forks in self._pending_forks.values())
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -91,25 +105,44 @@ class Scheduler:
         """The unfinished request with this id, or ``None`` (unknown or already finished)."""
         return self.requests.get(request_id)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, forks: Iterable[Request] = ()) -> None:
         """Queue a new request (status WAITING) at the back of the waiting queue.
 
+        ``forks``: the other samples of an n > 1 / best_of request (same prompt). Only
+        ``request`` computes the prompt; the step that computes its last prompt token forks its
+        block table to each of them (``KVCacheManager.fork``: the partial last block included),
+        and they draw their first token from the same logits row with their own params and
+        generator. The group is admitted together: ``request`` enters only when
+        ``max_num_seqs`` has room for all of them. After the fork each sample is an ordinary
+        request (preempted, recomputed or swapped on its own, from its own tokens).
+
         Raises:
-            ValueError: if the id is already in use, the request is not fresh, or its prompt is
-                longer than ``max_model_len`` (the engine rejects those earlier).
+            ValueError: if an id is already in use, a request is not fresh, its prompt is longer
+                than ``max_model_len`` (the engine rejects those earlier), the forks' prompts
+                differ, or the group is larger than ``max_num_seqs``.
         """
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already scheduled")
-        if request.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM) \
-                or request.num_computed_tokens != 0:
-            raise ValueError(
-                f"request {request.request_id!r} must be new (WAITING, 0 computed tokens), got "
-                f"{request.status.name} with {request.num_computed_tokens} computed tokens")
+        forks = list(forks)
+        for r in [request] + forks:
+            if r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already scheduled")
+            if r.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM) or r.num_computed_tokens != 0 or r.num_output_tokens:
+                raise ValueError(
+                    f"request {r.request_id!r} must be new (WAITING, 0 computed tokens), got "
+                    f"{r.status.name} with {r.num_computed_tokens} computed tokens")
         if request.num_tokens > self.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
                 f"max_model_len ({self.max_model_len})")
+        if any(f.prompt_token_ids != request.prompt_token_ids for f in forks):
+            raise ValueError("forks must have the same prompt as their parent request")
+        if 1 + len(forks) > self.max_num_seqs:
+            raise ValueError(f"n (or best_of) = {1 + len(forks)} samples exceed max_num_seqs "
+                             f"({self.max_num_seqs}); they run as one group")
         self.requests[request.request_id] = request
+        for f in forks:
+            self.requests[f.request_id] = f
+        if forks:
+            self._pending_forks[request.request_id] = forks
         self.waiting.append(request)
 
     # -- schedule --------------------------------------------------------------------------
@@ -140,18 +173,27 @@ class Scheduler:
                 # Nothing to compute (its sampled token has not come back); skip it.
                 req_index += 1
                 continue
+            cow_pair = None
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = None
+                try:
+                    # Its next token goes into a block another table shares (a fork): copy first.
+                    cow_pair = self.kv_cache_manager.cow_last_block_if_shared(request) or cow_pair
+                    new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                except NoFreeBlocksError:
+                    pass
                 if new_blocks is not None:
                     break
-                # Out of blocks: preempt the most recently admitted request (recompute).
+                # Out of blocks: preempt the most recently admitted request.
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, output)
                 preempted_ids.add(victim.request_id)
                 if victim is request:
                     break
             if new_blocks is None:
                 break  # the request preempted itself; the pool cannot fit anything more
+            if cow_pair is not None:
+                output.blocks_to_copy.append(cow_pair)
             is_decode = num_new == 1 and request.num_output_tokens > 0 \
                 and request.num_computed_tokens + 1 == request.num_tokens
             self._schedule_request(request, num_new, output)
@@ -171,6 +213,23 @@ class Scheduler:
                     self.waiting.popleft()
                     if not request.is_finished():
                         skipped.append(request)
+                    continue
+                group = len(self._pending_forks.get(request.request_id, ()))
+                if len(self.running) + self.num_pending_forks + 1 + group > self.max_num_seqs:
+                    break  # its samples will fork: admit the group only with room for all
+                if self.kv_cache_manager.is_swapped(request):
+                    # Swapped out: back into fresh device blocks, nothing recomputed.
+                    num_new = self._num_new_tokens(request, budget)
+                    pairs = None if num_new <= 0 else self.kv_cache_manager.swap_in(request, num_new)
+                    if pairs is None:
+                        break
+                    output.blocks_to_swap_in.extend(pairs)
+                    self.waiting.popleft()
+                    self.running.append(request)
+                    request.status = RequestStatus.RUNNING
+                    self._schedule_request(request, num_new, output)
+                    num_prefill_tokens += num_new
+                    budget -= num_new
                     continue
                 # [prefix caching] hit blocks from the prompt start (a waiting request has none).
                 computed = self.kv_cache_manager.get_computed_blocks(request)
@@ -195,6 +254,7 @@ class Scheduler:
                 budget -= num_new
             self.waiting.extendleft(reversed(skipped))
 
+        self._fork_pending(output, now)
         total = self.max_num_batched_tokens - budget
         output.total_num_scheduled_tokens = total
         output.finished_req_ids = self.finished_req_ids
@@ -214,9 +274,115 @@ class Scheduler:
             self.kv_cache_manager.num_free_blocks, self.kv_cache_manager.num_blocks)
         return output
 
+    def _fork_pending(self, output: SchedulerOutput, now: float) -> None:
+        """Fork the waiting samples of every parent whose last prompt token is computed this step.
+
+        Each sample takes the parent's block table (one more reference per block, the partial
+        last one included), the parent's computed tokens and a RUNNING status, and goes to the
+        worker as a ``NewRequestData`` with ``forked_from``: it computes nothing this step and
+        draws its first token from the parent's logits row.
+        """
+        for parent_id in [pid for pid in self._pending_forks
+                          if pid in output.num_scheduled_tokens]:
+            parent = self.requests[parent_id]
+            if parent.num_computed_tokens != parent.num_tokens or parent.status != RequestStatus.RUNNING:
+                continue  # a non-final prompt chunk
+            for child in self._pending_forks.pop(parent_id):
+                self.kv_cache_manager.fork(parent, child)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.num_cached_tokens = parent.num_cached_tokens
+                child.block_hashes = list(parent.block_hashes)
+                child.status = RequestStatus.RUNNING
+                child.first_scheduled_time = now
+                self.running.append(child)
+                params = child.sampling_params.clone()
+                params.logits_processors = None
+                table = self.kv_cache_manager.get_block_table(child.request_id)
+                output.scheduled_new_reqs.append(NewRequestData(
+                    req_id=child.request_id, prompt_token_ids=list(child.prompt_token_ids),
+                    sampling_params=params, block_ids=table,
+                    num_computed_tokens=child.num_computed_tokens, forked_from=parent_id))
+                self._worker_num_tokens[child.request_id] = child.num_tokens
+                self._worker_num_blocks[child.request_id] = len(table)
+                self._worker_last_block[child.request_id] = table[-1]
+                if child.structured_output_request is not None:
+                    # [structured output] its own matcher (the parent's grammar is compiled, so the
+                    # shared compile is done) and its own bitmask row for the parent's logits row.
+                    self._start_forked_matcher(child)
+                    rows = output.structured_output_request_ids
+                    rows[child.request_id] = len(rows)
+
+    def _start_forked_matcher(self, child: Request) -> None:
+        """[structured output] Build a forked sample's matcher at its initial state (it samples
+        its first token now, from its parent's row).
+
+        Raises:
+            RuntimeError: if its grammar is not compiled though its parent's is (they share one
+                compile), or failed.
+        """
+        handle = child.structured_output_request
+        if not handle.is_ready() or handle.error is not None:
+            raise RuntimeError(f"request {child.request_id!r} forks from a parent whose grammar is compiled, "
+                               f"but its own is not ready (error: {handle.error})")
+
+    def fork_request(self, parent_id: str, child: Request, last_token_id: int) -> None:
+        """Fork a running request between steps into ``child`` whose last token differs (beam
+        search: a surviving beam extends its parent with another candidate token).
+
+        The parent has just sampled a token (its K/V not computed yet: ``num_computed_tokens ==
+        num_tokens - 1``). The child gets the parent's prompt, its outputs with the last one
+        replaced by ``last_token_id``, and the parent's blocks (shared; copy-on-write before
+        the first write into the shared partial block), so nothing of the prefix is recomputed.
+        A parent preempted meanwhile has no blocks to share: the child then waits and computes
+        its tokens.
+
+        Raises:
+            ValueError: if the parent has not just sampled a token, the child's id is in use,
+                or the child is not fresh.
+        """
+        parent = self.requests.get(parent_id)
+        if parent is None or parent.num_output_tokens == 0 or parent.num_computed_tokens > parent.num_tokens - 1:
+            raise ValueError(f"request {parent_id!r} is not an unfinished request that has just sampled a token")
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already scheduled")
+        if child.num_output_tokens or child.prompt_token_ids != parent.prompt_token_ids:
+            raise ValueError("the child must be a fresh request with the parent's prompt")
+        if parent.structured_output_request is not None or child.structured_output_request is not None:
+            raise ValueError("beam search forks do not support structured outputs (vLLM neither)")
+        child.append_output_token_ids(parent.output_token_ids[:-1] + [last_token_id])
+        bs = self.kv_cache_manager.block_size
+        child.block_hashes = parent.block_hashes[:(child.num_tokens - 1) // bs]
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.requests[child.request_id] = child
+        if parent.status != RequestStatus.RUNNING or not self.kv_cache_manager.get_block_table(parent_id):
+            # The parent was preempted meanwhile (no device blocks): the child computes its tokens.
+            self.waiting.append(child)
+            return
+        self.kv_cache_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        child.first_scheduled_time = time.monotonic()
+        self.running.append(child)
+
+    def replace_last_token(self, request_id: str, token_id: int) -> None:
+        """Replace the token a running request sampled in the last step (not computed yet, not
+        sent to the worker yet) by ``token_id`` (beam search keeps another candidate).
+
+        Raises:
+            ValueError: if the request is not running between steps with a sampled token.
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.num_output_tokens == 0 or request.num_computed_tokens > request.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} is not an unfinished request that has just sampled a token")
+        request.output_token_ids[-1] = token_id
+        request.all_token_ids[-1] = token_id
+        del request.block_hashes[(request.num_tokens - 1) // self.kv_cache_manager.block_size:]
+
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens to compute for ``request`` this step: the rest of its known tokens, capped by
-        the token budget (chunked prefill) and by ``max_model_len``."""
+        the token budget (chunked prefill) and by ``max_model_len``; 0 while it is paused."""
+        if request.paused:
+            return 0
         num_new = request.num_tokens - request.num_computed_tokens
         num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
         return num_new
@@ -239,19 +405,27 @@ class Scheduler:
             params.logits_processors = None  # callables stay in this process (Executor docs)
             output.scheduled_new_reqs.append(NewRequestData(
                 req_id=req_id, prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
-                block_ids=block_table, num_computed_tokens=start))
-            self._worker_num_tokens[req_id] = request.num_prompt_tokens
+                block_ids=block_table, num_computed_tokens=start,
+                output_token_ids=list(request.output_token_ids)))  # a beam forked between steps
+            self._worker_num_tokens[req_id] = request.num_tokens
         else:
             resumed = req_id in self._preempted_since_scheduled
             self._preempted_since_scheduled.discard(req_id)
             known_tokens = self._worker_num_tokens[req_id]
             known_blocks = 0 if resumed else self._worker_num_blocks[req_id]
+            replaced = []
+            if known_blocks and block_table[known_blocks - 1] != self._worker_last_block[req_id]:
+                # Copy-on-write swapped the last block the worker holds (only ever that one).
+                replaced.append((known_blocks - 1, block_table[known_blocks - 1]))
             output.scheduled_cached_reqs.append(CachedRequestData(
                 req_id=req_id, resumed_from_preemption=resumed,
                 new_token_ids=request.all_token_ids[known_tokens:],
-                new_block_ids=block_table[known_blocks:], num_computed_tokens=start))
+                new_block_ids=block_table[known_blocks:], num_computed_tokens=start,
+                replaced_block_ids=replaced))
             self._worker_num_tokens[req_id] = request.num_tokens
         self._worker_num_blocks[req_id] = len(block_table)
+        if block_table:
+            self._worker_last_block[req_id] = block_table[-1]
         output.num_scheduled_tokens[req_id] = num_new
         request.num_computed_tokens = start + num_new
         if request.structured_output_request is not None and request.num_computed_tokens == request.num_tokens:
@@ -276,15 +450,34 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         return True
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: free the blocks, forget the progress, requeue at the front."""
-        self.kv_cache_manager.free(request)
+    def _preempt(self, request: Request, output: SchedulerOutput | None = None) -> None:
+        """Preempt a running request and requeue it at the front.
+
+        "recompute": free the blocks and forget the progress. "swap": copy its blocks to the
+        host pool (``output.blocks_to_swap_out``) and keep ``num_computed_tokens``; when the host
+        pool cannot take it, recompute instead (logged once).
+        """
+        kv = self.kv_cache_manager
+        mode = "recompute"
+        if self.preemption_mode == "swap" and output is not None:
+            if kv.can_swap_out(request):
+                output.blocks_to_swap_out.extend(kv.swap_out(request))
+                mode = "swap"
+            elif not self._logged_swap_fallback:
+                self._logged_swap_fallback = True
+                logger.warning("the swap space (%d host blocks, %d free) cannot take request %s: it is "
+                               "preempted by recomputation (logged once)", kv.num_cpu_blocks,
+                               0 if kv.cpu_block_pool is None else kv.cpu_block_pool.get_num_free_blocks(),
+                               request.request_id)
+        if mode == "recompute":
+            kv.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         if request.request_id in self._worker_num_tokens:
             self._preempted_since_scheduled.add(request.request_id)
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+        self.num_preemptions_by_mode[mode] += 1
         self.waiting.appendleft(request)
         logger.debug("preempted request %s (%d tokens, preemption #%d)", request.request_id,
                      request.num_tokens, request.num_preemptions)
@@ -315,6 +508,7 @@ class Scheduler:
                 f"runner returned {len(runner_output.sampled_token_ids)} sampled tokens for "
                 f"{len(req_ids)} requests")
         scheduled = scheduler_output.num_scheduled_tokens
+        forked = scheduler_output.forked_req_ids
         # [prefix caching] the step's K/V is written: register the blocks it filled.
         for request in self.running:
             self.kv_cache_manager.cache_blocks(request)
@@ -339,7 +533,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or aborted meanwhile: a late output
-            if req_id not in scheduled or request.num_computed_tokens != request.num_tokens:
+            if (req_id not in scheduled and req_id not in forked) \
+                    or request.num_computed_tokens != request.num_tokens:
                 raise RuntimeError(
                     f"runner sampled for request {req_id!r}, which was not scheduled to sample")
             token_id = runner_output.sampled_token_ids[i]
@@ -399,7 +594,13 @@ class Scheduler:
         del self.requests[request.request_id]
         self._worker_num_tokens.pop(request.request_id, None)
         self._worker_num_blocks.pop(request.request_id, None)
+        self._worker_last_block.pop(request.request_id, None)
         self._preempted_since_scheduled.discard(request.request_id)
+        # A parent finished before its prompt was computed (abort): its waiting samples no
+        # longer have blocks to fork; they compute the prompt themselves.
+        for child in self._pending_forks.pop(request.request_id, ()):
+            if not child.is_finished():
+                self.waiting.append(child)
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus) -> None:
@@ -423,8 +624,14 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif request in self.waiting:
                 self.waiting.remove(request)
+            else:  # a sample still waiting to fork
+                for parent_id, forks in list(self._pending_forks.items()):
+                    if request in forks:
+                        forks.remove(request)
+                        if not forks:
+                            del self._pending_forks[parent_id]
             request.status = finished_status
             self._free_request(request)
 
@@ -452,6 +659,8 @@ class Scheduler:
             num_decode_tokens=s.num_decode_tokens,
             num_stored_tokens=num_stored_tokens,
             num_allocated_slots=num_allocated_slots,
+            num_swapped=len(kv.cpu_block_tables),
+            num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
             prefix_cache_queries_total=kv.prefix_cache_stats.queries,  # [prefix caching]
             prefix_cache_hits_total=kv.prefix_cache_stats.hits,
         )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-                             SUPPORTED_QUANTIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+                             PREEMPTION_MODES, SUPPORTED_QUANTIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 ATTENTION_BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"   # -> attention_backend
 CPU_GEMM_ENV = "PAGEDLLM_CPU_GEMM"                     # -> cpu_gemm
 CPU_KVCACHE_SPACE_ENV = "PAGEDLLM_CPU_KVCACHE_SPACE"   # -> cpu_kvcache_space (GiB)
+PP_LAYER_PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"  # -> pp_layer_partition ("10,8": layers per stage)
+CPU_THREADS_PER_RANK_ENV = "PAGEDLLM_CPU_THREADS_PER_RANK"  # -> cpu_threads_per_rank
 
 
 def _env(name: str) -> str | None:
@@ -44,9 +46,13 @@ class EngineArgs:
         num_gpu_blocks_override: force the number of KV blocks (testing).
         device: "cpu" | "cuda" | None (auto).
         max_logprobs: most top logprobs a request may ask for.
-        tensor_parallel_size, pipeline_parallel_size, data_parallel_size: must be 1 for now.
+        tensor_parallel_size, pipeline_parallel_size: ranks per layer / pipeline stages (README,
+            "Tensor and pipeline parallelism"); data_parallel_size must be 1.
         trust_remote_code, enforce_eager, tokenizer_mode, revision, download_dir,
-        disable_log_stats, swap_space: accepted for compatibility (see ``create_engine_config``).
+        disable_log_stats: accepted for compatibility (see ``create_engine_config``).
+        preemption_mode: "recompute" (default) or "swap" (``SchedulerConfig.preemption_mode``).
+        swap_space: GiB of host memory per worker for swapped-out KV blocks (vLLM's default 4;
+            allocated only with ``preemption_mode="swap"``; >= 0).
         quantization: None / "gguf" (weights dequantized to ``dtype``) or "int8" (CPU only:
             int8 linear layers with dynamic activation quantization; not exact, see README).
         enable_prefix_caching: automatic prefix caching (content-hashed full blocks shared
@@ -58,7 +64,12 @@ class EngineArgs:
             ``$PAGEDLLM_CPU_GEMM`` or "onednn".
         cpu_kvcache_space: [GiB] the CPU KV budget when ``kv_cache_memory_bytes`` is None; default
             ``$PAGEDLLM_CPU_KVCACHE_SPACE`` or None (min(25% of available RAM, 4 GiB)).
-        distributed_executor_backend: None (by world size) or "uni" (``executor/``).
+        distributed_executor_backend: None (by world size: "uni" for 1, else "mp"), "uni" or "mp"
+            (``executor/``).
+        pp_layer_partition: layers per pipeline stage, "10,8"; default ``$PAGEDLLM_PP_LAYER_PARTITION``
+            or None (even split).
+        cpu_threads_per_rank: torch threads per worker process; default
+            ``$PAGEDLLM_CPU_THREADS_PER_RANK`` or None (``os.cpu_count() // world_size``).
         structured_outputs_backend: "auto" | "xgrammar" (grammar engine of constrained decoding).
         max_structured_output_grammar_cache: [entries] compiled grammars kept (LRU).
     """
@@ -87,7 +98,8 @@ class EngineArgs:
     tokenizer_revision: str | None = None
     download_dir: str | None = None
     disable_log_stats: bool = False
-    swap_space: float | None = None
+    swap_space: float = 4.0
+    preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     quantization: str | None = None
     served_model_name: list[str] | str | None = field(default=None)
@@ -95,6 +107,8 @@ class EngineArgs:
     cpu_gemm: str = field(default_factory=lambda: _env(CPU_GEMM_ENV) or "onednn")
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
     distributed_executor_backend: str | None = None
+    pp_layer_partition: str | None = field(default_factory=lambda: _env(PP_LAYER_PARTITION_ENV))
+    cpu_threads_per_rank: int | str | None = field(default_factory=lambda: _env(CPU_THREADS_PER_RANK_ENV))
     structured_outputs_backend: str = "auto"
     max_structured_output_grammar_cache: int = 64
 
@@ -141,8 +155,10 @@ class EngineArgs:
             logger.info("trust_remote_code=True: no remote code is ever run; supported architectures are built in")
         if self.enforce_eager:
             logger.info("enforce_eager=True: pagedllm runs eagerly")
-        if self.swap_space:
-            logger.info("swap_space=%s GiB is accepted; preemption recomputes (swap is not implemented)", self.swap_space)
+        if not isinstance(self.swap_space, (int, float)) or not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         max_model_len = self.max_model_len or model_max_len
@@ -161,11 +177,16 @@ class EngineArgs:
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
                             cpu_kvcache_space_bytes=space,
-                            enable_prefix_caching=bool(self.enable_prefix_caching))
+                            enable_prefix_caching=bool(self.enable_prefix_caching),
+                            swap_space_bytes=int(self.swap_space * (1 << 30)))
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
-                                max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
+                                max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                                preemption_mode=self.preemption_mode)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
-                                  self.distributed_executor_backend)
+                                  self.distributed_executor_backend, self._pp_partition(), self._threads_per_rank())
+        if arch:  # before any weight loads: the model must split this way
+            parallel.check_model(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size,
+                                 model.num_hidden_layers)
         return model, cache, sched, parallel
 
     def create_structured_outputs_config(self):
@@ -178,6 +199,24 @@ class EngineArgs:
 
         return StructuredOutputsConfig(backend=self.structured_outputs_backend,
                                        max_grammar_cache=self.max_structured_output_grammar_cache)
+
+    def _pp_partition(self) -> tuple[int, ...] | None:
+        if self.pp_layer_partition is None or self.pp_layer_partition == "":
+            return None
+        try:
+            return tuple(int(n) for n in str(self.pp_layer_partition).split(","))
+        except ValueError:
+            raise ValueError(f"pp_layer_partition (${PP_LAYER_PARTITION_ENV}) must be comma-separated layer "
+                             f"counts, got {self.pp_layer_partition!r}") from None
+
+    def _threads_per_rank(self) -> int | None:
+        if self.cpu_threads_per_rank is None or self.cpu_threads_per_rank == "":
+            return None
+        try:
+            return int(self.cpu_threads_per_rank)
+        except ValueError:
+            raise ValueError(f"cpu_threads_per_rank (${CPU_THREADS_PER_RANK_ENV}) must be an int, "
+                             f"got {self.cpu_threads_per_rank!r}") from None
 
     def _check_env_settings(self) -> None:
         """Validate the fields whose defaults come from environment variables.
@@ -236,9 +275,15 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+                   help="uni: one worker in the engine process; mp: one worker process per rank "
+                        "(default: uni for world size 1, else mp)")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--swap-space", type=float, default=None)
+    g.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of host memory per worker for swapped-out KV blocks (used with --preemption-mode swap)")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="on a full KV pool: recompute the preempted request later, or swap its blocks to the host")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share full KV blocks across requests by content hash (default: on)")
     g.add_argument("--quantization", "-q", default=None, choices=[q for q in SUPPORTED_QUANTIZATION if q],

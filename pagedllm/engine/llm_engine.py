@@ -11,6 +11,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.beam_search import BeamSearchManager, BeamSearchParams
 from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import Executor
@@ -59,10 +60,12 @@ class LLMEngine:
             self.executor.initialize()
             self.tokenizer = tokenizer_future.result()
         self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(self.num_blocks)
+        self.num_cpu_blocks = self.executor.determine_num_cpu_blocks()
+        self.executor.initialize_cache(self.num_blocks, self.num_cpu_blocks)
         self.vocab_size = model_cfg.vocab_size
         self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
-                                               enable_caching=cache_cfg.enable_prefix_caching)
+                                               enable_caching=cache_cfg.enable_prefix_caching,
+                                               num_cpu_blocks=self.num_cpu_blocks)
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager)
         self.structured_outputs_config = args.create_structured_outputs_config()
         self.structured_output_manager = StructuredOutputManager(
@@ -70,6 +73,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               args.max_logprobs, self.structured_outputs_config)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
         self._ids = itertools.count()
         # Samples whose logits processors go to the in-process worker on their first step.
@@ -99,7 +103,8 @@ class LLMEngine:
         processed request carries its own), passed on unchanged.
 
         Sample ``i`` gets engine id ``f"{i}_{request_id}"`` and, if ``params.seed`` is set, seed
-        ``params.seed + i``.
+        ``params.seed + i``. Sample 0 computes the prompt once; the others fork its KV blocks
+        (copy-on-write) and draw their first token from the same logits row.
 
         Returns:
             The request id.
@@ -137,14 +142,40 @@ class LLMEngine:
         sample_ids = [request_id] if num_samples == 1 else [f"{i}_{request_id}" for i in range(num_samples)]
         self.output_processor.add_request(request_id, sample_ids, processed.prompt, processed.prompt_token_ids,
                                           base, sample_params, arrival_time)
+        requests = []
         for sid, sp in zip(sample_ids, sample_params):
             if sp.logits_processors:
                 self._pending_processors.add(sid)
             # [structured output] each sample gets its own matcher over the shared compiled grammar.
             grammar = (self.structured_output_manager.make_request(sp.structured_outputs)
                        if sp.structured_outputs is not None else None)
-            self.scheduler.add_request(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
-                                               arrival_time=arrival_time, structured_output_request=grammar))
+            requests.append(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
+                                    arrival_time=arrival_time, structured_output_request=grammar))
+        # Sample 0 computes the prompt; the others fork its blocks when it is done (Scheduler.add_request).
+        try:
+            self.scheduler.add_request(requests[0], forks=requests[1:])
+        except ValueError:
+            self.output_processor.abort_requests([request_id])
+            self._pending_processors.difference_update(sample_ids)
+            raise
+        return request_id
+
+    def add_beam_search_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
+                                params: BeamSearchParams, arrival_time: float | None = None) -> str:
+        """Queue a beam search (``engine/beam_search.py``); its one ``RequestOutput`` comes out of
+        ``step()`` when it finishes, with the best ``beam_width`` sequences as ``outputs`` (best
+        first) and vLLM's ``BeamSearchSequence``s in ``beam_sequences``.
+
+        Raises:
+            ValueError: invalid prompt or params, a duplicate id, or ``beam_width`` above ``max_num_seqs``.
+        """
+        processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(
+            prompt, SamplingParams(max_tokens=params.max_tokens))
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if self.output_processor.has_request(request_id) or self.beam_search.has_request(request_id):
+            raise ValueError(f"request_id {request_id!r} is already running")
+        self.beam_search.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
+                                     time.monotonic() if arrival_time is None else arrival_time)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -154,6 +185,7 @@ class LLMEngine:
             Final outputs (finish_reason "abort") for the requests that were still known.
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        beam_outputs = [o for o in (self.beam_search.abort(i) for i in ids) if o is not None]
         sample_ids = [sid for rid in ids for sid in self.output_processor.sample_ids(rid)]
         self._pending_processors.difference_update(sample_ids)
         self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
@@ -161,7 +193,7 @@ class LLMEngine:
         outputs = self.output_processor.abort_requests(ids, stats)
         if stats is not None:
             self._record_stats(stats)
-        return outputs
+        return outputs + beam_outputs
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's ``reset_prefix_cache``).
@@ -195,13 +227,16 @@ class LLMEngine:
             time.sleep(_GRAMMAR_WAIT_S)  # only grammars compiling: leave the compile threads the CPU
         runner_out = self.executor.execute_model(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        beam_finished: list[RequestOutput] = []
+        if self.beam_search.instances:
+            core_outputs, beam_finished = self.beam_search.process_outputs(core_outputs)
         processed = self.output_processor.process_outputs(core_outputs, stats)
         if processed.reqs_to_abort:
             self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         if stats is not None:
             stats.observe_step(sched_out, time.perf_counter() - t0)
             self._record_stats(stats)
-        return processed.request_outputs
+        return processed.request_outputs + beam_finished
 
     def _hand_over_logits_processors(self, sched_out) -> None:
         """Callables stay in this process: hand the logits processors of this step's new requests

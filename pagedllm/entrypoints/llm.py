@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -25,7 +26,8 @@ class LLM:
         **kwargs: any ``EngineArgs`` field with vLLM's name: ``dtype``, ``block_size``,
             ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``max_num_seqs``,
             ``max_num_batched_tokens``, ``max_model_len``, ``seed``, ``tokenizer``,
-            ``trust_remote_code``, ``enforce_eager``, ``tensor_parallel_size`` (1), ...
+            ``trust_remote_code``, ``enforce_eager``, ``tensor_parallel_size``,
+            ``pipeline_parallel_size`` (README, "Tensor and pipeline parallelism"), ...
     Raises:
         ValueError: an unknown argument or unsupported value (never a TypeError), an unsupported
             model, or a KV budget too small for ``max_model_len``.
@@ -80,6 +82,31 @@ class LLM:
             ids.append(self.llm_engine.add_request(f"llm-{self._counter}", request))
             self._counter += 1
         return self._run_engine(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's ``LLM.beam_search``): the beams share KV blocks through forks.
+
+        Args:
+            prompts: one prompt or a list (string, token ids, or ``{"prompt_token_ids": [...]}``).
+            params: ``BeamSearchParams`` (beam_width, max_tokens, ignore_eos, temperature=0,
+                length_penalty).
+        Returns:
+            One ``BeamSearchOutput`` per prompt, in order: the best ``beam_width`` sequences
+            (``tokens`` = prompt + generated, ``text`` = the generated text, ``cum_logprob``),
+            best first by ``cum_logprob / len(tokens) ** length_penalty``.
+        Raises:
+            ValueError: a bad prompt or params (nothing runs then).
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        processed = [self.llm_engine.input_processor.process(p, SamplingParams(max_tokens=params.max_tokens))
+                     for p in prompts]
+        ids = []
+        for request in processed:
+            ids.append(self.llm_engine.add_beam_search_request(f"llm-{self._counter}", request, params))
+            self._counter += 1
+        return [BeamSearchOutput(out.beam_sequences) for out in self._run_engine(ids, use_tqdm)]
 
     def chat(self, messages: Sequence[Any] | Sequence[Sequence[Any]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

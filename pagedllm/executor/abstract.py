@@ -43,14 +43,17 @@ class Executor(ABC):
         """The executor class for ``parallel_config`` (vLLM's ``Executor.get_class``).
 
         ``distributed_executor_backend`` "uni", or None with a world size of 1, gives
-        ``UniProcExecutor``.
+        ``UniProcExecutor``; "mp", or None with more ranks, ``MultiprocExecutor``.
 
         Raises:
-            ValueError: for a backend or world size no executor implements yet.
+            ValueError: for a backend or world size no executor implements.
         """
         backend = parallel_config.distributed_executor_backend
-        if backend is None and parallel_config.world_size == 1:
-            backend = "uni"
+        if backend is None:
+            backend = "uni" if parallel_config.world_size == 1 else "mp"
+        if backend == "mp":
+            from pagedllm.executor.multiproc import MultiprocExecutor
+            return MultiprocExecutor
         if backend == "uni":
             if parallel_config.world_size != 1:
                 raise ValueError(f"distributed_executor_backend='uni' runs one worker, "
@@ -58,7 +61,7 @@ class Executor(ABC):
             from pagedllm.executor.uniproc import UniProcExecutor
             return UniProcExecutor
         raise ValueError(f"distributed_executor_backend={backend!r} with world size "
-                         f"{parallel_config.world_size} is not supported yet (only 'uni')")
+                         f"{parallel_config.world_size} is not supported ('uni', 'mp')")
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -70,17 +73,24 @@ class Executor(ABC):
             ValueError: unsupported model or settings.
         """
 
-    @abstractmethod
     def determine_num_blocks(self) -> int:
-        """KV blocks every worker can hold (the minimum over workers).
+        """KV blocks every worker can hold (the minimum over workers; each rank's pool holds its
+        own KV heads and layers).
 
         Raises:
             ValueError: if the KV budget cannot hold one request of ``max_model_len`` tokens.
         """
+        return min(self.collective_rpc("determine_num_blocks"))
 
-    @abstractmethod
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` KV blocks on every worker and build their model runners."""
+    def determine_num_cpu_blocks(self) -> int:
+        """Host blocks for swap preemption every worker can hold (0 unless
+        ``preemption_mode="swap"``)."""
+        return min(self.collective_rpc("determine_num_cpu_blocks"))
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Allocate ``num_blocks`` KV blocks (and ``num_cpu_blocks`` host blocks) on every
+        worker and build their model runners."""
+        self.collective_rpc("initialize_cache", (num_blocks, num_cpu_blocks))
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -112,10 +122,7 @@ class Executor(ABC):
             f"{type(self).__name__} runs its workers out of process (use a single-process engine, "
             f"distributed_executor_backend='uni')")
 
+    @abstractmethod
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Call ``method`` on every worker; one result per rank.
-
-        Raises:
-            NotImplementedError: if the executor does not support it.
-        """
-        raise NotImplementedError(f"{type(self).__name__} does not implement collective_rpc")
+        """Call ``Worker.<method>(*args, **kwargs)`` on every worker; one result per rank, in rank
+        order (the default ``determine_num_blocks`` / ``initialize_cache`` go through it)."""

@@ -132,7 +132,10 @@ def replace_linear_layers(model: nn.Module, make_layer) -> tuple[int, bool]:
             if isinstance(child, nn.Linear):
                 setattr(parent, name, make_layer(child.weight, child.bias))
                 replaced += 1
-    tied = bool(getattr(model, "tie_word_embeddings", False)) and hasattr(model, "packed_lm_head")
+    # A pipeline stage without the LM head (``model.ctx``: not the last stage) packs none.
+    ctx = getattr(model, "ctx", None)
+    tied = bool(getattr(model, "tie_word_embeddings", False)) and hasattr(model, "packed_lm_head") \
+        and (ctx is None or ctx.is_last_stage)
     if tied:
         model.packed_lm_head = make_layer(model.get_input_embeddings().weight, None)
     return replaced, tied

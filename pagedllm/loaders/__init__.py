@@ -5,5 +5,6 @@ map checkpoint keys 1:1.
 """
 
 from pagedllm.loaders.model_files import ModelFiles, iterate_weights, load_config, resolve_model
+from pagedllm.loaders.safetensors import iterate_safetensors_slices
 
-__all__ = ["ModelFiles", "iterate_weights", "load_config", "resolve_model"]
+__all__ = ["ModelFiles", "iterate_safetensors_slices", "iterate_weights", "load_config", "resolve_model"]

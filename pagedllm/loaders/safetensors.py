@@ -20,8 +20,9 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -92,6 +93,26 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     Raises:
         ValueError: if the folder has no safetensors weights, or a name appears in two shards.
     """
+    yield from _iterate_shards(folder, lambda f, name: f.get_tensor(name))
+
+
+def iterate_safetensors_slices(folder: str) -> Iterator[tuple[str, Any]]:
+    """Yield (name, slice) for every tensor of a (possibly sharded) safetensors checkpoint, reading
+    nothing yet: ``slice.get_shape()`` gives the shape, ``slice[a:b]`` / ``slice[:, a:b]`` reads only
+    those bytes from the mmap'd file (each tensor-parallel rank reads its shard).
+
+    Raises:
+        ValueError: as :func:`iterate_safetensors`.
+    """
+    yield from _iterate_shards(folder, lambda f, name: f.get_slice(name))
+
+
+def _iterate_shards(folder: str, read: Callable[[Any, str], Any]) -> Iterator[tuple[str, Any]]:
+    """(name, ``read(open_file, name)``) over every shard, each name once.
+
+    Raises:
+        ValueError: if the folder has no safetensors weights, or a name appears in two shards.
+    """
     seen: set[str] = set()
     for path in list_safetensors_files(folder):
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -99,7 +120,7 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 if name in seen:
                     raise ValueError(f"tensor {name!r} appears in more than one shard ({path})")
                 seen.add(name)
-                yield name, f.get_tensor(name)
+                yield name, read(f, name)
 
 
 @dataclass(frozen=True)

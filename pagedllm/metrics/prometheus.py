@@ -3,7 +3,7 @@
 Every metric carries a ``model_name`` label (the first served name). Metrics live in a
 ``CollectorRegistry`` owned by the logger (no process-global state); the server exposes it at
 ``GET /metrics``, without prometheus-client's ``*_created`` series. Only metrics of features that
-exist are exported: there is no swap yet, so ``pagedllm:num_requests_swapped`` is absent.
+exist are exported.
 
 | name | type | meaning |
 |---|---|---|
@@ -12,7 +12,8 @@ exist are exported: there is no swap yet, so ``pagedllm:num_requests_swapped`` i
 | pagedllm:kv_cache_usage_perc | gauge | fraction of KV blocks in use, 0..1 |
 | pagedllm:num_free_blocks | gauge | KV blocks in the free queue |
 | pagedllm:num_total_blocks | gauge | KV blocks in the pool |
-| pagedllm:num_preemptions_total | counter | requests preempted (recompute) |
+| pagedllm:num_requests_swapped | gauge | requests whose KV blocks are in the host pool (swap preemption) |
+| pagedllm:num_preemptions_total{mode} | counter | requests preempted, by mode: recompute, swap |
 | pagedllm:prefix_cache_queries_total | counter | tokens looked up in the prefix cache (admitted requests' tokens) |
 | pagedllm:prefix_cache_hits_total | counter | of those, tokens found cached (hit rate = hits / queries) |
 | pagedllm:prompt_tokens_total | counter | prompt tokens of requests that got their first token |
@@ -93,7 +94,13 @@ class PrometheusStatLogger:
                                     "KV cache usage: fraction of KV blocks in use (1 = 100%).")
         self.num_free_blocks = gauge("pagedllm:num_free_blocks", "KV blocks in the free queue.")
         self.num_total_blocks = gauge("pagedllm:num_total_blocks", "KV blocks in the pool.")
-        self.num_preemptions = counter("pagedllm:num_preemptions", "Requests preempted (by recomputation).")
+        self.num_requests_swapped = gauge("pagedllm:num_requests_swapped",
+                                          "Requests whose KV blocks are in the host pool (swap preemption).")
+        preemptions = Counter("pagedllm:num_preemptions", "Requests preempted, by mode (recompute, swap).",
+                              labels + ["mode"], registry=r)
+        self.num_preemptions = {mode: preemptions.labels(mode=mode, **self._labels) for mode in ("recompute", "swap")}
+        # The scheduler reports running totals per mode; the counters advance by the difference.
+        self._preemptions_seen = dict((initial.num_preemptions_by_mode if initial is not None else {}) or {})
         self.prefix_cache_queries = counter("pagedllm:prefix_cache_queries",
                                             "Tokens looked up in the prefix cache (tokens of admitted requests).")
         self.prefix_cache_hits = counter("pagedllm:prefix_cache_hits", "Tokens found in the prefix cache.")
@@ -127,6 +134,7 @@ class PrometheusStatLogger:
         self.kv_cache_usage.set(s.kv_cache_usage)
         self.num_free_blocks.set(s.num_free_blocks)
         self.num_total_blocks.set(s.num_blocks)
+        self.num_requests_swapped.set(s.num_swapped)
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self._set_gauges(scheduler_stats)
@@ -137,9 +145,12 @@ class PrometheusStatLogger:
         if s.prefix_cache_hits_total > self._hits_seen:
             self.prefix_cache_hits.inc(s.prefix_cache_hits_total - self._hits_seen)
             self._hits_seen = s.prefix_cache_hits_total
+        for mode, total in s.num_preemptions_by_mode.items():
+            seen = self._preemptions_seen.get(mode, 0)
+            if total > seen and mode in self.num_preemptions:
+                self.num_preemptions[mode].inc(total - seen)
+                self._preemptions_seen[mode] = total
         it = iteration_stats
-        if it.num_preempted:
-            self.num_preemptions.inc(it.num_preempted)
         if it.num_prompt_tokens:
             self.prompt_tokens.inc(it.num_prompt_tokens)
         if it.num_generation_tokens:

@@ -17,10 +17,15 @@ from torch import nn
 from pagedllm.attention import Attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.communication import tensor_parallel_all_gather, tensor_parallel_all_reduce
+from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.linear import MergedLinear, lm_head_logits
 from pagedllm.layers.norm import GemmaRMSNorm
+from pagedllm.layers.parallel import (PPMissingLayer, TensorParallelSizes, VocabParallelEmbedding, checkpoint_shard,
+                                      init_attention_projections, init_stage_and_lm_head,
+                                      zero_row_parallel_biases)
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.models.utils import load_named_weights
+from pagedllm.models.utils import load_named_weights, pp_missing_prefixes
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -28,8 +33,10 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class Gemma3MLP(nn.Module):
     """``down(gelu_tanh(gate(x)) * up(x))``; [T, H] -> [T, H]."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str,
+                 ctx: ParallelContext | None = None) -> None:
         super().__init__()
+        self.ctx = ctx or ParallelContext()
         if activation not in ("gelu_pytorch_tanh", "gelu"):
             raise ValueError(f"hidden_activation {activation!r} is not supported for Gemma 3")
         self.approximate = "tanh" if activation == "gelu_pytorch_tanh" else "none"
@@ -40,23 +47,15 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
+        # down_proj is row-parallel (``intermediate_size`` is this rank's share): sum the ranks.
+        return tensor_parallel_all_reduce(self.down_proj(F.gelu(gate, approximate=self.approximate) * up), self.ctx)
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, sliding_window: int | None) -> None:
+    def __init__(self, config: ModelConfig, sliding_window: int | None, ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        bias = config.attention_bias
+        init_attention_projections(self, config, ctx, config.attention_bias, config.attention_bias)
         eps = config.rms_norm_eps
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # q_proj, k_proj and v_proj as one layer (checkpoint names kept; models/utils.py).
-        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size],
-                                     ("q_proj", "k_proj", "v_proj"), bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps)
         self.sliding_window = sliding_window
@@ -76,17 +75,18 @@ class Gemma3Attention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)         # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return tensor_parallel_all_reduce(self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), self.ctx)
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.layer_type = config.layer_types[layer_idx]
         eps = config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, config.layer_sliding_windows[layer_idx])
-        self.mlp = Gemma3MLP(hidden, config.intermediate_size, config.hidden_act)
+        self.self_attn = Gemma3Attention(config, config.layer_sliding_windows[layer_idx], ctx)
+        self.mlp = Gemma3MLP(hidden, TensorParallelSizes.of(config, self.self_attn.ctx).intermediate_size,
+                             config.hidden_act, ctx)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
@@ -102,13 +102,18 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3TextModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        # Modules of other pipeline stages are placeholders without parameters; the tied
+        # embedding lives on the first stage (lookup) and the last (LM head).
+        needs_embedding = ctx.is_first_stage or (ctx.is_last_stage and config.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, ctx) if needs_embedding \
+            else PPMissingLayer()
         self.embed_scale = hidden ** 0.5
-        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, i, ctx) if ctx.owns_layer(i) else PPMissingLayer()
+                                     for i in range(config.num_hidden_layers)])
+        self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps) if ctx.is_last_stage else PPMissingLayer()
         # One RoPE per layer type: global layers and sliding layers have their own base.
         self.rotary_emb = nn.ModuleDict()
         for layer_type, (theta, scaling) in sorted(config.rope_parameters.items()):
@@ -121,39 +126,37 @@ class Gemma3ForCausalLM(nn.Module):
     Args:
         config: the model's architecture (``ModelConfig.from_hf_config`` of a ``gemma3_text``
             config, or a multimodal one's ``text_config``).
+        ctx: this rank's place among tensor / pipeline ranks (None: the whole model here).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = Gemma3TextModel(config)
-        self.tie_word_embeddings = config.tie_word_embeddings
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ctx = ctx = ctx or ParallelContext(layer_end=config.num_hidden_layers)
+        self.model = Gemma3TextModel(config, ctx)
+        init_stage_and_lm_head(self, config, ctx)
         self.final_logit_softcapping = config.final_logit_softcapping
-        self.packed_lm_head = None  # set by pack_linear_layers (tied head, CPU float32)
-        first = self.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
-        self.num_layers = len(self.model.layers)
-        self.layer_sliding_windows = [layer.self_attn.sliding_window for layer in self.model.layers]
+        self.layer_sliding_windows = [layer.self_attn.sliding_window for layer in self.stage_layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm.
+                attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm (the last stage), or after this stage's layers.
 
         Args:
             input_ids, positions: [num_tokens] int64 (the flattened batch).
-            kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
+            kv_caches: per layer of this stage (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
+            hidden_states: [num_tokens, hidden_size], the previous stage's output (later stages only).
         Returns:
             [num_tokens, hidden_size] in the model dtype.
         """
-        embed = self.model.embed_tokens
-        # Scale cast as transformers does: float32 tensor first, then the weight dtype.
-        hidden_states = embed(input_ids) * torch.tensor(self.model.embed_scale).to(embed.weight.dtype)
+        if self.ctx.is_first_stage:
+            embed = self.model.embed_tokens
+            # Scale cast as transformers does: float32 tensor first, then the weight dtype.
+            hidden_states = embed(input_ids) * torch.tensor(self.model.embed_scale).to(embed.weight.dtype)
         ropes = {t: rotary(positions, hidden_states.dtype) for t, rotary in self.model.rotary_emb.items()}
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.stage_layers, kv_caches):
             hidden_states = layer(ropes[layer.layer_type], hidden_states, kv_cache, attn_metadata)
-        return self.model.norm(hidden_states)
+        return self.model.norm(hidden_states) if self.ctx.is_last_stage else hidden_states
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding ([vocab, hidden]); with tied embeddings also the LM head's weight."""
@@ -164,8 +167,11 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] logits (model dtype), soft-capped if the config says so."""
-        logits = lm_head_logits(self, hidden_states)
+        """[N, hidden] -> [N, vocab] logits (model dtype), soft-capped if the config says so; under
+        tensor parallelism every rank of the last stage calls it (all-gather of the vocabulary shards)."""
+        logits = tensor_parallel_all_gather(lm_head_logits(self, hidden_states), self.ctx)
+        if self.ctx.tp_size > 1:
+            logits = logits[:, : self.config.vocab_size]
         if self.final_logit_softcapping:
             cap = float(self.final_logit_softcapping)
             logits = torch.tanh(logits / cap) * cap
@@ -183,4 +189,7 @@ class Gemma3ForCausalLM(nn.Module):
                 if self.tie_word_embeddings and name.endswith("lm_head.weight"):
                     continue
                 yield name, tensor
-        load_named_weights(self, _filtered(), skip=("rotary_emb.inv_freq",))
+        load_named_weights(self, _filtered(), skip=("rotary_emb.inv_freq",),
+                           shard=lambda name: checkpoint_shard(name, self.config, self.ctx),
+                           skip_prefixes=pp_missing_prefixes(self))
+        zero_row_parallel_biases(self, self.ctx)

@@ -14,10 +14,15 @@ from torch import nn
 from pagedllm.attention import Attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.communication import tensor_parallel_all_gather, tensor_parallel_all_reduce
+from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.linear import MergedLinear, lm_head_logits
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.parallel import (PPMissingLayer, TensorParallelSizes, VocabParallelEmbedding, checkpoint_shard,
+                                      init_attention_projections, init_stage_and_lm_head,
+                                      zero_row_parallel_biases)
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.models.utils import load_named_weights
+from pagedllm.models.utils import load_named_weights, pp_missing_prefixes
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -25,34 +30,29 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; [T, H] -> [T, H]."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        # gate_proj and up_proj as one layer (checkpoint names kept; models/utils.py).
+        self.ctx = ctx or ParallelContext()
+        # gate_proj and up_proj as one column-parallel layer (checkpoint names kept; models/utils.py),
+        # down_proj row-parallel: ``intermediate_size`` is this rank's share (layers/parallel.py).
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size],
                                          ("gate_proj", "up_proj"), bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return tensor_parallel_all_reduce(self.down_proj(F.silu(gate) * up), self.ctx)
 
 
 class LlamaAttention(nn.Module):
     """Self-attention with RoPE and GQA reading/writing the paged KV cache."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, bias: tuple[bool, bool], qk_norm: bool,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         qkv_bias, o_bias = bias
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # q_proj, k_proj and v_proj as one layer (checkpoint names kept; models/utils.py).
-        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size],
-                                     ("q_proj", "k_proj", "v_proj"), bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        init_attention_projections(self, config, ctx, qkv_bias, o_bias)
         eps = config.rms_norm_eps
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps)
@@ -73,19 +73,20 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)         # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return tensor_parallel_all_reduce(self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), self.ctx)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, bias: tuple[bool, bool], qk_norm: bool,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer_idx, bias, qk_norm, sliding_window)
-        self.mlp = LlamaMLP(hidden, config.intermediate_size, bias=config.mlp_bias)
+        self.self_attn = LlamaAttention(config, layer_idx, bias, qk_norm, sliding_window, ctx)
+        self.mlp = LlamaMLP(hidden, TensorParallelSizes.of(config, self.self_attn.ctx).intermediate_size,
+                            bias=config.mlp_bias, ctx=ctx)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
@@ -100,18 +101,20 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, bias: tuple[bool, bool], qk_norm: bool,
-                 sliding_windows: list[int | None]) -> None:
+                 sliding_windows: list[int | None], ctx: ParallelContext) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        # Modules of other pipeline stages are placeholders without parameters.
+        needs_embedding = ctx.is_first_stage or (ctx.is_last_stage and config.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, ctx) if needs_embedding \
+            else PPMissingLayer()
         self.layers = nn.ModuleList([
-            LlamaDecoderLayer(config, i, bias, qk_norm, sliding_windows[i])
-            for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        first = self.layers[0].self_attn
+            LlamaDecoderLayer(config, i, bias, qk_norm, sliding_windows[i], ctx) if ctx.owns_layer(i)
+            else PPMissingLayer() for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(hidden, config.rms_norm_eps) if ctx.is_last_stage else PPMissingLayer()
         # One RoPE for all layers (the Llama family reads no per-layer-type parameters).
         theta, scaling = next(iter(config.rope_parameters.values()))
-        self.rotary_emb = RotaryEmbedding(first.head_dim, theta, scaling)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, theta, scaling)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -119,6 +122,7 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         config: the model's architecture (``ModelConfig.from_hf_config``).
+        ctx: this rank's place among tensor / pipeline ranks (None: the whole model here).
     """
 
     qk_norm = False
@@ -128,35 +132,32 @@ class LlamaForCausalLM(nn.Module):
         """(q/k/v bias, o bias): Llama and Qwen3 put ``attention_bias`` on all four."""
         return config.attention_bias, config.attention_bias
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
+        self.ctx = ctx = ctx or ParallelContext(layer_end=config.num_hidden_layers)
         windows = list(config.layer_sliding_windows)
-        self.model = LlamaModel(config, self.bias_flags(config), self.qk_norm, windows)
-        self.tie_word_embeddings = config.tie_word_embeddings
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.packed_lm_head = None  # set by pack_linear_layers (tied head, CPU float32)
-        first = self.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
-        self.num_layers = len(self.model.layers)
-        self.layer_sliding_windows = windows
+        self.model = LlamaModel(config, self.bias_flags(config), self.qk_norm, windows, ctx)
+        init_stage_and_lm_head(self, config, ctx)
+        self.layer_sliding_windows = windows[ctx.layer_start: ctx.layer_start + self.num_layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm.
+                attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm (the last stage), or after this stage's layers.
 
         Args:
             input_ids, positions: [num_tokens] int64 (the flattened batch).
-            kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
+            kv_caches: per layer of this stage (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
+            hidden_states: [num_tokens, hidden_size], the previous stage's output (later stages only).
         Returns:
             [num_tokens, hidden_size] in the model dtype.
         """
-        hidden_states = self.model.embed_tokens(input_ids)
+        if self.ctx.is_first_stage:
+            hidden_states = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, hidden_states.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.stage_layers, kv_caches):
             hidden_states = layer(rope, hidden_states, kv_cache, attn_metadata)
-        return self.model.norm(hidden_states)
+        return self.model.norm(hidden_states) if self.ctx.is_last_stage else hidden_states
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding ([vocab, hidden]); with tied embeddings also the LM head's weight."""
@@ -167,8 +168,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] logits (model dtype)."""
-        return lm_head_logits(self, hidden_states)
+        """[N, hidden] -> [N, vocab] logits (model dtype); under tensor parallelism every rank of
+        the last stage calls it (all-gather of the vocabulary shards)."""
+        logits = tensor_parallel_all_gather(lm_head_logits(self, hidden_states), self.ctx)
+        return logits[:, : self.config.vocab_size] if self.ctx.tp_size > 1 else logits
 
     def load_weights(self, weights) -> None:
         """Load (HF name, tensor) pairs; a tied ``lm_head.weight`` is ignored."""
@@ -177,7 +180,10 @@ class LlamaForCausalLM(nn.Module):
                 if self.tie_word_embeddings and name == "lm_head.weight":
                     continue
                 yield name, tensor
-        load_named_weights(self, _filtered(), skip=("rotary_emb.inv_freq",))
+        load_named_weights(self, _filtered(), skip=("rotary_emb.inv_freq",),
+                           shard=lambda name: checkpoint_shard(name, self.config, self.ctx),
+                           skip_prefixes=pp_missing_prefixes(self))
+        zero_row_parallel_biases(self, self.ctx)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

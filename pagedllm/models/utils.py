@@ -12,8 +12,17 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+def _read(source, shard) -> torch.Tensor:
+    """The whole tensor, or its ``shard`` (dim, start, length). ``source`` is a tensor or a
+    safetensors slice (``safe_open(...).get_slice``: only the slice's bytes are read)."""
+    if shard is None:
+        return source if isinstance(source, torch.Tensor) else source[:]
+    dim, start, length = shard
+    return source[(slice(None),) * dim + (slice(start, start + length),)]
+
+
 def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                       skip: Iterable[str] = ()) -> set[str]:
+                       skip: Iterable[str] = (), shard=None, skip_prefixes: Iterable[str] = ()) -> set[str]:
     """Copy checkpoint tensors into parameters of the same Hugging Face name.
 
     A ``layers.linear.MergedLinear`` at ``<parent>.<merged>`` takes the checkpoint's
@@ -22,8 +31,13 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
 
     Args:
         module: the model; its ``named_parameters`` names equal checkpoint keys, except merged layers.
-        weights: (name, tensor) pairs; tensors are cast to each parameter's dtype.
+        weights: (name, tensor) pairs (or (name, safetensors slice)); tensors are cast to each
+            parameter's dtype.
         skip: name suffixes to ignore (e.g. rotary ``inv_freq`` buffers).
+        shard: ``name -> (dim, start, length) | None``: the slice of a checkpoint tensor this
+            rank loads (tensor parallelism, ``layers.parallel.checkpoint_shard``); a parameter
+            longer than its slice (the padded vocabulary) gets zeros in its remaining rows.
+        skip_prefixes: name prefixes to ignore unread (modules of other pipeline stages).
     Returns:
         The checkpoint names loaded.
     Raises:
@@ -36,17 +50,22 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
     for mod_name, mod in module.named_modules():
         if isinstance(mod, MergedLinear):
             parent = mod_name.rpartition(".")[0]
-            for shard, (start, size) in mod.shard_rows().items():
+            for part, (start, size) in mod.shard_rows().items():
                 for kind in ("weight", "bias") if mod.bias is not None else ("weight",):
-                    key = f"{parent}.{shard}.{kind}" if parent else f"{shard}.{kind}"
+                    key = f"{parent}.{part}.{kind}" if parent else f"{part}.{kind}"
                     shards[key] = (f"{mod_name}.{kind}", start, size)
     merged_params = {target for target, _, _ in shards.values()}
     loaded: set[str] = set()
     skip = tuple(skip)
+    skip_prefixes = tuple(skip_prefixes)
     with torch.no_grad():
-        for name, tensor in weights:
+        for name, source in weights:
             if skip and name.endswith(skip):
                 continue
+            if skip_prefixes and name.startswith(skip_prefixes):
+                continue
+            rule = shard(name) if shard is not None else None
+            tensor = _read(source, rule)
             if name in shards:
                 target, start, size = shards[name]
                 param = params[target].narrow(0, start, size)
@@ -54,6 +73,10 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
                 param = params.get(name)
                 if param is None or name in merged_params:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+            if rule is not None and param.shape[rule[0]] > rule[2]:  # padded vocabulary rows
+                dim, _, length = rule
+                param.narrow(dim, length, param.shape[dim] - length).zero_()
+                param = param.narrow(dim, 0, length)
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
@@ -63,3 +86,11 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:5]}")
     return loaded
+
+
+def pp_missing_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Checkpoint name prefixes of the modules another pipeline stage owns (placeholders here:
+    ``layers.parallel.PPMissingLayer``), so the loader skips them unread."""
+    from pagedllm.layers.parallel import PPMissingLayer
+
+    return tuple(f"{name}." for name, module in model.named_modules() if isinstance(module, PPMissingLayer))

@@ -10,6 +10,8 @@ from torch import nn
 
 from pagedllm.attention.ops import build_attention_metadata
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.communication import recv_from_prev_stage, send_to_next_stage
+from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.outputs import Logprob
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
@@ -36,12 +38,22 @@ class ModelRunner:
         device: where the model lives.
         vocab_size: logits width.
         seed: seeds the generator shared by unseeded random rows.
+        parallel: this rank's tensor / pipeline place (None: the whole model). Every rank runs
+            every step on the same message; a later pipeline stage receives the previous one's
+            hidden states ([num_tokens, hidden_size], ``dtype``) and all ranks of the last stage
+            compute the logits (a collective), but only the driver rank samples.
+        host_kv_caches: the host-side pool for swap preemption, per layer (k, v), each
+            [num_cpu_blocks, block_size, Hkv, D] on the CPU (pinned on CUDA); None without swap.
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, vocab_size: int, seed: int = 0) -> None:
+                 block_size: int, device: torch.device, vocab_size: int, seed: int = 0,
+                 parallel: ParallelContext | None = None, hidden_size: int = 0,
+                 dtype: torch.dtype | None = None,
+                 host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.host_kv_caches = host_kv_caches or []
         self.block_size = block_size
         self.device = device
         self.vocab_size = vocab_size
@@ -51,17 +63,20 @@ class ModelRunner:
         # In-process logits processors of the next step's new requests (never in the message; see
         # ``add_logits_processors``), moved into the request's state by that step.
         self._logits_processors: dict[str, list[LogitsProcessor]] = {}
+        # -- tensor / pipeline parallelism (issue 14) --
+        self.parallel = parallel or ParallelContext()
+        self.is_driver = self.parallel.is_driver
+        self.hidden_size, self.dtype = hidden_size, dtype
 
     def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
         """Attach the logits processors of a request that the next ``execute_model`` sends as
         new; the engine hands them over in-process (callables are never part of the message)."""
         self._logits_processors[req_id] = list(processors)
 
-    def _generator_for(self, req: ScheduledRequest) -> torch.Generator | None:
-        params = req.sampling_params
+    def _generator_for(self, state) -> torch.Generator | None:
+        params = state.sampling_params
         if params.seed is None or params.sampling_type_greedy:
             return None
-        state = req.state
         if state.generator is None:
             state.generator = make_generator(params.seed, self.device)
         return state.generator
@@ -87,9 +102,13 @@ class ModelRunner:
         """
         reqs = self._update_states(sched)
         output = ModelRunnerOutput()
+        # Block moves before the forward, in this order (see SchedulerOutput): a block freed by a
+        # swap-out may be this step's copy destination.
+        self._swap_blocks(sched.blocks_to_swap_out, self.kv_caches, self.host_kv_caches)
+        self._copy_blocks(sched.blocks_to_copy)
+        self._swap_blocks(sched.blocks_to_swap_in, self.host_kv_caches, self.kv_caches)
         if not reqs:
             return output
-        self._copy_blocks(sched.blocks_to_copy)
 
         query_lens = [r.num_scheduled_tokens for r in reqs]
         context_lens = [r.num_computed_tokens for r in reqs]
@@ -101,25 +120,42 @@ class ModelRunner:
         positions = torch.from_numpy(np.arange(int(q.sum()), dtype=np.int64) + starts).to(self.device)
         md = build_attention_metadata(query_lens, context_lens, [r.block_table for r in reqs],
                                       self.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, md)          # [T, H]
+        # -- pipeline parallelism (issue 14): a later stage starts from the previous stage's output --
+        if self.parallel.is_first_stage:
+            hidden = self.model(input_ids, positions, self.kv_caches, md)      # [T, H]
+        else:
+            received = recv_from_prev_stage((int(q.sum()), self.hidden_size), self.dtype, self.device, self.parallel)
+            hidden = self.model(input_ids, positions, self.kv_caches, md, hidden_states=received)
+        if not self.parallel.is_last_stage:
+            send_to_next_stage(hidden, self.parallel)
+            return output
 
         ends = np.cumsum(q) - 1                                                # last token index per request
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
         if sample_rows:
             idx = torch.as_tensor(ends[sample_rows], device=self.device)
             logits = self.model.compute_logits(hidden[idx]).float()            # [N, V]
-            sampling_reqs = [reqs[i] for i in sample_rows]
-            if sched.grammar_bitmask is not None:  # [structured output] grammar masks, one call
-                apply_step_bitmask(logits, [r.request_id for r in sampling_reqs],
+        if sample_rows and self.is_driver:  # the other ranks of the last stage only joined the gather
+            states = [reqs[i].state for i in sample_rows]
+            # Forks (n > 1 / best_of): each draws its first token from its parent's row.
+            row_of = {st.req_id: j for j, st in enumerate(states)}
+            fork_rows = [(row_of[parent], st) for parent, st in self.requests.forks if parent in row_of]
+            if fork_rows:
+                rows = torch.as_tensor(list(range(len(states))) + [j for j, _ in fork_rows], device=self.device)
+                logits = logits.index_select(0, rows)                          # [N + F, V]
+                states = states + [st for _, st in fork_rows]
+            if sched.grammar_bitmask is not None:  # [structured output] grammar masks (forks: own rows), one call
+                apply_step_bitmask(logits, [st.req_id for st in states],
                                    sched.structured_output_request_ids, sched.grammar_bitmask)
             metadata = SamplingMetadata.build(
-                [r.sampling_params for r in sampling_reqs],
-                [r.state.output_token_ids for r in sampling_reqs],
-                [r.state.prompt_token_ids for r in sampling_reqs],
-                [self._generator_for(r) for r in sampling_reqs],
+                [st.sampling_params for st in states],
+                [st.output_token_ids for st in states],
+                [st.prompt_token_ids for st in states],
+                [self._generator_for(st) for st in states],
                 logits.shape[-1], self.device, default_generator=self.default_generator)
             sampled = self.sampler(logits, metadata)
-            output.req_ids = [r.request_id for r in sampling_reqs]
+            sampling_reqs = states
+            output.req_ids = [st.req_id for st in states]
             output.sampled_token_ids = sampled.sampled_token_ids.tolist()
             output.sampled_logprobs = sampled.sampled_logprobs.tolist()
             output.top_logprobs = self._top_logprobs(sampling_reqs, sampled)
@@ -162,6 +198,8 @@ class ModelRunner:
                 continue
             rows = hidden[int(starts[i]): int(starts[i]) + (last - first)]
             logits = self.model.compute_logits(rows).float()
+            if not self.is_driver:  # joined the logits' all-gather only
+                continue
             targets = torch.as_tensor(prompt[first + 1: last + 1], device=self.device)
             tgt_lp, ranks, top_ids, top_lps = compute_prompt_logprobs(logits, targets, k)
             tgt_lp, ranks = tgt_lp.tolist(), ranks.tolist()
@@ -174,8 +212,27 @@ class ModelRunner:
                 entries.append(entry)
             output.prompt_logprobs[r.request_id] = entries
 
+    def _swap_blocks(self, pairs: list[tuple[int, int]], src_caches, dst_caches) -> None:
+        """Swap preemption: copy block ``src`` of ``src_caches`` to block ``dst`` of ``dst_caches``
+        (device -> host pool, or back), one batched index copy per layer and K/V.
+
+        Raises:
+            RuntimeError: if blocks are to be swapped but no host pool was allocated.
+        """
+        if not pairs:
+            return
+        if not src_caches or not dst_caches:
+            raise RuntimeError(f"{len(pairs)} blocks to swap but no host KV pool (preemption_mode is not 'swap')")
+        src_dev, dst_dev = src_caches[0][0].device, dst_caches[0][0].device
+        src = torch.as_tensor([p[0] for p in pairs], device=src_dev)
+        dst = torch.as_tensor([p[1] for p in pairs], device=dst_dev)
+        for (k_src, v_src), (k_dst, v_dst) in zip(src_caches, dst_caches):
+            k_dst[dst] = k_src[src].to(dst_dev)
+            v_dst[dst] = v_src[src].to(dst_dev)
+
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: copy physical block src to dst in every layer's K and V pool."""
+        """Copy-on-write: copy physical block src to dst in every layer's K and V pool (one
+        batched index copy each; every source is read before any destination is written)."""
         if not pairs:
             return
         src = torch.as_tensor([p[0] for p in pairs], device=self.device)

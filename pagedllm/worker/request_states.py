@@ -87,12 +87,16 @@ class RequestStates:
 
     def __init__(self) -> None:
         self.requests: dict[str, CachedRequestState] = {}
+        # The last update's forks: (parent id, fork's state); they sample from the parent's row.
+        self.forks: list[tuple[str, CachedRequestState]] = []
 
     def update(self, sched: SchedulerOutput) -> list[ScheduledRequest]:
         """Apply one step's message and return the step's requests in batch order.
 
         Order of application: finished ids are dropped, preempted ids lose their block tables,
-        new requests are added, cached ones get their new tokens and blocks.
+        new requests are added, cached ones get their new tokens and blocks (replaced entries
+        first, for a copy-on-write). Forks (``NewRequestData.forked_from``) are listed in
+        ``self.forks`` for this step.
 
         Raises:
             RuntimeError: if the message names a request the worker does not hold, sends a known
@@ -104,13 +108,18 @@ class RequestStates:
             state = self.requests.get(req_id)
             if state is not None:
                 state.block_ids = []
+        self.forks = []
         for new in sched.scheduled_new_reqs:
             if new.req_id in self.requests:
                 raise RuntimeError(f"request {new.req_id!r} was sent as new but the worker already holds it")
-            self.requests[new.req_id] = CachedRequestState(
+            state = self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
-                sampling_params=new.sampling_params, token_ids=list(new.prompt_token_ids),
-                output_token_ids=[], block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens)
+                sampling_params=new.sampling_params,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                output_token_ids=list(new.output_token_ids), block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens)
+            if new.forked_from is not None:
+                self.forks.append((new.forked_from, state))
         for cached in sched.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)
             if state is None:
@@ -120,6 +129,11 @@ class RequestStates:
             if cached.resumed_from_preemption:
                 state.block_ids = list(cached.new_block_ids)
             else:
+                for index, block_id in cached.replaced_block_ids:
+                    if not 0 <= index < len(state.block_ids):
+                        raise RuntimeError(f"request {cached.req_id!r}: replaced block index {index} outside "
+                                           f"its table of {len(state.block_ids)}")
+                    state.block_ids[index] = block_id
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 

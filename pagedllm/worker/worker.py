@@ -12,6 +12,7 @@ from torch import nn
 from pagedllm.attention.backends import prepare_backend
 from pagedllm.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
 from pagedllm.layers.linear import pack_linear_layers
 from pagedllm.layers.quantization import quantize_linear_layers
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -66,18 +67,20 @@ def resolve_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.de
     return _DTYPES.get(str(name or "bfloat16").replace("torch.", ""), torch.bfloat16)
 
 
-def build_model(model_config: ModelConfig, weights, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(model_config: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
+                ctx: ParallelContext | None = None) -> nn.Module:
     """Instantiate the registered architecture without random init (meta device), then load weights.
 
     Args:
         model_config: the model's architecture (``ModelConfig.from_hf_config``).
-        weights: iterable of (HF name, tensor).
+        weights: iterable of (HF name, tensor or safetensors slice).
+        ctx: this rank's tensor / pipeline place (None: the whole model).
     Raises:
         ValueError: unsupported architecture, or checkpoint/model name or shape mismatch.
     """
     model_cls = get_model_class(model_config)
     with torch.device("meta"):
-        model = model_cls(model_config)
+        model = model_cls(model_config, ctx) if ctx is not None else model_cls(model_config)
     model = model.to_empty(device=device).to(dtype)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -96,9 +99,11 @@ class Worker:
     Args:
         model_config, cache_config, scheduler_config, parallel_config: see ``pagedllm.config``;
             ``model_config.model_folder`` names the weights.
-        rank: this worker's rank among ``parallel_config.world_size`` (0 for now).
+        rank: this worker's rank among ``parallel_config.world_size``.
         weights: (name, tensor) pairs to load instead of reading ``model_config.model_folder``
             (tests, benchmarks).
+        distributed_init_method: torch.distributed's rendezvous URL when the world has more than
+            one rank (``executor/multiproc.py`` passes it).
     Attributes:
         kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
         num_blocks: blocks in the pool (after ``initialize_cache``).
@@ -106,7 +111,8 @@ class Worker:
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                 parallel_config: ParallelConfig | None = None, rank: int = 0, weights=None) -> None:
+                 parallel_config: ParallelConfig | None = None, rank: int = 0, weights=None,
+                 distributed_init_method: str | None = None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -118,17 +124,28 @@ class Worker:
         self.model: nn.Module | None = None
         self.model_runner: ModelRunner | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._weight_bytes = 0
+        self.distributed_init_method = distributed_init_method
+        self.parallel: ParallelContext | None = None
 
     def init_device(self) -> None:
-        """Pick the device and dtype.
+        """Pick the device and dtype; with more than one rank, join the process group (gloo on the
+        CPU, NCCL on CUDA, where rank ``r`` takes ``cuda:r``).
 
         Raises:
             ValueError: if cuda is asked for and not available.
         """
         self.device = resolve_device(self.model_config.device)
+        world = self.parallel_config.world_size
+        if world > 1 and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(self.model_config.dtype, self.model_config, self.device)
+        self.parallel = init_parallel_context(
+            self.parallel_config, self.rank, self.model_config.num_hidden_layers, self.distributed_init_method,
+            "nccl" if self.device.type == "cuda" else "gloo")
 
     def load_model(self) -> None:
         """Build the model on the device, load the weights, and move linear layers into their
@@ -138,12 +155,16 @@ class Worker:
             ValueError: unsupported architecture, mismatching checkpoint, or int8 where fbgemm
                 does not run.
         """
-        from pagedllm.loaders import iterate_weights
+        from pagedllm.loaders import iterate_safetensors_slices, iterate_weights
 
         t0 = time.perf_counter()
-        weights = self._weights if self._weights is not None else iterate_weights(self.model_config.model_folder)
+        weights = self._weights
+        if weights is None:
+            # A rank of a split model reads only its slices of each tensor (mmap'd safetensors).
+            split = self.parallel_config.world_size > 1
+            weights = (iterate_safetensors_slices if split else iterate_weights)(self.model_config.model_folder)
         self._weights = None
-        self.model = build_model(self.model_config, weights, self.dtype, self.device)
+        self.model = build_model(self.model_config, weights, self.dtype, self.device, self.parallel)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
             weight_bytes += quantize_linear_layers(self.model)
@@ -179,16 +200,30 @@ class Worker:
                             "kv_cache_memory_bytes or PAGEDLLM_CPU_KVCACHE_SPACE",
                             cache_config.gpu_memory_utilization)
             budget = default_cpu_kv_cache_bytes(cache_config.cpu_kvcache_space_bytes)
+            if cache_config.cpu_kvcache_space_bytes is None:  # the ranks share one machine's RAM
+                budget //= self.parallel_config.world_size
         else:
             budget = kv_bytes_from_utilization(
                 torch.cuda.get_device_properties(self.device).total_memory,
                 cache_config.gpu_memory_utilization, self._profile_peak_bytes(scheduler_config))
         return num_blocks_for_budget(budget, self.kv_shape, scheduler_config.max_model_len)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` KV blocks per layer and build the model runner."""
+    def determine_num_cpu_blocks(self) -> int:
+        """Host blocks for swap preemption: ``swap_space_bytes`` // bytes per block with
+        ``preemption_mode="swap"``, else 0 (no host pool is allocated)."""
+        if self.scheduler_config.preemption_mode != "swap":
+            return 0
+        return self.cache_config.swap_space_bytes // self.kv_shape.bytes_per_block
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Allocate ``num_blocks`` KV blocks per layer (and ``num_cpu_blocks`` host blocks for
+        swap preemption, pinned on CUDA) and build the model runner."""
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv_caches(num_blocks)
+        self.host_kv_caches = self._allocate_kv_caches(num_cpu_blocks, torch.device("cpu")) if num_cpu_blocks else []
+        if num_cpu_blocks:
+            logger.info("Swap space: %d host blocks (%.1f MiB)", num_cpu_blocks,
+                        num_cpu_blocks * self.kv_shape.bytes_per_block / 2**20)
         max_len = self.scheduler_config.max_model_len
         block_size = self.cache_config.block_size
         logger.info(
@@ -197,7 +232,9 @@ class Worker:
             num_blocks * self.kv_shape.bytes_per_block / 2**20, self.kv_shape.bytes_per_token,
             max_len, num_blocks * block_size / max_len)
         self.model_runner = ModelRunner(self.model, self.kv_caches, block_size, self.device,
-                                        self.model_config.vocab_size, seed=self.model_config.seed)
+                                        self.model_config.vocab_size, seed=self.model_config.seed,
+                                        parallel=self.parallel, hidden_size=self.model_config.hidden_size,
+                                        dtype=self.dtype, host_kv_caches=self.host_kv_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (``ModelRunner.execute_model``)."""
@@ -214,10 +251,13 @@ class Worker:
             raise RuntimeError("the worker has no model runner: initialize_cache was not called")
 
     def shutdown(self) -> None:
-        """Drop the model runner, the KV cache and the model."""
+        """Drop the model runner, the KV cache and the model; leave the process group."""
         self.model_runner = None
         self.kv_caches = []
+        self.host_kv_caches = []
         self.model = None
+        if self.parallel_config.world_size > 1:
+            destroy_parallel_context()
 
     def _profile_peak_bytes(self, scheduler_config: SchedulerConfig) -> int:
         """Peak accelerator bytes of a forward over ``max_num_batched_tokens`` tokens with a
@@ -237,10 +277,14 @@ class Worker:
         torch.cuda.synchronize(self.device)
         return int(torch.cuda.max_memory_allocated(self.device))
 
-    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_caches(self, num_blocks: int, device: torch.device | None = None
+                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         s = self.kv_shape
+        device = device or self.device
         shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        # Host blocks of a CUDA worker are pinned (fast, asynchronous copies).
+        pin = device.type == "cpu" and self.device.type == "cuda"
         # Uninitialised on purpose (pages are touched on first write): attention only reads slots
         # written through the slot mapping, and masks (and zeroes) the rest of a gathered block.
-        return [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                 torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
+        return [(torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin),
+                 torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin)) for _ in range(s.num_layers)]

@@ -33,6 +33,12 @@ class PicklingExecutor(UniProcExecutor):
             self.kinds.add("cached")
         if any(c.resumed_from_preemption for c in sent.scheduled_cached_reqs):
             self.kinds.add("resumed")
+        if any(n.forked_from for n in sent.scheduled_new_reqs):
+            self.kinds.add("fork")
+        if sent.blocks_to_copy:
+            self.kinds.add("cow")
+        if any(c.replaced_block_ids for c in sent.scheduled_cached_reqs):
+            self.kinds.add("replaced")
         return pickle.loads(pickle.dumps(super().execute_model(sent)))
 
 
@@ -64,13 +70,13 @@ def _engine(folder, executor_class=None, **kwargs) -> LLMEngine:
     return LLMEngine(args, executor_class=executor_class)
 
 
-PROMPTS = [[5, 9, 13, 200, 17, 3, 3, 40] * 4, [7, 8, 9], list(range(30, 70)), [11, 12, 13, 14, 15, 16]]
+PROMPTS = [[5, 9, 13, 200, 17, 3, 3, 40] * 4, [7, 8, 9], list(range(30, 67)), [11, 12, 13, 14, 15, 16]]
 
 
 @pytest.mark.parametrize("engine_kwargs", [
     dict(kv_cache_memory_bytes=16 << 20),                                   # plain
     dict(kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=16),         # chunked prefill
-    dict(num_gpu_blocks_override=16, max_num_seqs=4),                        # a tiny pool: preemption
+    dict(num_gpu_blocks_override=16, max_num_seqs=5),                        # a tiny pool: preemption
 ], ids=["plain", "chunked", "preemption"])
 def test_pickled_messages_give_identical_outputs(make_tiny_checkpoint, engine_kwargs):
     folder = make_tiny_checkpoint("gemma3")
@@ -93,6 +99,8 @@ def test_pickled_messages_give_identical_outputs(make_tiny_checkpoint, engine_kw
     got = _run(pickling, PROMPTS, params)
     assert got == want
     assert pickling.executor.num_messages > 0 and {"new", "cached"} <= pickling.executor.kinds
+    # r2 (n=2, a 37-token prompt: a partial last block) forks and copies its shared last block.
+    assert {"fork", "cow", "replaced"} <= pickling.executor.kinds
     if "num_gpu_blocks_override" in engine_kwargs:
         assert pickling.scheduler.num_preemptions_total > 0
         assert "resumed" in pickling.executor.kinds
@@ -127,5 +135,5 @@ def test_executor_selection():
     assert Executor.get_class(ParallelConfig(distributed_executor_backend="uni")) is UniProcExecutor
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         ParallelConfig(distributed_executor_backend="ray")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        ParallelConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size=2"):
+        ParallelConfig(data_parallel_size=2)

@@ -280,31 +280,42 @@ def test_prefix_cache_counters(pair):
 
 
 @pytest.mark.slow
-def test_default_model_shared_system_prompt_and_multi_turn():
-    """Gemma 3 270M in float32: a shared system prompt and a growing chat, on equals off."""
-    rng = np.random.default_rng(11)
+def test_default_model_shared_system_prompt_and_multi_turn(free_memory):
+    """Gemma 3 270M in float32: a shared system prompt and a growing chat, on equals off.
+
+    The caching-off engine runs first and is freed before the caching-on one starts, so the test
+    holds one copy of the model at a time (the suite's peak memory)."""
     kw = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20)
-    on, off = make_llm(None, True, **kw), make_llm(None, False, **kw)
-    counter = PromptTokenCounter(on)
-    tok = on.get_tokenizer()
-    system = tok.encode("You are a helpful assistant who answers questions about the paged KV cache, "
-                        "continuous batching and the scheduling of large language model inference. " * 3)
-    questions = ["What is a block table?", "Why share blocks between requests?",
-                 "How does preemption by recomputation work?"]
-    prompts = [system + tok.encode(" Question: " + q + " Answer:") for q in questions]
-    for batch in ([prompts[0]], prompts):
-        out_on = on.generate([{"prompt_token_ids": p} for p in batch], greedy(12), use_tqdm=False)
-        out_off = off.generate([{"prompt_token_ids": p} for p in batch], greedy(12), use_tqdm=False)
-        assert token_ids(out_on) == token_ids(out_off)
-        ran = counter.take(out_on)
+
+    def run(llm: LLM, counter: PromptTokenCounter | None):
+        tok = llm.get_tokenizer()
+        system = tok.encode("You are a helpful assistant who answers questions about the paged KV cache, "
+                            "continuous batching and the scheduling of large language model inference. " * 3)
+        questions = ["What is a block table?", "Why share blocks between requests?",
+                     "How does preemption by recomputation work?"]
+        prompts = [system + tok.encode(" Question: " + q + " Answer:") for q in questions]
+        batches, ran = [], []
+        for batch in ([prompts[0]], prompts):
+            batches.append(llm.generate([{"prompt_token_ids": p} for p in batch], greedy(12), use_tqdm=False))
+            ran.append(counter.take(batches[-1]) if counter else None)
+        turns, conversation = [], prompts[0]
+        for _ in range(3):
+            out = llm.generate([{"prompt_token_ids": conversation}], greedy(8), use_tqdm=False)
+            turns.append((len(conversation), out, counter.take(out) if counter else None))
+            conversation = conversation + out[0].outputs[0].token_ids + tok.encode(" Tell me more.")
+        return system, prompts, batches, ran, turns
+
+    off = make_llm(None, False, **kw)
+    _, _, off_batches, _, off_turns = run(off, None)
+    del off
+    free_memory()
+    on = make_llm(None, True, **kw)
+    system, prompts, on_batches, ran, on_turns = run(on, PromptTokenCounter(on))
+    assert [token_ids(b) for b in on_batches] == [token_ids(b) for b in off_batches]
+    assert [token_ids(t[1]) for t in on_turns] == [token_ids(t[1]) for t in off_turns]
     shared = (len(system) // BS) * BS
+    out_on = on_batches[-1]
     assert all(o.num_cached_tokens >= shared for o in out_on)
-    assert [r + o.num_cached_tokens for r, o in zip(ran, out_on)] == [len(p) for p in prompts]
-    conversation = prompts[0]
-    for turn in range(3):
-        out_on = on.generate([{"prompt_token_ids": conversation}], greedy(8), use_tqdm=False)
-        out_off = off.generate([{"prompt_token_ids": conversation}], greedy(8), use_tqdm=False)
-        assert token_ids(out_on) == token_ids(out_off)
-        (ran,) = counter.take(out_on)
-        assert ran <= len(conversation) - shared
-        conversation = conversation + out_on[0].outputs[0].token_ids + tok.encode(" Tell me more.")
+    assert [r + o.num_cached_tokens for r, o in zip(ran[-1], out_on)] == [len(p) for p in prompts]
+    for conversation_len, _, (turn_ran,) in on_turns:
+        assert turn_ran <= conversation_len - shared

@@ -121,3 +121,23 @@ def launch_server(tmp_path_factory):
     yield launch
     for server in servers:
         server.terminate()
+
+
+@pytest.fixture
+def asgi_run():
+    """``run(state, coro_fn)``: call ``await coro_fn(client)`` with an httpx client wired to the app
+    of ``state`` in this process (no server, no port), and return its result."""
+    import asyncio
+
+    import httpx
+
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    def run(state, coro_fn):
+        async def main():
+            transport = httpx.ASGITransport(app=build_app(state))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+                return await coro_fn(client)
+        return asyncio.run(main())
+
+    return run

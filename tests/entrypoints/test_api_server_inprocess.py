@@ -3,14 +3,12 @@ answers 500 (or an error event mid-stream) and the server keeps serving."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.entrypoints.openai.api_server import build_app, build_state
+from pagedllm.entrypoints.openai.api_server import build_state
 
 
 @pytest.fixture(scope="module")
@@ -22,15 +20,7 @@ def state(make_tiny_checkpoint):
     st.engine.shutdown()
 
 
-def _run(state, coro_fn):
-    async def main():
-        transport = httpx.ASGITransport(app=build_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-            return await coro_fn(client)
-    return asyncio.run(main())
-
-
-def test_failing_step_gives_500_then_server_recovers(state, monkeypatch):
+def test_failing_step_gives_500_then_server_recovers(asgi_run, state, monkeypatch):
     runner = state.engine.engine.executor.driver_worker.model_runner
     real = runner.execute_model
     failures = {"left": 1}
@@ -52,7 +42,7 @@ def test_failing_step_gives_500_then_server_recovers(state, monkeypatch):
         after = await client.post("/v1/completions", json=body)
         return failed, ok, streamed, after
 
-    failed, ok, streamed, after = _run(state, calls)
+    failed, ok, streamed, after = asgi_run(state, calls)
     assert failed.status_code == 500
     error = failed.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -68,11 +58,11 @@ def test_failing_step_gives_500_then_server_recovers(state, monkeypatch):
     assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_model_without_chat_template_gets_400(state):
+def test_model_without_chat_template_gets_400(asgi_run, state):
     async def call(client):
         return await client.post("/v1/chat/completions",
                                  json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
-    response = _run(state, call)
+    response = asgi_run(state, call)
     assert response.status_code == 400
     assert "no chat template" in response.json()["error"]["message"]
     assert "--chat-template" in response.json()["error"]["message"]

@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.entrypoints.openai.api_server import build_app, build_state, make_arg_parser
+from pagedllm.entrypoints.openai.api_server import build_state, make_arg_parser
 
 PROMPT = list(range(20, 60))  # 40 tokens: 2 full blocks of 16 are reusable (the last token reruns)
 
@@ -26,14 +25,6 @@ def state(make_tiny_checkpoint):
     st.engine.shutdown()
 
 
-def _run(state, coro_fn):
-    async def main():
-        transport = httpx.ASGITransport(app=build_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-            return await coro_fn(client)
-    return asyncio.run(main())
-
-
 def _metric(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + "{"):
@@ -41,7 +32,7 @@ def _metric(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def test_cached_tokens_reset_and_counters(state):
+def test_cached_tokens_reset_and_counters(asgi_run, state):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
 
     async def calls(client):
@@ -59,7 +50,7 @@ def test_cached_tokens_reset_and_counters(state):
         after = (await client.post("/v1/completions", json=body)).json()
         return first, second, lines[-1], metrics, reset, after
 
-    first, second, streamed, metrics, reset, after = _run(state, calls)
+    first, second, streamed, metrics, reset, after = asgi_run(state, calls)
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
     assert streamed["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
@@ -70,7 +61,7 @@ def test_cached_tokens_reset_and_counters(state):
     assert after["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
-def test_reset_refused_while_a_request_holds_blocks(state, monkeypatch):
+def test_reset_refused_while_a_request_holds_blocks(asgi_run, state, monkeypatch):
     from pagedllm import SamplingParams
 
     async def engine_side():
@@ -92,7 +83,7 @@ def test_reset_refused_while_a_request_holds_blocks(state, monkeypatch):
     async def calls(client):
         return await client.post("/reset_prefix_cache")
 
-    refused = _run(state, calls)
+    refused = asgi_run(state, calls)
     assert refused.status_code == 409 and "hold KV blocks" in refused.json()["error"]["message"]
 
 

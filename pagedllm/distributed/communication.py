@@ -1,0 +1,43 @@
+"""The collectives of tensor and pipeline parallelism, over torch.distributed (gloo on the CPU,
+NCCL on CUDA). Each is the identity when its group has one rank, so single-process models pay
+nothing."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.distributed.parallel_state import ParallelContext
+
+
+def tensor_parallel_all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Sum ``x`` over the stage's tensor-parallel ranks (in place; returns ``x``). After a
+    row-parallel layer: each rank holds a partial product ``x_r @ W_r^T`` (Megatron-LM,
+    Shoeybi et al. 2019)."""
+    if ctx.tp_size > 1:
+        dist.all_reduce(x, group=ctx.tp_group)
+    return x
+
+
+def tensor_parallel_all_gather(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Concatenate ``x`` ([..., n]) of every tensor-parallel rank along the last dim, in rank order:
+    [..., n * tp_size] (the vocabulary-parallel LM head's logits)."""
+    if ctx.tp_size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(ctx.tp_size)]
+    dist.all_gather(parts, x, group=ctx.tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def send_to_next_stage(x: torch.Tensor, ctx: ParallelContext) -> None:
+    """Send this stage's hidden states ([num_tokens, hidden]) to the same tensor rank of the next stage."""
+    dist.send(x.contiguous(), dst=ctx.next_rank)
+
+
+def recv_from_prev_stage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                         ctx: ParallelContext) -> torch.Tensor:
+    """Receive the previous stage's hidden states (``shape``, known from the step's message on every rank)."""
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src=ctx.prev_rank)
+    return x

@@ -1,0 +1,121 @@
+"""This rank's place among the engine's workers, and the torch.distributed groups that join them.
+
+Layout (vLLM's): global rank ``r`` is tensor-parallel rank ``r % T`` of pipeline stage ``r // T``.
+A stage's T ranks form one tensor-parallel group (all-reduce, all-gather); rank ``r`` sends its
+stage's output to rank ``r + T`` (point-to-point on the world group). The engine process is not a
+member of any group: it talks to the ranks through the executor's pipes only.
+
+No module-level state: the ``ParallelContext`` is made once per worker and handed to the model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+# How long a collective may wait for a peer before gloo / NCCL raise (a rank that died mid-step is
+# found by the executor much sooner, through the process's sentinel).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """One rank's coordinates in the tensor x pipeline grid.
+
+    Attributes:
+        rank: global rank (``pp_rank * tp_size + tp_rank``).
+        tp_rank, tp_size: tensor-parallel rank and size.
+        pp_rank, pp_size: pipeline stage and number of stages.
+        layer_start, layer_end: [start, end) decoder layers this stage runs (all layers for one stage).
+        tp_group: the torch.distributed group of this stage's tensor-parallel ranks (None for T = 1).
+    """
+
+    rank: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    layer_start: int = 0
+    layer_end: int | None = None
+    tp_group: Any = None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this rank samples and returns the step's output: tensor rank 0 of the last stage."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank this stage receives hidden states from."""
+        return self.rank - self.tp_size
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank this stage sends hidden states to."""
+        return self.rank + self.tp_size
+
+    def owns_layer(self, index: int) -> bool:
+        return self.layer_start <= index < (self.layer_end if self.layer_end is not None else index + 1)
+
+
+def driver_rank(parallel_config: ParallelConfig) -> int:
+    """The global rank that samples (tensor rank 0 of the last pipeline stage)."""
+    return (parallel_config.pipeline_parallel_size - 1) * parallel_config.tensor_parallel_size
+
+
+def init_parallel_context(parallel_config: ParallelConfig, rank: int, num_hidden_layers: int,
+                          init_method: str | None, backend: str) -> ParallelContext:
+    """Join the world process group (when the world has more than one rank) and make the
+    tensor-parallel groups; every rank calls this with the same arguments except ``rank``.
+
+    Args:
+        parallel_config: the sizes.
+        rank: this rank.
+        num_hidden_layers: the model's decoder layers (split over the stages).
+        init_method: torch.distributed's rendezvous URL ("file://..." or "tcp://host:port").
+        backend: "gloo" (CPU) or "nccl" (CUDA).
+    Raises:
+        ValueError: if the world has more than one rank and ``init_method`` is None.
+    """
+    tp, pp = parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
+    world = tp * pp
+    tp_group = None
+    if world > 1:
+        if init_method is None:
+            raise ValueError(f"a world of {world} ranks needs a distributed init_method")
+        dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank,
+                                timeout=COLLECTIVE_TIMEOUT)
+        for stage in range(pp):  # every rank makes every group, in the same order
+            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), backend=backend)
+            if stage == rank // tp:
+                tp_group = group
+    pp_rank = rank // tp
+    start, end = parallel_config.stage_layers(num_hidden_layers, pp_rank)
+    ctx = ParallelContext(rank=rank, tp_rank=rank % tp, tp_size=tp, pp_rank=pp_rank, pp_size=pp,
+                          layer_start=start, layer_end=end, tp_group=tp_group if tp > 1 else None)
+    logger.info("rank %d: tensor rank %d/%d, pipeline stage %d/%d, layers [%d, %d)", rank, ctx.tp_rank, tp,
+                pp_rank, pp, start, end)
+    return ctx
+
+
+def destroy_parallel_context() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

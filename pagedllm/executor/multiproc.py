@@ -1,0 +1,298 @@
+"""``MultiprocExecutor``: one worker process per rank, joined in one torch.distributed process group
+(vLLM V1's ``MultiprocExecutor``, over multiprocessing pipes instead of a shared-memory queue).
+
+Processes and groups:
+- The engine process spawns ``world_size`` workers (torch.multiprocessing, ``spawn``). The workers
+  form the process group (gloo on the CPU, NCCL on CUDA; rendezvous through a file in a private
+  temporary folder). The engine process is NOT a member: tensors move between ranks only
+  (all-reduce, all-gather, pipeline send/recv), never to the engine.
+- Each worker has one duplex ``multiprocessing.Pipe`` to the engine. A call (``collective_rpc``) is
+  pickled ONCE and the same bytes are written to every rank's pipe; every rank answers on its
+  pipe (``("ok", result)`` or ``("error", traceback)``). Per step this is one
+  ``SchedulerOutput`` out and, from the driver rank (tensor rank 0 of the last pipeline stage), one
+  ``ModelRunnerOutput`` back; the other ranks answer ``None``.
+
+Failures: while waiting, the executor also waits on every worker's process sentinel, so a worker
+that dies (killed, out of memory, a crash in C++) is noticed at once, and one that raises answers
+with its traceback. Either way the executor raises ``RuntimeError`` naming the rank, stops every
+worker (the survivors may be blocked in a collective with the dead one) and refuses later calls;
+the async engine turns that into failed requests (HTTP 500, then 503 once it is shut down).
+
+Workers ignore SIGINT (Ctrl-C reaches the whole process group; the engine shuts them down in
+order) and exit when their pipe closes, i.e. when the engine process exits for any reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor.abstract import Executor
+
+logger = logging.getLogger(__name__)
+
+# Seconds a worker may take to start (import torch, join the process group) before the engine
+# gives up on it; a worker that dies sooner is reported at once.
+WORKER_START_TIMEOUT_S = 300.0
+# Seconds the engine waits for workers to leave after "shutdown" before terminating them.
+WORKER_STOP_TIMEOUT_S = 10.0
+
+
+def threads_per_rank(parallel_config: ParallelConfig, cpu_count: int | None) -> int:
+    """torch threads each worker process uses on the CPU.
+
+    Returns:
+        ``parallel_config.cpu_threads_per_rank`` if set, else ``cpu_count // world_size``.
+    Raises:
+        ValueError: if that leaves a rank less than one thread (naming the numbers).
+    """
+    if parallel_config.cpu_threads_per_rank is not None:
+        return parallel_config.cpu_threads_per_rank
+    world = parallel_config.world_size
+    cpus = cpu_count or 1
+    if cpus // world < 1:
+        raise ValueError(f"{world} ranks (tensor_parallel_size x pipeline_parallel_size) on {cpus} CPU(s) leave "
+                         f"fewer than one thread per rank (os.cpu_count() // world_size = {cpus // world}); use fewer "
+                         "ranks or set cpu_threads_per_rank ($PAGEDLLM_CPU_THREADS_PER_RANK)")
+    return cpus // world
+
+
+def _worker_main(rank: int, configs: tuple, init_method: str, conn: Connection, num_threads: int) -> None:
+    """A worker process: build the ``Worker``, answer calls from the engine until "shutdown" or EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the engine stops us in order
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from pagedllm.worker.worker import Worker
+
+    torch.set_num_threads(num_threads)
+    worker = None
+    try:
+        model_config, cache_config, scheduler_config, parallel_config = configs
+        worker = Worker(model_config, cache_config, scheduler_config, parallel_config, rank=rank,
+                        distributed_init_method=init_method)
+        worker.init_device()   # joins the process group
+        conn.send(("ok", None))
+        while True:
+            try:
+                method, args, kwargs = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):   # the engine is gone
+                break
+            if method == "shutdown":
+                break
+            try:
+                result = getattr(worker, method)(*args, **kwargs)
+                if method == "execute_model" and not worker.parallel.is_driver:
+                    result = None   # only the driver's sampled tokens go back
+                conn.send(("ok", result))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    except Exception:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (OSError, ValueError):
+            pass
+    finally:
+        if worker is not None:
+            try:
+                worker.shutdown()
+            except Exception:   # leaving a broken process group: nothing left to do
+                pass
+        conn.close()
+
+
+class MultiprocExecutor(Executor):
+    """One worker process per rank (``tensor_parallel_size x pipeline_parallel_size``).
+
+    Args:
+        model_config, cache_config, scheduler_config, parallel_config: see ``Executor``;
+            ``model_config.model_folder`` must be a safetensors folder (the engine converts a
+            GGUF file once, before the workers start).
+    Attributes:
+        driver_rank: the rank whose ``ModelRunnerOutput`` is returned.
+        processes: the worker processes, by rank.
+    Raises:
+        ValueError: (at construction, before anything starts) if the CPU has fewer threads than
+            ranks and ``cpu_threads_per_rank`` is not set.
+    """
+
+    uses_in_process_worker = False
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                 parallel_config: ParallelConfig) -> None:
+        super().__init__(model_config, cache_config, scheduler_config, parallel_config)
+        from pagedllm.distributed.parallel_state import driver_rank
+
+        self.world_size = parallel_config.world_size
+        self.driver_rank = driver_rank(parallel_config)
+        on_cpu = model_config.device in (None, "cpu")
+        self.num_threads = threads_per_rank(parallel_config, os.cpu_count()) if on_cpu else 1
+        self.processes: list = []
+        self.conns: list[Connection] = []
+        self._failure: str | None = None
+        self._tmpdir: str | None = None
+        self._finalizer = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def initialize(self) -> None:
+        """Spawn the workers, join them in the process group, load the weights on every rank.
+
+        Raises:
+            RuntimeError: if a worker dies or fails while starting (naming the rank).
+        """
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._tmpdir = tempfile.mkdtemp(prefix="pagedllm_dist_")
+        init_method = "file://" + os.path.join(self._tmpdir, "rendezvous")
+        configs = (self.model_config, self.cache_config, self.scheduler_config, self.parallel_config)
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_worker_main, args=(rank, configs, init_method, child, self.num_threads),
+                               name=f"pagedllm-worker-{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self.processes.append(proc)
+            self.conns.append(parent)
+        # Stop the workers if the engine is dropped without shutdown().
+        self._finalizer = weakref.finalize(self, _stop_workers, list(self.processes), list(self.conns),
+                                           self._tmpdir)
+        logger.info("MultiprocExecutor: %d worker processes (tensor_parallel_size=%d, pipeline_parallel_size=%d, "
+                    "%d threads each), driver rank %d", self.world_size, self.parallel_config.tensor_parallel_size,
+                    self.parallel_config.pipeline_parallel_size, self.num_threads, self.driver_rank)
+        self._collect(timeout_s=WORKER_START_TIMEOUT_S, what="start")
+        # Every rank has joined every group: the rendezvous file is no longer read, and removing
+        # it now leaves nothing behind even if this process is killed later.
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self.collective_rpc("load_model")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Send the step's message to every rank (pickled once); return the driver's output.
+
+        Raises:
+            RuntimeError: if a worker died or raised (this step or before), naming the rank.
+        """
+        return self.collective_rpc("execute_model", (scheduler_output,))[self.driver_rank]
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
+                       timeout_s: float | None = None) -> list[Any]:
+        """Call ``Worker.<method>(*args, **kwargs)`` on every rank; one result per rank.
+
+        Args:
+            timeout_s: seconds to wait for every answer (None: no limit; a dead worker is found
+                through its process sentinel regardless).
+        Raises:
+            RuntimeError: if a worker died, raised, or did not answer within ``timeout_s``.
+        """
+        self._check_alive()
+        payload = pickle.dumps((method, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(payload)
+            except (OSError, ValueError):
+                self._fail(f"worker rank {rank} cannot be reached (pid {self.processes[rank].pid}, exit code "
+                           f"{self.processes[rank].exitcode})")
+        return self._collect(timeout_s=timeout_s, what=method)
+
+    def check_health(self) -> None:
+        """Raises:
+            RuntimeError: if a worker process is gone or has failed."""
+        self._check_alive()
+        for rank, proc in enumerate(self.processes):
+            if not proc.is_alive():
+                self._fail(f"worker rank {rank} (pid {proc.pid}) is not running (exit code {proc.exitcode})")
+
+    def shutdown(self) -> None:
+        """Ask every worker to leave, then terminate stragglers (idempotent)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._finalizer = None
+        self.processes, self.conns = [], []
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"the MultiprocExecutor is stopped after a failure: {self._failure}")
+        if not self.processes:
+            raise RuntimeError("the MultiprocExecutor has no workers (not initialized, or shut down)")
+
+    def _fail(self, message: str) -> None:
+        """Record the failure, stop every worker, raise ``RuntimeError(message)``."""
+        self._failure = message
+        logger.error("%s; stopping every worker", message)
+        if self._finalizer is not None:   # the survivors may be blocked in a collective: no goodbyes
+            self._finalizer.detach()
+            self._finalizer = None
+            _stop_workers(self.processes, self.conns, self._tmpdir, graceful=False)
+        self.processes, self.conns = [], []
+        raise RuntimeError(message)
+
+    def _collect(self, timeout_s: float | None, what: str) -> list[Any]:
+        """One answer per rank, waiting on the pipes and on the processes' sentinels."""
+        results: list[Any] = [None] * self.world_size
+        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.processes)}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(pending) + list(sentinels), timeout=remaining)
+            if not ready:
+                self._fail(f"worker rank(s) {sorted(pending.values())} did not answer {what!r} within {timeout_s:.0f} s")
+            answered = [r for r in ready if r in pending]
+            for conn in answered:   # answers first: a worker that raised and exited sent its traceback
+                rank = pending.pop(conn)
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    proc = self.processes[rank]
+                    proc.join(timeout=1.0)
+                    self._fail(f"worker rank {rank} (pid {proc.pid}) died during {what!r} (exit code {proc.exitcode})")
+                if status == "error":
+                    self._fail(f"worker rank {rank} failed during {what!r}:\n{value}")
+                results[rank] = value
+            for sentinel in ready:
+                rank = sentinels.get(sentinel)
+                if rank is not None and self.conns[rank] in pending and not self.conns[rank].poll():
+                    proc = self.processes[rank]
+                    proc.join(timeout=1.0)
+                    self._fail(f"worker rank {rank} (pid {proc.pid}) died during {what!r} (exit code {proc.exitcode})")
+        return results
+
+
+def _stop_workers(processes: list, conns: list[Connection], tmpdir: str | None, graceful: bool = True) -> None:
+    """Send "shutdown" to every live worker and wait (``graceful``), then terminate / kill what is left."""
+    if graceful:
+        payload = pickle.dumps(("shutdown", (), {}))
+        for proc, conn in zip(processes, conns):
+            if proc.is_alive():
+                try:
+                    conn.send_bytes(payload)
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
+        for proc in processes:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2.0)
+    for conn in conns:
+        conn.close()
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,0 +1,275 @@
+"""Tensor and pipeline parallelism over gloo on the CPU: the multi-process engine gives the
+single-process engine's tokens (greedy and seeded sampling), logprobs within 1e-4, and
+transformers' greedy tokens, on tiny random checkpoints; a killed worker is a clear error, not a
+hang; bad sizes are refused before any weight loads; no worker process outlives its engine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+
+from pagedllm import SamplingParams
+from pagedllm.config import ParallelConfig
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.executor import Executor, MultiprocExecutor
+from pagedllm.executor.multiproc import threads_per_rank
+
+PROMPTS = [[5, 9, 13, 200, 17, 3, 3, 40] * 3, [7, 8, 9], list(range(30, 70))]
+MAX_TOKENS = 12
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)]
+
+
+@pytest.fixture(scope="module")
+def llama_one_kv_head(tmp_path_factory, tiny_tokenizer_dir) -> str:
+    """A tiny Llama with 4 query heads and ONE KV head: at tensor_parallel_size=2 both ranks hold
+    a replica of it (as with the default Gemma 3 270M)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    torch.manual_seed(4321)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+                         initializer_range=0.3, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                         tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_llama_1kv")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(path))
+    for f in os.listdir(tiny_tokenizer_dir):
+        shutil.copy(os.path.join(tiny_tokenizer_dir, f), path)
+    return str(path)
+
+
+def _engine(folder: str, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=folder, max_model_len=128, seed=0, block_size=8,
+                                kv_cache_memory_bytes=4 << 20, **kwargs))
+
+
+def _run(engine: LLMEngine) -> dict:
+    for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
+        engine.add_request(f"r{i}", prompt, params)
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                out[o.request_id] = (c.token_ids, None if c.logprobs is None else
+                                     [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
+    return out
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert got[rid][0] == want[rid][0], rid       # tokens: greedy and seeded sampling
+        if want[rid][1] is not None:
+            for g, w in zip(got[rid][1], want[rid][1]):
+                assert g.keys() == w.keys()
+                for tok in w:
+                    assert abs(g[tok] - w[tok]) < 1e-4, (rid, tok, g[tok], w[tok])
+
+
+_REFERENCE: dict[str, dict] = {}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch,tp,pp", [
+    ("llama_1kv", 2, 1),    # query heads split, the one KV head replicated
+    # The rest start more worker processes than the fast tier affords (marked slow; full suite only).
+    pytest.param("gemma3", 2, 1, marks=pytest.mark.slow),     # KV heads split; tied vocab-parallel head
+    pytest.param("llama_1kv", 1, 2, marks=pytest.mark.slow),  # untied head on the last stage
+    ("gemma3", 1, 2),       # tied embedding on the first and the last stage
+    pytest.param("gemma3", 2, 2, marks=pytest.mark.slow),     # 4 ranks (1 thread each on 2 cores)
+    pytest.param("qwen2", 2, 1, marks=pytest.mark.slow),      # q/k/v biases split with their rows
+], ids=["llama-tp2", "gemma3-tp2", "llama-pp2", "gemma3-pp2", "gemma3-tp2-pp2", "qwen2-tp2"])
+def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_kv_head, hf_greedy, arch, tp, pp):
+    folder = llama_one_kv_head if arch == "llama_1kv" else make_tiny_checkpoint(arch)
+    if arch not in _REFERENCE:
+        single = _engine(folder)
+        _REFERENCE[arch] = _run(single)
+        single.shutdown()
+        # The single-process engine itself equals transformers (greedy, float32).
+        assert [_REFERENCE[arch][f"r{i}"][0] for i in (0, 1)] == hf_greedy(folder, PROMPTS[:2], MAX_TOKENS)
+    engine = _engine(folder, tensor_parallel_size=tp, pipeline_parallel_size=pp, cpu_threads_per_rank=1)
+    processes = list(engine.executor.processes)
+    try:
+        assert isinstance(engine.executor, MultiprocExecutor) and len(processes) == tp * pp
+        _assert_same(_run(engine), _REFERENCE[arch])
+        # Callables cannot cross to the worker processes.
+        with pytest.raises(ValueError, match="logits_processors"):
+            engine.add_request("lp", [1, 2, 3], SamplingParams(logits_processors=[lambda ids, logits: logits]))
+        engine.executor.check_health()
+    finally:
+        engine.shutdown()
+    assert not any(p.is_alive() for p in processes)
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_is_a_clear_error_not_a_hang(llama_one_kv_head):
+    engine = _engine(llama_one_kv_head, tensor_parallel_size=2, cpu_threads_per_rank=1)
+    processes = list(engine.executor.processes)
+    try:
+        engine.add_request("r0", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        engine.step()
+        os.kill(processes[1].pid, signal.SIGKILL)
+        processes[1].join(timeout=10)
+        errors: list[BaseException] = []
+
+        def step():
+            try:
+                engine.step()
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                errors.append(e)
+
+        t0 = time.monotonic()
+        thread = threading.Thread(target=step, daemon=True)
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the step hung after a worker died"
+        assert time.monotonic() - t0 < 60
+        assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+        assert "rank 1" in str(errors[0])
+        with pytest.raises(RuntimeError, match="rank 1"):   # and it stays an error
+            engine.step()
+        with pytest.raises(RuntimeError):
+            engine.executor.check_health()
+    finally:
+        engine.shutdown()
+    for p in processes:
+        p.join(timeout=10)
+    assert not any(p.is_alive() for p in processes)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)   # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_signal_to_the_engine_process_ends_every_rank(llama_one_kv_head, tmp_path, sig):
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine.py"
+    script.write_text(f"""
+import time
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+if __name__ == "__main__":
+    engine = LLMEngine(EngineArgs(model={llama_one_kv_head!r}, max_model_len=128, tensor_parallel_size=2,
+                                  cpu_threads_per_rank=1, kv_cache_memory_bytes=4 << 20))
+    print(" ".join(str(p.pid) for p in engine.executor.processes), flush=True)
+    time.sleep(300)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(_gone(p) for p in pids), "a worker outlived its engine"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bad_sizes_are_refused_before_any_weight_loads(make_tiny_checkpoint):
+    path = make_tiny_checkpoint("llama")   # 4 heads, 2 KV heads, intermediate 128, 3 layers
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's 4 attention heads"):
+        LLM(path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 exceeds the model's 3 layers"):
+        LLM(path, pipeline_parallel_size=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
+        LLM(path, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be an int >= 1, got -1"):
+        LLM(path, pipeline_parallel_size=-1)
+    with pytest.raises(ValueError, match="pp_layer_partition"):
+        LLM(path, pipeline_parallel_size=2, pp_layer_partition="1,1")
+    with pytest.raises(ValueError, match="distributed_executor_backend='uni' runs one worker"):
+        LLM(path, tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="fewer than one thread per rank"):
+        threads_per_rank(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2), cpu_count=2)
+    assert threads_per_rank(ParallelConfig(tensor_parallel_size=2), cpu_count=2) == 1
+    assert threads_per_rank(ParallelConfig(tensor_parallel_size=2, cpu_threads_per_rank=3), cpu_count=2) == 3
+
+
+def test_stage_layers_and_executor_selection():
+    cfg = ParallelConfig(pipeline_parallel_size=4)
+    assert [cfg.stage_layers(18, r) for r in range(4)] == [(0, 5), (5, 10), (10, 14), (14, 18)]
+    cfg = ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=(10, 8))
+    assert [cfg.stage_layers(18, r) for r in range(2)] == [(0, 10), (10, 18)]
+    assert Executor.get_class(ParallelConfig(tensor_parallel_size=2)) is MultiprocExecutor
+    assert Executor.get_class(ParallelConfig(distributed_executor_backend="mp")) is MultiprocExecutor
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_default_model_split_two_ways_equals_transformers(default_model_reference, tp, pp):
+    """Gemma 3 270M (4 query heads, 1 KV head replicated at TP=2; 18 layers split 9 + 9 at PP=2),
+    float32: transformers' recorded greedy tokens, exactly, for every recorded prompt."""
+    refs = default_model_reference["greedy_float32"]
+    llm = LLM(None, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, seed=0,
+              tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    processes = list(llm.llm_engine.executor.processes)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=len(refs[0]["token_ids"]), ignore_eos=True)
+        outs = llm.generate([r["prompt"] for r in refs], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [r["token_ids"] for r in refs]
+    finally:
+        llm.llm_engine.shutdown()
+    assert not any(p.is_alive() for p in processes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_async_engine_fails_requests_when_a_worker_dies(llama_one_kv_head):
+    """Through ``AsyncLLM`` (the server's engine): the request running when rank 1 dies gets an
+    ``EngineStepError`` naming the rank (HTTP 500), a later one fails the same way, no hang."""
+    import asyncio
+
+    from pagedllm.engine.async_engine import AsyncLLM, EngineStepError
+    from pagedllm.entrypoints.openai.errors import error_from_exception
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=llama_one_kv_head, max_model_len=128, block_size=8,
+                                               kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2,
+                                               cpu_threads_per_rank=1))
+    processes = list(llm.engine.executor.processes)
+
+    async def consume(rid: str, kill: bool):
+        params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        async for _ in llm.generate(PROMPTS[0], params, rid):
+            if kill:
+                os.kill(processes[1].pid, signal.SIGKILL)
+                kill = False
+
+    try:
+        for rid, kill in (("a", True), ("b", False)):
+            with pytest.raises(EngineStepError, match="rank 1") as info:
+                asyncio.run(asyncio.wait_for(consume(rid, kill), timeout=60))
+            assert error_from_exception(info.value).status_code == 500
+    finally:
+        llm.shutdown()
+    for p in processes:
+        p.join(timeout=10)
+    assert not any(p.is_alive() for p in processes)
