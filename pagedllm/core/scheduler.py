@@ -98,6 +98,12 @@ class Scheduler:
         """Samples waiting for their parent's prompt before they fork (each will take a seq)."""
         return sum(len(forks) for forks in self._pending_forks.values())
 
+    def _num_admitted_pending_forks(self) -> int:
+        """Samples of admitted (RUNNING) parents that will fork when their prompt is computed:
+        the seqs already promised. Forks of parents still waiting take none yet."""
+        return sum(len(forks) for pid, forks in self._pending_forks.items()
+                   if self.requests[pid].status == RequestStatus.RUNNING)
+
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
@@ -215,7 +221,7 @@ class Scheduler:
                         skipped.append(request)
                     continue
                 group = len(self._pending_forks.get(request.request_id, ()))
-                if len(self.running) + self.num_pending_forks + 1 + group > self.max_num_seqs:
+                if len(self.running) + self._num_admitted_pending_forks() + 1 + group > self.max_num_seqs:
                     break  # its samples will fork: admit the group only with room for all
                 if self.kv_cache_manager.is_swapped(request):
                     # Swapped out: back into fresh device blocks, nothing recomputed.
