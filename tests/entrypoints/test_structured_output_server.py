@@ -40,13 +40,19 @@ TIME_TOOL = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def state(make_tiny_checkpoint, tmp_path_factory):
-    # The tiny Llama with a 4096-token context: instructor's JSON mode puts the schema in the prompt.
+def long_checkpoint(make_tiny_checkpoint, tmp_path_factory):
+    # The tiny Llama with a 4096-token context: instructor's JSON mode and the tools template put
+    # schemas in the prompt.
     folder = tmp_path_factory.mktemp("tiny_llama_long")
     shutil.copytree(make_tiny_checkpoint("llama"), folder, dirs_exist_ok=True)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
-    args = EngineArgs(model=str(folder), dtype="float32", max_model_len=4096, block_size=4,
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def state(long_checkpoint):
+    args = EngineArgs(model=long_checkpoint, dtype="float32", max_model_len=4096, block_size=4,
                       kv_cache_memory_bytes=64 << 20, seed=0)
     st = build_state(args, ["tiny"], chat_template=load_chat_template("gemma"), log_requests=False,
                      log_stats_interval_s=None)
@@ -205,3 +211,88 @@ def test_bad_input_is_400_naming_the_field(state, route, body, param, fragment):
     error = response.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
     assert state.engine.engine.get_num_unfinished_requests() == 0
+
+
+# -- tool_choice "auto": the model writes calls in its own format, the server's parser finds them.
+# A random model writes no call by chance, so each test forces the reply's form with a regex
+# (structured_outputs beside tool_choice "auto"); what is tested is the parser, the response and
+# the stream, through the real client.
+HERMES_REPLY = (r'(Checking\. )?<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,8}", '
+                r'"unit": "(C|F)"\}\}\n</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": '
+                r'\{"tz": "[A-Z]{3}"\}\}\n</tool_call>')
+PYTHONIC_REPLY = r"\[get_weather\(city='[A-Z][a-z]{1,8}', unit='(C|F)'\), get_time\(tz='[A-Z]{3}'\)\]"
+
+
+@pytest.fixture(scope="module", params=["hermes", "pythonic"])
+def auto_state(request, long_checkpoint):
+    args = EngineArgs(model=long_checkpoint, dtype="float32", max_model_len=4096, block_size=4,
+                      kv_cache_memory_bytes=64 << 20, seed=0)
+    st = build_state(args, ["tiny"], chat_template=load_chat_template("gemma-tools"), log_requests=False,
+                     log_stats_interval_s=None, enable_auto_tool_choice=True, tool_call_parser=request.param)
+    yield request.param, st
+    st.engine.shutdown()
+
+
+def test_auto_tool_choice_parses_calls_streamed_and_whole(auto_state):
+    parser, state = auto_state
+    regex = HERMES_REPLY if parser == "hermes" else PYTHONIC_REPLY
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL], temperature=1.0, max_tokens=200,
+                  extra_body={"structured_outputs": {"regex": regex}})
+
+    async def fn(client, http):
+        whole = await client.chat.completions.create(seed=21, n=2, **kwargs)  # tool_choice left out = "auto"
+        streams = [[c async for c in await client.chat.completions.create(seed=21, n=2, stream=True, **kwargs)]]
+        streams.append([c async for c in await client.chat.completions.create(
+            seed=21, n=2, stream=True, tool_choice="auto", **kwargs)])
+        return whole, streams
+    whole, streams = run(state, fn)
+    assert len(whole.choices) == 2
+    for choice in whole.choices:
+        assert choice.finish_reason == "tool_calls"
+        weather, time_call = choice.message.tool_calls
+        assert (weather.function.name, time_call.function.name) == ("get_weather", "get_time")
+        jsonschema.validate(json.loads(weather.function.arguments), WEATHER_TOOL["function"]["parameters"])
+        assert re.fullmatch(r"[A-Z]{3}", json.loads(time_call.function.arguments)["tz"])
+        assert choice.message.content in ((None, "Checking. ") if parser == "hermes" else (None,))
+    for chunks in streams:
+        for choice in whole.choices:
+            mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+            calls = [tc for c in mine for tc in (c.delta.tool_calls or [])]
+            assert [tc.index for tc in calls] == [0, 1]
+            assert all(tc.id.startswith("chatcmpl-tool-") and tc.type == "function" for tc in calls)
+            # Same seed, same text: the streamed calls are the whole reply's.
+            assert [(tc.function.name, tc.function.arguments) for tc in calls] == \
+                [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+            content = "".join(c.delta.content or "" for c in mine)
+            assert content == (choice.message.content or "")
+            assert [c.finish_reason for c in mine if c.finish_reason] == ["tool_calls"]
+
+
+def test_auto_tool_choice_plain_reply_and_round_trip(auto_state):
+    """A reply that is no call stays content (finish_reason "stop"); the calls go back with the
+    tool results (the gemma-tools template renders them) for the next turn."""
+    parser, state = auto_state
+    tools = [WEATHER_TOOL, TIME_TOOL]
+
+    async def fn(client, http):
+        plain = await client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=tools, tool_choice="auto", temperature=1.0, seed=3, max_tokens=50,
+            extra_body={"structured_outputs": {"regex": r"[a-z]{2,8}( [a-z]{2,8}){1,4}\."}})
+        called = await client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=tools, temperature=1.0, seed=4, max_tokens=200,
+            extra_body={"structured_outputs": {"regex": HERMES_REPLY if parser == "hermes" else PYTHONIC_REPLY}})
+        message = called.choices[0].message
+        follow_up = MESSAGES + [message.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": tc.id, "content": "18 C" if k == 0 else "10:00"}
+            for k, tc in enumerate(message.tool_calls)]
+        answer = await client.chat.completions.create(model="tiny", messages=follow_up, tools=tools,
+                                                      temperature=1.0, seed=5, max_tokens=8)
+        return plain, called, answer
+    plain, called, answer = run(state, fn)
+    choice = plain.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert re.fullmatch(r"[a-z]{2,8}( [a-z]{2,8}){1,4}\.", choice.message.content)
+    assert called.choices[0].finish_reason == "tool_calls"
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # The calls and both results are in the second prompt (each result's text, the calls' JSON).
+    assert answer.usage.prompt_tokens > called.usage.prompt_tokens + 20

@@ -30,6 +30,7 @@ from pagedllm.entrypoints.openai.serving_engine import (CHAT_UNSUPPORTED_FIELDS,
                                                        OpenAIServing, clamp_logprob)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan, parse_tool_calls, plan_tools
+from pagedllm.entrypoints.openai.tool_parsers import ToolCallStream, ToolParser
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
@@ -44,15 +45,19 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: the server's template text (``--chat-template``); None = the model's own.
         max_logprobs: the most ``top_logprobs`` a request may ask for.
         max_n: the most choices (``n``) a request may ask for.
+        tool_parser: the ``--tool-call-parser`` when the server runs with
+            ``--enable-auto-tool-choice`` (``tool_choice: "auto"``), else None.
     """
 
     fields = set(ChatCompletionRequest.model_fields)
 
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, chat_template: str | None,
-                 max_logprobs: int, log_requests: bool = True, max_n: int = DEFAULT_MAX_N) -> None:
+                 max_logprobs: int, log_requests: bool = True, max_n: int = DEFAULT_MAX_N,
+                 tool_parser: ToolParser | None = None) -> None:
         super().__init__(engine, models, log_requests, max_n)
         self.chat_template = chat_template
         self.max_logprobs = max_logprobs
+        self.tool_parser = tool_parser
 
     def render(self, request) -> dict:
         """Render ``request.messages`` with the request's or the server's template.
@@ -95,7 +100,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_n(n)
         if request.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        tool_plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
+        tool_plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser)
         structured_outputs = self.structured_outputs(request)
         if tool_plan.structured_outputs is not None:
             if structured_outputs is not None:
@@ -146,10 +151,16 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = ChatCompletionLogProbs(content=self.chat_logprobs(*self.text_tokens(o), num_top))
             message = ChatMessage(role="assistant", content=echo + o.text)
             finish_reason = o.finish_reason
-            tool_calls = parse_tool_calls(tool_plan, o.text)
-            if tool_calls is not None:
-                message = ChatMessage(role="assistant", content=None, tool_calls=tool_calls)
-                finish_reason = _tool_finish_reason(tool_plan, o.finish_reason)
+            if tool_plan.mode == "auto":  # the model's own call format, found by the parser
+                found = tool_plan.parser.extract_tool_calls(o.text)
+                if found.tools_called:
+                    message = ChatMessage(role="assistant", content=found.content, tool_calls=found.tool_calls)
+                    finish_reason = "tool_calls"
+            else:
+                tool_calls = parse_tool_calls(tool_plan, o.text)
+                if tool_calls is not None:
+                    message = ChatMessage(role="assistant", content=None, tool_calls=tool_calls)
+                    finish_reason = _tool_finish_reason(tool_plan, o.finish_reason)
             choices.append(ChatCompletionResponseChoice(
                 index=o.index, message=message, logprobs=logprobs,
                 finish_reason=finish_reason, stop_reason=o.stop_reason))
@@ -179,6 +190,7 @@ class OpenAIServingChat(OpenAIServing):
             return f"data: {body.model_dump_json(exclude=None if continuous_usage else {'usage'})}\n\n"
 
         tool_text: dict[int, str] = {}  # [tools] a call is sent whole once its sample ends
+        auto_streams: dict[int, ToolCallStream] = {}  # [tools] "auto": one parser state per choice
         try:
             for index in range(n):
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
@@ -189,6 +201,10 @@ class OpenAIServingChat(OpenAIServing):
                 num_cached = out.num_cached_tokens if out.num_cached_tokens is not None else num_cached
                 for o in out.outputs:
                     num_completion += len(o.token_ids)
+                    if tool_plan is not None and tool_plan.mode == "auto":
+                        for piece in self._auto_tool_chunks(auto_streams, tool_plan.parser, o, num_top, chunk):
+                            yield piece
+                        continue
                     if tool_plan is not None and tool_plan.mode != "none":
                         tool_text[o.index] = tool_text.get(o.index, "") + o.text
                         if o.finish_reason is None:
@@ -221,6 +237,31 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             outputs.abort()
         yield "data: [DONE]\n\n"
+
+    def _auto_tool_chunks(self, streams: dict[int, ToolCallStream], parser: ToolParser, o: CompletionOutput,
+                          num_top: int | None, chunk) -> list[str]:
+        """The SSE chunks of one output delta under ``tool_choice: "auto"``: content the parser
+        knows is content, each complete call as a ``delta.tool_calls`` entry with its ``index``,
+        and at the end the rest (finish_reason "tool_calls" when a call was sent)."""
+        stream = streams.setdefault(o.index, ToolCallStream(parser))
+        content, calls = stream.feed(o.text)
+        pieces = []
+        logprobs = None
+        if num_top is not None and o.token_ids:
+            logprobs = ChatCompletionLogProbs(content=self.chat_logprobs(*self.text_tokens(o), num_top))
+        if content or logprobs is not None:
+            pieces.append(chunk(o.index, DeltaMessage(content=content) if content else DeltaMessage(), logprobs))
+        if o.finish_reason is not None:
+            rest, more = stream.finish()
+            if rest:
+                pieces.append(chunk(o.index, DeltaMessage(content=rest)))
+            calls = calls + more
+        if calls:
+            pieces.append(chunk(o.index, DeltaMessage(tool_calls=calls)))
+        if o.finish_reason is not None:
+            reason = "tool_calls" if stream.tools_called else o.finish_reason
+            pieces.append(chunk(o.index, DeltaMessage(), None, reason, o.stop_reason))
+        return pieces
 
     @staticmethod
     def echo_content(request: ChatCompletionRequest) -> str:

@@ -5,18 +5,19 @@
 shape); a named function (``{"type": "function", "function": {"name": ...}}``) constrains it to
 that function's arguments. Either works with any model, the default base model included, since
 the grammar, not the model, guarantees the shape. ``"none"`` generates text. ``"auto"`` (OpenAI's
-default when tools are given) needs a tool-call parser, which this server does not have yet: it
-is refused with a 400 naming ``tool_choice``.
+default when tools are given) lets the model write calls in its own format, found afterwards by the
+server's ``--tool-call-parser`` (``tool_parsers/``); without ``--enable-auto-tool-choice`` it is
+refused with a 400 naming ``tool_choice``.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser, make_tool_call
 from pagedllm.sampling_params import StructuredOutputsParams
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -27,14 +28,17 @@ class ToolPlan:
     """How a chat request's tools shape its reply.
 
     Attributes:
-        mode: "none" (plain text), "required" (a JSON array of calls) or "named" (one call).
+        mode: "none" (plain text), "required" (a JSON array of calls), "named" (one call) or
+            "auto" (free text, calls found by ``parser``).
         structured_outputs: the constraint for "required" / "named", else None.
         function_name: the called function for "named".
+        parser: the server's tool-call parser for "auto".
     """
 
     mode: str
     structured_outputs: StructuredOutputsParams | None = None
     function_name: str | None = None
+    parser: ToolParser | None = None
 
 
 def _functions(tools: list[Any]) -> dict[str, dict]:
@@ -60,13 +64,17 @@ def _functions(tools: list[Any]) -> dict[str, dict]:
     return out
 
 
-def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None = None) -> ToolPlan:
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None = None,
+               auto_tool_parser: ToolParser | None = None) -> ToolPlan:
     """The ``ToolPlan`` of a request (``parallel_tool_calls: false``: at most one call).
 
+    Args:
+        auto_tool_parser: the server's parser when it runs with ``--enable-auto-tool-choice``,
+            else None (then ``"auto"`` is refused).
     Raises:
         OpenAIError: 400 naming ``tools`` or ``tool_choice``: malformed tools, a ``tool_choice``
-            without tools, a named function not in ``tools``, ``"auto"`` (no tool-call parser),
-            or an unknown value.
+            without tools, a named function not in ``tools``, ``"auto"`` without
+            ``--enable-auto-tool-choice``, or an unknown value.
     """
     if not tools:
         if tool_choice not in (None, "none"):
@@ -76,11 +84,12 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
     if tool_choice == "none":
         return ToolPlan("none")
     if tool_choice in (None, "auto"):
+        if auto_tool_parser is not None:
+            return ToolPlan("auto", parser=auto_tool_parser)
         # tool_choice left out: the field at fault is the tools that imply "auto".
-        raise bad_request("tool_choice 'auto' (the default when tools are given) needs a tool-call parser, "
-                          "which this server does not have (--enable-auto-tool-choice is not supported yet); "
-                          "use tool_choice 'required', a named function, or 'none'",
-                          param="tools" if tool_choice is None else "tool_choice")
+        raise bad_request("tool_choice 'auto' (the default when tools are given) requires the server to run with "
+                          "--enable-auto-tool-choice and --tool-call-parser; use tool_choice 'required', a named "
+                          "function, or 'none'", param="tools" if tool_choice is None else "tool_choice")
     if tool_choice == "required":
         calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
                   "required": ["name", "parameters"], "additionalProperties": False}
@@ -103,14 +112,10 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
                       param="tool_choice")
 
 
-def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
 def parse_tool_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
     """OpenAI ``tool_calls`` from a constrained reply, or None when the text is not a complete
-    call (cut by ``max_tokens`` or a stop string; the reply then stays text).
+    call (cut by ``max_tokens`` or a stop string; the reply then stays text). "auto" replies go
+    through ``plan.parser`` instead (``serving_chat``).
 
     Each call: ``{"id", "type": "function", "function": {"name", "arguments"}}``, ``arguments``
     a JSON string.
@@ -120,7 +125,7 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
             json.loads(text)
         except json.JSONDecodeError:
             return None
-        return [_call(plan.function_name, text)]
+        return [make_tool_call(plan.function_name, text)]
     if plan.mode == "required":
         try:
             calls = json.loads(text)
@@ -128,5 +133,5 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
             return None
         if not isinstance(calls, list):
             return None
-        return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+        return [make_tool_call(c["name"], c["parameters"]) for c in calls]
     return None
