@@ -94,13 +94,33 @@ def grammar_key(params: StructuredOutputsParams, disable_any_whitespace: bool) -
     return ("grammar", params.grammar)
 
 
+# How xgrammar is installed (README Quickstart): without its dependencies, because its metadata
+# asks for triton on Linux x86_64, which only its CUDA kernels use (docs/structured_output.md).
+XGRAMMAR_INSTALL = "pip install --no-deps xgrammar==0.2.8"
+
+
+def import_xgrammar():
+    """``import xgrammar``, or an ImportError that says how to install it.
+
+    Raises:
+        ImportError: when xgrammar is not installed.
+    """
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ImportError(f"structured outputs and tools need xgrammar, which is not installed: "
+                          f"{XGRAMMAR_INSTALL} (see the README's Quickstart)") from e
+    return xgrammar
+
+
 def build_grammar(key: tuple[str, str]):
     """The ``xgrammar.Grammar`` of a key from ``grammar_key``.
 
     Raises:
         ValueError: naming the field, with xgrammar's message, when xgrammar cannot build it.
+        ImportError: when xgrammar is not installed.
     """
-    import xgrammar as xgr
+    xgr = import_xgrammar()
 
     kind, text = key
     try:

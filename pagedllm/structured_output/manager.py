@@ -20,7 +20,7 @@ import numpy as np
 
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.grammar import build_grammar, grammar_key
+from pagedllm.structured_output.grammar import build_grammar, grammar_key, import_xgrammar
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class StructuredOutputManager:
     # -- compiling ----------------------------------------------------------------------------
 
     def _build_compiler(self):
-        import xgrammar as xgr
+        xgr = import_xgrammar()
 
         t0 = time.perf_counter()
         info = xgr.TokenizerInfo.from_huggingface(self.tokenizer.get_hf_tokenizer(), vocab_size=self.vocab_size,

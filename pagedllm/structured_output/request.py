@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
+if TYPE_CHECKING:  # imported where used: the engine imports this module with or without xgrammar
+    import xgrammar as xgr
 
 
 class StructuredOutputRequest:
@@ -31,6 +33,8 @@ class StructuredOutputRequest:
         if not self._compiled.done():
             return False
         try:
+            import xgrammar as xgr
+
             self._matcher = xgr.GrammarMatcher(self._compiled.result())
         except Exception as e:  # noqa: BLE001 - reported through ``error``
             self._error = f"{type(e).__name__}: {e}"
