@@ -85,7 +85,8 @@ def to_engine_prompt(req: BenchRequest):
 
 
 def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
-                   breakdown: bool = False, progress: bool = False) -> tuple[dict, list[list[int]]]:
+                   breakdown: bool = False, progress: bool = False,
+                   structured_outputs: list | None = None) -> tuple[dict, list[list[int]]]:
     """Run the workload through ``llm`` (a ``pagedllm.LLM``) with everything submitted at once.
 
     Args:
@@ -95,6 +96,8 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
         breakdown: time the engine's components too (``StepBreakdown``; result key
             ``breakdown``: seconds per component). Slightly slows the run.
         progress: show ``LLM.generate``'s progress bar (tqdm, on stderr) during the timed run.
+        structured_outputs: a ``StructuredOutputsParams`` per request (``--structured-output``),
+            or None. Constrained requests do not ignore EOS: they end where their grammar does.
     Returns:
         (result, prompt_token_ids): the flat result dict (``metrics.summarize``'s keys plus
         ``peak_kv_usage``, ``kv_utilization``, ``num_preemptions``, ``prefix_cache_hit_rate``
@@ -112,7 +115,11 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
         warm_ids = list(range(100, 100 + WARMUP_PROMPT_TOKENS))
         llm.generate({"prompt_token_ids": warm_ids},
                      SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    if structured_outputs is None:
+        params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    else:
+        params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, structured_outputs=so)
+                  for r, so in zip(requests, structured_outputs)]
     prompts = [to_engine_prompt(r) for r in requests]
     stat_logger = BenchStatLogger()
     preempt_before = engine.scheduler.num_preemptions_total
@@ -136,7 +143,7 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
                                      first_token_time=m.first_token_time, last_token_time=last))
     expected = sum(r.max_tokens for r in requests)
     got = sum(r.output_len for r in records)
-    if got != expected:
+    if got != expected and structured_outputs is None:
         logger.warning("made %d output tokens, expected %d (max_tokens sum): requests capped by max_model_len?",
                        got, expected)
     result = summarize(records, duration)

@@ -103,3 +103,60 @@ def test_abort_while_compiling_leaves_nothing():
     sched.finish_requests("g", RequestStatus.FINISHED_ABORTED)
     assert not sched.waiting and "g" not in sched.requests
     assert sched.schedule().finished_req_ids == {"g"}
+
+
+def test_forks_get_their_own_matcher_and_bitmask_row():
+    """n = 3 with a grammar: the parent computes the prompt; at the fork each sample's own handle
+    becomes ready (its matcher starts fresh) and has its own bitmask row for the parent's logits
+    row; each handle then sees only its own sample's tokens."""
+    sched = _scheduler()
+    grammars = [FakeGrammar(length=5) for _ in range(3)]
+    reqs = [_request(f"{i}_g", g) for i, g in enumerate(grammars)]
+    sched.add_request(reqs[0], forks=reqs[1:])
+    assert sched.schedule().num_scheduled_tokens == {}  # compiling: nothing runs
+    for g in grammars:
+        g.ready = True
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"0_g": 5}
+    assert out.forked_req_ids == {"1_g": "0_g", "2_g": "0_g"}
+    assert out.structured_output_request_ids == {"0_g": 0, "1_g": 1, "2_g": 2}
+    ids = ["0_g", "1_g", "2_g"]
+    sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, sampled_token_ids=[10, 11, 12],
+                                                    sampled_logprobs=[0.0] * 3, top_logprobs=[None] * 3))
+    assert [g.accepted for g in grammars] == [[10], [11], [12]]
+    out = sched.schedule()
+    assert sorted(out.structured_output_request_ids) == ids and len(set(out.structured_output_request_ids.values())) == 3
+
+
+def test_preempted_or_aborted_request_has_no_bitmask_row_and_drops_its_handle():
+    """A constrained request preempted (recompute or swap) leaves the step's bitmask rows; its
+    handle keeps its accepted tokens (the outputs are kept, nothing to replay); on abort the
+    scheduler holds no reference to the handle any more."""
+    import gc
+    import weakref
+
+    for mode in ("recompute", "swap"):
+        kv = KVCacheManager(block_size=4, num_blocks=4, num_cpu_blocks=8 if mode == "swap" else 0)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16,
+                                          preemption_mode=mode), kv)
+        a, b = FakeGrammar(length=99), FakeGrammar(length=99)
+        a.ready = b.ready = True
+        sched.add_request(_request("a", a, max_tokens=8))
+        sched.add_request(_request("b", b, max_tokens=8))
+        preempted = None
+        for _ in range(6):
+            out = sched.schedule()
+            if out.preempted_req_ids:
+                preempted = next(iter(out.preempted_req_ids))
+                assert preempted not in out.structured_output_request_ids
+                assert set(out.structured_output_request_ids) <= set(out.num_scheduled_tokens)
+                break
+            _run(sched, out, token=7)
+        assert preempted == "b", mode
+        assert sched.num_preemptions_by_mode[mode] == 1
+        assert b.accepted == [7] * sched.get_request("b").num_output_tokens  # kept, not replayed
+        ref = weakref.ref(b)
+        del b
+        sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        gc.collect()
+        assert ref() is None and sched.get_request("b") is None

@@ -159,9 +159,11 @@ def test_logprobs_stop_strings_and_seeds(llm):
     assert stopped.finish_reason == "stop" and stopped.text in {c.split(" ")[0] for c in choices}
 
 
-def test_preemption_chunked_prefill_and_prefix_caching(make_tiny_checkpoint):
-    """A KV pool too small for the batch preempts (recompute) constrained requests; long shared
-    prompts hit the prefix cache and are chunked: outputs stay valid and equal the unpressured run."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_chunked_prefill_and_prefix_caching(make_tiny_checkpoint, mode):
+    """A KV pool too small for the batch preempts constrained requests (recompute, or swap to the
+    host pool); long shared prompts hit the prefix cache and are chunked: outputs stay valid and
+    equal the unpressured run (each matcher keeps its state across the preemption)."""
     schema = SCHEMAS[16]
     path = make_tiny_checkpoint("llama")
     prompt = "shared prefix " * 4
@@ -170,9 +172,9 @@ def test_preemption_chunked_prefill_and_prefix_caching(make_tiny_checkpoint):
     want = [o.outputs[0].text for o in roomy.generate([prompt] * 6, params, use_tqdm=False)]
     roomy.llm_engine.shutdown()
     tight = LLM(path, max_model_len=160, num_gpu_blocks_override=40, seed=0, block_size=4,
-                max_num_batched_tokens=64)
+                max_num_batched_tokens=64, preemption_mode=mode, swap_space=0.01)
     got = [o.outputs[0].text for o in tight.generate([prompt] * 6, params, use_tqdm=False)]
-    assert tight.llm_engine.scheduler.num_preemptions_total > 0
+    assert tight.llm_engine.scheduler.num_preemptions_by_mode[mode] > 0
     tight.llm_engine.shutdown()
     assert got == want
     for text in got:
