@@ -37,7 +37,9 @@ def _schema_of(params: StructuredOutputsParams) -> dict | bool:
 
 
 # One JSON string character without escapes: U+0020-U+10FFFF less '"', '\\' and the surrogates.
-_BOUNDED_STRING_PATTERN = "^[ !#-\\[\\]-\\ud7ff\\ue000-\\U0010ffff]{%d,%s}$"
+# The range ends are the characters themselves: xgrammar's regex knows no "\U" escape (it warned
+# and took "U" literally, which left out U+E000-U+10FFFF, emoji included).
+_BOUNDED_STRING_PATTERN = "^[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]{%d,%s}$"
 
 
 def _bounded_strings_as_patterns(node):
