@@ -154,8 +154,11 @@ class StructuredOutputsConfig:
 
 
 # ``ParallelConfig.distributed_executor_backend`` values (vLLM's names): "uni" runs one worker in
-# the engine's process, "mp" one worker process per rank (``executor/multiproc.py``).
-SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp")
+# the engine's process, "mp" one worker process per rank (``executor/multiproc.py``), "ray" one
+# Ray actor per rank (``executor/ray_executor.py``).
+SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
+# ``ParallelConfig.ray_placement_strategy`` values (Ray's placement group strategies).
+RAY_PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD")
 
 
 @dataclass(frozen=True)
@@ -169,10 +172,16 @@ class ParallelConfig:
         tensor_parallel_size: ranks that split every layer's matrices (Megatron-style; one
             all-reduce after each row-parallel layer).
         pipeline_parallel_size: stages that split the layers (contiguous ranges).
-        data_parallel_size: engine replicas; must be 1.
+        data_parallel_size: engine replicas, each with its own ``world_size`` ranks, in their own
+            processes behind one front end (``engine/dp_client.py``); one ``LLMEngine`` is one
+            replica.
         distributed_executor_backend: which executor runs the workers (``executor/``): None
             picks by world size ("uni" for 1, "mp" above); "uni" forces the in-process worker
-            (world size 1), "mp" one worker process per rank.
+            (world size 1), "mp" one worker process per rank, "ray" one Ray actor per rank
+            (possibly on several machines of a Ray cluster).
+        ray_placement_strategy: how the Ray executor's placement group places its bundles (one
+            per rank): "STRICT_PACK" (default: all on one node), "PACK" (as few nodes as
+            possible) or "SPREAD" (across nodes).
         pp_layer_partition: layers per stage, summing to the model's layers (``EngineArgs``
             defaults it to ``$PAGEDLLM_PP_LAYER_PARTITION``, e.g. "10,8"); None = as even as
             possible, earlier stages taking the remainder.
@@ -187,15 +196,16 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     pp_layer_partition: tuple[int, ...] | None = None
     cpu_threads_per_rank: int | None = None
+    ray_placement_strategy: str = "STRICT_PACK"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.data_parallel_size != 1:
-            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported: one engine "
-                             "per process group (run several servers for data parallelism)")
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}, "
+                             f"got {self.ray_placement_strategy!r}")
         if self.distributed_executor_backend not in SUPPORTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {SUPPORTED_EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")

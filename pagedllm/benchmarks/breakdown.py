@@ -133,3 +133,39 @@ class StepBreakdown:
         out = {name: s for name, s, _ in self.table()}
         out["wall_s"] = self.wall_s
         return out
+
+
+# -- per rank (every executor; the only view into worker processes) ----------------------------
+
+RANK_TIME_KEYS = ("all_reduce", "all_gather", "send", "recv")
+
+
+def read_rank_times(executor, reset: bool = False) -> list[dict]:
+    """Every rank's ``StepTimes`` (``Worker.get_step_times``) through ``executor.collective_rpc``:
+    seconds in ``execute_model`` and, inside it, in all-reduce / all-gather / send / recv.
+
+    Args:
+        reset: start new sums on the ranks after reading (call once before the timed run).
+    Returns:
+        One dict per rank, in rank order.
+    """
+    return executor.collective_rpc("get_step_times", (reset,))
+
+
+def format_rank_times(ranks: list[dict], wall_s: float) -> str:
+    """A table, one row per rank: its step time (``execute_model``) and that time's share of
+    ``wall_s`` (busy), then each collective's seconds and share of the rank's step time."""
+    wall = wall_s or 1.0
+    head = f"{'rank':>4} {'stage':>5} {'tp':>3} {'thr':>3} {'steps':>6} {'step s':>8} {'busy':>6}"
+    for key in RANK_TIME_KEYS:
+        head += f" {key.replace('_', '-'):>16}"
+    lines = ["---- per rank: step time and the share of it in communication ----", head]
+    for r in ranks:
+        step = r["execute_model"] or 1e-12
+        row = (f"{r['rank']:>4} {r['pp_rank']:>5} {r['tp_rank']:>3} {r['num_threads']:>3} {r['num_steps']:>6} "
+               f"{r['execute_model']:>8.2f} {100 * r['execute_model'] / wall:>5.1f}%")
+        for key in RANK_TIME_KEYS:
+            row += f" {r[key]:>7.2f} s {100 * r[key] / step:>5.1f}%"
+        lines.append(row)
+    lines.append("(recv includes waiting for the previous stage; all-reduce, waiting for the slowest rank)")
+    return "\n".join(lines)

@@ -84,11 +84,13 @@ def _write_json(path: str | None, obj: dict) -> None:
 # -- throughput ----------------------------------------------------------------------------------
 
 def _cmd_throughput(ns) -> int:
+    from pagedllm.benchmarks.breakdown import format_rank_times
     from pagedllm.benchmarks.datasets import build_requests, check_dataset
     from pagedllm.benchmarks.metrics import RESULT_KEYS, format_table, ratios
     from pagedllm.benchmarks.throughput import run_throughput
     from pagedllm.engine.arg_utils import engine_args_from_cli
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.worker.worker import resolve_device, resolve_dtype
 
     if ns.baseline == "openai" and not ns.base_url:
         raise ValueError("--baseline openai needs --base-url")
@@ -98,7 +100,8 @@ def _cmd_throughput(ns) -> int:
     engine = llm.llm_engine
     requests = build_requests(ns.dataset, ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
                               ns.dataset_seed, engine.vocab_size, engine.max_model_len)
-    dtype = str(engine.executor.driver_worker.dtype).replace("torch.", "")
+    dtype = str(resolve_dtype(engine.model_config.dtype, engine.model_config,
+                              resolve_device(engine.model_config.device))).replace("torch.", "")
     logger.info("throughput: %d requests (%d output tokens) from %s, dtype %s", len(requests),
                 sum(r.max_tokens for r in requests), ns.dataset, dtype)
     if ns.structured_output:
@@ -137,6 +140,8 @@ def _cmd_throughput(ns) -> int:
                        baseline, baseline_name or "baseline"))
     if "breakdown" in result:
         print(format_breakdown(result["breakdown"]))
+    if "rank_breakdown" in result:
+        print(format_rank_times(result["rank_breakdown"], result["duration_s"]))
     if baseline is not None and "runs" in baseline:
         for run in baseline["runs"]:
             print(f"  HF batch size {run['batch_size']}: {run['requests_per_s']:.3f} requests/s, "
@@ -366,7 +371,8 @@ def add_bench_parser(subparsers) -> None:
     tp.add_argument("--no-warmup", action="store_true", help="skip the untimed one-request warm-up")
     tp.add_argument("--breakdown", action="store_true",
                     help="also time the engine's components (linear layers, LM head, attention, sampler, "
-                         "scheduler, ...) and print where the wall time went")
+                         "scheduler, ...; single process) and, per rank, the step time and its share in "
+                         "all-reduce / all-gather / send / recv, and print where the wall time went")
     tp.add_argument("--structured-output", choices=["json"], default=None,
                     help="constrain request i to the i %% 8-th of 8 JSON schemas (benchmarks/structured.py): "
                          "report grammar compile time per schema and output tokens/s with vs without constraints")

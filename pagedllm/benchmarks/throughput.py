@@ -15,7 +15,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-from pagedllm.benchmarks.breakdown import StepBreakdown
+from pagedllm.benchmarks.breakdown import StepBreakdown, read_rank_times
 from pagedllm.benchmarks.datasets import BenchRequest
 from pagedllm.benchmarks.metrics import RequestRecord, mean, summarize
 
@@ -93,8 +93,9 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
         llm: the engine.
         requests: the workload.
         warmup: first run one short request (untimed) so one-off start-up costs stay out.
-        breakdown: time the engine's components too (``StepBreakdown``; result key
-            ``breakdown``: seconds per component). Slightly slows the run.
+        breakdown: time the engine's components too (``StepBreakdown``, in-process worker only;
+            result key ``breakdown``: seconds per component; slightly slows the run) and each
+            rank's step and collectives (result key ``rank_breakdown``: ``read_rank_times``).
         progress: show ``LLM.generate``'s progress bar (tqdm, on stderr) during the timed run.
         structured_outputs: a ``StructuredOutputsParams`` per request (``--structured-output``),
             or None. Constrained requests do not ignore EOS: they end where their grammar does.
@@ -126,7 +127,10 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
     kv = engine.kv_cache_manager
     queries_before, hits_before = kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits
     engine.stat_loggers.append(stat_logger)
-    timer = StepBreakdown(engine) if breakdown else None
+    # In-process worker: every engine component; worker processes: per rank, step and collectives.
+    timer = StepBreakdown(engine) if breakdown and engine.executor.uses_in_process_worker else None
+    if breakdown:
+        read_rank_times(engine.executor, reset=True)
     try:
         with timer if timer is not None else nullcontext():
             t0 = time.monotonic()
@@ -159,4 +163,6 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
     if timer is not None:
         timer.wall_s = duration
         result["breakdown"] = timer.as_dict()
+    if breakdown:
+        result["rank_breakdown"] = read_rank_times(engine.executor)
     return result, [list(ro.prompt_token_ids) for ro in outputs]

@@ -8,6 +8,14 @@ KV pool runs dry, and then, if nobody was preempted, admits WAITING requests fir
 served, chunking the prompt that does not fit the remaining budget (chunked prefill,
 Sarathi-Serve). Because running requests go first, decodes are never starved by new prompts.
 
+With pipeline parallelism the engine keeps up to ``pipeline_parallel_size`` batches in flight
+(vLLM V1's batch queue): ``schedule()`` may run again before an earlier batch's output is back.
+A request in a batch still in flight is skipped (not scheduled again, not chosen for
+preemption) until ``update_from_output`` receives that batch, so each request is in at most one
+batch at a time and its tokens come out as with one batch at a time. A batch then takes at most
+``ceil((running + waiting) / P)`` requests, so requests admitted together are spread over P
+batches instead of moving through the stages as one.
+
 A request's largest size (prompt + max_tokens, at most ``max_model_len``) must fit in the whole
 KV pool; the engine checks ``num_blocks * block_size >= max_model_len`` at startup, otherwise a
 request alone in the batch could preempt itself forever.
@@ -40,6 +48,8 @@ class Scheduler:
         scheduler_config: budgets (``max_num_seqs``, ``max_num_batched_tokens``,
             ``max_model_len``, ``enable_chunked_prefill``).
         kv_cache_manager: the block tables; the scheduler is its only writer.
+        max_concurrent_batches: batches the engine keeps in flight (``pipeline_parallel_size``
+            with the multi-process executor, else 1).
 
     Attributes:
         waiting: WAITING and PREEMPTED requests, FCFS (preempted ones re-enter at the front).
@@ -47,8 +57,12 @@ class Scheduler:
         num_preemptions_total: preemptions since construction.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 max_concurrent_batches: int = 1) -> None:
         self.scheduler_config = scheduler_config
+        # Batches the engine keeps in flight (pipeline stages); above 1 a batch takes at most
+        # ceil(unfinished requests / max_concurrent_batches) requests, so each stage gets work.
+        self.max_concurrent_batches = max_concurrent_batches
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -79,6 +93,10 @@ class Scheduler:
         # n > 1 / best_of: parent id -> the samples waiting to fork its blocks once its prompt
         # is computed (they are in ``requests`` but in neither queue).
         self._pending_forks: dict[str, list[Request]] = {}
+        # Pipeline parallelism (batch queue): requests in a batch the workers are still running
+        # (scheduled, output not back). They are neither scheduled again nor preempted until
+        # ``update_from_output`` gets that batch. Empty between steps when one batch runs at a time.
+        self._in_flight: set[str] = set()
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -123,7 +141,7 @@ class Scheduler:
         request (preempted, recomputed or swapped on its own, from its own tokens).
 
         Raises:
-            ValueError: if an id is already in use, a request is not fresh, its prompt is longer
+            ValueError: if an id is already in use (or still in a batch in flight), a request is not fresh, its prompt is longer
                 than ``max_model_len`` (the engine rejects those earlier), the forks' prompts
                 differ, or the group is larger than ``max_num_seqs``.
         """
@@ -131,6 +149,8 @@ class Scheduler:
         for r in [request] + forks:
             if r.request_id in self.requests:
                 raise ValueError(f"request id {r.request_id!r} is already scheduled")
+            if r.request_id in self._in_flight:   # finished meanwhile; its late output is on its way
+                raise ValueError(f"request id {r.request_id!r} is still in a batch in flight; use another id")
             if r.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM) or r.num_computed_tokens != 0 or r.num_output_tokens:
                 raise ValueError(
                     f"request {r.request_id!r} must be new (WAITING, 0 computed tokens), got "
@@ -170,13 +190,19 @@ class Scheduler:
         num_prefill_tokens = num_decode_tokens = 0
         now = time.monotonic()
 
+        # With P batches in flight, one batch takes at most 1/P of the requests (rounded up):
+        # otherwise a burst admitted together would move as one batch, one stage at a time.
+        max_batch_reqs = self.max_num_seqs if self.max_concurrent_batches == 1 else \
+            -(-(len(self.running) + len(self.waiting)) // self.max_concurrent_batches)
+
         # 1) RUNNING requests, in admission order.
         req_index = 0
-        while req_index < len(self.running) and budget > 0:
+        while req_index < len(self.running) and budget > 0 and len(output.num_scheduled_tokens) < max_batch_reqs:
             request = self.running[req_index]
-            num_new = self._num_new_tokens(request, budget)
+            num_new = 0 if request.request_id in self._in_flight else self._num_new_tokens(request, budget)
             if num_new <= 0:
-                # Nothing to compute (its sampled token has not come back); skip it.
+                # Nothing to compute (its sampled token has not come back, or a batch still
+                # running holds it); skip it.
                 req_index += 1
                 continue
             cow_pair = None
@@ -190,8 +216,9 @@ class Scheduler:
                     pass
                 if new_blocks is not None:
                     break
-                # Out of blocks: preempt the most recently admitted request.
-                victim = self.running.pop()
+                # Out of blocks: preempt the most recently admitted request that no batch in
+                # flight holds (``request`` itself at the latest).
+                victim = self._pop_preemption_victim()
                 self._preempt(victim, output)
                 preempted_ids.add(victim.request_id)
                 if victim is request:
@@ -213,7 +240,8 @@ class Scheduler:
         # 2) WAITING requests, FCFS, only if nobody had to be preempted this step.
         if not preempted_ids:
             skipped: list[Request] = []  # [structured output] grammars still compiling
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+                    and len(output.num_scheduled_tokens) < max_batch_reqs:
                 request = self.waiting[0]
                 if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
                     self.waiting.popleft()
@@ -261,6 +289,8 @@ class Scheduler:
             self.waiting.extendleft(reversed(skipped))
 
         self._fork_pending(output, now)
+        self._in_flight.update(output.num_scheduled_tokens)
+        self._in_flight.update(output.forked_req_ids)
         total = self.max_num_batched_tokens - budget
         output.total_num_scheduled_tokens = total
         output.finished_req_ids = self.finished_req_ids
@@ -279,6 +309,24 @@ class Scheduler:
             num_decode_tokens, len(preempted_ids), len(self.running), len(self.waiting),
             self.kv_cache_manager.num_free_blocks, self.kv_cache_manager.num_blocks)
         return output
+
+    def _pop_preemption_victim(self) -> Request:
+        """Remove and return the most recently admitted running request that is not in a batch
+        still in flight (its blocks are being written; the running loop's own request never is).
+
+        Raises:
+            RuntimeError: if every running request is in flight (the caller's request is always
+                a candidate, so this is a scheduler bug).
+        """
+        for i in range(len(self.running) - 1, -1, -1):
+            if self.running[i].request_id not in self._in_flight:
+                return self.running.pop(i)
+        raise RuntimeError(f"all {len(self.running)} running requests are in flight; none can be preempted")
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests in batches scheduled but not yet updated from their output."""
+        return len(self._in_flight)
 
     def _fork_pending(self, output: SchedulerOutput, now: float) -> None:
         """Fork the waiting samples of every parent whose last prompt token is computed this step.
@@ -494,7 +542,9 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append the sampled tokens, check stops, free finished requests.
 
-        Requests finished through ``finish_requests`` since the step was scheduled are skipped.
+        ``scheduler_output`` is the batch this output belongs to (the oldest in flight); its
+        requests may be scheduled again from now on. Requests finished through
+        ``finish_requests`` since the step was scheduled are skipped.
         Stop check, per new token: a token in ``sampling_params.all_stop_token_ids`` once
         ``num_output_tokens >= min_tokens`` finishes the request as STOPPED (``stop_reason`` =
         the token id); otherwise reaching ``max_tokens`` outputs or ``max_model_len`` tokens
@@ -515,6 +565,8 @@ class Scheduler:
                 f"{len(req_ids)} requests")
         scheduled = scheduler_output.num_scheduled_tokens
         forked = scheduler_output.forked_req_ids
+        self._in_flight.difference_update(scheduled)
+        self._in_flight.difference_update(forked)
         # [prefix caching] the step's K/V is written: register the blocks it filled.
         for request in self.running:
             self.kv_cache_manager.cache_blocks(request)

@@ -1,8 +1,10 @@
 """The collectives of tensor and pipeline parallelism, over torch.distributed (gloo on the CPU,
 NCCL on CUDA). Each is the identity when its group has one rank, so single-process models pay
-nothing."""
+nothing. Each adds its wall time to ``ctx.step_times`` (two ``perf_counter`` calls)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -15,7 +17,9 @@ def tensor_parallel_all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.T
     row-parallel layer: each rank holds a partial product ``x_r @ W_r^T`` (Megatron-LM,
     Shoeybi et al. 2019)."""
     if ctx.tp_size > 1:
+        t0 = time.perf_counter()
         dist.all_reduce(x, group=ctx.tp_group)
+        ctx.step_times.all_reduce += time.perf_counter() - t0
     return x
 
 
@@ -26,18 +30,25 @@ def tensor_parallel_all_gather(x: torch.Tensor, ctx: ParallelContext) -> torch.T
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(ctx.tp_size)]
+    t0 = time.perf_counter()
     dist.all_gather(parts, x, group=ctx.tp_group)
+    ctx.step_times.all_gather += time.perf_counter() - t0
     return torch.cat(parts, dim=-1)
 
 
 def send_to_next_stage(x: torch.Tensor, ctx: ParallelContext) -> None:
     """Send this stage's hidden states ([num_tokens, hidden]) to the same tensor rank of the next stage."""
-    dist.send(x.contiguous(), dst=ctx.next_rank)
+    x = x.contiguous()
+    t0 = time.perf_counter()
+    dist.send(x, dst=ctx.next_rank)
+    ctx.step_times.send += time.perf_counter() - t0
 
 
 def recv_from_prev_stage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                          ctx: ParallelContext) -> torch.Tensor:
     """Receive the previous stage's hidden states (``shape``, known from the step's message on every rank)."""
     x = torch.empty(shape, dtype=dtype, device=device)
+    t0 = time.perf_counter()
     dist.recv(x, src=ctx.prev_rank)
+    ctx.step_times.recv += time.perf_counter() - t0
     return x

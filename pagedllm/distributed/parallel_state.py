@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +27,30 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
+@dataclass
+class StepTimes:
+    """Wall seconds this rank spent, summed since the last ``reset()``: in ``execute_model`` (the
+    whole step), and inside it in each collective (``communication.py``). A collective's time
+    includes waiting for its peers: a stage's ``recv`` holds the time it waits for the previous
+    stage (pipeline bubble), an ``all_reduce`` the time it waits for the slowest rank.
+
+    Attributes:
+        num_steps: ``execute_model`` calls.
+        execute_model, all_reduce, all_gather, send, recv: seconds.
+    """
+
+    num_steps: int = 0
+    execute_model: float = 0.0
+    all_reduce: float = 0.0
+    all_gather: float = 0.0
+    send: float = 0.0
+    recv: float = 0.0
+
+    def reset(self) -> None:
+        self.num_steps = 0
+        self.execute_model = self.all_reduce = self.all_gather = self.send = self.recv = 0.0
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     """One rank's coordinates in the tensor x pipeline grid.
@@ -37,6 +61,7 @@ class ParallelContext:
         pp_rank, pp_size: pipeline stage and number of stages.
         layer_start, layer_end: [start, end) decoder layers this stage runs (all layers for one stage).
         tp_group: the torch.distributed group of this stage's tensor-parallel ranks (None for T = 1).
+        step_times: where this rank's step time goes (``--breakdown``; the one mutable part).
     """
 
     rank: int = 0
@@ -47,6 +72,7 @@ class ParallelContext:
     layer_start: int = 0
     layer_end: int | None = None
     tp_group: Any = None
+    step_times: StepTimes = field(default_factory=StepTimes, compare=False)
 
     @property
     def is_first_stage(self) -> bool:

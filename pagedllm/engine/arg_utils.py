@@ -47,7 +47,8 @@ class EngineArgs:
         device: "cpu" | "cuda" | None (auto).
         max_logprobs: most top logprobs a request may ask for.
         tensor_parallel_size, pipeline_parallel_size: ranks per layer / pipeline stages (README,
-            "Tensor and pipeline parallelism"); data_parallel_size must be 1.
+            "Tensor and pipeline parallelism").
+        data_parallel_size: engine replicas behind one front end (README, "Data parallelism").
         trust_remote_code, enforce_eager, tokenizer_mode, revision, download_dir,
         disable_log_stats: accepted for compatibility (see ``create_engine_config``).
         preemption_mode: "recompute" (default) or "swap" (``SchedulerConfig.preemption_mode``).
@@ -64,8 +65,10 @@ class EngineArgs:
             ``$PAGEDLLM_CPU_GEMM`` or "onednn".
         cpu_kvcache_space: [GiB] the CPU KV budget when ``kv_cache_memory_bytes`` is None; default
             ``$PAGEDLLM_CPU_KVCACHE_SPACE`` or None (min(25% of available RAM, 4 GiB)).
-        distributed_executor_backend: None (by world size: "uni" for 1, else "mp"), "uni" or "mp"
-            (``executor/``).
+        distributed_executor_backend: None (by world size: "uni" for 1, else "mp"), "uni", "mp"
+            or "ray" (``executor/``; "ray" needs the ``[ray]`` extra).
+        ray_placement_strategy: "STRICT_PACK" (default), "PACK" or "SPREAD" (the Ray executor's
+            placement group).
         pp_layer_partition: layers per pipeline stage, "10,8"; default ``$PAGEDLLM_PP_LAYER_PARTITION``
             or None (even split).
         cpu_threads_per_rank: torch threads per worker process; default
@@ -107,6 +110,7 @@ class EngineArgs:
     cpu_gemm: str = field(default_factory=lambda: _env(CPU_GEMM_ENV) or "onednn")
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
     distributed_executor_backend: str | None = None
+    ray_placement_strategy: str = "STRICT_PACK"
     pp_layer_partition: str | None = field(default_factory=lambda: _env(PP_LAYER_PARTITION_ENV))
     cpu_threads_per_rank: int | str | None = field(default_factory=lambda: _env(CPU_THREADS_PER_RANK_ENV))
     structured_outputs_backend: str = "auto"
@@ -183,7 +187,8 @@ class EngineArgs:
                                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
                                 preemption_mode=self.preemption_mode)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
-                                  self.distributed_executor_backend, self._pp_partition(), self._threads_per_rank())
+                                  self.distributed_executor_backend, self._pp_partition(), self._threads_per_rank(),
+                                  ray_placement_strategy=self.ray_placement_strategy)
         if arch:  # before any weight loads: the model must split this way
             parallel.check_model(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size,
                                  model.num_hidden_layers)
@@ -275,9 +280,13 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
-                   help="uni: one worker in the engine process; mp: one worker process per rank "
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                   help="uni: one worker in the engine process; mp: one worker process per rank; ray: one "
+                        "Ray actor per rank, across a Ray cluster (pip install 'pagedllm[ray]') "
                         "(default: uni for world size 1, else mp)")
+    g.add_argument("--ray-placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"],
+                   help="how the Ray executor places its ranks (one bundle each): STRICT_PACK on one node, "
+                        "PACK on as few nodes as possible, SPREAD across nodes")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--swap-space", type=float, default=4.0,

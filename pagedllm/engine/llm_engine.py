@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
@@ -50,6 +51,9 @@ class LLMEngine:
         self.model_files = files
         model_cfg, cache_cfg, sched_cfg, parallel_cfg = args.create_engine_config(
             hf_config=load_config(files.folder), model_folder=files.folder)
+        if parallel_cfg.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={parallel_cfg.data_parallel_size}: one LLMEngine is one replica; "
+                             "LLM(...) and pagedllm serve start the replicas (engine/dp_client.py)")
         self.model_config, self.cache_config, self.scheduler_config = model_cfg, cache_cfg, sched_cfg
         self.parallel_config = parallel_cfg
         executor_class = executor_class or Executor.get_class(parallel_cfg)
@@ -66,7 +70,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
                                                enable_caching=cache_cfg.enable_prefix_caching,
                                                num_cpu_blocks=self.num_cpu_blocks)
-        self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager)
+        self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager,
+                                   max_concurrent_batches=self.executor.max_concurrent_batches)
         self.structured_outputs_config = args.create_structured_outputs_config()
         self.structured_output_manager = StructuredOutputManager(
             self.structured_outputs_config, self.tokenizer, self.vocab_size, sched_cfg.max_num_seqs)
@@ -78,11 +83,15 @@ class LLMEngine:
         self._ids = itertools.count()
         # Samples whose logits processors go to the in-process worker on their first step.
         self._pending_processors: set[str] = set()
+        # Pipeline parallelism: batches submitted and not processed yet, oldest first
+        # ((future, SchedulerOutput) pairs); up to batch_queue_size of them.
+        self.batch_queue_size = self.executor.max_concurrent_batches
+        self._batch_queue: deque = deque()
         self.load_time_s = time.perf_counter() - t0
         logger.info("Engine ready in %.2f s: model=%s dtype=%s quantization=%s device=%s executor=%s "
-                    "max_model_len=%d block_size=%d num_blocks=%d max_num_seqs=%d max_num_batched_tokens=%d prefix_caching=%s",
+                    "batch_queue_size=%d max_model_len=%d block_size=%d num_blocks=%d max_num_seqs=%d max_num_batched_tokens=%d prefix_caching=%s",
                     self.load_time_s, files.source, model_cfg.dtype, model_cfg.quantization,
-                    model_cfg.device or "auto", executor_class.__name__, sched_cfg.max_model_len,
+                    model_cfg.device or "auto", executor_class.__name__, self.batch_queue_size, sched_cfg.max_model_len,
                     cache_cfg.block_size, self.num_blocks, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
                     cache_cfg.enable_prefix_caching)
 
@@ -212,20 +221,75 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, update, detokenize.
 
+        With ``executor.max_concurrent_batches > 1`` (pipeline parallelism) a step may instead
+        only submit a batch and return ``[]`` (see ``_step_with_batch_queue``).
+
         Returns:
             RequestOutputs of the requests that made progress (or finished) this step.
         """
+        if self.batch_queue_size > 1:
+            return self._step_with_batch_queue()
         t0 = time.perf_counter()
-        stats = IterationStats() if self.stat_loggers else None
         sched_out = self.scheduler.schedule()
         if self._pending_processors:
             self._hand_over_logits_processors(sched_out)
-        if sched_out.structured_output_request_ids:  # [structured output] the step's grammar masks
+        self._fill_grammar_bitmask(sched_out)
+        runner_out = self.executor.execute_model(sched_out)
+        return self._process_runner_output(sched_out, runner_out, t0)
+
+    def _fill_grammar_bitmask(self, sched_out) -> None:
+        """[structured output] Attach the step's grammar bitmask (rows of the constrained requests
+        that sample); with only grammars compiling and nothing to run, sleep a moment so the
+        compile threads get the CPU."""
+        if sched_out.structured_output_request_ids:
             sched_out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
                 self.scheduler.requests, sched_out.structured_output_request_ids)
         elif sched_out.is_empty and any(r.status == RequestStatus.WAITING_FOR_FSM for r in self.scheduler.waiting):
-            time.sleep(_GRAMMAR_WAIT_S)  # only grammars compiling: leave the compile threads the CPU
-        runner_out = self.executor.execute_model(sched_out)
+            time.sleep(_GRAMMAR_WAIT_S)
+
+    def _step_with_batch_queue(self) -> list[RequestOutput]:
+        """A step with up to ``batch_queue_size`` batches in flight (vLLM V1's
+        ``step_with_batch_queue``): while the queue has room, schedule the requests no batch in
+        flight holds and submit them without waiting; only when the queue is full, or nothing new
+        could be scheduled, wait for the OLDEST batch and process its output. Each stage thus
+        works on another batch instead of waiting for the whole pipeline.
+
+        A request is in at most one batch at a time (the scheduler skips those in flight), and
+        outputs are processed in submission order, so tokens are those of one batch at a time.
+
+        Returns:
+            The oldest batch's RequestOutputs, or ``[]`` when a batch was submitted and the
+            oldest one is not done yet.
+        """
+        t0 = time.perf_counter()
+        queue = self._batch_queue
+        if len(queue) < self.batch_queue_size:
+            sched_out = self.scheduler.schedule()
+            # An empty schedule is still sent when nothing is in flight (as a plain step), or
+            # when it tells the workers something (finished ids, block moves).
+            if not queue or not sched_out.is_empty or sched_out.finished_req_ids or sched_out.preempted_req_ids \
+                    or sched_out.blocks_to_swap_out:
+                if self._pending_processors:
+                    self._hand_over_logits_processors(sched_out)
+                # A request is in one batch at a time, so its matcher has every earlier token.
+                self._fill_grammar_bitmask(sched_out)
+                queue.append((self.executor.execute_model(sched_out, non_block=True), sched_out))
+                if not sched_out.is_empty and len(queue) < self.batch_queue_size and not queue[0][0].done():
+                    return []   # room for another batch: schedule it before waiting
+        if not queue:
+            return []
+        future, sched_out = queue.popleft()
+        outputs = self._process_runner_output(sched_out, future.result(), t0)
+        # Nothing left to run: what is still queued only tells the workers about finished
+        # requests; read it now so an idle engine has no step in flight.
+        while queue and not self.scheduler.has_unfinished_requests():
+            future, sched_out = queue.popleft()
+            outputs += self._process_runner_output(sched_out, future.result(), t0)
+        return outputs
+
+    def _process_runner_output(self, sched_out, runner_out, t0: float) -> list[RequestOutput]:
+        """Update the scheduler from a batch's output, run beam search, detokenize, record stats."""
+        stats = IterationStats() if self.stat_loggers else None
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         beam_finished: list[RequestOutput] = []
         if self.beam_search.instances:

@@ -27,7 +27,8 @@ class LLM:
             ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``max_num_seqs``,
             ``max_num_batched_tokens``, ``max_model_len``, ``seed``, ``tokenizer``,
             ``trust_remote_code``, ``enforce_eager``, ``tensor_parallel_size``,
-            ``pipeline_parallel_size`` (README, "Tensor and pipeline parallelism"), ...
+            ``pipeline_parallel_size`` (README, "Tensor and pipeline parallelism"),
+            ``data_parallel_size`` (README, "Data parallelism"), ...
     Raises:
         ValueError: an unknown argument or unsupported value (never a TypeError), an unsupported
             model, or a KV budget too small for ``max_model_len``.
@@ -35,7 +36,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine(self.engine_args)
+        if self.engine_args.data_parallel_size > 1:
+            # D replica processes; a batch is spread over them by load and prefix (README, "Data parallelism").
+            from pagedllm.engine.dp_client import DPEngineClient
+            self.llm_engine = DPEngineClient(self.engine_args)
+        else:
+            self.llm_engine = LLMEngine(self.engine_args)
         self._counter = 0
 
     def get_tokenizer(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from typing import Any
 
 from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -43,7 +44,8 @@ class Executor(ABC):
         """The executor class for ``parallel_config`` (vLLM's ``Executor.get_class``).
 
         ``distributed_executor_backend`` "uni", or None with a world size of 1, gives
-        ``UniProcExecutor``; "mp", or None with more ranks, ``MultiprocExecutor``.
+        ``UniProcExecutor``; "mp", or None with more ranks, ``MultiprocExecutor``; "ray"
+        ``RayDistributedExecutor`` (which raises ImportError naming the ``[ray]`` extra without Ray).
 
         Raises:
             ValueError: for a backend or world size no executor implements.
@@ -54,6 +56,9 @@ class Executor(ABC):
         if backend == "mp":
             from pagedllm.executor.multiproc import MultiprocExecutor
             return MultiprocExecutor
+        if backend == "ray":
+            from pagedllm.executor.ray_executor import RayDistributedExecutor
+            return RayDistributedExecutor
         if backend == "uni":
             if parallel_config.world_size != 1:
                 raise ValueError(f"distributed_executor_backend='uni' runs one worker, "
@@ -61,7 +66,7 @@ class Executor(ABC):
             from pagedllm.executor.uniproc import UniProcExecutor
             return UniProcExecutor
         raise ValueError(f"distributed_executor_backend={backend!r} with world size "
-                         f"{parallel_config.world_size} is not supported ('uni', 'mp')")
+                         f"{parallel_config.world_size} is not supported ('uni', 'mp', 'ray')")
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -92,9 +97,24 @@ class Executor(ABC):
         worker and build their model runners."""
         self.collective_rpc("initialize_cache", (num_blocks, num_cpu_blocks))
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine may have in flight at once (vLLM's ``max_concurrent_batches``): 1,
+        or ``pipeline_parallel_size`` for an executor whose ``execute_model`` accepts
+        ``non_block=True`` (each stage works on another batch; see ``LLMEngine``)."""
+        return 1
+
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every worker; returns the sampling rank's output."""
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> "ModelRunnerOutput | Future[ModelRunnerOutput]":
+        """Run one step on every worker; returns the sampling rank's output.
+
+        Args:
+            non_block: return at once with a future (an object with ``done()`` and
+                ``result()``, as ``concurrent.futures.Future``) instead of the output; the
+                engine only asks for it when ``max_concurrent_batches > 1``. Outputs are
+                produced in submission order.
+        """
 
     @abstractmethod
     def check_health(self) -> None:

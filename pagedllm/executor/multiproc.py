@@ -11,6 +11,12 @@ Processes and groups:
   pipe (``("ok", result)`` or ``("error", traceback)``). Per step this is one
   ``SchedulerOutput`` out and, from the driver rank (tensor rank 0 of the last pipeline stage), one
   ``ModelRunnerOutput`` back; the other ranks answer ``None``.
+- Batches in flight (pipeline parallelism): ``execute_model(..., non_block=True)`` writes the step
+  and returns a ``PendingCall`` at once; the engine writes up to ``pipeline_parallel_size`` steps
+  before reading the oldest answer, so stage 0 starts step k+1 while stage 1 runs step k. Ranks
+  run their calls in order and answer in order, so answers are read oldest first. Each worker
+  reads its pipe in a thread, so the engine's writes never wait for a busy rank (no deadlock
+  with a rank writing a large answer nobody reads yet).
 
 Failures: while waiting, the executor also waits on every worker's process sentinel, so a worker
 that dies (killed, out of memory, a crash in C++) is noticed at once, and one that raises answers
@@ -29,10 +35,13 @@ import os
 import pickle
 import shutil
 import signal
+import queue
 import tempfile
+import threading
 import time
 import traceback
 import weakref
+from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -78,6 +87,19 @@ def _worker_main(rank: int, configs: tuple, init_method: str, conn: Connection, 
 
     torch.set_num_threads(num_threads)
     worker = None
+    # A thread reads the engine's calls as they come, so the engine never blocks writing a call
+    # while this process is busy (or writing a large answer): with batches in flight the engine
+    # writes the next step before reading this one's answer. None: the pipe closed.
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read_calls() -> None:
+        try:
+            while True:
+                inbox.put(conn.recv_bytes())
+        except (EOFError, OSError):   # the engine is gone (or we closed the pipe)
+            inbox.put(None)
+
+    threading.Thread(target=read_calls, name="pagedllm-worker-inbox", daemon=True).start()
     try:
         model_config, cache_config, scheduler_config, parallel_config = configs
         worker = Worker(model_config, cache_config, scheduler_config, parallel_config, rank=rank,
@@ -85,10 +107,10 @@ def _worker_main(rank: int, configs: tuple, init_method: str, conn: Connection, 
         worker.init_device()   # joins the process group
         conn.send(("ok", None))
         while True:
-            try:
-                method, args, kwargs = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):   # the engine is gone
+            payload = inbox.get()
+            if payload is None:
                 break
+            method, args, kwargs = pickle.loads(payload)
             if method == "shutdown":
                 break
             try:
@@ -122,6 +144,8 @@ class MultiprocExecutor(Executor):
     Attributes:
         driver_rank: the rank whose ``ModelRunnerOutput`` is returned.
         processes: the worker processes, by rank.
+        max_num_batches_in_flight: the most steps ever written to the ranks while none of their
+            outputs had been read (up to ``max_concurrent_batches`` with pipeline parallelism).
     Raises:
         ValueError: (at construction, before anything starts) if the CPU has fewer threads than
             ranks and ``cpu_threads_per_rank`` is not set.
@@ -143,6 +167,10 @@ class MultiprocExecutor(Executor):
         self._failure: str | None = None
         self._tmpdir: str | None = None
         self._finalizer = None
+        # Calls written to the ranks whose answers are not read yet, oldest first (the ranks
+        # answer in call order).
+        self._pending: deque[PendingCall] = deque()
+        self.max_num_batches_in_flight = 0
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -178,17 +206,32 @@ class MultiprocExecutor(Executor):
         shutil.rmtree(self._tmpdir, ignore_errors=True)
         self.collective_rpc("load_model")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    @property
+    def max_concurrent_batches(self) -> int:
+        """``pipeline_parallel_size``: one batch per stage can be in flight."""
+        return self.parallel_config.pipeline_parallel_size
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> "ModelRunnerOutput | PendingCall":
         """Send the step's message to every rank (pickled once); return the driver's output.
 
+        Args:
+            non_block: return a ``PendingCall`` at once (its ``result()`` reads the answers of
+                every earlier call first: the ranks answer in the order they were called).
         Raises:
-            RuntimeError: if a worker died or raised (this step or before), naming the rank.
+            RuntimeError: if a worker died or raised (this step or before), naming the rank
+                (from ``result()`` with ``non_block``).
         """
-        return self.collective_rpc("execute_model", (scheduler_output,))[self.driver_rank]
+        call = self._send("execute_model", (scheduler_output,), {}, pick_rank=self.driver_rank)
+        in_flight = sum(1 for c in self._pending if c.method == "execute_model")
+        self.max_num_batches_in_flight = max(self.max_num_batches_in_flight, in_flight)
+        return call if non_block else call.result()
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float | None = None) -> list[Any]:
         """Call ``Worker.<method>(*args, **kwargs)`` on every rank; one result per rank.
+
+        Steps still in flight are finished first (their outputs kept for their futures).
 
         Args:
             timeout_s: seconds to wait for every answer (None: no limit; a dead worker is found
@@ -196,15 +239,9 @@ class MultiprocExecutor(Executor):
         Raises:
             RuntimeError: if a worker died, raised, or did not answer within ``timeout_s``.
         """
-        self._check_alive()
-        payload = pickle.dumps((method, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self.conns):
-            try:
-                conn.send_bytes(payload)
-            except (OSError, ValueError):
-                self._fail(f"worker rank {rank} cannot be reached (pid {self.processes[rank].pid}, exit code "
-                           f"{self.processes[rank].exitcode})")
-        return self._collect(timeout_s=timeout_s, what=method)
+        while self._pending:
+            self._collect_oldest()
+        return self._send(method, args, kwargs or {}).result(timeout_s)
 
     def check_health(self) -> None:
         """Raises:
@@ -223,6 +260,33 @@ class MultiprocExecutor(Executor):
 
     # -- internals ------------------------------------------------------------------------
 
+    def _send(self, method: str, args: tuple, kwargs: dict[str, Any], pick_rank: int | None = None) -> "PendingCall":
+        """Write the call (pickled once) to every rank's pipe; its answers are read later."""
+        self._check_alive()
+        payload = pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(payload)
+            except (OSError, ValueError):
+                self._fail(f"worker rank {rank} cannot be reached (pid {self.processes[rank].pid}, exit code "
+                           f"{self.processes[rank].exitcode})")
+        call = PendingCall(self, method, pick_rank)
+        self._pending.append(call)
+        return call
+
+    def _collect_oldest(self, timeout_s: float | None = None) -> None:
+        """Read every rank's answer to the oldest call still pending and hand it to its ``PendingCall``."""
+        self._check_alive()
+        call = self._pending[0]
+        results = self._collect(timeout_s=timeout_s, what=call.method)
+        self._pending.popleft()
+        call._set(results if call.pick_rank is None else results[call.pick_rank])
+
+    def _oldest_answered(self, call: "PendingCall") -> bool:
+        """Whether ``call`` is the oldest pending call and every rank's answer to it is readable."""
+        return (bool(self._pending) and self._pending[0] is call and self._failure is None
+                and all(conn.poll() for conn in self.conns))
+
     def _check_alive(self) -> None:
         if self._failure is not None:
             raise RuntimeError(f"the MultiprocExecutor is stopped after a failure: {self._failure}")
@@ -232,6 +296,7 @@ class MultiprocExecutor(Executor):
     def _fail(self, message: str) -> None:
         """Record the failure, stop every worker, raise ``RuntimeError(message)``."""
         self._failure = message
+        self._pending.clear()
         logger.error("%s; stopping every worker", message)
         if self._finalizer is not None:   # the survivors may be blocked in a collective: no goodbyes
             self._finalizer.detach()
@@ -270,6 +335,38 @@ class MultiprocExecutor(Executor):
                     proc.join(timeout=1.0)
                     self._fail(f"worker rank {rank} (pid {proc.pid}) died during {what!r} (exit code {proc.exitcode})")
         return results
+
+
+class PendingCall:
+    """A call written to every rank whose answers are read on demand (a future without a thread).
+
+    ``result()`` reads the answers of every earlier pending call first (pipes are FIFO), then
+    this one's. Its value: the picked rank's answer, or the list of every rank's answers.
+    """
+
+    def __init__(self, executor: MultiprocExecutor, method: str, pick_rank: int | None) -> None:
+        self._executor = executor
+        self.method = method
+        self.pick_rank = pick_rank
+        self._done = False
+        self._value: Any = None
+
+    def _set(self, value: Any) -> None:
+        self._value, self._done = value, True
+
+    def done(self) -> bool:
+        """True when ``result()`` will not wait (read already, or every rank's answer is ready)."""
+        return self._done or self._executor._oldest_answered(self)
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        """The answer (waiting for it).
+
+        Raises:
+            RuntimeError: if a worker died, raised, or did not answer within ``timeout_s``.
+        """
+        while not self._done:
+            self._executor._collect_oldest(timeout_s)
+        return self._value
 
 
 def _stop_workers(processes: list, conns: list[Connection], tmpdir: str | None, graceful: bool = True) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -35,8 +36,16 @@ class UniProcExecutor(Executor):
         self.collective_rpc("init_device")
         self.collective_rpc("load_model")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.driver_worker.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run the step now (one worker: nothing to overlap); ``non_block`` wraps the output
+        in a completed future."""
+        output = self.driver_worker.execute_model(scheduler_output)
+        if not non_block:
+            return output
+        future: Future[ModelRunnerOutput] = Future()
+        future.set_result(output)
+        return future
 
     def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
         self.driver_worker.add_logits_processors(req_id, processors)

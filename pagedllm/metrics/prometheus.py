@@ -60,8 +60,44 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+def _make_families(registry: CollectorRegistry, max_model_len: int, max_num_batched_tokens: int) -> dict:
+    """Every metric family once per registry, labelled ``model_name`` and ``engine`` (the
+    data-parallel replica, "0" for a single engine; vLLM's labels)."""
+    labels = ["model_name", "engine"]
+    r = registry
+    token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
+    f = {}
+    for name, doc in (
+            ("num_requests_running", "Requests in the running queue."),
+            ("num_requests_waiting", "Requests waiting to be scheduled (new and preempted)."),
+            ("kv_cache_usage_perc", "KV cache usage: fraction of KV blocks in use (1 = 100%)."),
+            ("num_free_blocks", "KV blocks in the free queue."),
+            ("num_total_blocks", "KV blocks in the pool."),
+            ("num_requests_swapped", "Requests whose KV blocks are in the host pool (swap preemption).")):
+        f[name] = Gauge(f"pagedllm:{name}", doc, labels, registry=r)
+    for name, doc in (
+            ("prefix_cache_queries", "Tokens looked up in the prefix cache (tokens of admitted requests)."),
+            ("prefix_cache_hits", "Tokens found in the prefix cache."),
+            ("prompt_tokens", "Prompt tokens processed (once per request)."),
+            ("generation_tokens", "Generated tokens.")):
+        f[name] = Counter(f"pagedllm:{name}", doc, labels, registry=r)
+    f["num_preemptions"] = Counter("pagedllm:num_preemptions", "Requests preempted, by mode (recompute, swap).",
+                                   labels + ["mode"], registry=r)
+    f["request_success"] = Counter("pagedllm:request_success", "Finished requests, by finish reason.",
+                                   labels + ["finished_reason"], registry=r)
+    for name, doc, buckets in (
+            ("time_to_first_token_seconds", "Time to first token (s).", _TTFT_BUCKETS),
+            ("inter_token_latency_seconds", "Time between a request's tokens (s).", _ITL_BUCKETS),
+            ("e2e_request_latency_seconds", "Arrival to finish (s).", _E2E_BUCKETS),
+            ("iteration_tokens_total", "Tokens in one engine step.", build_1_2_5_buckets(max(max_num_batched_tokens, 1))),
+            ("request_prompt_tokens", "Prompt tokens of finished requests.", token_buckets),
+            ("request_generation_tokens", "Generated tokens of finished requests.", token_buckets)):
+        f[name] = Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=r)
+    return f
+
+
 class PrometheusStatLogger:
-    """A ``StatLogger`` that updates Prometheus metrics.
+    """A ``StatLogger`` that updates Prometheus metrics of one engine (one data-parallel replica).
 
     Args:
         model_name: value of the ``model_name`` label.
@@ -69,64 +105,57 @@ class PrometheusStatLogger:
         max_num_batched_tokens: tokens per step (upper bucket of ``iteration_tokens_total``).
         registry: where the metrics are registered; a fresh one when None.
         initial: scheduler stats to show before the first step (e.g. the pool's block count).
+        engine_index: value of the ``engine`` label (the replica's index).
+        families: the metric families to add this engine's series to (``for_engines`` shares
+            them between replicas); None creates them in ``registry``.
     """
 
     def __init__(self, model_name: str, max_model_len: int, max_num_batched_tokens: int,
-                 registry: CollectorRegistry | None = None, initial: SchedulerStats | None = None) -> None:
+                 registry: CollectorRegistry | None = None, initial: SchedulerStats | None = None,
+                 engine_index: int = 0, families: dict | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        labels = ["model_name"]
-        r = self.registry
-        self._labels = {"model_name": model_name}
-
-        def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=r).labels(**self._labels)
-
-        def counter(name, doc):
-            return Counter(name, doc, labels, registry=r).labels(**self._labels)
-
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(**self._labels)
-
-        self.num_requests_running = gauge("pagedllm:num_requests_running", "Requests in the running queue.")
-        self.num_requests_waiting = gauge("pagedllm:num_requests_waiting",
-                                          "Requests waiting to be scheduled (new and preempted).")
-        self.kv_cache_usage = gauge("pagedllm:kv_cache_usage_perc",
-                                    "KV cache usage: fraction of KV blocks in use (1 = 100%).")
-        self.num_free_blocks = gauge("pagedllm:num_free_blocks", "KV blocks in the free queue.")
-        self.num_total_blocks = gauge("pagedllm:num_total_blocks", "KV blocks in the pool.")
-        self.num_requests_swapped = gauge("pagedllm:num_requests_swapped",
-                                          "Requests whose KV blocks are in the host pool (swap preemption).")
-        preemptions = Counter("pagedllm:num_preemptions", "Requests preempted, by mode (recompute, swap).",
-                              labels + ["mode"], registry=r)
-        self.num_preemptions = {mode: preemptions.labels(mode=mode, **self._labels) for mode in ("recompute", "swap")}
+        fam = families if families is not None else _make_families(self.registry, max_model_len, max_num_batched_tokens)
+        self._labels = {"model_name": model_name, "engine": str(engine_index)}
+        self.engine_index = engine_index
+        child = {name: family.labels(**self._labels) for name, family in fam.items()
+                 if name not in ("num_preemptions", "request_success")}
+        self.num_requests_running = child["num_requests_running"]
+        self.num_requests_waiting = child["num_requests_waiting"]
+        self.kv_cache_usage = child["kv_cache_usage_perc"]
+        self.num_free_blocks = child["num_free_blocks"]
+        self.num_total_blocks = child["num_total_blocks"]
+        self.num_requests_swapped = child["num_requests_swapped"]
+        self.num_preemptions = {mode: fam["num_preemptions"].labels(mode=mode, **self._labels)
+                                for mode in ("recompute", "swap")}
         # The scheduler reports running totals per mode; the counters advance by the difference.
         self._preemptions_seen = dict((initial.num_preemptions_by_mode if initial is not None else {}) or {})
-        self.prefix_cache_queries = counter("pagedllm:prefix_cache_queries",
-                                            "Tokens looked up in the prefix cache (tokens of admitted requests).")
-        self.prefix_cache_hits = counter("pagedllm:prefix_cache_hits", "Tokens found in the prefix cache.")
+        self.prefix_cache_queries = child["prefix_cache_queries"]
+        self.prefix_cache_hits = child["prefix_cache_hits"]
         # The scheduler reports running totals; the counters advance by the difference.
         self._queries_seen = 0 if initial is None else initial.prefix_cache_queries_total
         self._hits_seen = 0 if initial is None else initial.prefix_cache_hits_total
-        self.prompt_tokens = counter("pagedllm:prompt_tokens", "Prompt tokens processed (once per request).")
-        self.generation_tokens = counter("pagedllm:generation_tokens", "Generated tokens.")
-        success = Counter("pagedllm:request_success", "Finished requests, by finish reason.",
-                          labels + ["finished_reason"], registry=r)
-        self.request_success = {reason: success.labels(finished_reason=reason, **self._labels)
+        self.prompt_tokens = child["prompt_tokens"]
+        self.generation_tokens = child["generation_tokens"]
+        self._success = fam["request_success"]
+        self.request_success = {reason: self._success.labels(finished_reason=reason, **self._labels)
                                 for reason in FINISH_REASONS}
-        self._success = success
-        self.ttft = histogram("pagedllm:time_to_first_token_seconds", "Time to first token (s).", _TTFT_BUCKETS)
-        self.itl = histogram("pagedllm:inter_token_latency_seconds", "Time between a request's tokens (s).",
-                             _ITL_BUCKETS)
-        self.e2e = histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish (s).", _E2E_BUCKETS)
-        self.iteration_tokens = histogram("pagedllm:iteration_tokens_total", "Tokens in one engine step.",
-                                          build_1_2_5_buckets(max(max_num_batched_tokens, 1)))
-        token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
-        self.request_prompt_tokens = histogram("pagedllm:request_prompt_tokens",
-                                               "Prompt tokens of finished requests.", token_buckets)
-        self.request_generation_tokens = histogram("pagedllm:request_generation_tokens",
-                                                   "Generated tokens of finished requests.", token_buckets)
+        self.ttft = child["time_to_first_token_seconds"]
+        self.itl = child["inter_token_latency_seconds"]
+        self.e2e = child["e2e_request_latency_seconds"]
+        self.iteration_tokens = child["iteration_tokens_total"]
+        self.request_prompt_tokens = child["request_prompt_tokens"]
+        self.request_generation_tokens = child["request_generation_tokens"]
         if initial is not None:
             self._set_gauges(initial)
+
+    @classmethod
+    def for_engines(cls, model_name: str, max_model_len: int, max_num_batched_tokens: int,
+                    registry: CollectorRegistry, initial: list[SchedulerStats | None]) -> list["PrometheusStatLogger"]:
+        """One logger per data-parallel replica (``engine`` label "0".."D-1"), sharing the families
+        registered once in ``registry``."""
+        families = _make_families(registry, max_model_len, max_num_batched_tokens)
+        return [cls(model_name, max_model_len, max_num_batched_tokens, registry, init, engine_index=i,
+                    families=families) for i, init in enumerate(initial)]
 
     def _set_gauges(self, s: SchedulerStats) -> None:
         self.num_requests_running.set(s.num_running)

@@ -237,8 +237,25 @@ class Worker:
                                         dtype=self.dtype, host_kv_caches=self.host_kv_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step (``ModelRunner.execute_model``)."""
-        return self.model_runner.execute_model(scheduler_output)
+        """Run one step (``ModelRunner.execute_model``), timed into ``parallel.step_times``."""
+        t0 = time.perf_counter()
+        try:
+            return self.model_runner.execute_model(scheduler_output)
+        finally:
+            times = self.parallel.step_times
+            times.execute_model += time.perf_counter() - t0
+            times.num_steps += 1
+
+    def get_step_times(self, reset: bool = False) -> dict:
+        """This rank's ``StepTimes`` as a dict (seconds; plus ``rank``, ``pp_rank``, ``tp_rank``
+        and ``num_threads``, torch's intra-op threads here); ``reset``: start a new sum after
+        reading."""
+        times = self.parallel.step_times
+        out = dict(vars(times), rank=self.rank, pp_rank=self.parallel.pp_rank, tp_rank=self.parallel.tp_rank,
+                   num_threads=torch.get_num_threads())
+        if reset:
+            times.reset()
+        return out
 
     def add_logits_processors(self, req_id: str, processors) -> None:
         """In-process only: attach a request's logits processors (``ModelRunner.add_logits_processors``)."""

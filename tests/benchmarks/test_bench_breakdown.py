@@ -31,3 +31,16 @@ def test_breakdown_sums_to_wall_and_restores_the_engine(make_tiny_checkpoint):
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     after = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e f g h"], params, use_tqdm=False)]
     assert after == before
+
+
+def test_rank_table_shares_are_of_each_rank_step_time():
+    from pagedllm.benchmarks.breakdown import format_rank_times
+
+    ranks = [dict(rank=0, pp_rank=0, tp_rank=0, num_threads=1, num_steps=10, execute_model=8.0,
+                  all_reduce=0.0, all_gather=0.0, send=2.0, recv=0.0),
+             dict(rank=1, pp_rank=1, tp_rank=0, num_threads=1, num_steps=10, execute_model=9.0,
+                  all_reduce=0.0, all_gather=0.0, send=0.0, recv=0.9)]
+    lines = format_rank_times(ranks, wall_s=10.0).splitlines()
+    assert lines[2].split() == ["0", "0", "0", "1", "10", "8.00", "80.0%", "0.00", "s", "0.0%", "0.00", "s", "0.0%",
+                                "2.00", "s", "25.0%", "0.00", "s", "0.0%"]
+    assert lines[3].split()[5:7] == ["9.00", "90.0%"] and lines[3].split()[-3:] == ["0.90", "s", "10.0%"]

@@ -134,6 +134,6 @@ def test_executor_selection():
     assert Executor.get_class(ParallelConfig()) is UniProcExecutor
     assert Executor.get_class(ParallelConfig(distributed_executor_backend="uni")) is UniProcExecutor
     with pytest.raises(ValueError, match="distributed_executor_backend"):
-        ParallelConfig(distributed_executor_backend="ray")
-    with pytest.raises(ValueError, match="data_parallel_size=2"):
-        ParallelConfig(data_parallel_size=2)
+        ParallelConfig(distributed_executor_backend="dask")
+    with pytest.raises(ValueError, match="data_parallel_size must be an int >= 1"):
+        ParallelConfig(data_parallel_size=0)

@@ -115,6 +115,55 @@ def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_k
     assert not any(p.is_alive() for p in processes)
 
 
+def _run_many(engine: LLMEngine) -> dict:
+    """Eight requests (greedy with logprobs, greedy, seeded sampling), prompts of 9..30 tokens."""
+    for i in range(8):
+        prompt = [(7 * i + 3 * j) % 200 + 3 for j in range(9 + 3 * i)]
+        params = (SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2) if i % 3 == 0 else
+                  SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True) if i % 3 == 1 else
+                  SamplingParams(temperature=1.0, top_k=20, seed=100 + i, max_tokens=10, ignore_eos=True, logprobs=1))
+        engine.add_request(f"r{i}", prompt, params)
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                out[o.request_id] = (c.token_ids, None if c.logprobs is None else
+                                     [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_keeps_two_batches_in_flight_with_the_same_tokens(make_tiny_checkpoint, monkeypatch):
+    """PP=2: the engine writes a second step before the first's output is read (stage 0 runs
+    batch k+1 while stage 1 runs batch k); tokens (greedy, seeded) and logprobs equal one process.
+    Threads per rank come from $PAGEDLLM_CPU_THREADS_PER_RANK, read once by ``EngineArgs``."""
+    folder = make_tiny_checkpoint("gemma3")
+    # A 32-token budget splits the 8 prompts over several batches, so there is work for two.
+    single = _engine(folder, max_num_batched_tokens=32)
+    want = _run_many(single)
+    single.shutdown()
+    monkeypatch.setenv("PAGEDLLM_CPU_THREADS_PER_RANK", "1")
+    engine = _engine(folder, pipeline_parallel_size=2, max_num_batched_tokens=32)
+    processes = list(engine.executor.processes)
+    try:
+        assert engine.parallel_config.cpu_threads_per_rank == 1
+        assert engine.batch_queue_size == engine.executor.max_concurrent_batches == 2
+        engine.executor.collective_rpc("get_step_times", (True,))
+        _assert_same(_run_many(engine), want)
+        assert engine.executor.max_num_batches_in_flight == 2
+        # Every rank ran every step with 1 thread; stage 0 sent and stage 1 received each step.
+        times = engine.executor.collective_rpc("get_step_times")
+        assert [t["num_threads"] for t in times] == [1, 1] and times[0]["num_steps"] == times[1]["num_steps"] > 0
+        assert times[0]["send"] > 0 and times[1]["recv"] > 0 and times[0]["recv"] == times[1]["send"] == 0
+        assert engine.scheduler.num_in_flight == 0 and not engine._batch_queue
+        kv = engine.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        engine.shutdown()
+    assert not any(p.is_alive() for p in processes)
+
+
 @pytest.mark.timeout(120)
 def test_killed_worker_is_a_clear_error_not_a_hang(llama_one_kv_head):
     engine = _engine(llama_one_kv_head, tensor_parallel_size=2, cpu_threads_per_rank=1)
@@ -193,8 +242,15 @@ if __name__ == "__main__":
             proc.wait()
 
 
-def test_bad_sizes_are_refused_before_any_weight_loads(make_tiny_checkpoint):
+def test_bad_sizes_are_refused_before_any_weight_loads(make_tiny_checkpoint, monkeypatch):
     path = make_tiny_checkpoint("llama")   # 4 heads, 2 KV heads, intermediate 128, 3 layers
+    # 4 ranks on 2 CPUs: refused by the engine process before any worker starts.
+    monkeypatch.delenv("PAGEDLLM_CPU_THREADS_PER_RANK", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"4 ranks .* on 2 CPU\(s\) leave fewer than one thread per rank "
+                                         r"\(os.cpu_count\(\) // world_size = 0\)"):
+        LLM(path, tensor_parallel_size=2, pipeline_parallel_size=2)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's 4 attention heads"):
         LLM(path, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_parallel_size=4 exceeds the model's 3 layers"):

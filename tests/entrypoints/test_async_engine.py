@@ -232,7 +232,7 @@ def test_metrics_see_tokens_latencies_and_aborts(tiny_dir):
     llm = AsyncLLM(engine, stat_loggers=[prom], log_stats_interval_s=None)
 
     def value(name, **labels):
-        v = prom.registry.get_sample_value(name, {"model_name": "tiny", **labels})
+        v = prom.registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
         return 0.0 if v is None else v
 
     async def main():

@@ -1,6 +1,7 @@
 """Record transformers' own outputs on the default model (Gemma 3 270M Q4_K_M GGUF) into
 ``default_model.json`` beside this script: the reference of the slow default-model tests
-(tests/loaders/test_default_model.py, tests/models/test_default_model_greedy.py).
+(tests/loaders/test_default_model.py, tests/models/test_default_model_greedy.py,
+tests/engine/test_parallel.py).
 
 The tests used to load transformers' model in the test process (~60 s, most of it
 ``gguf.GGUFReader`` parsing the 262k-token vocabulary, and ~2 GB kept for the whole session);
@@ -16,6 +17,8 @@ and ``AutoTokenizer.from_pretrained(folder, gguf_file=...)``:
 - ``tokenizer``: for each text, ``encode`` with and without special tokens, ``decode`` of the
   ids with and without ``skip_special_tokens``, ``convert_ids_to_tokens``; special ids; length;
 - ``greedy_float32``: per prompt, its ids and 32 greedy tokens (EOS ignored);
+- ``greedy_float32_16``: 16 prompts, 16 greedy tokens each and the top 5 ids of each step's
+  scores (the parallel engine's report: a reduction-order near-tie may flip a token);
 - ``greedy_bfloat16``: per prompt, 24 greedy tokens of the model cast to bfloat16, and the top 5
   ids of each step's scores (vLLM's rule for comparing at lower precision).
 """
@@ -52,7 +55,22 @@ PROMPTS = [
     "The three primary colors are",
     "In 1969, the first humans to walk on the Moon were",
 ]
+# The 16-prompt report of the parallel engine (tests/engine/test_parallel.py): PROMPTS and 11 more.
+PROMPTS_16 = PROMPTS + [
+    "The best way to learn a new language is",
+    "Water boils at a temperature of",
+    "Here is a short poem about the ocean:\n",
+    "import numpy as np\n\ndef normalize(x):",
+    "The main difference between a virus and a bacterium is",
+    "Q: What is 12 times 7?\nA:",
+    "My favorite recipe for pancakes starts with",
+    "The Industrial Revolution began in",
+    "To be, or not to be,",
+    "A list of three fruits: apple,",
+    "Photosynthesis is the process by which",
+]
 MAX_NEW_FLOAT32 = 32
+MAX_NEW_FLOAT32_16 = 16
 NUM_BF16_PROMPTS = 3
 MAX_NEW_BF16 = 24
 TOP_K = 5
@@ -125,6 +143,14 @@ def record() -> dict:
             greedy.append({"prompt": p, "prompt_token_ids": ids[0].tolist(),
                            "token_ids": y[0, ids.shape[1]:].tolist()})
         out["greedy_float32"] = greedy
+        greedy16 = []
+        for p in PROMPTS_16:
+            ids = tok(p, return_tensors="pt").input_ids
+            y = _greedy(model, ids, MAX_NEW_FLOAT32_16, scores=True)
+            greedy16.append({"prompt": p, "prompt_token_ids": ids[0].tolist(),
+                             "token_ids": y.sequences[0, ids.shape[1]:].tolist(),
+                             "top5": [torch.topk(s[0].float(), TOP_K).indices.tolist() for s in y.scores]})
+        out["greedy_float32_16"] = greedy16
         model_bf16 = model.to(torch.bfloat16)
         bf16 = []
         for p in PROMPTS[:NUM_BF16_PROMPTS]:

@@ -126,14 +126,28 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
             jinja2.Environment().parse(chat_template)
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not parse: {e}") from e
-    engine = LLMEngine(engine_args)
-    names = list(served_model_names or [default_served_model_name(engine_args, engine.model_files)])
+    registry = CollectorRegistry()
+    if engine_args.data_parallel_size > 1:
+        # D replica processes behind this server (engine/dp_client.py); metrics carry engine="i".
+        from pagedllm.engine.dp_client import DPAsyncLLM, DPEngineClient
+
+        engine = DPEngineClient(engine_args)
+        names = list(served_model_names or [default_served_model_name(engine_args, engine.model_files)])
+        loggers = PrometheusStatLogger.for_engines(names[0], engine.max_model_len,
+                                                   engine.scheduler_config.max_num_batched_tokens, registry,
+                                                   initial=engine.initial_stats)
+        for stat_loggers, prometheus in zip(engine.stat_loggers, loggers):
+            stat_loggers.append(prometheus)
+        async_engine = DPAsyncLLM(engine)
+    else:
+        engine = LLMEngine(engine_args)
+        names = list(served_model_names or [default_served_model_name(engine_args, engine.model_files)])
+        prometheus = PrometheusStatLogger(names[0], engine.max_model_len,
+                                          engine.scheduler_config.max_num_batched_tokens, registry,
+                                          initial=engine.scheduler.make_stats())
+        async_engine = AsyncLLM(engine, stat_loggers=[prometheus], log_stats_interval_s=log_stats_interval_s)
     root = engine_args.model if engine_args.model not in (None, "default") else \
         (engine.model_files.gguf_path or engine.model_files.folder)
-    registry = CollectorRegistry()
-    prometheus = PrometheusStatLogger(names[0], engine.max_model_len, engine.scheduler_config.max_num_batched_tokens,
-                                      registry, initial=engine.scheduler.make_stats())
-    async_engine = AsyncLLM(engine, stat_loggers=[prometheus], log_stats_interval_s=log_stats_interval_s)
     models = OpenAIServingModels(names, root, engine.max_model_len)
     chat = OpenAIServingChat(async_engine, models, chat_template, engine_args.max_logprobs, log_requests, max_n,
                              tool_parser)
@@ -224,6 +238,8 @@ def build_app(state: ServerState) -> FastAPI:
             state.engine.check_health()
         except Exception as e:
             return error_from_exception(e).to_response()
+        if hasattr(state.engine, "health"):   # data parallelism: {"status": "ok" | "degraded", "engines": {...}}
+            return JSONResponse(state.engine.health())
         return Response(status_code=200)
 
     @app.get("/version")

@@ -1,0 +1,118 @@
+"""One data-parallel replica in its own process (vLLM's ``EngineCoreProc``): an ``LLMEngine`` (its
+own scheduler, KV cache and executor, possibly TP x PP) driven by messages from the front end.
+
+Channel: pyzmq. The replica PULLs its inbox at ``input_address`` and PUSHes to the front end's one
+PULL socket at ``output_address``; every message is one pickled tuple (``send_pyobj``):
+
+- in: ``("add", request_id, ProcessedInput, arrival_time)``, ``("abort", [request_id, ...])``,
+  ``("call", call_id, method)`` (an ``LLMEngine`` method without arguments, e.g.
+  ``reset_prefix_cache``), ``("shutdown",)``;
+- out: ``("ready", index, SchedulerStats)`` once, then per step ``("outputs", index,
+  [RequestOutput], [(SchedulerStats, IterationStats)], SchedulerStats)``, ``("failed", index,
+  [request_id], message)`` when a step raised (those requests are aborted, the replica goes on),
+  ``("result", index, call_id, value)``; ``("dead", index, traceback)`` if it cannot go on.
+
+The replica exits on "shutdown", when its inbox says nothing and its parent is gone, or on a
+fatal error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+
+logger = logging.getLogger(__name__)
+
+# How long an idle replica waits for a message before checking that its parent still lives (ms).
+IDLE_POLL_MS = 1000
+
+
+class _StatsCollector:
+    """A ``StatLogger`` that keeps each step's stats until they are sent to the front end."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        self.records.append((scheduler_stats, iteration_stats))
+
+
+def run_engine_core(engine_args, index: int, input_address: str, output_address: str, num_threads: int) -> None:
+    """Process entry point of replica ``index``: build the engine, then serve messages until shutdown."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the front end stops us in order
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s dp{index} %(levelname)s %(name)s: %(message)s")
+    import torch
+    import zmq
+
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(num_threads)
+    parent = os.getppid()
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_address)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(output_address)
+    try:
+        engine = LLMEngine(engine_args)
+        collector = _StatsCollector()
+        engine.stat_loggers.append(collector)
+        outbox.send_pyobj(("ready", index, engine.scheduler.make_stats()))
+        in_engine: set[str] = set()
+        while True:
+            busy = engine.has_unfinished_requests()
+            if not inbox.poll(0 if busy else IDLE_POLL_MS):
+                if not busy and os.getppid() != parent:
+                    break   # the front end is gone
+                messages = []
+            else:
+                messages = [inbox.recv_pyobj()]
+                while inbox.poll(0):
+                    messages.append(inbox.recv_pyobj())
+            stop = False
+            for msg in messages:
+                kind = msg[0]
+                if kind == "add":
+                    _, rid, processed, arrival = msg
+                    try:
+                        engine.add_request(rid, processed, arrival_time=arrival)
+                        in_engine.add(rid)
+                    except Exception as e:
+                        outbox.send_pyobj(("failed", index, [rid], f"{type(e).__name__}: {e}"))
+                elif kind == "abort":
+                    known = [rid for rid in msg[1] if rid in in_engine]
+                    in_engine.difference_update(known)
+                    if known:
+                        engine.abort_request(known)
+                elif kind == "call":
+                    _, call_id, method = msg
+                    outbox.send_pyobj(("result", index, call_id, getattr(engine, method)()))
+                elif kind == "shutdown":
+                    stop = True
+            if stop:
+                break
+            outputs = []
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as e:   # fail this replica's requests, keep serving
+                    ids = sorted(in_engine)
+                    in_engine.clear()
+                    logger.exception("replica %d: step failed; failing its %d request(s)", index, len(ids))
+                    engine.abort_request(ids)
+                    outbox.send_pyobj(("failed", index, ids, f"the engine step failed: {type(e).__name__}: {e}"))
+            for out in outputs:
+                if out.finished:
+                    in_engine.discard(out.request_id)
+            if outputs or collector.records:
+                outbox.send_pyobj(("outputs", index, outputs, collector.records, engine.scheduler.make_stats()))
+                collector.records = []
+        engine.shutdown()
+    except Exception:
+        outbox.send_pyobj(("dead", index, traceback.format_exc()))
+    finally:
+        outbox.close(linger=1000)
+        inbox.close(linger=0)
+        ctx.term()

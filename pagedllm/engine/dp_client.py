@@ -1,0 +1,562 @@
+"""Data parallelism: ``data_parallel_size`` engine replicas in their own processes behind one front
+end (vLLM's DP engine-core client and ``AsyncLLM`` with ``data_parallel_size > 1``).
+
+``DPEngineClient`` (synchronous; ``LLM(data_parallel_size=D)`` uses it like an ``LLMEngine``):
+
+- tokenizes and validates in the front end (one ``InputProcessor``), converts a GGUF model once,
+  then spawns D replica processes (``engine/core_proc.py``), each an ``LLMEngine`` with its own
+  scheduler, KV cache and executor (TP x PP ranks of its own);
+- sends each request to the replica ``DPLoadBalancer`` picks (least load, prefix affinity;
+  ``engine/dp_coordinator.py``) over pyzmq PUSH sockets (``ipc://`` in a private temporary folder),
+  and receives every replica's outputs and stats on one PULL socket;
+- watches the replicas' process sentinels: a replica that dies is taken out of rotation and its
+  in-flight requests fail with ``EngineStepError`` naming it; the others keep serving. With every
+  replica dead, ``EngineDeadError``.
+
+``DPAsyncLLM`` wraps it for the server with ``AsyncLLM``'s interface: a receiver thread delivers
+outputs to each caller's ``asyncio.Queue``; ``health()`` reports "ok" / "degraded" / "dead".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any, AsyncIterator, Iterable, Sequence
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.async_engine import (EngineDeadError, EngineStepError, OutputStream, _Failure, _NewRequest,
+                                          _put_all, _Sink)
+from pagedllm.engine.dp_coordinator import DPLoadBalancer
+from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Seconds a replica may take to start (load the weights, allocate its KV cache).
+REPLICA_START_TIMEOUT_S = 600.0
+# Seconds replicas get to leave after "shutdown" before they are terminated.
+REPLICA_STOP_TIMEOUT_S = 10.0
+
+
+def replica_threads(engine_args: EngineArgs, world_size: int, cpu_count: int | None) -> int:
+    """torch threads per rank when D replicas of ``world_size`` ranks share this machine's CPUs:
+    ``cpu_threads_per_rank`` if set, else max(1, cpu_count // (D x world_size))."""
+    if engine_args.cpu_threads_per_rank not in (None, ""):
+        return int(engine_args.cpu_threads_per_rank)
+    return max(1, (cpu_count or 1) // (engine_args.data_parallel_size * world_size))
+
+
+class DPEngineClient:
+    """Spawns and drives ``engine_args.data_parallel_size`` replicas.
+
+    Args:
+        engine_args: the engine settings; every replica gets them with ``data_parallel_size=1``.
+    Attributes:
+        num_replicas: D.
+        balancer: the ``DPLoadBalancer`` (per-replica load, served counts, liveness).
+        stat_loggers: per replica, the ``StatLogger``s its step stats go to.
+        initial_stats: per replica, its ``SchedulerStats`` when it became ready.
+    Raises:
+        ValueError: bad engine arguments (before any replica starts).
+        RuntimeError: a replica died or failed while starting.
+    """
+
+    def __init__(self, engine_args: EngineArgs) -> None:
+        import zmq
+
+        from pagedllm.loaders import load_config, resolve_model
+        from pagedllm.tokenizer import Tokenizer
+
+        self.args = engine_args
+        self.num_replicas = engine_args.data_parallel_size
+        files = resolve_model(engine_args.model)   # a GGUF is converted once, here, before the replicas
+        self.model_files = files
+        model_cfg, cache_cfg, sched_cfg, parallel_cfg = engine_args.create_engine_config(
+            hf_config=load_config(files.folder), model_folder=files.folder)
+        self.model_config, self.cache_config, self.scheduler_config = model_cfg, cache_cfg, sched_cfg
+        self.parallel_config = parallel_cfg
+        self.tokenizer = Tokenizer.from_pretrained(engine_args.tokenizer or files.folder)
+        self.vocab_size = model_cfg.vocab_size
+        self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
+                                              engine_args.max_logprobs)
+        self.balancer = DPLoadBalancer(self.num_replicas, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        self.stat_loggers: list[list] = [[] for _ in range(self.num_replicas)]
+        self.initial_stats: list = [None] * self.num_replicas
+        self.death_reasons: dict[int, str] = {}
+        self._ids = itertools.count()
+        self._call_ids = itertools.count()
+        self._results: dict[int, dict[int, Any]] = {}
+        self._buffered: list = []
+        self._send_lock = threading.Lock()
+
+        threads = replica_threads(engine_args, parallel_cfg.world_size, os.cpu_count())
+        replica_args = dataclasses.replace(engine_args, data_parallel_size=1,
+                                           cpu_threads_per_rank=threads if parallel_cfg.world_size > 1 else None)
+        self._tmpdir = tempfile.mkdtemp(prefix="pagedllm_dp_")
+        self._ctx = zmq.Context()
+        self._outputs = self._ctx.socket(zmq.PULL)
+        output_address = f"ipc://{self._tmpdir}/outputs"
+        self._outputs.bind(output_address)
+        self._inputs = []
+        self.processes = []
+        import multiprocessing as mp
+
+        from pagedllm.engine.core_proc import run_engine_core
+
+        ctx = mp.get_context("spawn")
+        for i in range(self.num_replicas):
+            sock = self._ctx.socket(zmq.PUSH)
+            address = f"ipc://{self._tmpdir}/input_{i}"
+            sock.bind(address)
+            self._inputs.append(sock)
+            proc = ctx.Process(target=run_engine_core, args=(replica_args, i, address, output_address, threads),
+                               name=f"pagedllm-dp-{i}", daemon=True)
+            proc.start()
+            self.processes.append(proc)
+        logger.info("data parallelism: %d replicas (pids %s), %d rank(s) each, %d thread(s) per rank",
+                    self.num_replicas, [p.pid for p in self.processes], parallel_cfg.world_size, threads)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- LLMEngine-like interface (the offline LLM) -------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+        """Validate, pick a replica, send the request to it.
+
+        Returns:
+            The request id.
+        Raises:
+            ValueError: a bad prompt or params, a duplicate id, or logits processors (callables
+                cannot cross processes).
+            EngineDeadError: every replica is dead.
+        """
+        processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(prompt, params)
+        if isinstance(prompt, ProcessedInput) and params is not None:
+            raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")
+        if processed.params.logits_processors:
+            raise ValueError("logits_processors are Python callables and cannot be sent to data-parallel "
+                             "replica processes (use data_parallel_size=1)")
+        request_id = f"dp-{next(self._ids)}" if request_id is None else str(request_id)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        with self._send_lock:
+            if self.balancer.owner(request_id) is not None:
+                raise ValueError(f"request_id {request_id!r} is already running")
+            try:
+                replica = self.balancer.choose(processed.prompt_token_ids)
+            except RuntimeError as e:
+                raise EngineDeadError(f"{e}: {self._deaths()}") from None
+            self.balancer.assign(request_id, replica, processed.prompt_token_ids)
+            self._send(replica, ("add", request_id, processed, arrival_time))
+        return request_id
+
+    def add_beam_search_request(self, *args, **kwargs) -> str:
+        """Raises:
+            ValueError: beam search runs in one engine (its beams share blocks there)."""
+        raise ValueError("beam search needs data_parallel_size=1 (its beams share KV blocks in one engine)")
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort requests on their replicas (their blocks are freed there). Returns [] (the
+        replicas send no output for an abort)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        by_replica: dict[int, list[str]] = {}
+        with self._send_lock:
+            for rid in ids:
+                replica = self.balancer.owner(rid)
+                if replica is not None:
+                    by_replica.setdefault(replica, []).append(rid)
+                    self.balancer.finish(rid)
+            for replica, rids in by_replica.items():
+                if self.balancer.replicas[replica].alive:
+                    self._send(replica, ("abort", rids))
+        return []
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.in_flight for r in self.balancer.replicas)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(len(r.in_flight) for r in self.balancer.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        """Wait for the next outputs of any replica.
+
+        Raises:
+            EngineStepError: a replica failed or died with requests of this caller in flight.
+        """
+        outputs = []
+        for event in self.get_events(timeout_s=None):
+            if isinstance(event, _Failure):
+                raise event.error
+            outputs.append(event)
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Reset every live replica's prefix cache; True when all were cleared."""
+        call_id = self.send_call("reset_prefix_cache")
+        while len(self._results.get(call_id, {})) < len(self.balancer.alive()):
+            self._buffered.extend(self.get_events(timeout_s=None))
+        return all(self._results.pop(call_id, {}).values())
+
+    # -- events ---------------------------------------------------------------------------
+
+    def send_call(self, method: str) -> int:
+        """Ask every live replica to run ``LLMEngine.<method>()``; the answers arrive as results
+        (``call_results``). Returns the call id."""
+        call_id = next(self._call_ids)
+        self._results[call_id] = {}
+        with self._send_lock:
+            for i in self.balancer.alive():
+                self._send(i, ("call", call_id, method))
+        return call_id
+
+    def call_results(self, call_id: int) -> dict[int, Any] | None:
+        """Answers to ``call_id`` by replica, once every live replica answered (else None)."""
+        got = self._results.get(call_id, {})
+        if len(got) < len(self.balancer.alive()):
+            return None
+        return self._results.pop(call_id, {})
+
+    def get_events(self, timeout_s: float | None) -> list:
+        """The next ``RequestOutput``s and ``_Failure``s from any replica (empty on timeout).
+
+        A replica whose process ended is taken out of rotation here: its in-flight requests come
+        back as ``_Failure(EngineStepError)``.
+        """
+        import zmq
+
+        if self._buffered:
+            events, self._buffered = self._buffered, []
+            return events
+        poller = zmq.Poller()
+        poller.register(self._outputs, zmq.POLLIN)
+        sentinels = {}
+        for i, proc in enumerate(self.processes):
+            if self.balancer.replicas[i].alive:
+                sentinels[proc.sentinel] = i
+                poller.register(proc.sentinel, zmq.POLLIN)
+        ready = dict(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
+        events: list = []
+        if self._outputs in ready:
+            while self._outputs.poll(0):
+                events.extend(self._handle(self._outputs.recv_pyobj()))
+        for fd, i in sentinels.items():
+            if fd in ready and self.balancer.replicas[i].alive:
+                proc = self.processes[i]
+                proc.join(timeout=1.0)
+                events.extend(self._replica_died(i, f"data-parallel replica {i} (pid {proc.pid}) died "
+                                                    f"(exit code {proc.exitcode})"))
+        return events
+
+    def _handle(self, msg: tuple) -> list:
+        kind, index = msg[0], msg[1]
+        if kind == "outputs":
+            _, _, outputs, records, stats = msg
+            with self._send_lock:
+                for out in outputs:
+                    if out.finished:
+                        self.balancer.finish(out.request_id)
+                self.balancer.update_kv_usage(index, stats.kv_cache_usage)
+            for sched_stats, it_stats in records:
+                for stat_logger in self.stat_loggers[index]:
+                    stat_logger.record(sched_stats, it_stats)
+            # Outputs of requests aborted meanwhile are dropped by the caller (unknown ids).
+            return outputs
+        if kind == "failed":
+            _, _, ids, message = msg
+            with self._send_lock:
+                for rid in ids:
+                    self.balancer.finish(rid)
+            error = EngineStepError(f"data-parallel replica {index}: {message}")
+            return [_Failure(rid, error) for rid in ids]
+        if kind == "result":
+            _, _, call_id, value = msg
+            self._results.setdefault(call_id, {})[index] = value
+            return []
+        if kind == "dead":
+            logger.error("data-parallel replica %d failed:\n%s", index, msg[2])
+            last = msg[2].strip().splitlines()[-1] if msg[2].strip() else "unknown error"
+            return self._replica_died(index, f"data-parallel replica {index} failed: {last}")
+        raise RuntimeError(f"unknown message {kind!r} from replica {index}")
+
+    def _replica_died(self, index: int, reason: str) -> list:
+        with self._send_lock:
+            lost = self.balancer.mark_dead(index)
+        self.death_reasons[index] = reason
+        proc = self.processes[index]
+        if proc.is_alive():
+            proc.terminate()
+        alive = self.balancer.alive()
+        logger.error("%s; %d in-flight request(s) failed; %d replica(s) still serving", reason, len(lost), len(alive))
+        error = EngineStepError(f"{reason}; the request was aborted")
+        return [_Failure(rid, error) for rid in lost]
+
+    def _send(self, replica: int, msg: tuple) -> None:
+        """Send without blocking (callers hold ``_send_lock``). A replica that cannot take it has
+        died: its process sentinel fails its requests at the next ``get_events``."""
+        import zmq
+
+        try:
+            self._inputs[replica].send_pyobj(msg, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("data-parallel replica %d cannot take a %r message (gone?)", replica, msg[0])
+
+    def _deaths(self) -> str:
+        return "; ".join(self.death_reasons.values()) or "no replica started"
+
+    def _wait_ready(self) -> None:
+        import zmq
+
+        deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
+        pending = set(range(self.num_replicas))
+        while pending:
+            poller = zmq.Poller()
+            poller.register(self._outputs, zmq.POLLIN)
+            sentinels = {self.processes[i].sentinel: i for i in pending}
+            for fd in sentinels:
+                poller.register(fd, zmq.POLLIN)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(f"data-parallel replica(s) {sorted(pending)} did not start within "
+                                   f"{REPLICA_START_TIMEOUT_S:.0f} s")
+            ready = dict(poller.poll(int(remaining * 1000)))
+            while self._outputs.poll(0):
+                msg = self._outputs.recv_pyobj()
+                if msg[0] == "ready":
+                    self.initial_stats[msg[1]] = msg[2]
+                    pending.discard(msg[1])
+                elif msg[0] == "dead":
+                    raise RuntimeError(f"data-parallel replica {msg[1]} failed while starting:\n{msg[2]}")
+            for fd, i in sentinels.items():
+                if fd in ready and i in pending:
+                    proc = self.processes[i]
+                    proc.join(timeout=1.0)
+                    raise RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) died while starting "
+                                       f"(exit code {proc.exitcode})")
+
+    def health(self) -> dict:
+        """``{"status": "ok" | "degraded" | "dead", "engines": {index: "ok" | reason}}``."""
+        alive = self.balancer.alive()
+        status = "ok" if len(alive) == self.num_replicas else ("degraded" if alive else "dead")
+        return {"status": status, "engines": {str(i): ("ok" if i in alive else self.death_reasons.get(i, "dead"))
+                                              for i in range(self.num_replicas)}}
+
+    def shutdown(self) -> None:
+        """Stop every replica (graceful, then terminate) and close the sockets (idempotent)."""
+        if not self.processes:
+            return
+        with self._send_lock:
+            for i, sock in enumerate(self._inputs):
+                if self.processes[i].is_alive():
+                    self._send(i, ("shutdown",))
+        deadline = time.monotonic() + REPLICA_STOP_TIMEOUT_S
+        for proc in self.processes:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2.0)
+        self.processes = []
+        for sock in self._inputs + [self._outputs]:
+            sock.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+class DPAsyncLLM:
+    """``AsyncLLM``'s interface over ``DPEngineClient``: many asyncio callers, D replicas.
+
+    Args:
+        client: the started replicas.
+    """
+
+    def __init__(self, client: DPEngineClient) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self._sinks: dict[str, _Sink] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "DPAsyncLLM":
+        return cls(DPEngineClient(args))
+
+    @property
+    def tokenizer(self):
+        return self.client.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.client.vocab_size
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def errored(self) -> bool:
+        return self._stopping or not self.client.balancer.alive()
+
+    def health(self) -> dict:
+        """See ``DPEngineClient.health``."""
+        return self.client.health()
+
+    def check_health(self) -> None:
+        """Raises:
+            EngineDeadError: shutting down, or every replica is dead (one dead replica is
+                "degraded", not an error: the others serve)."""
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+        if not self.client.balancer.alive():
+            raise EngineDeadError(f"every data-parallel replica is dead: {self.client._deaths()}")
+
+    def process_inputs(self, prompt: PromptType, params: SamplingParams) -> ProcessedInput:
+        return self.client.input_processor.process(prompt, params)
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._receive, name="pagedllm-dp-receiver", daemon=True)
+                self._thread.start()
+
+    def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput, SamplingParams | None]],
+                     arrival_time: float | None = None) -> OutputStream:
+        """As ``AsyncLLM.add_requests``; each request goes to the replica the balancer picks.
+
+        Raises:
+            ValueError: a bad prompt or params, a duplicate id (nothing is queued).
+            EngineDeadError: shutting down, or every replica is dead.
+        """
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        prepared: list[_NewRequest] = []
+        for request_id, prompt, params in requests:
+            request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
+            if any(r.request_id == request_id for r in prepared):
+                raise ValueError(f"request_id {request_id!r} is given twice")
+            if isinstance(prompt, ProcessedInput):
+                if params is not None:
+                    raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")
+                processed = prompt
+            else:
+                processed = self.process_inputs(prompt, params)
+            if processed.params.logits_processors:
+                raise ValueError("logits_processors are Python callables and cannot be sent to data-parallel "
+                                 "replica processes")
+            prepared.append(_NewRequest(request_id, processed, arrival_time))
+        if not prepared:
+            raise ValueError("no requests given")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            in_use = [r.request_id for r in prepared if r.request_id in self._sinks]
+            if in_use:
+                raise ValueError(f"request_id(s) {in_use} are already running")
+            for r in prepared:
+                self._sinks[r.request_id] = _Sink(loop, queue)
+        self.start()
+        try:
+            for r in prepared:
+                self.client.add_request(r.request_id, r.processed, arrival_time=r.arrival_time)
+        except BaseException:
+            self.abort([r.request_id for r in prepared])
+            raise
+        return OutputStream(self, [r.request_id for r in prepared], queue)
+
+    def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> OutputStream:
+        return self.add_requests([(request_id, prompt, params)], arrival_time)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests (thread-safe, non-blocking; unknown ids ignored)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        with self._lock:
+            removed = [rid for rid in ids if self._sinks.pop(rid, None) is not None]
+        if removed and not self._stopping:
+            self.client.abort_request(removed)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Reset every live replica's prefix cache; True when all were cleared."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            call_id = self.client.send_call("reset_prefix_cache")
+            self._calls[call_id] = future
+        self.start()
+        return all((await asyncio.wrap_future(future)).values())
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Fail what is running with ``EngineDeadError``, stop the receiver and the replicas."""
+        with self._lock:
+            self._stopping = True
+            ids = list(self._sinks)
+        self._deliver([_Failure(rid, EngineDeadError("the server is shutting down")) for rid in ids])
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self.client.shutdown()
+
+    def _receive(self) -> None:
+        while not self._stopping:
+            try:
+                events = self.client.get_events(timeout_s=0.2)
+            except Exception:
+                if self._stopping:
+                    return
+                logger.exception("the data-parallel receiver failed")
+                continue
+            self._deliver(events)
+            with self._lock:
+                done = [(cid, f) for cid, f in self._calls.items()]
+            for call_id, future in done:
+                results = self.client.call_results(call_id)
+                if results is not None:
+                    with self._lock:
+                        self._calls.pop(call_id, None)
+                    future.set_result(results)
+
+    def _deliver(self, events: list) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for event in events:
+                sink = self._sinks.get(event.request_id)
+                if isinstance(event, _Failure) or event.finished:
+                    self._sinks.pop(event.request_id, None)
+                if sink is not None:
+                    batches.setdefault(sink.loop, []).append((sink.queue, event))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass

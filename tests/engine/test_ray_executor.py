@@ -1,0 +1,112 @@
+"""The Ray executor: a local Ray cluster started inside the test (``ray.init(num_cpus=2)`` in a
+temporary folder), tensor_parallel_size=2 as two Ray actors in one placement group, gloo over the
+actors' addresses; the tokens equal the single-process engine's (greedy and seeded sampling,
+logprobs within 1e-4). Without Ray the backend names the ``[ray]`` extra."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+from pagedllm import SamplingParams
+from pagedllm.config import ParallelConfig
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.executor import Executor
+
+ray = pytest.importorskip("ray", reason="Ray is in the [ray] and [dev] extras; pip install -e '.[dev]'")
+
+PROMPTS = [[5, 9, 13, 200, 17, 3, 3, 40] * 3, [7, 8, 9], list(range(30, 70))]
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+            SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)]
+
+
+def _run(engine: LLMEngine) -> dict:
+    for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
+        engine.add_request(f"r{i}", prompt, params)
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                out[o.request_id] = (c.token_ids, None if c.logprobs is None else
+                                     [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
+    return out
+
+
+def _engine(folder: str, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=folder, max_model_len=128, seed=0, block_size=8,
+                                kv_cache_memory_bytes=4 << 20, **kwargs))
+
+
+@pytest.fixture
+def local_ray_cluster():
+    # A short folder: Ray's unix sockets live under it (at most ~107 bytes of path).
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray.init(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow   # a Ray cluster and two actors: ~30 s and 1.7 GiB summed RSS (docs/distributed.md)
+@pytest.mark.timeout(300)
+def test_tp2_through_ray_equals_single_process(make_tiny_checkpoint, local_ray_cluster):
+    from pagedllm.executor.ray_executor import RayDistributedExecutor
+
+    folder = make_tiny_checkpoint("llama")   # 4 query heads, 2 KV heads: one each per rank
+    single = _engine(folder)
+    want = _run(single)
+    single.shutdown()
+    engine = _engine(folder, tensor_parallel_size=2, distributed_executor_backend="ray", cpu_threads_per_rank=1)
+    try:
+        assert isinstance(engine.executor, RayDistributedExecutor) and len(engine.executor.actors) == 2
+        table = ray.util.placement_group_table(engine.executor.placement_group)
+        assert table["strategy"] == "STRICT_PACK" and len(table["bundles"]) == 2
+        got = _run(engine)
+        assert got.keys() == want.keys()
+        for rid in want:
+            assert got[rid][0] == want[rid][0], rid
+            if want[rid][1] is not None:
+                for g, w in zip(got[rid][1], want[rid][1]):
+                    assert g.keys() == w.keys()
+                    assert all(abs(g[t] - w[t]) < 1e-4 for t in w)
+        engine.executor.check_health()
+        # A killed actor is a clear error naming the rank, then every call is refused.
+        ray.kill(engine.executor.actors[1])
+        engine.add_request("late", [1, 2, 3], SamplingParams(max_tokens=4))
+        with pytest.raises(RuntimeError, match="worker rank 1 .*died"):
+            engine.step()
+        with pytest.raises(RuntimeError, match="stopped after a failure"):
+            engine.executor.check_health()
+    finally:
+        engine.shutdown()
+    assert ray.util.placement_group_table()  # the group is removed, not leaked
+    assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
+
+
+def test_ray_backend_selection_and_strategy():
+    from pagedllm.executor.ray_executor import RayDistributedExecutor
+
+    assert Executor.get_class(ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")) \
+        is RayDistributedExecutor
+    assert ParallelConfig(ray_placement_strategy="SPREAD").ray_placement_strategy == "SPREAD"
+    with pytest.raises(ValueError, match="ray_placement_strategy must be one of"):
+        ParallelConfig(ray_placement_strategy="STRICT_SPREAD_OUT")
+
+
+def test_without_ray_the_error_names_the_extra(monkeypatch):
+    from pagedllm.executor.ray_executor import RayDistributedExecutor
+
+    monkeypatch.setitem(sys.modules, "ray", None)   # import ray -> ImportError
+    with pytest.raises(ImportError, match=r"pagedllm\[ray\]"):
+        RayDistributedExecutor(None, None, None, ParallelConfig(tensor_parallel_size=2))
