@@ -120,6 +120,41 @@ class SchedulerConfig:
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
 
 
+# ``StructuredOutputsConfig.backend`` values (vLLM's ``--structured-outputs-backend``): "auto" picks per
+# request, and xgrammar is the only grammar engine here, so both mean xgrammar.
+SUPPORTED_STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
+DEFAULT_MAX_STRUCTURED_OUTPUT_GRAMMAR_CACHE = 64
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Grammar-constrained decoding (``pagedllm/structured_output``).
+
+    Attributes:
+        backend: "auto" or "xgrammar" (the grammar engine; "auto" picks one per request).
+        max_grammar_cache: compiled grammars kept (entries, LRU by canonical schema text).
+        disable_any_whitespace: JSON constraints allow no free whitespace between tokens
+            (compact ``,`` / ``:`` separators). On by default: a small model given free
+            whitespace can spend its whole ``max_tokens`` on newlines.
+        compile_threads: threads that compile grammars off the engine loop.
+    """
+
+    backend: str = "auto"
+    max_grammar_cache: int = DEFAULT_MAX_STRUCTURED_OUTPUT_GRAMMAR_CACHE
+    disable_any_whitespace: bool = True
+    compile_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.backend not in SUPPORTED_STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of "
+                             f"{SUPPORTED_STRUCTURED_OUTPUTS_BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.max_grammar_cache, int) or self.max_grammar_cache < 1:
+            raise ValueError(f"max_structured_output_grammar_cache must be an int >= 1, got "
+                             f"{self.max_grammar_cache!r}")
+        if self.compile_threads < 1:
+            raise ValueError(f"compile_threads must be >= 1, got {self.compile_threads}")
+
+
 # ``ParallelConfig.distributed_executor_backend`` values (vLLM's names): "uni" runs one worker in
 # the engine's process, "mp" one worker process per rank (``executor/multiproc.py``), "ray" one
 # Ray actor per rank (``executor/ray_executor.py``).

@@ -19,6 +19,72 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``), plain data.
+
+    Exactly one of the fields below is set. The engine compiles it with xgrammar
+    (``pagedllm/structured_output``) and masks every step's logits to the tokens the grammar allows;
+    EOS is allowed only where the grammar may end, and a grammar that allows nothing more ends the
+    request (finish reason "stop").
+
+    Attributes:
+        json: a JSON schema (dict, or its JSON text); the output is JSON that validates against it.
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar's GBNF dialect, root rule ``root``).
+        json_object: any JSON object (``response_format: {"type": "json_object"}``).
+        disable_any_whitespace: JSON without free whitespace between tokens (compact separators);
+            None takes the engine's default (``StructuredOutputsConfig.disable_any_whitespace``).
+    Raises:
+        ValueError: from ``__post_init__`` when no constraint or more than one is set, or a field
+            has the wrong type (the grammar itself is checked by the input processor).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds
+        if not kinds:
+            raise ValueError("structured_outputs must set one of json, regex, choice, grammar, json_object")
+        if len(kinds) > 1:
+            raise ValueError(f"structured_outputs must set only one kind of constraint, got {kinds}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or string), got "
+                             f"{type(self.json).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"structured_outputs.regex must be a string, got {type(self.regex).__name__}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or any(
+                    not isinstance(c, str) or c == "" for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            self.choice = list(self.choice)
+
+    @property
+    def kinds(self) -> list[str]:
+        """The names of the constraint fields that are set."""
+        return [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(self, name) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        """The one constraint field that is set ("json", "regex", "choice", "grammar" or
+        "json_object")."""
+        return self.kinds[0]
+
+
+# vLLM's older name.
+GuidedDecodingParams = StructuredOutputsParams
+
+
 # A per-step logits hook (structured output, e.g. xgrammar): called with the ids generated so far
 # and the row of logits [vocab_size] float32 for this request; returns the (possibly masked) row.
 LogitsProcessor = Callable[[list[int], "object"], "object"]
@@ -57,6 +123,7 @@ class SamplingParams:
         allowed_token_ids: if set, only these ids can be sampled.
         bad_words_token_ids: ids that can never be sampled.
         logits_processors: per-step logits hooks (see ``LogitsProcessor``).
+        structured_outputs: a grammar constraint (``StructuredOutputsParams``), or None.
         output_kind: cumulative or delta outputs when streaming.
     Raises:
         ValueError: from ``__post_init__``, naming the field and its value, for any invalid value.
@@ -86,6 +153,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[int] | None = None
     logits_processors: list[LogitsProcessor] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the model: EOS ids (tokenizer EOS + model extras such as Gemma's
     # <end_of_turn>). Not part of the public API.
@@ -184,6 +252,10 @@ class SamplingParams:
                 not _is_int(t) or t < 0 for t in self.bad_words_token_ids):
             raise ValueError(
                 f"bad_words_token_ids must be non-negative ints, got {self.bad_words_token_ids!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.logits_processors is not None and any(
                 not callable(f) for f in self.logits_processors):
             raise ValueError(

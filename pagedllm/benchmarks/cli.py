@@ -112,6 +112,8 @@ def _cmd_throughput(ns) -> int:
                               resolve_device(engine.model_config.device))).replace("torch.", "")
     logger.info("throughput: %d requests (%d output tokens) from %s, dtype %s", len(requests),
                 sum(r.max_tokens for r in requests), ns.dataset, dtype)
+    if ns.structured_output:
+        return _structured_throughput(ns, llm, requests, dtype)
     result, prompt_ids = run_throughput(llm, requests, warmup=not ns.no_warmup, breakdown=ns.breakdown,
                                         progress=not ns.no_progress, n=ns.n, separate=ns.n_separate)
     result.update(model=engine.model_files.source, dtype=dtype, block_size=engine.cache_config.block_size,
@@ -167,6 +169,39 @@ def _cmd_throughput(ns) -> int:
         out["baseline"] = baseline
         out["ratio"] = ratios(result, baseline, RESULT_KEYS)
     _write_json(ns.output_json, out)
+    return 0
+
+
+def _structured_throughput(ns, llm, requests, dtype: str) -> int:
+    """``--structured-output json``: compile the 8 schemas (timed), then the workload without and
+    with constraints; one table (with = pagedllm column, without = baseline column)."""
+    from pagedllm.benchmarks.metrics import format_table, ratios
+    from pagedllm.benchmarks.structured import compile_schemas, schema_for
+    from pagedllm.benchmarks.throughput import run_throughput
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    if ns.baseline:
+        raise ValueError("--structured-output compares runs with and without constraints; drop --baseline")
+    engine = llm.llm_engine
+    compiles = compile_schemas(engine)
+    logger.info("structured output: %d schemas compiled, mean %.3f s, p99 %.3f s (tokenizer info %.2f s)",
+                compiles["num_schemas"], compiles["compile_mean_s"], compiles["compile_p99_s"],
+                compiles["tokenizer_info_s"])
+    plain, _ = run_throughput(llm, requests, warmup=not ns.no_warmup, progress=not ns.no_progress)
+    constraints = [StructuredOutputsParams(json=schema_for(i)) for i in range(len(requests))]
+    constrained, _ = run_throughput(llm, requests, warmup=False, progress=not ns.no_progress,
+                                    structured_outputs=constraints)
+    info = dict(model=engine.model_files.source, dtype=dtype, max_num_seqs=engine.scheduler_config.max_num_seqs,
+                dataset=ns.dataset, structured_output=ns.structured_output, **compiles)
+    keys = ("num_requests", "num_output_tokens", "duration_s", "output_tokens_per_s", "mean_tpot_s", "p99_tpot_s",
+            "num_steps")
+    print(format_table(f"pagedllm throughput with {ns.structured_output} constraints ({dtype}, {ns.dataset}, "
+                       f"max_num_seqs {info['max_num_seqs']})", constrained, keys, plain, "unconstrained"))
+    print(f"grammar compile per distinct schema ({compiles['num_schemas']} schemas): mean "
+          f"{compiles['compile_mean_s']:.3f} s, p99 {compiles['compile_p99_s']:.3f} s, max "
+          f"{compiles['compile_max_s']:.3f} s; tokenizer info (once) {compiles['tokenizer_info_s']:.2f} s")
+    _write_json(ns.output_json, {**info, "constrained": constrained, "unconstrained": plain,
+                                 "ratio": ratios(constrained, plain, keys)})
     return 0
 
 
@@ -365,6 +400,9 @@ def add_bench_parser(subparsers) -> None:
                     help="also time the engine's components (linear layers, LM head, attention, sampler, "
                          "scheduler, ...; single process) and, per rank, the step time and its share in "
                          "all-reduce / all-gather / send / recv, and print where the wall time went")
+    tp.add_argument("--structured-output", choices=["json"], default=None,
+                    help="constrain request i to the i %% 8-th of 8 JSON schemas (benchmarks/structured.py): "
+                         "report grammar compile time per schema and output tokens/s with vs without constraints")
     tp.add_argument("--output-json", default=None, help="write the results here")
     add_engine_cli_args(tp)
     tp.set_defaults(func=_cmd_throughput)

@@ -97,7 +97,8 @@ def to_engine_prompt(req: BenchRequest):
 
 def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
                    breakdown: bool = False, progress: bool = False, n: int = 1,
-                   separate: bool = False) -> tuple[dict, list[list[int]]]:
+                   separate: bool = False,
+                   structured_outputs: list | None = None) -> tuple[dict, list[list[int]]]:
     """Run the workload through ``llm`` (a ``pagedllm.LLM``) with everything submitted at once.
 
     Args:
@@ -112,6 +113,8 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
             prompt ``i``).
         separate: run the ``n`` samples as ``n`` requests of one sample (seeds ``1000 * i + j``)
             instead of one request whose samples fork.
+        structured_outputs: a ``StructuredOutputsParams`` per request (``--structured-output``),
+            or None. Constrained requests do not ignore EOS: they end where their grammar does.
     Returns:
         (result, prompt_token_ids): the flat result dict (``metrics.summarize``'s keys plus
         ``n``, ``peak_blocks_used``, ``peak_kv_usage``, ``kv_utilization``, ``num_preemptions``, ``prefix_cache_hit_rate``
@@ -131,7 +134,13 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
                      SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    if n == 1:
+    if structured_outputs is not None and n != 1:
+        raise ValueError("--structured-output runs one sample per prompt: it cannot be combined with --n > 1")
+    if structured_outputs is not None:
+        params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, structured_outputs=so)
+                  for r, so in zip(requests, structured_outputs)]
+        prompts = [to_engine_prompt(r) for r in requests]
+    elif n == 1:
         params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
         prompts = [to_engine_prompt(r) for r in requests]
     elif separate:
@@ -167,7 +176,7 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
                                      first_token_time=m.first_token_time, last_token_time=last))
     expected = n * sum(r.max_tokens for r in requests)
     got = sum(r.output_len for r in records)
-    if got != expected:
+    if got != expected and structured_outputs is None:
         logger.warning("made %d output tokens, expected %d (max_tokens sum): requests capped by max_model_len?",
                        got, expected)
     result = summarize(records, duration)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Protocol
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -24,10 +25,13 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its lifecycle.
 
     WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_*. A PREEMPTED request sits in the
-    waiting queue with no KV blocks and is recomputed from scratch when readmitted.
+    waiting queue with no KV blocks and is recomputed from scratch when readmitted. A request
+    with a grammar starts as WAITING_FOR_FSM (vLLM's name) while the grammar compiles; it waits
+    in the queue without holding back the requests behind it, then becomes WAITING.
     """
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is a finished status.
@@ -54,6 +58,24 @@ _FINISHED_REASONS = {
 }
 
 
+class StructuredOutputHandle(Protocol):
+    """What the scheduler may ask of a request's grammar state (``structured_output.request``
+    implements it; core only calls these methods and never imports the grammar engine)."""
+
+    def is_ready(self) -> bool:
+        """True once the grammar compile has ended (compiled, or failed: see ``error``)."""
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar failed to compile, or None."""
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance the matcher; False if the grammar rejects a token."""
+
+    def is_terminated(self) -> bool:
+        """True when the grammar allows nothing more (the request then stops)."""
+
+
 class Request:
     """A prompt, the tokens generated for it so far, and its scheduling state.
 
@@ -78,6 +100,9 @@ class Request:
             incrementally by the ``KVCacheManager`` as blocks fill.
         num_cached_tokens: prompt tokens found in the prefix cache at the first admission (vLLM's
             name); the model ran ``num_prompt_tokens - num_cached_tokens`` of them then.
+        structured_output_request: the request's grammar state (an opaque
+            ``StructuredOutputHandle``), or None for an unconstrained request. Its matcher lives
+            and dies with this object: nothing else keeps it.
         paused: not scheduled while True (beam search holds a beam between rounds).
         group_id: beam search: the id shared by the beams of one prompt, else None.
         group_width: seats of ``max_num_seqs`` the group takes as soon as one of its beams runs
@@ -93,6 +118,7 @@ class Request:
         sampling_params: SamplingParams,
         max_tokens: int,
         arrival_time: float | None = None,
+        structured_output_request: StructuredOutputHandle | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"prompt_token_ids must not be empty (request {request_id!r})")
@@ -106,7 +132,9 @@ class Request:
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.status = RequestStatus.WAITING
+        self.structured_output_request = structured_output_request
+        self.status = (RequestStatus.WAITING if structured_output_request is None
+                       else RequestStatus.WAITING_FOR_FSM)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

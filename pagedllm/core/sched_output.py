@@ -9,6 +9,7 @@ to worker processes while the scheduler and the block manager stay in the engine
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
@@ -90,6 +91,11 @@ class SchedulerOutput:
         blocks_to_swap_out: (device block, host block) pairs to copy to the host pool before
             the forward (swap preemption).
         blocks_to_swap_in: (host block, device block) pairs to copy back before the forward.
+        structured_output_request_ids: request id -> row of ``grammar_bitmask``, for the
+            constrained requests that sample this step (vLLM V1's name).
+        grammar_bitmask: [len(structured_output_request_ids), ceil(vocab_size / 32)] int32 numpy
+            array filled by the engine after ``schedule()`` (xgrammar's layout: bit ``t % 32`` of
+            word ``t // 32`` set = token ``t`` allowed), or None when no row is constrained.
 
     The worker applies them in this order: swap-out, copy, swap-in, then the forward.
     """
@@ -103,6 +109,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

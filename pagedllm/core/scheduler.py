@@ -87,6 +87,9 @@ class Scheduler:
         self._worker_num_blocks: dict[str, int] = {}
         self._worker_last_block: dict[str, int] = {}  # the last block id the worker holds
         self._preempted_since_scheduled: set[str] = set()
+        # [structured output] requests finished inside schedule() (their grammar failed to
+        # compile): their outputs go out with the next update_from_output.
+        self._finished_in_schedule: list[EngineCoreOutput] = []
         # n > 1 / best_of: parent id -> the samples waiting to fork its blocks once its prompt
         # is computed (they are in ``requests`` but in neither queue).
         self._pending_forks: dict[str, list[Request]] = {}
@@ -142,7 +145,7 @@ class Scheduler:
                 raise ValueError(f"request id {r.request_id!r} is already scheduled")
             if r.request_id in self._in_flight:   # finished meanwhile; its late output is on its way
                 raise ValueError(f"request id {r.request_id!r} is still in a batch in flight; use another id")
-            if r.status != RequestStatus.WAITING or r.num_computed_tokens != 0 or r.num_output_tokens:
+            if r.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM) or r.num_computed_tokens != 0 or r.num_output_tokens:
                 raise ValueError(
                     f"request {r.request_id!r} must be new (WAITING, 0 computed tokens), got "
                     f"{r.status.name} with {r.num_computed_tokens} computed tokens")
@@ -231,13 +234,19 @@ class Scheduler:
         # 2) WAITING requests, FCFS, only if nobody had to be preempted this step.
         if not preempted_ids:
             seats, groups = self._seats_in_use()
-            # Paused requests (preempted beams whose round is still open) keep their place but do
-            # not block the queue: their siblings behind them must run to close the round.
+            # Skipped, keeping their place: paused requests (preempted beams whose round is still
+            # open: their siblings behind them must run to close the round) and [structured
+            # output] requests whose grammar is still compiling.
             skipped: list[Request] = []
             while self.waiting and budget > 0 and len(output.num_scheduled_tokens) < max_batch_reqs:
                 request = self.waiting[0]
                 if request.paused:
                     skipped.append(self.waiting.popleft())
+                    continue
+                if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                    self.waiting.popleft()
+                    if not request.is_finished():
+                        skipped.append(request)
                     continue
                 need = self._seats_needed(request, groups)
                 if seats + need > self.max_num_seqs:
@@ -415,6 +424,25 @@ class Scheduler:
                 self._worker_num_tokens[child.request_id] = child.num_tokens
                 self._worker_num_blocks[child.request_id] = len(table)
                 self._worker_last_block[child.request_id] = table[-1]
+                if child.structured_output_request is not None:
+                    # [structured output] its own matcher (the parent's grammar is compiled, so the
+                    # shared compile is done) and its own bitmask row for the parent's logits row.
+                    self._start_forked_matcher(child)
+                    rows = output.structured_output_request_ids
+                    rows[child.request_id] = len(rows)
+
+    def _start_forked_matcher(self, child: Request) -> None:
+        """[structured output] Build a forked sample's matcher at its initial state (it samples
+        its first token now, from its parent's row).
+
+        Raises:
+            RuntimeError: if its grammar is not compiled though its parent's is (they share one
+                compile), or failed.
+        """
+        handle = child.structured_output_request
+        if not handle.is_ready() or handle.error is not None:
+            raise RuntimeError(f"request {child.request_id!r} forks from a parent whose grammar is compiled, "
+                               f"but its own is not ready (error: {handle.error})")
 
     def fork_request(self, parent_id: str, child: Request, last_token_id: int) -> None:
         """Fork a running request between steps into ``child`` whose last token differs (beam
@@ -438,6 +466,8 @@ class Scheduler:
             raise ValueError(f"request id {child.request_id!r} is already scheduled")
         if child.num_output_tokens or child.prompt_token_ids != parent.prompt_token_ids:
             raise ValueError("the child must be a fresh request with the parent's prompt")
+        if parent.structured_output_request is not None or child.structured_output_request is not None:
+            raise ValueError("beam search forks do not support structured outputs (vLLM neither)")
         child.append_output_token_ids(parent.output_token_ids[:-1] + [last_token_id])
         bs = self.kv_cache_manager.block_size
         child.block_hashes = parent.block_hashes[:(child.num_tokens - 1) // bs]
@@ -517,6 +547,27 @@ class Scheduler:
             self._worker_last_block[req_id] = block_table[-1]
         output.num_scheduled_tokens[req_id] = num_new
         request.num_computed_tokens = start + num_new
+        if request.structured_output_request is not None and request.num_computed_tokens == request.num_tokens:
+            # [structured output] it samples this step: the engine fills its bitmask row.
+            output.structured_output_request_ids[req_id] = len(output.structured_output_request_ids)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """[structured output] Whether a WAITING_FOR_FSM request can be admitted: True once its
+        grammar is compiled (the status becomes WAITING). A grammar that failed to compile
+        finishes the request (aborted, its error logged; the caller takes it off the queue) and
+        returns False."""
+        handle = request.structured_output_request
+        if not handle.is_ready():
+            return False
+        if handle.error is not None:
+            logger.error("request %s: its grammar failed to compile: %s", request.request_id, handle.error)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+            self._finished_in_schedule.append(EngineCoreOutput(
+                request_id=request.request_id, finish_reason=request.get_finished_reason()))
+            return False
+        request.status = RequestStatus.WAITING
+        return True
 
     def _preempt(self, request: Request, output: SchedulerOutput | None = None) -> None:
         """Preempt a running request and requeue it at the front.
@@ -611,6 +662,9 @@ class Scheduler:
                     f"runner sampled for request {req_id!r}, which was not scheduled to sample")
             token_id = runner_output.sampled_token_ids[i]
             request.append_output_token_ids(token_id)
+            if request.structured_output_request is not None \
+                    and not request.structured_output_request.accept_tokens([token_id]):
+                logger.error("request %s: the grammar rejected sampled token %d", req_id, token_id)
             out = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id],
                                    num_cached_tokens=request.num_cached_tokens)
             logprob = runner_output.sampled_logprobs[i] if i < len(runner_output.sampled_logprobs) else math.nan
@@ -629,6 +683,9 @@ class Scheduler:
 
         for req_id, lps in prompt_lps.items():
             outputs[req_id] = EngineCoreOutput(request_id=req_id, new_prompt_logprobs=lps)
+        for out in self._finished_in_schedule:
+            outputs[out.request_id] = out
+        self._finished_in_schedule = []
 
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
@@ -643,6 +700,9 @@ class Scheduler:
         if request.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
+            return True
+        if request.structured_output_request is not None and request.structured_output_request.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more
             return True
         if (request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.max_model_len):

@@ -78,6 +78,8 @@ class EngineArgs:
             or None (even split).
         cpu_threads_per_rank: torch threads per worker process; default
             ``$PAGEDLLM_CPU_THREADS_PER_RANK`` or None (``os.cpu_count() // world_size``).
+        structured_outputs_backend: "auto" | "xgrammar" (grammar engine of constrained decoding).
+        max_structured_output_grammar_cache: [entries] compiled grammars kept (LRU).
     """
 
     model: str | None = None
@@ -117,6 +119,8 @@ class EngineArgs:
     ray_placement_strategy: str = "STRICT_PACK"
     pp_layer_partition: str | None = field(default_factory=lambda: _env(PP_LAYER_PARTITION_ENV))
     cpu_threads_per_rank: int | str | None = field(default_factory=lambda: _env(CPU_THREADS_PER_RANK_ENV))
+    structured_outputs_backend: str = "auto"
+    max_structured_output_grammar_cache: int = 64
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -196,6 +200,17 @@ class EngineArgs:
             parallel.check_model(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size,
                                  model.num_hidden_layers)
         return model, cache, sched, parallel
+
+    def create_structured_outputs_config(self):
+        """The ``StructuredOutputsConfig`` of these arguments.
+
+        Raises:
+            ValueError: for an unknown backend or a cache size < 1 (naming the argument).
+        """
+        from pagedllm.config import StructuredOutputsConfig
+
+        return StructuredOutputsConfig(backend=self.structured_outputs_backend,
+                                       max_grammar_cache=self.max_structured_output_grammar_cache)
 
     def _pp_partition(self) -> tuple[int, ...] | None:
         if self.pp_layer_partition is None or self.pp_layer_partition == "":
@@ -293,6 +308,10 @@ def add_engine_cli_args(parser) -> None:
                    help="int8: CPU linear layers and LM head in int8 with dynamic activation "
                         "quantization (faster at decode batch sizes, not exact; default: none)")
     g.add_argument("--disable-log-stats", action="store_true")
+    g.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar"],
+                   help="grammar engine for response_format / structured_outputs / tools (default: auto)")
+    g.add_argument("--max-structured-output-grammar-cache", type=int, default=64,
+                   help="compiled grammars kept, one per distinct schema (LRU; default: 64)")
 
 
 def engine_args_from_cli(ns, positional_model: str | None = None) -> EngineArgs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
+from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import Tokenizer
 
@@ -54,9 +55,12 @@ class InputProcessor:
         max_model_len: tokens per request.
         vocab_size: logits width; every token id must be below it.
         max_logprobs: most top logprobs a request may ask for.
+        structured_outputs_config: grammar settings (the JSON whitespace default).
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20,
+                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
+        self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -69,7 +73,8 @@ class InputProcessor:
             ValueError: empty prompt; token ids outside [0, vocab_size); prompt longer than
                 max_model_len (``PromptTooLongError``, both lengths in the message); logprobs / prompt_logprobs above
                 max_logprobs; logit_bias / allowed_token_ids / stop_token_ids outside the vocabulary;
-                a prompt of an unknown type.
+                a prompt of an unknown type; a ``structured_outputs`` constraint xgrammar
+                cannot build (naming ``structured_outputs.json`` / ``.regex`` / ``.grammar``).
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -91,6 +96,11 @@ class InputProcessor:
             self._check_ids(params.bad_words_token_ids, "bad_words_token_ids")
         if params.stop_token_ids:
             self._check_ids(params.stop_token_ids, "stop_token_ids")
+        if params.structured_outputs is not None:
+            from pagedllm.structured_output.grammar import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs,
+                                        self.structured_outputs_config.disable_any_whitespace)
         params = params.clone()
         params.update_from_model(self.tokenizer.eos_token_ids)
         room = self.max_model_len - len(token_ids)

@@ -20,9 +20,13 @@ from pagedllm.loaders import load_config, resolve_model
 from pagedllm.metrics.stats import IterationStats, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# [structured output] how long an empty step sleeps while only compiling grammars are waiting (s).
+_GRAMMAR_WAIT_S = 0.002
 
 
 class LLMEngine:
@@ -68,8 +72,11 @@ class LLMEngine:
                                                num_cpu_blocks=self.num_cpu_blocks)
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager,
                                    max_concurrent_batches=self.executor.max_concurrent_batches)
+        self.structured_outputs_config = args.create_structured_outputs_config()
+        self.structured_output_manager = StructuredOutputManager(
+            self.structured_outputs_config, self.tokenizer, self.vocab_size, sched_cfg.max_num_seqs)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
-                                              args.max_logprobs)
+                                              args.max_logprobs, self.structured_outputs_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
@@ -148,8 +155,11 @@ class LLMEngine:
         for sid, sp in zip(sample_ids, sample_params):
             if sp.logits_processors:
                 self._pending_processors.add(sid)
+            # [structured output] each sample gets its own matcher over the shared compiled grammar.
+            grammar = (self.structured_output_manager.make_request(sp.structured_outputs)
+                       if sp.structured_outputs is not None else None)
             requests.append(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
-                                    arrival_time=arrival_time))
+                                    arrival_time=arrival_time, structured_output_request=grammar))
         # Sample 0 computes the prompt; the others fork its blocks when it is done (Scheduler.add_request).
         try:
             self.scheduler.add_request(requests[0], forks=requests[1:])
@@ -223,8 +233,19 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if self._pending_processors:
             self._hand_over_logits_processors(sched_out)
+        self._fill_grammar_bitmask(sched_out)
         runner_out = self.executor.execute_model(sched_out)
         return self._process_runner_output(sched_out, runner_out, t0)
+
+    def _fill_grammar_bitmask(self, sched_out) -> None:
+        """[structured output] Attach the step's grammar bitmask (rows of the constrained requests
+        that sample); with only grammars compiling and nothing to run, sleep a moment so the
+        compile threads get the CPU."""
+        if sched_out.structured_output_request_ids:
+            sched_out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                self.scheduler.requests, sched_out.structured_output_request_ids)
+        elif sched_out.is_empty and any(r.status == RequestStatus.WAITING_FOR_FSM for r in self.scheduler.waiting):
+            time.sleep(_GRAMMAR_WAIT_S)
 
     def _step_with_batch_queue(self) -> list[RequestOutput]:
         """A step with up to ``batch_queue_size`` batches in flight (vLLM V1's
@@ -250,6 +271,8 @@ class LLMEngine:
                     or sched_out.blocks_to_swap_out:
                 if self._pending_processors:
                     self._hand_over_logits_processors(sched_out)
+                # A request is in one batch at a time, so its matcher has every earlier token.
+                self._fill_grammar_bitmask(sched_out)
                 queue.append((self.executor.execute_model(sched_out, non_block=True), sched_out))
                 if not sched_out.is_empty and len(queue) < self.batch_queue_size and not queue[0][0].done():
                     return []   # room for another batch: schedule it before waiting
@@ -294,5 +317,6 @@ class LLMEngine:
             stat_logger.record(sched_stats, stats)
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (idempotent)."""
+        """Stop the executor's workers and the grammar compile threads (idempotent)."""
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

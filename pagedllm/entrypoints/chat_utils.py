@@ -27,8 +27,10 @@ logger = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 GEMMA_CHAT_TEMPLATE_PATH = DATA_DIR / "gemma_chat_template.jinja"
+# The tool-aware variant: tools in the first user turn, calls as hermes <tool_call> blocks.
+GEMMA_TOOL_CHAT_TEMPLATE_PATH = DATA_DIR / "gemma_tool_chat_template.jinja"
 # Names --chat-template accepts besides a path or a literal template.
-BUNDLED_CHAT_TEMPLATES = {"gemma": GEMMA_CHAT_TEMPLATE_PATH}
+BUNDLED_CHAT_TEMPLATES = {"gemma": GEMMA_CHAT_TEMPLATE_PATH, "gemma-tools": GEMMA_TOOL_CHAT_TEMPLATE_PATH}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 

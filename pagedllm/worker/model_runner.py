@@ -16,6 +16,7 @@ from pagedllm.outputs import Logprob
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from pagedllm.sampling_params import LogitsProcessor
+from pagedllm.structured_output.bitmask import apply_step_bitmask
 from pagedllm.worker.request_states import RequestStates, ScheduledRequest
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,9 @@ class ModelRunner:
                 rows = torch.as_tensor(list(range(len(states))) + [j for j, _ in fork_rows], device=self.device)
                 logits = logits.index_select(0, rows)                          # [N + F, V]
                 states = states + [st for _, st in fork_rows]
+            if sched.grammar_bitmask is not None:  # [structured output] grammar masks (forks: own rows), one call
+                apply_step_bitmask(logits, [st.req_id for st in states],
+                                   sched.structured_output_request_ids, sched.grammar_bitmask)
             metadata = SamplingMetadata.build(
                 [st.sampling_params for st in states],
                 [st.output_token_ids for st in states],

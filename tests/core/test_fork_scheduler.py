@@ -186,3 +186,22 @@ def test_beam_group_takes_its_width_of_max_num_seqs():
     assert peak == 4 and {"x", "y"} <= ran
     assert len(result.outputs) == 3
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+
+
+def test_waiting_groups_do_not_reserve_seqs():
+    """Forks of parents that are still waiting take no seq: two n=3 groups fit max_num_seqs=6
+    together, and 20 groups queued behind max_num_seqs=6 drain two at a time (counting every
+    queued group's forks would admit nothing, ever)."""
+    sched, kv = make(num_blocks=64, budget=256, max_num_seqs=6)
+    for i in range(20):
+        parent, forks = group(f"g{i}", range(100 + i, 104 + i), n=3, max_tokens=2)
+        sched.add_request(parent, forks)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"0_g0": 4, "0_g1": 4}
+    assert sched.num_running == 6
+    steps = 1
+    while sched.has_unfinished_requests():
+        step(sched)
+        steps += 1
+        assert steps < 100
+    assert kv.num_free_blocks == kv.num_blocks

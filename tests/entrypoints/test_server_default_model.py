@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from pagedllm import SamplingParams
-from pagedllm.entrypoints.chat_utils import GEMMA_CHAT_TEMPLATE_PATH
+from pagedllm.entrypoints.chat_utils import GEMMA_CHAT_TEMPLATE_PATH, load_chat_template
 from pagedllm.entrypoints.openai.serving_engine import readable_token
 
 GEMMA_TEMPLATE = str(GEMMA_CHAT_TEMPLATE_PATH)
@@ -408,3 +408,50 @@ def test_graceful_shutdown_finishes_in_flight_stream(server, model_name):
     assert server.proc.wait(120) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)
+
+
+# -- structured output and tools with the real clients (issue 17) ---------------------------------
+
+def test_openai_parse_instructor_json_and_required_tool_round_trip(server, client, model_name):
+    """``chat.completions.parse`` and instructor's JSON-schema mode each return a validated
+    pydantic object from the default model; a ``tool_choice="required"`` call goes back with its
+    result for a second turn."""
+    import instructor
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        country: str = pydantic.Field(max_length=20)
+        population_millions: float = pydantic.Field(ge=0, le=40)
+
+    messages = [{"role": "user", "content": "Describe Paris as JSON."}]
+    parsed = client.chat.completions.parse(model=model_name, messages=messages, response_format=City,
+                                           temperature=1.0, seed=1, max_tokens=80)
+    assert parsed.choices[0].finish_reason == "stop"
+    assert isinstance(parsed.choices[0].message.parsed, City)
+
+    patched = instructor.from_openai(server.client(api_key=KEY), mode=instructor.Mode.JSON_SCHEMA)
+    city = patched.chat.completions.create(model=model_name, messages=messages, response_model=City,
+                                           max_retries=0, temperature=1.0, seed=2, max_tokens=80)
+    assert isinstance(city, City)
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=model_name, messages=ask, tools=[weather], tool_choice="required",
+                                           temperature=1.0, seed=3, max_tokens=60)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls and all(c.function.name == "get_weather" for c in calls)
+    for c in calls:
+        assert set(json.loads(c.function.arguments)) == {"city"}
+    # The call and its result go back as OpenAI messages; the tool-aware template renders them.
+    follow = ask + [choice.message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": "18 C, sunny"} for c in calls]
+    second = client.chat.completions.create(model=model_name, messages=follow, tools=[weather], tool_choice="none",
+                                            temperature=0.0, max_tokens=16,
+                                            extra_body={"chat_template": load_chat_template("gemma-tools")})
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls

@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_cli_args, engine_args_from_cli
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.entrypoints.chat_utils import GEMMA_CHAT_TEMPLATE_PATH, load_chat_template
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest, VersionResponse)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -88,7 +89,8 @@ def default_served_model_name(args: EngineArgs, model_files) -> str:
 def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = None,
                 chat_template: str | None = None, api_key: str | None = None, log_requests: bool = True,
                 log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S, max_n: int = DEFAULT_MAX_N,
-                enable_prompt_tokens_details: bool = False) -> ServerState:
+                enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
+                tool_call_parser: str | None = None) -> ServerState:
     """Load the model and wire the handlers.
 
     Args:
@@ -100,13 +102,24 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
         log_stats_interval_s: seconds between periodic stats lines; None disables them.
         max_n: the most samples (``n``, ``best_of``) one request may ask for.
         enable_prompt_tokens_details: send ``usage.prompt_tokens_details.cached_tokens``.
+        enable_auto_tool_choice: accept ``tool_choice: "auto"`` (calls found by ``tool_call_parser``).
+        tool_call_parser: a ``tool_parsers.TOOL_PARSERS`` name ("hermes", "pythonic").
     Raises:
-        ValueError: bad engine arguments, an unparsable chat template, or ``max_n < 1``.
+        ValueError: bad engine arguments, an unparsable chat template, ``max_n < 1``, an unknown
+            tool-call parser, or ``enable_auto_tool_choice`` without one.
     """
     from pagedllm.engine.llm_engine import LLMEngine
 
     if not isinstance(max_n, int) or max_n < 1:
         raise ValueError(f"max_n must be an int >= 1, got {max_n!r}")
+    tool_parser = None
+    if enable_auto_tool_choice:
+        if tool_call_parser is None:
+            raise ValueError(f"--enable-auto-tool-choice requires --tool-call-parser (one of {sorted(TOOL_PARSERS)})")
+        tool_parser = get_tool_parser(tool_call_parser)
+    elif tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)  # a bad name is still an error
+        logger.warning("--tool-call-parser %s has no effect without --enable-auto-tool-choice", tool_call_parser)
     if chat_template is not None:
         import jinja2
         try:
@@ -136,7 +149,8 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
     root = engine_args.model if engine_args.model not in (None, "default") else \
         (engine.model_files.gguf_path or engine.model_files.folder)
     models = OpenAIServingModels(names, root, engine.max_model_len)
-    chat = OpenAIServingChat(async_engine, models, chat_template, engine_args.max_logprobs, log_requests, max_n)
+    chat = OpenAIServingChat(async_engine, models, chat_template, engine_args.max_logprobs, log_requests, max_n,
+                             tool_parser)
     if chat_template is None and engine.tokenizer.chat_template is None:
         logger.warning("the model has no chat template: /v1/chat/completions will answer 400; start with "
                        "--chat-template (e.g. %s for Gemma models)", GEMMA_CHAT_TEMPLATE_PATH)
@@ -280,7 +294,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "its file name)")
     g.add_argument("--chat-template", default=None,
                    help=f"Jinja chat template: a file, the template text, or 'gemma' ({GEMMA_CHAT_TEMPLATE_PATH.name}, "
-                        "shipped for the default base model, which has none)")
+                        "shipped for the default base model, which has none; 'gemma-tools' adds the request's tools "
+                        "and tool turns, for --tool-call-parser hermes)")
     g.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1 routes "
                                                    f"(default: ${API_KEY_ENV})")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
@@ -296,6 +311,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="add usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix cache)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accept tool_choice 'auto': the model writes calls in its own format, found by "
+                        "--tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how calls are found in a reply under tool_choice 'auto': hermes (JSON in <tool_call> "
+                        "tags; the bundled 'gemma-tools' template asks for it) or pythonic ([f(a=1), g()])")
     return parser
 
 
@@ -321,7 +342,8 @@ def run_server(ns: argparse.Namespace) -> int:
     state = build_state(args, ns.served_model_name, chat_template, api_key,
                         log_requests=not ns.disable_log_requests,
                         log_stats_interval_s=None if ns.disable_log_stats else ns.log_stats_interval,
-                        max_n=ns.max_n, enable_prompt_tokens_details=ns.enable_prompt_tokens_details)
+                        max_n=ns.max_n, enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
     app = build_app(state)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             access_log=not ns.disable_uvicorn_access_log,

@@ -93,6 +93,14 @@ class _SamplingRequest(OpenAIBaseModel):
     # vLLM's beam search: n = the beam width; length_penalty applies only with it.
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_*.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]
@@ -118,7 +126,6 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[Any]
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -212,6 +219,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

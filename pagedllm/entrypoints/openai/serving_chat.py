@@ -29,6 +29,8 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
 from pagedllm.entrypoints.openai.serving_engine import (CHAT_UNSUPPORTED_FIELDS, DEFAULT_MAX_N, MIN_LOGPROB,
                                                        OpenAIServing, clamp_logprob)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.tool_calls import ToolPlan, parse_tool_calls, plan_tools
+from pagedllm.entrypoints.openai.tool_parsers import ToolCallStream, ToolParser
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -43,15 +45,19 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: the server's template text (``--chat-template``); None = the model's own.
         max_logprobs: the most ``top_logprobs`` a request may ask for.
         max_n: the most choices (``n``) a request may ask for.
+        tool_parser: the ``--tool-call-parser`` when the server runs with
+            ``--enable-auto-tool-choice`` (``tool_choice: "auto"``), else None.
     """
 
     fields = set(ChatCompletionRequest.model_fields)
 
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, chat_template: str | None,
-                 max_logprobs: int, log_requests: bool = True, max_n: int = DEFAULT_MAX_N) -> None:
+                 max_logprobs: int, log_requests: bool = True, max_n: int = DEFAULT_MAX_N,
+                 tool_parser: ToolParser | None = None) -> None:
         super().__init__(engine, models, log_requests, max_n)
         self.chat_template = chat_template
         self.max_logprobs = max_logprobs
+        self.tool_parser = tool_parser
 
     def render(self, request) -> dict:
         """Render ``request.messages`` with the request's or the server's template.
@@ -67,6 +73,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt = render_chat_prompt(self.tokenizer, request.messages, template,
                                         add_generation_prompt=bool(request.add_generation_prompt),
                                         continue_final_message=bool(request.continue_final_message),
+                                        tools=getattr(request, "tools", None) or None,
                                         **(request.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise bad_request(str(e)) from e
@@ -94,8 +101,13 @@ class OpenAIServingChat(OpenAIServing):
         self.check_n(n)
         if request.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        if request.tools and request.tool_choice != "none":
-            raise bad_request("tools are not supported by this server (no tool-call parser)", param="tools")
+        tool_plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser)
+        structured_outputs = self.structured_outputs(request)
+        if tool_plan.structured_outputs is not None:
+            if structured_outputs is not None:
+                raise bad_request(f"tool_choice={request.tool_choice!r} constrains the reply to a tool call; it "
+                                  "cannot be combined with response_format or structured_outputs", param="tool_choice")
+            structured_outputs = tool_plan.structured_outputs
         num_top = None
         if request.logprobs:
             num_top = 0 if request.top_logprobs is None else request.top_logprobs
@@ -109,9 +121,12 @@ class OpenAIServingChat(OpenAIServing):
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
+            if beam_search and structured_outputs is not None:
+                raise ValueError("use_beam_search cannot be combined with a structured output constraint "
+                                 "(response_format, structured_outputs, guided_*, tools)")
             # Beam search: the prompt is processed as a plain greedy request, then runs as beams.
             base = SamplingParams(max_tokens=max_tokens, temperature=0.0) if beam_search else \
-                self.sampling_params(request, max_tokens, num_top, kind)
+                self.sampling_params(request, max_tokens, num_top, kind, structured_outputs=structured_outputs)
             processed = self.engine.process_inputs(prompt, base)
             ids = processed.prompt_token_ids
             # The processed request owns its params copy: record the effective limit there.
@@ -124,7 +139,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         if stream:
             return StreamingResponse(self._stream(request, outputs, request_id, created, model_name, n, len(ids),
-                                                  num_top, echo), media_type="text/event-stream")
+                                                  num_top, echo, tool_plan), media_type="text/event-stream")
         final: RequestOutput | None = None
         try:
             async for out in outputs:
@@ -141,9 +156,21 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if num_top is not None:
                 logprobs = ChatCompletionLogProbs(content=self.chat_logprobs(*self.text_tokens(o), num_top))
+            message = ChatMessage(role="assistant", content=echo + o.text)
+            finish_reason = o.finish_reason
+            if tool_plan.mode == "auto":  # the model's own call format, found by the parser
+                found = tool_plan.parser.extract_tool_calls(o.text)
+                if found.tools_called:
+                    message = ChatMessage(role="assistant", content=found.content, tool_calls=found.tool_calls)
+                    finish_reason = "tool_calls"
+            else:
+                tool_calls = parse_tool_calls(tool_plan, o.text)
+                if tool_calls is not None:
+                    message = ChatMessage(role="assistant", content=None, tool_calls=tool_calls)
+                    finish_reason = _tool_finish_reason(tool_plan, o.finish_reason)
             choices.append(ChatCompletionResponseChoice(
-                index=o.index, message=ChatMessage(role="assistant", content=echo + o.text), logprobs=logprobs,
-                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                index=o.index, message=message, logprobs=logprobs,
+                finish_reason=finish_reason, stop_reason=o.stop_reason))
         choices.sort(key=lambda c: c.index)
         response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
                                           usage=self.usage(len(ids), num_completion, final.num_cached_tokens))
@@ -151,7 +178,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, outputs: OutputStream, request_id: str, created: int,
                       model_name: str, n: int, num_prompt: int, num_top: int | None,
-                      echo: str = "") -> AsyncIterator[str]:
+                      echo: str = "", tool_plan: ToolPlan | None = None) -> AsyncIterator[str]:
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
@@ -169,6 +196,8 @@ class OpenAIServingChat(OpenAIServing):
                 usage=usage() if continuous_usage else None)
             return f"data: {body.model_dump_json(exclude=None if continuous_usage else {'usage'})}\n\n"
 
+        tool_text: dict[int, str] = {}  # [tools] a call is sent whole once its sample ends
+        auto_streams: dict[int, ToolCallStream] = {}  # [tools] "auto": one parser state per choice
         try:
             for index in range(n):
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
@@ -179,6 +208,25 @@ class OpenAIServingChat(OpenAIServing):
                 num_cached = out.num_cached_tokens if out.num_cached_tokens is not None else num_cached
                 for o in out.outputs:
                     num_completion += len(o.token_ids)
+                    if tool_plan is not None and tool_plan.mode == "auto":
+                        for piece in self._auto_tool_chunks(auto_streams, tool_plan.parser, o, num_top, chunk):
+                            yield piece
+                        continue
+                    if tool_plan is not None and tool_plan.mode != "none":
+                        tool_text[o.index] = tool_text.get(o.index, "") + o.text
+                        if o.finish_reason is None:
+                            continue
+                        calls = parse_tool_calls(tool_plan, tool_text[o.index])
+                        if calls is None:  # cut short: the text as content
+                            yield chunk(o.index, DeltaMessage(content=tool_text[o.index]))
+                            yield chunk(o.index, DeltaMessage(), None, o.finish_reason, o.stop_reason)
+                            continue
+                        # The OpenAI client accumulates delta.tool_calls by index.
+                        yield chunk(o.index, DeltaMessage(tool_calls=[{"index": k, **call}
+                                                                      for k, call in enumerate(calls)]))
+                        yield chunk(o.index, DeltaMessage(), None, _tool_finish_reason(tool_plan, o.finish_reason),
+                                    o.stop_reason)
+                        continue
                     if not o.text and o.finish_reason is None and (num_top is None or not o.token_ids):
                         continue
                     logprobs = None
@@ -196,6 +244,31 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             outputs.abort()
         yield "data: [DONE]\n\n"
+
+    def _auto_tool_chunks(self, streams: dict[int, ToolCallStream], parser: ToolParser, o: CompletionOutput,
+                          num_top: int | None, chunk) -> list[str]:
+        """The SSE chunks of one output delta under ``tool_choice: "auto"``: content the parser
+        knows is content, each complete call as a ``delta.tool_calls`` entry with its ``index``,
+        and at the end the rest (finish_reason "tool_calls" when a call was sent)."""
+        stream = streams.setdefault(o.index, ToolCallStream(parser))
+        content, calls = stream.feed(o.text)
+        pieces = []
+        logprobs = None
+        if num_top is not None and o.token_ids:
+            logprobs = ChatCompletionLogProbs(content=self.chat_logprobs(*self.text_tokens(o), num_top))
+        if content or logprobs is not None:
+            pieces.append(chunk(o.index, DeltaMessage(content=content) if content else DeltaMessage(), logprobs))
+        if o.finish_reason is not None:
+            rest, more = stream.finish()
+            if rest:
+                pieces.append(chunk(o.index, DeltaMessage(content=rest)))
+            calls = calls + more
+        if calls:
+            pieces.append(chunk(o.index, DeltaMessage(tool_calls=calls)))
+        if o.finish_reason is not None:
+            reason = "tool_calls" if stream.tools_called else o.finish_reason
+            pieces.append(chunk(o.index, DeltaMessage(), None, reason, o.stop_reason))
+        return pieces
 
     @staticmethod
     def echo_content(request: ChatCompletionRequest) -> str:
@@ -235,3 +308,9 @@ class OpenAIServingChat(OpenAIServing):
                 logprob=clamp_logprob(chosen.logprob) if chosen is not None else MIN_LOGPROB,
                 bytes=self.token_bytes(token_id), top_logprobs=top))
         return content
+
+
+def _tool_finish_reason(plan: ToolPlan, finish_reason: str | None) -> str | None:
+    """"tool_calls" for a complete call under ``tool_choice: "required"``; a named function keeps
+    "stop", as OpenAI answers a forced function."""
+    return "tool_calls" if plan.mode == "required" and finish_reason == "stop" else finish_reason

@@ -117,10 +117,15 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = max(prompt_logprobs or 0, num_top)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         best_of = request.best_of if request.best_of is not None and request.best_of > n else None
+        structured_outputs = self.structured_outputs(request)
         try:
+            if beam_search and structured_outputs is not None:
+                raise ValueError("use_beam_search cannot be combined with a structured output constraint "
+                                 "(response_format, structured_outputs, guided_*)")
             # Beam search: the prompt is processed as a plain greedy request, then runs as beams.
             base = SamplingParams(max_tokens=max_tokens, temperature=0.0) if beam_search else \
-                self.sampling_params(request, max_tokens, num_top, kind, best_of, prompt_logprobs)
+                self.sampling_params(request, max_tokens, num_top, kind, best_of, prompt_logprobs,
+                                     structured_outputs=structured_outputs)
             cmpl_id = f"cmpl-{uuid.uuid4().hex}"
             engine_requests, infos = [], []
             for i, prompt in enumerate(prompts):

@@ -18,7 +18,8 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.entrypoints.openai.errors import CONTEXT_LENGTH_EXCEEDED, bad_request
 from pagedllm.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.grammar import validate_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +36,13 @@ def _unset(value: Any) -> bool:
 # Fields vLLM or OpenAI define that this server does not implement yet: field -> "this value asks
 # for nothing" (such values pass; any other is a 400 naming the field).
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
-    "guided_decoding_backend": _unset, "guided_whitespace_pattern": _unset, "structured_outputs": _unset,
-    "response_format": lambda v: _unset(v) or (isinstance(v, dict) and v.get("type", "text") == "text"),
+    "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"), "guided_whitespace_pattern": _unset,
     "logits_processors": _unset, "return_tokens_as_token_ids": _unset, "return_token_ids": _unset,
     "truncate_prompt_tokens": lambda v: v is None, "priority": lambda v: v in (None, 0),
     "kv_transfer_params": _unset, "vllm_xargs": _unset, "mm_processor_kwargs": _unset, "prompt_embeds": _unset,
 }
 CHAT_UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     **UNSUPPORTED_FIELDS,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
     "functions": _unset, "function_call": lambda v: v in (None, "none", "auto"),
     "audio": _unset, "modalities": lambda v: _unset(v) or v == ["text"], "prediction": _unset,
     "reasoning_effort": lambda v: v is None, "web_search_options": _unset, "documents": _unset,
@@ -242,8 +240,67 @@ class OpenAIServing:
         return max_tokens
 
     @staticmethod
+    def structured_outputs(request) -> StructuredOutputsParams | None:
+        """The request's constraint, from ``response_format``, ``structured_outputs`` or the
+        older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``;
+        checked here with xgrammar (nothing reaches the engine when it fails).
+
+        Raises:
+            OpenAIError: 400 naming the field: an unknown ``response_format`` type, a
+                ``json_schema`` without ``schema``, two constraints at once, or a schema, regex
+                or grammar xgrammar cannot compile (its message included).
+        """
+        found: list[tuple[str, StructuredOutputsParams]] = []
+
+        def make(field: str, **kwargs) -> StructuredOutputsParams:
+            try:
+                return StructuredOutputsParams(**kwargs)
+            except (TypeError, ValueError) as e:
+                raise bad_request(f"{field}: {e}", param=field) from None
+
+        rf = request.response_format
+        if rf is not None:
+            kind = rf.get("type", "text") if isinstance(rf, dict) else None
+            if kind == "json_object":
+                found.append(("response_format", make("response_format", json_object=True)))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                                      param="response_format")
+                found.append(("response_format", make("response_format", json=schema)))
+            elif kind != "text":
+                raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                                  param="response_format")
+        if request.structured_outputs:
+            allowed = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+            unknown = sorted(set(request.structured_outputs) - allowed)
+            if unknown:
+                raise bad_request(f"structured_outputs has unknown field(s) {unknown}; supported: {sorted(allowed)}",
+                                  param="structured_outputs")
+            found.append(("structured_outputs", make("structured_outputs", **request.structured_outputs)))
+        for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(request, field)
+            if value is not None:
+                found.append((field, make(field, **{key: value})))
+        if len(found) > 1:
+            names = [f for f, _ in found]
+            raise bad_request(f"only one structured output constraint may be given, got {names}", param=names[1])
+        if not found:
+            return None
+        field, params = found[0]
+        try:
+            validate_structured_outputs(params)
+        except ValueError as e:
+            raise bad_request(f"{field}: {e}", param=field) from None
+        return params
+
+    @staticmethod
     def sampling_params(request, max_tokens: int | None, logprobs: int | None, output_kind: RequestOutputKind,
-                        best_of: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        best_of: int | None = None, prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """Request fields -> ``SamplingParams`` (OpenAI defaults: temperature 1, top_p 1).
 
         Raises:
@@ -272,7 +329,7 @@ class OpenAIServing:
             spaces_between_special_tokens=pick(request.spaces_between_special_tokens, True),
             include_stop_str_in_output=bool(request.include_stop_str_in_output), logit_bias=logit_bias,
             allowed_token_ids=request.allowed_token_ids, bad_words_token_ids=request.bad_words_token_ids,
-            output_kind=output_kind)
+            output_kind=output_kind, structured_outputs=structured_outputs)
 
     @staticmethod
     def warn_unknown_fields(request, known: dict[str, Any] | None = None) -> None:

@@ -1,0 +1,245 @@
+"""Constrained decoding on a tiny random Llama (nothing downloaded): a random model never writes
+valid JSON by chance, so every valid output here is the grammar's doing. Outputs are checked with
+``jsonschema`` / ``re.fullmatch`` / membership; greedy constrained ids equal a reference that masks
+transformers' logits with xgrammar's own matcher, step by step."""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import weakref
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+
+SCHEMAS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())
+MAX_TOKENS = 400
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def llm(make_tiny_checkpoint):
+    engine = LLM(make_tiny_checkpoint("llama"), max_model_len=512, kv_cache_memory_bytes=64 << 20, seed=0,
+                 block_size=4, max_num_seqs=16)
+    yield engine
+    engine.llm_engine.shutdown()
+
+
+def _params(seed=None, temperature=1.0, max_tokens=MAX_TOKENS, **constraint):
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**constraint))
+
+
+def test_json_schemas_valid_at_temperature_one(llm):
+    """20 schemas x 4 seeded samples (n=4) at temperature 1: all finish with "stop" and validate."""
+    params = [SamplingParams(n=4, temperature=1.0, seed=100 + i, max_tokens=MAX_TOKENS,
+                             structured_outputs=StructuredOutputsParams(json=schema))
+              for i, schema in enumerate(SCHEMAS)]
+    outs = llm.generate([f"Write item {i}:" for i in range(len(SCHEMAS))], params, use_tqdm=False)
+    for schema, out in zip(SCHEMAS, outs):
+        assert len(out.outputs) == 4
+        for c in out.outputs:
+            assert c.finish_reason == "stop", (schema, c.text)
+            jsonschema.validate(json.loads(c.text), schema)
+        # A random model at temperature 1 does not repeat itself across 4 seeds (schemas with
+        # few values, booleans and enums, may).
+    texts = {c.text for out in outs for c in out.outputs}
+    assert len(texts) > 40
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_regex_and_choice_valid_for_many_seeds(llm, seed):
+    regex = r"(\+|-)?[0-9]{1,3}\.[0-9]{2} [A-Z][a-z]{2,5}"
+    choices = ["alpha", "beta gamma", "δέλτα", "x"]
+    outs = llm.generate(["a", "b"], [_params(seed, regex=regex), _params(seed, choice=choices)], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert re.fullmatch(regex, outs[0].outputs[0].text), outs[0].outputs[0].text
+    assert outs[1].outputs[0].finish_reason == "stop"
+    assert outs[1].outputs[0].text in choices
+
+
+def test_grammar_and_json_object(llm):
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    outs = llm.generate(["x"] * 2, [_params(3, grammar=grammar), _params(4, json_object=True)], use_tqdm=False)
+    assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", outs[0].outputs[0].text)
+    assert isinstance(json.loads(outs[1].outputs[0].text), dict)
+    assert GuidedDecodingParams is StructuredOutputsParams
+
+
+def _reference_greedy(model_dir: str, prompt_ids: list[int], schema: dict, eos_ids: list[int],
+                      max_tokens: int) -> list[int]:
+    """transformers' logits, masked by a fresh xgrammar matcher each step, argmax."""
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab,
+                                              stop_token_ids=eos_ids)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False,
+                                                             separators=(",", ":"))
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    ids, out = list(prompt_ids), []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[:, -1, :].float()
+            matcher.fill_next_token_bitmask(bitmask)
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            tok = int(logits.argmax(-1))
+            assert matcher.accept_token(tok)
+            out.append(tok)
+            ids.append(tok)
+            if matcher.is_terminated():
+                break
+    return out
+
+
+def test_greedy_equals_xgrammar_reference_over_transformers(llm, make_tiny_checkpoint):
+    # No length-bounded strings: the engine hands this schema to xgrammar unchanged
+    # (structured_output/grammar.py rewrites those), so the reference compiles the same grammar.
+    schema = {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[a-f0-9]{4}$"}, "level": {"enum": ["low", "mid", "high"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 500}, "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+        "required": ["code", "level", "n", "ok", "tags"], "additionalProperties": False}
+    tok = llm.get_tokenizer()
+    prompt_ids = tok.encode("Fill in the user:")
+    out = llm.generate([prompt_ids], _params(temperature=0.0, json=schema), use_tqdm=False)[0].outputs[0]
+    ref = _reference_greedy(make_tiny_checkpoint("llama"), prompt_ids, schema, list(tok.eos_token_ids), MAX_TOKENS)
+    assert out.token_ids == ref
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_batched_constrained_rows_equal_alone_and_unconstrained_rows_unaffected(llm):
+    schema = SCHEMAS[9]
+    free = SamplingParams(temperature=0.0, max_tokens=20)
+    alone_free = llm.generate(["plain"], free, use_tqdm=False)[0].outputs[0].token_ids
+    alone_json = llm.generate(["json"], _params(temperature=0.0, json=schema), use_tqdm=False)[0].outputs[0]
+    both = llm.generate(["plain", "json"], [free, _params(temperature=0.0, json=schema)], use_tqdm=False)
+    assert both[0].outputs[0].token_ids == alone_free
+    assert both[1].outputs[0].token_ids == alone_json.token_ids
+
+
+def test_max_tokens_cut_gives_length_and_a_valid_prefix(llm):
+    import xgrammar as xgr
+
+    schema = SCHEMAS[18]
+    out = llm.generate(["x"], _params(5, max_tokens=6, json=schema), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    compiled = llm.llm_engine.structured_output_manager.compiled_grammar(
+        StructuredOutputsParams(json=schema)).result()
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_string(out.text)
+
+
+def test_logprobs_stop_strings_and_seeds(llm):
+    choices = ["apple pie", "banana split", "cherry tart"]
+    p = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=30, logprobs=2,
+                       structured_outputs=StructuredOutputsParams(choice=choices))
+    a = llm.generate(["q"], p, use_tqdm=False)[0]
+    b = llm.generate(["q"], p, use_tqdm=False)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    for c in a.outputs:
+        assert c.text in choices
+        assert len(c.logprobs) == len(c.token_ids)
+        # The mask is applied before the logprobs: the sampled token is finite and every listed
+        # alternative is a token the grammar allowed (finite).
+        for tok, entry in zip(c.token_ids, c.logprobs):
+            assert entry[tok].logprob > float("-inf")
+    stopped = llm.generate(["q"], SamplingParams(temperature=0.0, max_tokens=30, stop=[" "],
+                                                 structured_outputs=StructuredOutputsParams(choice=choices)),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.text in {c.split(" ")[0] for c in choices}
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_chunked_prefill_and_prefix_caching(make_tiny_checkpoint, mode):
+    """A KV pool too small for the batch preempts constrained requests (recompute, or swap to the
+    host pool); long shared prompts hit the prefix cache and are chunked: outputs stay valid and
+    equal the unpressured run (each matcher keeps its state across the preemption)."""
+    schema = SCHEMAS[16]
+    path = make_tiny_checkpoint("llama")
+    prompt = "shared prefix " * 4
+    params = [_params(seed, json=schema, max_tokens=100) for seed in range(6)]
+    roomy = LLM(path, max_model_len=160, kv_cache_memory_bytes=64 << 20, seed=0, block_size=4)
+    want = [o.outputs[0].text for o in roomy.generate([prompt] * 6, params, use_tqdm=False)]
+    roomy.llm_engine.shutdown()
+    tight = LLM(path, max_model_len=160, num_gpu_blocks_override=40, seed=0, block_size=4,
+                max_num_batched_tokens=64, preemption_mode=mode, swap_space=0.01)
+    got = [o.outputs[0].text for o in tight.generate([prompt] * 6, params, use_tqdm=False)]
+    assert tight.llm_engine.scheduler.num_preemptions_by_mode[mode] > 0
+    tight.llm_engine.shutdown()
+    assert got == want
+    for text in got:
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_abort_leaves_no_matcher_and_no_bitmask_row(llm):
+    engine = llm.llm_engine
+    engine.add_request("keep", "k", _params(1, json=SCHEMAS[19]))
+    engine.add_request("drop", "d", _params(2, json=SCHEMAS[19]))
+    for _ in range(50):
+        engine.step()
+        if engine.scheduler.get_request("drop").num_output_tokens >= 3:
+            break
+    handle = weakref.ref(engine.scheduler.get_request("drop").structured_output_request.matcher)
+    engine.abort_request("drop")
+    sched = engine.scheduler.schedule()
+    assert "drop" in sched.finished_req_ids and "drop" not in sched.structured_output_request_ids
+    assert list(sched.structured_output_request_ids) == ["keep"]
+    # Undo the manual schedule: finish "keep" too, then let the engine drain.
+    engine.abort_request("keep")
+    engine.scheduler._worker_num_tokens.clear()
+    gc.collect()
+    assert handle() is None
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.parametrize("constraint,field", [
+    (dict(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "structured_outputs.json"),
+    (dict(json="{not json"), "structured_outputs.json"),
+    (dict(regex="(unclosed"), "structured_outputs.regex"),
+    (dict(grammar="root ::= missing_rule"), "structured_outputs.grammar"),
+])
+def test_invalid_constraints_name_the_field(llm, constraint, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_two_kinds_or_none_is_a_value_error():
+    with pytest.raises(ValueError, match="only one kind"):
+        StructuredOutputsParams(json={"type": "string"}, regex="a")
+    with pytest.raises(ValueError, match="must set one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice="abc")
+
+
+def test_compile_cache_is_keyed_by_canonical_schema_and_bounded(make_tiny_checkpoint):
+    path = make_tiny_checkpoint("llama")
+    small = LLM(path, max_model_len=128, kv_cache_memory_bytes=16 << 20, seed=0,
+                max_structured_output_grammar_cache=2)
+    manager = small.llm_engine.structured_output_manager
+    a = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}}, "required": ["x"]}
+    a_reordered = json.loads(json.dumps({"required": ["x"], "properties": {"y": {"type": "boolean"},
+                                                                           "x": {"type": "integer"}},
+                                         "type": "object"}))
+    f1 = manager.compiled_grammar(StructuredOutputsParams(json=a))
+    f2 = manager.compiled_grammar(StructuredOutputsParams(json=json.dumps(a_reordered, indent=2)))
+    assert f1 is f2 and manager.num_cached_grammars == 1
+    manager.compiled_grammar(StructuredOutputsParams(regex="a+"))
+    manager.compiled_grammar(StructuredOutputsParams(choice=["p", "q"]))
+    assert manager.num_cached_grammars == 2
+    assert manager.compiled_grammar(StructuredOutputsParams(json=a)) is not f1  # evicted, recompiled
+    out = small.generate(["x"], _params(0, json=a, max_tokens=60), use_tqdm=False)[0].outputs[0]
+    jsonschema.validate(json.loads(out.text), a)
+    small.llm_engine.shutdown()
