@@ -12,9 +12,15 @@ forward), so the table reports the exclusive part of each:
 - ``model forward, other``: the forward minus the two above (norms, RoPE, activations, residual
   adds, embedding);
 - ``sampler``;
-- ``model runner, other``: ``execute_model`` minus forward, LM head and sampler (input tensors,
-  attention and sampling metadata, copying results to Python);
-- ``scheduler``: ``schedule`` + ``update_from_output``;
+- ``grammar mask apply``: [structured output] the worker's ``apply_step_bitmask`` (the bitmask
+  to a tensor, -inf on the forbidden logits);
+- ``model runner, other``: ``execute_model`` minus forward, LM head, sampler and mask apply
+  (input tensors, attention and sampling metadata, copying results to Python);
+- ``grammar bitmask fill``: [structured output] ``StructuredOutputManager.grammar_bitmask`` in
+  the engine (xgrammar fills one row per constrained request that samples);
+- ``grammar accept``: [structured output] the matchers advancing by the sampled tokens (inside
+  ``update_from_output``);
+- ``scheduler``: ``schedule`` + ``update_from_output`` minus grammar accept;
 - ``output processing``: detokenization, stop strings, ``RequestOutput`` objects;
 - ``engine, other``: the rest of ``LLMEngine.step``, and ``generate`` outside the steps.
 
@@ -88,6 +94,7 @@ class StepBreakdown:
         self._patch(runner, "sampler", "sampler")
         self._patch(model, "forward", "forward")
         self._patch(model, "compute_logits", "LM head")
+        self._patch_structured_output()
         starts: dict[int, float] = {}
 
         def pre(module, args):
@@ -107,6 +114,35 @@ class StepBreakdown:
                 self._stack.callback(module.register_forward_hook(post).remove)
         return self
 
+    def _patch_structured_output(self) -> None:
+        """Time the grammar work: the engine's bitmask fill, the worker's mask apply (a name the
+        model runner module imported) and the matchers' accept (the handle class's method)."""
+        from pagedllm.structured_output.request import StructuredOutputRequest
+        from pagedllm.worker import model_runner
+
+        manager = getattr(self.engine, "structured_output_manager", None)
+        if manager is not None:
+            self._patch(manager, "grammar_bitmask", "grammar bitmask fill")
+        self._patch_attr(model_runner, "apply_step_bitmask", "grammar mask apply")
+        self._patch_attr(StructuredOutputRequest, "accept_tokens", "grammar accept", method=True)
+
+    def _patch_attr(self, owner, attr: str, key: str, method: bool = False) -> None:
+        """Wrap a module function or a class's method (restored on exit)."""
+        old = getattr(owner, attr)
+        if method:
+            totals = self.totals
+
+            def timed(handle, *args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return old(handle, *args, **kwargs)
+                finally:
+                    totals[key] += time.perf_counter() - t0
+            setattr(owner, attr, timed)
+        else:
+            setattr(owner, attr, _Timed(old, self.totals, key))
+        self._stack.callback(setattr, owner, attr, old)
+
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
@@ -120,8 +156,12 @@ class StepBreakdown:
             ("attention", t["attention"]),
             ("model forward, other", t["forward"] - t["linear layers"] - t["attention"]),
             ("sampler", t["sampler"]),
-            ("model runner, other", t["execute_model"] - t["forward"] - t["LM head"] - t["sampler"]),
-            ("scheduler", t["scheduler"]),
+            ("grammar mask apply", t["grammar mask apply"]),
+            ("model runner, other", t["execute_model"] - t["forward"] - t["LM head"] - t["sampler"]
+             - t["grammar mask apply"]),
+            ("grammar bitmask fill", t["grammar bitmask fill"]),
+            ("grammar accept", t["grammar accept"]),
+            ("scheduler", t["scheduler"] - t["grammar accept"]),
             ("output processing", t["output processing"]),
         ]
         rows.append(("engine, other", self.wall_s - sum(s for _, s in rows)))

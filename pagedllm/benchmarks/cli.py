@@ -173,8 +173,17 @@ def _cmd_throughput(ns) -> int:
 
 
 def _structured_throughput(ns, llm, requests, dtype: str) -> int:
-    """``--structured-output json``: compile the 8 schemas (timed), then the workload without and
-    with constraints; one table (with = pagedllm column, without = baseline column)."""
+    """``--structured-output json``: compile the 8 schemas (timed), then the workload with
+    constraints, then without them at the same lengths (request ``i`` unconstrained, with
+    ``ignore_eos``, makes exactly as many tokens as its constrained reply did); one table (with =
+    pagedllm column, without = baseline column).
+
+    Like with like: a constrained reply ends where its grammar does, usually well before
+    ``max_tokens``, so an unconstrained run to ``max_tokens`` would make more tokens and keep its
+    batch full longer (more rows per step, more tokens/s). At the same lengths both runs schedule
+    the same batches step for step, and the ratio is the grammar's cost alone."""
+    from dataclasses import replace
+
     from pagedllm.benchmarks.metrics import format_table, ratios
     from pagedllm.benchmarks.structured import compile_schemas, schema_for
     from pagedllm.benchmarks.throughput import run_throughput
@@ -187,19 +196,26 @@ def _structured_throughput(ns, llm, requests, dtype: str) -> int:
     logger.info("structured output: %d schemas compiled, mean %.3f s, p99 %.3f s (tokenizer info %.2f s)",
                 compiles["num_schemas"], compiles["compile_mean_s"], compiles["compile_p99_s"],
                 compiles["tokenizer_info_s"])
-    plain, _ = run_throughput(llm, requests, warmup=not ns.no_warmup, progress=not ns.no_progress)
     constraints = [StructuredOutputsParams(json=schema_for(i)) for i in range(len(requests))]
-    constrained, _ = run_throughput(llm, requests, warmup=False, progress=not ns.no_progress,
-                                    structured_outputs=constraints)
+    constrained, _ = run_throughput(llm, requests, warmup=not ns.no_warmup, breakdown=ns.breakdown,
+                                    progress=not ns.no_progress, structured_outputs=constraints)
+    same_lengths = [replace(r, max_tokens=n) for r, n in zip(requests, constrained["output_lens"])]
+    plain, _ = run_throughput(llm, same_lengths, warmup=False, breakdown=ns.breakdown,
+                              progress=not ns.no_progress)
     info = dict(model=engine.model_files.source, dtype=dtype, max_num_seqs=engine.scheduler_config.max_num_seqs,
                 dataset=ns.dataset, structured_output=ns.structured_output, **compiles)
     keys = ("num_requests", "num_output_tokens", "duration_s", "output_tokens_per_s", "mean_tpot_s", "p99_tpot_s",
             "num_steps")
     print(format_table(f"pagedllm throughput with {ns.structured_output} constraints ({dtype}, {ns.dataset}, "
-                       f"max_num_seqs {info['max_num_seqs']})", constrained, keys, plain, "unconstrained"))
+                       f"max_num_seqs {info['max_num_seqs']}; unconstrained run at the same output lengths)",
+                       constrained, keys, plain, "unconstrained"))
     print(f"grammar compile per distinct schema ({compiles['num_schemas']} schemas): mean "
           f"{compiles['compile_mean_s']:.3f} s, p99 {compiles['compile_p99_s']:.3f} s, max "
           f"{compiles['compile_max_s']:.3f} s; tokenizer info (once) {compiles['tokenizer_info_s']:.2f} s")
+    for name, result in (("constrained", constrained), ("unconstrained", plain)):
+        if "breakdown" in result:
+            print(f"[{name}]")
+            print(format_breakdown(result["breakdown"]))
     _write_json(ns.output_json, {**info, "constrained": constrained, "unconstrained": plain,
                                  "ratio": ratios(constrained, plain, keys)})
     return 0

@@ -119,7 +119,8 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
         (result, prompt_token_ids): the flat result dict (``metrics.summarize``'s keys plus
         ``n``, ``peak_blocks_used``, ``peak_kv_usage``, ``kv_utilization``, ``num_preemptions``, ``prefix_cache_hit_rate``
         (cached / looked-up prompt tokens over the timed run; None with caching off),
-        ``prefill_tokens_saved`` (prompt tokens found cached, not computed), ``num_steps``), and
+        ``prefill_tokens_saved`` (prompt tokens found cached, not computed), ``num_steps``,
+        ``output_lens``: output tokens of each request, in workload order), and
         each request's prompt as the engine
         tokenized it (for baselines that must see the same tokens).
     Raises:
@@ -190,6 +191,7 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
                                / max(kv.prefix_cache_stats.queries - queries_before, 1)) if kv.enable_caching else None,
         prefill_tokens_saved=kv.prefix_cache_stats.hits - hits_before,
         num_steps=len(stat_logger.steps),
+        output_lens=[r.output_len for r in records],
     )
     if timer is not None:
         timer.wall_s = duration
