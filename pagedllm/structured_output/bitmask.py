@@ -9,6 +9,10 @@ import torch
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
     """Set the logits of tokens the grammar forbids to -inf, in place, in one call.
 
+    The rows are masked where they lie (xgrammar's ``indices``): no copy of the constrained
+    logits rows out and back (``index_select`` of a [k, 262144] float32 block allocated and
+    faulted in k MiB each step, several times the mask itself; docs/benchmarks.md).
+
     Args:
         logits: [N, vocab_size] float32, one row per sampling request (modified in place).
         bitmask: [len(rows), ceil(vocab_size / 32)] int32, xgrammar's layout (bit ``t % 32`` of
@@ -21,12 +25,14 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[
 
     if bitmask.shape[0] != len(rows) or bitmask.shape[1] * 32 < logits.shape[1]:
         raise ValueError(f"bitmask must be [{len(rows)}, >= {logits.shape[1]} / 32], got {list(bitmask.shape)}")
-    index = torch.as_tensor(rows, dtype=torch.int64, device=logits.device)
-    sub = logits.index_select(0, index)  # [k, V]
-    mask = torch.from_numpy(np.ascontiguousarray(bitmask)).to(logits.device)
+    mask = torch.from_numpy(np.ascontiguousarray(bitmask))                  # [k, W] int32
+    if rows != list(range(len(rows))):  # xgrammar reads bitmask[i] for logits[i]: lay the rows out so
+        full = torch.empty((logits.shape[0], mask.shape[1]), dtype=torch.int32)  # [N, W], only rows read
+        full[torch.as_tensor(rows, dtype=torch.int64)] = mask
+        mask = full
+    mask = mask.to(logits.device)
     backend = "cpu" if logits.device.type == "cpu" else "torch_native"
-    xgr.apply_token_bitmask_inplace(sub, mask, vocab_size=logits.shape[1], backend=backend)
-    logits.index_copy_(0, index, sub)
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=list(rows), backend=backend)
 
 
 def apply_step_bitmask(logits: torch.Tensor, req_ids: list[str], structured_output_request_ids: dict[str, int],

@@ -10,6 +10,7 @@ grammar state.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -54,6 +55,7 @@ class StructuredOutputManager:
         self._compiler: Future | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._bitmask = None  # [max_num_seqs, ceil(vocab/32)] int32 torch tensor, made on first use
+        self._batch_matcher = None  # xgrammar.BatchGrammarMatcher (its fill threads), made on first use
         self.compile_times_s: list[float] = []
 
     # -- compiling ----------------------------------------------------------------------------
@@ -131,8 +133,11 @@ class StructuredOutputManager:
             raise RuntimeError(f"{len(rows)} constrained rows in one step, more than max_num_seqs={self.max_num_seqs}")
         if self._bitmask is None:
             self._bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
-        for req_id, row in rows.items():
-            requests[req_id].structured_output_request.fill_bitmask(self._bitmask, row)
+            self._batch_matcher = xgr.BatchGrammarMatcher(
+                max_threads=self.config.bitmask_threads or os.cpu_count() or 1)
+        # One call for every row, filled by xgrammar's threads (the GIL released), not a Python loop.
+        matchers = [requests[req_id].structured_output_request.matcher for req_id in rows]
+        self._batch_matcher.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=list(rows.values()))
         return self._bitmask[:len(rows)].numpy().copy()
 
     def shutdown(self) -> None:

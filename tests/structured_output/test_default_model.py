@@ -43,6 +43,10 @@ def test_default_model_json_regex_choice_at_temperature_one(llm):
                SamplingParams(n=4, temperature=1.0, seed=8, max_tokens=8,
                               structured_outputs=StructuredOutputsParams(choice=CHOICES))]
     outs = llm.generate(prompts, params, use_tqdm=False)
+    finish = [[c.finish_reason for c in out.outputs] for out in outs]
+    # The measured rates, for docs/structured_output.md (shown with ``pytest -rP``).
+    print(f"json: {sum(f == 'stop' for r in finish[:-2] for f in r)}/80 stop; regex: "
+          f"{finish[-2].count('stop')}/4 stop; choice: {finish[-1].count('stop')}/4 stop")
 
     json_samples = [(schema, c) for schema, out in zip(SCHEMAS, outs) for c in out.outputs]
     assert len(json_samples) == 80

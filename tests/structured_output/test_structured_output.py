@@ -243,3 +243,48 @@ def test_compile_cache_is_keyed_by_canonical_schema_and_bounded(make_tiny_checkp
     out = small.generate(["x"], _params(0, json=a, max_tokens=60), use_tqdm=False)[0].outputs[0]
     jsonschema.validate(json.loads(out.text), a)
     small.llm_engine.shutdown()
+
+
+def test_batched_bitmask_fill_and_apply_equal_per_row_reference(llm):
+    """The manager's one-call fill (xgrammar's ``BatchGrammarMatcher``, threads) equals each
+    matcher's own ``fill_next_token_bitmask``, and the worker's apply on rows out of order equals
+    setting the forbidden logits of each row to -inf by hand."""
+    import numpy as np
+    import torch
+    import xgrammar as xgr
+
+    from pagedllm.structured_output.bitmask import apply_grammar_bitmask
+
+    manager = llm.llm_engine.structured_output_manager
+    handles = [manager.make_request(StructuredOutputsParams(json=SCHEMAS[i])) for i in (0, 5, 9)]
+    handles.append(manager.make_request(StructuredOutputsParams(regex=r"[a-c]{2,4}")))
+    for h in handles:
+        h._compiled.result()
+        assert h.is_ready() and h.error is None
+    first = xgr.allocate_token_bitmask(1, manager.vocab_size)  # move one matcher past its start state
+    handles[1].matcher.fill_next_token_bitmask(first)
+    first_allowed = int(np.flatnonzero(np.unpackbits(first.numpy().view(np.uint8), bitorder="little"))[0])
+    assert handles[1].accept_tokens([first_allowed])
+
+    class _Req:  # what the manager reads of a core.Request
+        def __init__(self, handle):
+            self.structured_output_request = handle
+
+    rows = {f"r{i}": i for i in range(len(handles))}
+    got = manager.grammar_bitmask({f"r{i}": _Req(h) for i, h in enumerate(handles)}, rows)
+    vocab = manager.vocab_size
+    want = xgr.allocate_token_bitmask(len(handles), vocab)
+    for i, h in enumerate(handles):
+        h.matcher.fill_next_token_bitmask(want, i)
+    assert got.shape == (len(handles), (vocab + 31) // 32) and np.array_equal(got, want.numpy())
+
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0))
+    positions = [4, 0, 5, 2]  # logits row of each bitmask row
+    allowed = (torch.from_numpy(got).to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1  # [4, W, 32]
+    allowed = allowed.reshape(len(handles), -1)[:, :vocab].bool()
+    expected = logits.clone()
+    for i, p in enumerate(positions):
+        expected[p][~allowed[i]] = float("-inf")
+    apply_grammar_bitmask(logits, got, positions)
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(logits[1]).all() and torch.isfinite(logits[3]).all()  # unconstrained rows untouched
