@@ -207,7 +207,7 @@ def _cmd_latency(ns) -> int:
         args.max_num_seqs = ns.batch_size
     llm = LLM(**vars(args))
     result = run_latency(llm, ns.batch_size, ns.input_len, ns.output_len, ns.num_iters, ns.num_iters_warmup,
-                         seed=ns.dataset_seed, ceiling=not ns.no_ceiling)
+                         seed=ns.dataset_seed, ceiling=not ns.no_ceiling, breakdown=ns.breakdown)
     print(format_latency(result))
     _write_json(ns.output_json, result)
     return 0
@@ -285,8 +285,8 @@ def _cmd_accuracy(ns) -> int:
     candidate_dtype = resolve_dtype(candidate_args.dtype, load_config(resolve_model(candidate_args.model).folder),
                                     resolve_device(candidate_args.device))   # the engine's own rule for "auto"
     if candidate_dtype == torch.float32 and candidate_args.quantization in (None, "gguf"):
-        raise ValueError("the candidate settings are the float32 reference itself; pass --quantization int8 "
-                         "or --dtype bfloat16")
+        raise ValueError("the candidate settings are the float32 reference itself; pass --quantization "
+                         "(int8, int8_weight_only, int4_weight_only) or --dtype bfloat16")
     scores, prompts = [], None
     for args in (reference_args, candidate_args):
         llm = LLM(**vars(args))
@@ -359,6 +359,8 @@ def add_bench_parser(subparsers) -> None:
     lt.add_argument("--num-iters-warmup", type=int, default=1)
     lt.add_argument("--dataset-seed", type=int, default=0)
     lt.add_argument("--no-ceiling", action="store_true", help="skip the matmul-rate ceiling")
+    lt.add_argument("--breakdown", action="store_true",
+                    help="time the engine's components too, per step (the overhead: all but linear layers and LM head)")
     lt.add_argument("--output-json", default=None)
     add_engine_cli_args(lt)
     lt.set_defaults(func=_cmd_latency)
