@@ -247,11 +247,13 @@ def _cmd_memory(ns) -> int:
 
 def _cmd_kernels(ns) -> int:
     from pagedllm.benchmarks.kernels import (BackendUnavailable, format_kernels, model_linear_shapes, run_kernels,
-                                             time_mlp_block)
+                                             stream_bandwidth, time_mlp_block)
     from pagedllm.loaders.model_files import load_config, resolve_model
 
     config = load_config(resolve_model(ns.model).folder)
     result = run_kernels(model_linear_shapes(config), ns.rows, ns.backends, min_seconds=ns.min_seconds)
+    if not ns.no_stream:
+        result.bandwidth = stream_bandwidth(min_seconds=ns.min_seconds)
     if ns.compile_mlp:
         text = config.get("text_config") or config
         try:
@@ -386,7 +388,10 @@ def add_bench_parser(subparsers) -> None:
     kn.add_argument("--model", default=None, help="model folder or .gguf (default: the default model)")
     kn.add_argument("--rows", type=_int_list, default=[16, 64, 512], help="row counts M (default 16,64,512)")
     kn.add_argument("--backends", type=_str_list, default=["onednn", "torch", "bf16", "int8"],
-                    help="comma-separated subset of onednn,torch,bf16,int8")
+                    help="comma-separated subset of onednn,torch,bf16,int8,int8_wo,int4_wo "
+                         "(int8_wo / int4_wo: the weight-only quantized layers)")
+    kn.add_argument("--no-stream", action="store_true",
+                    help="skip the STREAM-like memory bandwidth measurement (weight GB/s are shown for M <= 8)")
     kn.add_argument("--min-seconds", type=float, default=0.3, help="time each kernel at least this long")
     kn.add_argument("--compile-mlp", action="store_true",
                     help="also time one MLP block eager vs torch.compile (inductor freezing)")
