@@ -22,8 +22,10 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 SUPPORTED_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 # ``quantization`` values: None / "gguf" run the weights in ``dtype`` (a GGUF file is dequantized);
-# "int8" runs linear layers in int8 on the CPU (layers/quantization.py).
-SUPPORTED_QUANTIZATION = (None, "gguf", "int8")
+# "int8" runs linear layers in int8 on the CPU (layers/quantization.py); "int8_weight_only" and
+# "int4_weight_only" quantize only the weights (CPU, float activations; layers/weight_only.py).
+SUPPORTED_QUANTIZATION = (None, "gguf", "int8", "int8_weight_only", "int4_weight_only")
+WEIGHT_ONLY_QUANTIZATION = ("int8_weight_only", "int4_weight_only")
 # ``ModelConfig.attention_backend``: "auto" or a backend of ``attention/backends`` (kept in sync
 # with ``attention.backends.BACKEND_NAMES``; config.py imports no torch).
 SUPPORTED_ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_sdpa", "cpu_paged")
@@ -390,7 +392,9 @@ class ModelConfig:
         device: "cpu", "cuda", or ``None`` for cuda when available else cpu.
         quantization: ``None`` or "gguf" (weights run in ``dtype``; a GGUF file is dequantized),
             or "int8" (CPU, float32 activations: linear layers and the LM head in int8 with
-            dynamic activation quantization, ``layers/quantization.py``).
+            dynamic activation quantization, ``layers/quantization.py``), or "int8_weight_only" /
+            "int4_weight_only" (CPU, float32 or bfloat16 model: int8 per-channel or 4-bit
+            group-wise weights, activations not quantized, ``layers/weight_only.py``).
         model_folder: the Hugging Face-style folder the weights and config.json are read from
             (the engine resolves ``model`` into it); ``None`` before resolution.
         attention_backend: what the attention layers use, "auto" = the C++ paged kernel (see
@@ -469,6 +473,13 @@ class ModelConfig:
                              "with it (use dtype='float32' or 'auto')")
         if self.quantization == "int8" and (self.device or "cpu") != "cpu":
             raise ValueError(f"quantization='int8' runs on the CPU only (fbgemm); device={self.device!r}")
+        if self.quantization in WEIGHT_ONLY_QUANTIZATION:
+            if self.dtype in ("float16", "half"):
+                raise ValueError(f"quantization={self.quantization!r} runs float32 or bfloat16 models; "
+                                 f"dtype={self.dtype!r} cannot be combined with it")
+            if (self.device or "cpu") != "cpu":
+                raise ValueError(f"quantization={self.quantization!r} runs on the CPU only (torch's CPU "
+                                 f"weight-only kernels); device={self.device!r}")
         if self.attention_backend not in SUPPORTED_ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {SUPPORTED_ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

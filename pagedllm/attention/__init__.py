@@ -110,5 +110,5 @@ class Attention:
             raise ValueError(
                 f"cache block_size {k_cache.shape[1]} != metadata.block_size "
                 f"{metadata.block_size}")
-        write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+        write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, metadata.slot_mapping_has_padding)
         return self._forward(spec, query, key, value, k_cache, v_cache, metadata)

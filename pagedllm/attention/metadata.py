@@ -22,6 +22,8 @@ class AttentionMetadata:
 
     Attributes:
         slot_mapping: [num_tokens] int64; slot = block_id * block_size + offset; -1 = padding (skip).
+        slot_mapping_has_padding: whether ``slot_mapping`` may hold -1 (False lets ``write_kv``
+            skip its per-layer check: ``build_attention_metadata`` never pads).
         block_tables: [num_seqs, max_num_blocks] int32; rows padded with 0 past each sequence's blocks.
         query_start_loc: [num_seqs + 1] int32, cumulative query lengths (starts at 0).
         seq_lens: [num_seqs] int32, tokens of context after this step (cached + new).
@@ -48,6 +50,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    slot_mapping_has_padding: bool = True
     plans: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property

@@ -21,6 +21,7 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    check_padding: bool = True,
 ) -> None:
     """Scatter this step's K/V into the paged cache, in place (PagedAttention, Kwon et al. 2023).
 
@@ -33,6 +34,8 @@ def write_kv(
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype and
             device, contiguous.
         slot_mapping: [num_tokens] int64; slot = block_id * block_size + offset; -1 skips.
+        check_padding: look for -1 slots (a compare, a reduction and a host read per call);
+            False when the caller knows there are none (``AttentionMetadata.slot_mapping_has_padding``).
     Raises:
         ValueError: if len(slot_mapping) != num_tokens, if shapes or dtypes of key/value and
             the caches disagree, or if a cache is not contiguous.
@@ -61,10 +64,11 @@ def write_kv(
         raise ValueError("k_cache and v_cache must be contiguous")
     if num_tokens == 0:
         return
-    slots = slot_mapping.long()
-    valid = slots >= 0
-    if not bool(valid.all()):  # one host sync; padding is rare (CUDA-graph style batches)
-        key, value, slots = key[valid], value[valid], slots[valid]
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    if check_padding:
+        valid = slots >= 0
+        if not bool(valid.all()):  # one host sync; padding is rare (CUDA-graph style batches)
+            key, value, slots = key[valid], value[valid], slots[valid]
     # [num_blocks, block_size, H_kv, D] -> [num_slots, H_kv, D]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
@@ -164,4 +168,5 @@ def build_attention_metadata(
         query_lens_cpu=q_list,
         seq_lens_cpu=s_list,
         context_lens_cpu=ctx_lens.tolist(),
+        slot_mapping_has_padding=False,  # every token here has a real slot
     )

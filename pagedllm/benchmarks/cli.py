@@ -280,7 +280,7 @@ def _cmd_latency(ns) -> int:
         args.max_num_seqs = ns.batch_size
     llm = LLM(**vars(args))
     result = run_latency(llm, ns.batch_size, ns.input_len, ns.output_len, ns.num_iters, ns.num_iters_warmup,
-                         seed=ns.dataset_seed, ceiling=not ns.no_ceiling)
+                         seed=ns.dataset_seed, ceiling=not ns.no_ceiling, breakdown=ns.breakdown)
     print(format_latency(result))
     _write_json(ns.output_json, result)
     return 0
@@ -320,11 +320,13 @@ def _cmd_memory(ns) -> int:
 
 def _cmd_kernels(ns) -> int:
     from pagedllm.benchmarks.kernels import (BackendUnavailable, format_kernels, model_linear_shapes, run_kernels,
-                                             time_mlp_block)
+                                             stream_bandwidth, time_mlp_block)
     from pagedllm.loaders.model_files import load_config, resolve_model
 
     config = load_config(resolve_model(ns.model).folder)
     result = run_kernels(model_linear_shapes(config), ns.rows, ns.backends, min_seconds=ns.min_seconds)
+    if not ns.no_stream:
+        result.bandwidth = stream_bandwidth(min_seconds=ns.min_seconds)
     if ns.compile_mlp:
         text = config.get("text_config") or config
         try:
@@ -359,8 +361,8 @@ def _cmd_accuracy(ns) -> int:
                                     resolve_device(candidate_args.device),
                                     candidate_args.cpu_isa)   # the engine's own rule for "auto"
     if candidate_dtype == torch.float32 and candidate_args.quantization in (None, "gguf"):
-        raise ValueError("the candidate settings are the float32 reference itself; pass --quantization int8 "
-                         "or --dtype bfloat16")
+        raise ValueError("the candidate settings are the float32 reference itself; pass --quantization "
+                         "(int8, int8_weight_only, int4_weight_only) or --dtype bfloat16")
     scores, prompts = [], None
     for args in (reference_args, candidate_args):
         llm = LLM(**vars(args))
@@ -446,6 +448,8 @@ def add_bench_parser(subparsers) -> None:
     lt.add_argument("--num-iters-warmup", type=int, default=1)
     lt.add_argument("--dataset-seed", type=int, default=0)
     lt.add_argument("--no-ceiling", action="store_true", help="skip the matmul-rate ceiling")
+    lt.add_argument("--breakdown", action="store_true",
+                    help="time the engine's components too, per step (the overhead: all but linear layers and LM head)")
     lt.add_argument("--output-json", default=None)
     add_engine_cli_args(lt)
     lt.set_defaults(func=_cmd_latency)
@@ -471,7 +475,10 @@ def add_bench_parser(subparsers) -> None:
     kn.add_argument("--model", default=None, help="model folder or .gguf (default: the default model)")
     kn.add_argument("--rows", type=_int_list, default=[16, 64, 512], help="row counts M (default 16,64,512)")
     kn.add_argument("--backends", type=_str_list, default=["onednn", "torch", "bf16", "int8"],
-                    help="comma-separated subset of onednn,torch,bf16,int8")
+                    help="comma-separated subset of onednn,torch,bf16,int8,int8_wo,int4_wo "
+                         "(int8_wo / int4_wo: the weight-only quantized layers)")
+    kn.add_argument("--no-stream", action="store_true",
+                    help="skip the STREAM-like memory bandwidth measurement (weight GB/s are shown for M <= 8)")
     kn.add_argument("--min-seconds", type=float, default=0.3, help="time each kernel at least this long")
     kn.add_argument("--compile-mlp", action="store_true",
                     help="also time one MLP block eager vs torch.compile (inductor freezing)")

@@ -15,6 +15,15 @@ Backends (CPU; each is skipped with a reason where it does not run):
 - ``int8``: the engine's ``--quantization int8`` layer (``layers/quantization.py``: fbgemm's
   dynamically quantized linear with 7-bit per-channel weights and per-token scaled 8-bit
   activations).
+- ``int8_wo`` / ``int4_wo``: the engine's ``--quantization int8_weight_only`` /
+  ``int4_weight_only`` layers (``layers/weight_only.py``: torch's ``_weight_int8pack_mm`` /
+  ``_weight_int4pack_mm_for_cpu``, bfloat16 activations, weights only quantized).
+
+Bandwidth: each kernel's GB/s is the bytes of its weight (``BYTES_PER_WEIGHT``) per call over
+the call's time, the rate at which it streams its weight; at the small M of single-user decode a
+linear layer is memory bound, so this is the figure to hold against the machine's memory
+bandwidth, which ``stream_bandwidth`` measures like STREAM's Copy kernel (McCalpin 1995: ``b[:] =
+a[:]`` over arrays far larger than the caches, counting the bytes read and written).
 
 With ``compile_mlp``, one Gemma-style MLP block (RMSNorm, gate/up, GELU-tanh × up, down, RMSNorm,
 residual add) at the model's sizes is also timed eagerly with packed weights and through
@@ -34,7 +43,27 @@ from pagedllm.benchmarks.latency import LinearShape, measure_linear_gflops, mode
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("onednn", "torch", "bf16", "int8")
+BACKENDS = ("onednn", "torch", "bf16", "int8", "int8_wo", "int4_wo")
+# Bytes of weight each backend reads per weight element (scales and zeros left out: < 4% more).
+BYTES_PER_WEIGHT = {"onednn": 4.0, "torch": 4.0, "bf16": 2.0, "int8": 1.0, "int8_wo": 1.0, "int4_wo": 0.5}
+STREAM_ARRAY_BYTES = 256 << 20   # per array: far larger than any L3 cache
+
+
+def stream_bandwidth(array_bytes: int = STREAM_ARRAY_BYTES, min_seconds: float = 0.3) -> dict:
+    """STREAM-like memory bandwidth with torch's threads: Copy (``b.copy_(a)``: bytes read +
+    written) and a read-only sum (``a.sum()``: bytes read), each over float32 arrays of
+    ``array_bytes``.
+
+    Returns:
+        ``{"copy_gb_per_s", "read_gb_per_s", "array_bytes"}`` (GB = 1e9 bytes).
+    """
+    n = array_bytes // 4
+    a = torch.ones(n, dtype=torch.float32)
+    b = torch.empty_like(a)
+    copy_s = seconds_per_call(lambda: b.copy_(a), min_seconds)
+    read_s = seconds_per_call(lambda: a.sum(), min_seconds)
+    return {"copy_gb_per_s": 2 * n * 4 / copy_s / 1e9, "read_gb_per_s": n * 4 / read_s / 1e9,
+            "array_bytes": n * 4}
 
 
 def model_linear_shapes(config: dict) -> list[LinearShape]:
@@ -83,6 +112,14 @@ def make_backend(name: str, weight: torch.Tensor, batch_hint: int):
         if not int8_linear_available():
             raise BackendUnavailable("fbgemm's int8 linear is unavailable in this torch build")
         return Int8DynamicLinear(weight, None), torch.float32
+    if name in ("int8_wo", "int4_wo"):
+        from pagedllm.layers.weight_only import (INT4_WEIGHT_ONLY, INT8_WEIGHT_ONLY, WEIGHT_ONLY_COMPUTE_DTYPE,
+                                                 make_weight_only_layer, weight_only_available)
+
+        mode = INT8_WEIGHT_ONLY if name == "int8_wo" else INT4_WEIGHT_ONLY
+        if not weight_only_available(mode):
+            raise BackendUnavailable(f"torch's CPU {mode} kernel does not run here")
+        return make_weight_only_layer(mode, weight, None, WEIGHT_ONLY_COMPUTE_DTYPE), torch.float32
     raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
 
 
@@ -96,6 +133,12 @@ class KernelResult:
     gflops: dict[tuple[int, int, int, str], float] = field(default_factory=dict)  # (out, in, M, backend)
     skipped: dict[str, str] = field(default_factory=dict)
     mlp_block: list[dict] = field(default_factory=list)
+    bandwidth: dict | None = None   # stream_bandwidth()
+
+    def gb_per_s(self, out_features: int, in_features: int, m: int, backend: str) -> float | None:
+        """Weight bytes streamed per second by one call (``BYTES_PER_WEIGHT``)."""
+        rate = self.gflops.get((out_features, in_features, m, backend))
+        return None if rate is None else BYTES_PER_WEIGHT[backend] * rate / (2 * m)
 
     def step_seconds(self, m: int, backend: str) -> float | None:
         """Seconds of all linear layers + LM head of one decode step of ``m`` tokens."""
@@ -117,7 +160,10 @@ class KernelResult:
                 sec = self.step_seconds(m, b)
                 if sec is not None:
                     steps.append({"rows": m, "backend": b, "step_seconds": sec, "tokens_per_s": m / sec})
+        for r in rows:
+            r["weight_gb_per_s"] = self.gb_per_s(r["out_in"][0], r["out_in"][1], r["rows"], r["backend"])
         return {"kernels": rows, "steps": steps, "skipped": self.skipped, "mlp_block": self.mlp_block,
+                "bandwidth": self.bandwidth,
                 "shapes": [{"out_in": [s.out_features, s.in_features], "count": s.count} for s in self.shapes]}
 
 
@@ -229,6 +275,25 @@ def format_kernels(result: KernelResult) -> str:
             sec = result.step_seconds(m, b)
             cells.append("n/a" if sec is None else f"{m / sec:.1f}")
         lines.append(f"{'step':<28}{m:>6}" + "".join(f"{c:>10}" for c in cells))
+    small = [m for m in result.rows if m <= 8]
+    if small:
+        bw = result.bandwidth
+        ref = bw["copy_gb_per_s"] if bw else None
+        head = "" if bw is None else (f" (STREAM-like copy {bw['copy_gb_per_s']:.1f} GB/s, "
+                                      f"read-only sum {bw['read_gb_per_s']:.1f} GB/s)")
+        lines.append(f"---- weight GB/s at M <= 8 (bytes of the weight per call / time){head} ----")
+        lines.append(f"{'shape [out x in] x count':<28}{'M':>6}" + "".join(f"{b:>10}" for b in names))
+        for s in result.shapes:
+            for m in small:
+                vals = [result.gb_per_s(s.out_features, s.in_features, m, b) for b in names]
+                lines.append(f"{f'[{s.out_features} x {s.in_features}] x{s.count}':<28}{m:>6}"
+                             + "".join(f"{'n/a' if v is None else f'{v:.1f}':>10}" for v in vals))
+        if ref:
+            lines.append(f"(as a fraction of the copy bandwidth: divide by {ref:.1f})")
+    elif result.bandwidth:
+        bw = result.bandwidth
+        lines.append(f"memory: STREAM-like copy {bw['copy_gb_per_s']:.1f} GB/s, read-only sum "
+                     f"{bw['read_gb_per_s']:.1f} GB/s")
     for b, why in result.skipped.items():
         lines.append(f"skipped {b}: {why}")
     if result.mlp_block:

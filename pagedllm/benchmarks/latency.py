@@ -125,8 +125,15 @@ def linear_ceiling(model, m: int, min_seconds: float = MIN_MEASURE_S) -> dict:
 
 
 def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters: int = 3,
-                num_iters_warmup: int = 1, seed: int = 0, ceiling: bool = True) -> dict:
+                num_iters_warmup: int = 1, seed: int = 0, ceiling: bool = True,
+                breakdown: bool = False) -> dict:
     """Time one batch end to end and per step; see the module docstring.
+
+    With ``breakdown``, the timed iterations also run under ``StepBreakdown`` (result key
+    ``breakdown``: seconds per component over all timed iterations; ``breakdown_ms_per_step``:
+    the same per engine step, and ``overhead_ms_per_step``: everything but the linear layers and
+    the LM head, per step). The hooks cost a few microseconds per call, so take the latency
+    itself from a run without ``breakdown``.
 
     Raises:
         ValueError: for sizes < 1, or a batch larger than ``max_num_seqs`` (it would not be one batch).
@@ -149,6 +156,11 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
     for _ in range(num_iters_warmup):
         llm.generate(prompts, params, use_tqdm=False)
     latencies, decode_steps, prefill_phase = [], [], []
+    num_steps = 0
+    timer = None
+    if breakdown:
+        from pagedllm.benchmarks.breakdown import StepBreakdown
+        timer = StepBreakdown(engine).__enter__()
     for _ in range(num_iters):
         stat_logger = BenchStatLogger()
         engine.stat_loggers.append(stat_logger)
@@ -158,12 +170,16 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
             latencies.append(time.perf_counter() - t0)
         finally:
             engine.stat_loggers.remove(stat_logger)
+        num_steps += len(stat_logger.steps)
         full = [s.step_time for s in stat_logger.steps
                 if s.num_prefill_tokens == 0 and s.num_decode_tokens == batch_size]
         decode_steps.extend(full)
         # Steps up to the last one with prompt tokens (mixed prefill + early decodes).
         last_prefill = max((i for i, s in enumerate(stat_logger.steps) if s.num_prefill_tokens), default=-1)
         prefill_phase.append(sum(s.step_time for s in stat_logger.steps[:last_prefill + 1]))
+    if timer is not None:
+        timer.__exit__(None, None, None)
+        timer.wall_s = sum(latencies)
     step = mean(decode_steps)
     result = {
         "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "num_iters": num_iters,
@@ -175,6 +191,13 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
         "decode_tokens_per_s": batch_size / step if step else None,
         "dtype": str(engine.executor.driver_worker.dtype).replace("torch.", ""),
     }
+    if timer is not None:
+        bd = timer.as_dict()
+        per_step = {k: v / max(num_steps, 1) * 1000 for k, v in bd.items() if k != "wall_s"}
+        result["breakdown"] = bd
+        result["num_steps"] = num_steps
+        result["breakdown_ms_per_step"] = per_step
+        result["overhead_ms_per_step"] = sum(v for k, v in per_step.items() if k not in ("linear layers", "LM head"))
     if ceiling:
         c = linear_ceiling(engine.executor.driver_worker.model, batch_size)
         result.update(c)
@@ -193,6 +216,11 @@ def format_latency(result: dict) -> str:
              f"prefill phase  mean {ms(result['mean_prefill_phase_s'])}",
              f"decode step    mean {ms(result['mean_decode_step_s'])}  p50 {ms(result['p50_decode_step_s'])}  "
              f"p90 {ms(result['p90_decode_step_s'])}  ({result['num_decode_steps']} full-batch decode steps)"]
+    if "breakdown_ms_per_step" in result:
+        lines.append(f"---- per engine step ({result['num_steps']} steps, all iterations; exclusive) ----")
+        for name, v in result["breakdown_ms_per_step"].items():
+            lines.append(f"  {name:26s} {v:8.2f} ms")
+        lines.append(f"  {'overhead (not linear/head)':26s} {result['overhead_ms_per_step']:8.2f} ms")
     tps = result.get("decode_tokens_per_s")
     lines.append(f"decode         {'n/a' if tps is None else f'{tps:.1f}'} tokens/s")
     if "ceiling_tokens_per_s" in result:

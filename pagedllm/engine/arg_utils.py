@@ -55,8 +55,10 @@ class EngineArgs:
         preemption_mode: "recompute" (default) or "swap" (``SchedulerConfig.preemption_mode``).
         swap_space: GiB of host memory per worker for swapped-out KV blocks (vLLM's default 4;
             allocated only with ``preemption_mode="swap"``; >= 0).
-        quantization: None / "gguf" (weights dequantized to ``dtype``) or "int8" (CPU only:
-            int8 linear layers with dynamic activation quantization; not exact, see README).
+        quantization: None / "gguf" (weights dequantized to ``dtype``), "int8" (CPU only:
+            int8 linear layers with dynamic activation quantization; not exact, see README), or
+            "int8_weight_only" / "int4_weight_only" (CPU only: int8 or 4-bit weights, float
+            activations; not exact, see README).
         enable_prefix_caching: automatic prefix caching (content-hashed full blocks shared
             across requests); on by default, as in vLLM.
         attention_backend: what attention layers built with "auto" use: "auto" (the C++ paged
@@ -306,7 +308,9 @@ def add_engine_cli_args(parser) -> None:
                    help="share full KV blocks across requests by content hash (default: on)")
     g.add_argument("--quantization", "-q", default=None, choices=[q for q in SUPPORTED_QUANTIZATION if q],
                    help="int8: CPU linear layers and LM head in int8 with dynamic activation "
-                        "quantization (faster at decode batch sizes, not exact; default: none)")
+                        "quantization (faster at decode batch sizes, not exact); int8_weight_only / "
+                        "int4_weight_only: int8 per-channel or 4-bit group-wise weights, activations not "
+                        "quantized (CPU; faster at small batches, not exact; default: none)")
     g.add_argument("--disable-log-stats", action="store_true")
     g.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar"],
                    help="grammar engine for response_format / structured_outputs / tools (default: auto)")

@@ -43,8 +43,13 @@ def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None
 class RotaryEmbedding(nn.Module):
     """RoPE cos/sin for a batch of positions (neox / "rotate_half" layout).
 
-    cos/sin are computed per step from the positions (``position * inv_freq`` in float32, as
-    transformers does), once per model and RoPE kind, then shared by every layer of that kind.
+    cos/sin rows are computed as transformers does (``position * inv_freq`` in float32, then
+    cos/sin, times the scaling, cast to the model dtype), for positions 0..N-1 at once, and kept
+    in a table that doubles when a larger position comes; a step gathers its positions' rows
+    (one ``index_select`` each instead of ten elementwise ops over [T, head_dim] per RoPE kind
+    and step). The same float32 products and the same vectorized cos/sin give the same values as
+    computing them per step. The table is shared by every layer of that kind; at most
+    2 x ``max position`` x ``head_dim`` values in the model dtype.
 
     Args:
         head_dim: rotary dimension (the whole head).
@@ -62,6 +67,13 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute ``inv_freq`` in float32, e.g. after ``to_empty`` from the meta device."""
         inv_freq, self.attention_scaling = compute_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
         self.inv_freq = inv_freq.to(self.inv_freq.device)
+        self._table: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}   # dtype -> (cos, sin) [N, D]
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, head_dim] in ``dtype``, for int64 ``positions`` [T]."""
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]   # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                # [T, D]
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for ``positions``.
@@ -72,10 +84,17 @@ class RotaryEmbedding(nn.Module):
         Returns:
             (cos, sin), each [num_tokens, 1, head_dim] in ``dtype``.
         """
-        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]   # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                                # [T, D]
-        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)
-        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
+        if positions.numel() == 0:
+            cos, sin = self._compute(positions, dtype)
+            return cos.unsqueeze(1), sin.unsqueeze(1)
+        table = self._table.get(dtype)
+        needed = int(positions.max()) + 1
+        if table is None or table[0].shape[0] < needed:
+            size = max(256, 1 << (needed - 1).bit_length())   # the next power of two
+            table = self._compute(torch.arange(size, device=positions.device), dtype)
+            self._table[dtype] = table
+        cos = table[0].index_select(0, positions).unsqueeze(1)                 # [T, 1, D]
+        sin = table[1].index_select(0, positions).unsqueeze(1)
         return cos, sin
 
 

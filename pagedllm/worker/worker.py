@@ -15,6 +15,7 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
 from pagedllm.layers.linear import pack_linear_layers
 from pagedllm.layers.quantization import quantize_linear_layers
+from pagedllm.layers.weight_only import WEIGHT_ONLY_MODES, quantize_weight_only
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.registry import get_model_class
 from pagedllm.worker.model_runner import ModelRunner
@@ -181,6 +182,8 @@ class Worker:
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
             weight_bytes += quantize_linear_layers(self.model)
+        elif self.model_config.quantization in WEIGHT_ONLY_MODES:  # int8 / int4 weights (layers/weight_only.py)
+            weight_bytes += quantize_weight_only(self.model, self.model_config.quantization)
         else:  # CPU float32 (and bfloat16 where native): linear layers move into oneDNN's packed layout (layers/linear.py).
             weight_bytes += pack_linear_layers(self.model, self.dtype, self.device,
                                                self.scheduler_config.max_num_seqs, self.model_config.cpu_gemm)

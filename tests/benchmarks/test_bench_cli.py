@@ -118,6 +118,29 @@ def test_bench_latency_reports_steps_and_ceiling(make_tiny_checkpoint, tmp_path)
     assert res["measured_over_ceiling"] == pytest.approx(res["decode_tokens_per_s"] / res["ceiling_tokens_per_s"])
 
 
+def test_bench_latency_breakdown_per_step(make_tiny_checkpoint, tmp_path):
+    model = make_tiny_checkpoint("gemma3")
+    out = tmp_path / "b.json"
+    rc = main(["bench", "latency", "--model", model, "--batch-size", "1", "--input-len", "8", "--output-len", "5",
+               "--num-iters", "2", "--num-iters-warmup", "0", "--no-ceiling", "--breakdown",
+               "--output-json", str(out), *ENGINE_FLAGS])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    # Per iteration: one prefill step (which samples the first token), then 4 decode steps.
+    assert res["num_steps"] == 2 * 5
+    per_step = res["breakdown_ms_per_step"]
+    bd = res["breakdown"]
+    for name, seconds in bd.items():
+        if name != "wall_s":
+            assert per_step[name] == pytest.approx(seconds / 10 * 1000)
+    assert per_step["linear layers"] > 0 and per_step["LM head"] > 0
+    # The components sum to the timed iterations' wall time; the overhead is all but linear + head.
+    assert sum(v for k, v in bd.items() if k != "wall_s") == pytest.approx(bd["wall_s"])
+    assert res["overhead_ms_per_step"] == pytest.approx(
+        sum(per_step.values()) - per_step["linear layers"] - per_step["LM head"])
+    assert bd["wall_s"] == pytest.approx(res["mean_latency_s"] * 2)
+
+
 def test_bench_memory_json(tmp_path, capsys):
     data = _workload(tmp_path, [{"prompt": "x", "prompt_len": 13, "max_tokens": 3}])
     out = tmp_path / "m.json"

@@ -104,3 +104,36 @@ def test_compiled_mlp_block_matches_eager():
     (r,) = rows
     assert r["rows"] == 3 and r["eager_packed_ms"] > 0 and r["compiled_ms"] > 0
     assert r["max_abs_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("backend,rtol", [("int8_wo", 2e-2), ("int4_wo", 0.15)])
+def test_weight_only_backends_compute_the_linear_layer(backend, rtol):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=gen) / 8
+    x = torch.randn(5, 64, generator=gen)
+    layer, dtype = make_backend(backend, w, 8)
+    ref = F.linear(x, w)
+    y = layer(x.to(dtype)).float()
+    assert y.shape == (5, 48)
+    # int8: 255 levels per row and bf16 activations; int4: 16 levels per group of 32 columns.
+    assert (y - ref).abs().max() <= rtol * ref.abs().max()
+    assert (y - ref).abs().max() > 0
+
+
+def test_weight_gb_per_s_is_weight_bytes_over_call_time():
+    """4096 x 1024 float32 weights (16 MiB) at 100 GFLOP/s with M = 2: a call does 2*2*4096*1024
+    FLOPs in 167.8 us, so it streams 16.78 MB / 167.8 us = 100 GB/s; int4 reads an eighth of it."""
+    r = KernelResult(shapes=[LinearShape(1024, 4096, 1)], rows=[2], backends=["onednn", "int4_wo"])
+    r.gflops[(4096, 1024, 2, "onednn")] = 100.0
+    r.gflops[(4096, 1024, 2, "int4_wo")] = 100.0
+    assert r.gb_per_s(4096, 1024, 2, "onednn") == pytest.approx(100.0)
+    assert r.gb_per_s(4096, 1024, 2, "int4_wo") == pytest.approx(12.5)
+    assert r.gb_per_s(4096, 1024, 2, "bf16") is None
+
+
+def test_stream_bandwidth_counts_read_and_written_bytes():
+    from pagedllm.benchmarks.kernels import stream_bandwidth
+
+    bw = stream_bandwidth(array_bytes=8 << 20, min_seconds=0.01)
+    assert bw["array_bytes"] == 8 << 20
+    assert 0.1 < bw["copy_gb_per_s"] < 10_000 and 0.1 < bw["read_gb_per_s"] < 10_000

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def llm(make_tiny_checkpoint):
-    engine = LLM(make_tiny_checkpoint("llama"), max_model_len=512, kv_cache_memory_bytes=64 << 20, seed=0,
+    engine = LLM(make_tiny_checkpoint("llama"), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20, seed=0,
                  block_size=4, max_num_seqs=16)
     yield engine
     engine.llm_engine.shutdown()
@@ -168,10 +168,10 @@ def test_preemption_chunked_prefill_and_prefix_caching(make_tiny_checkpoint, mod
     path = make_tiny_checkpoint("llama")
     prompt = "shared prefix " * 4
     params = [_params(seed, json=schema, max_tokens=100) for seed in range(6)]
-    roomy = LLM(path, max_model_len=160, kv_cache_memory_bytes=64 << 20, seed=0, block_size=4)
+    roomy = LLM(path, dtype="float32", max_model_len=160, kv_cache_memory_bytes=64 << 20, seed=0, block_size=4)
     want = [o.outputs[0].text for o in roomy.generate([prompt] * 6, params, use_tqdm=False)]
     roomy.llm_engine.shutdown()
-    tight = LLM(path, max_model_len=160, num_gpu_blocks_override=40, seed=0, block_size=4,
+    tight = LLM(path, dtype="float32", max_model_len=160, num_gpu_blocks_override=40, seed=0, block_size=4,
                 max_num_batched_tokens=64, preemption_mode=mode, swap_space=0.01)
     got = [o.outputs[0].text for o in tight.generate([prompt] * 6, params, use_tqdm=False)]
     assert tight.llm_engine.scheduler.num_preemptions_by_mode[mode] > 0
