@@ -139,16 +139,12 @@ class StructuredOutputsConfig:
             (compact ``,`` / ``:`` separators). On by default: a small model given free
             whitespace can spend its whole ``max_tokens`` on newlines.
         compile_threads: threads that compile grammars off the engine loop.
-        bitmask_threads: threads that fill a step's bitmask rows (xgrammar's
-            ``BatchGrammarMatcher``, C++ threads; the fill runs between forwards, when the model's
-            threads are idle); None: one per CPU core (``os.cpu_count()``).
     """
 
     backend: str = "auto"
     max_grammar_cache: int = DEFAULT_MAX_STRUCTURED_OUTPUT_GRAMMAR_CACHE
     disable_any_whitespace: bool = True
     compile_threads: int = 2
-    bitmask_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in SUPPORTED_STRUCTURED_OUTPUTS_BACKENDS:
@@ -159,8 +155,6 @@ class StructuredOutputsConfig:
                              f"{self.max_grammar_cache!r}")
         if self.compile_threads < 1:
             raise ValueError(f"compile_threads must be >= 1, got {self.compile_threads}")
-        if self.bitmask_threads is not None and self.bitmask_threads < 1:
-            raise ValueError(f"bitmask_threads must be >= 1 or None, got {self.bitmask_threads}")
 
 
 # ``ParallelConfig.distributed_executor_backend`` values (vLLM's names): "uni" runs one worker in

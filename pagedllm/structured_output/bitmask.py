@@ -7,11 +7,13 @@ import torch
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
-    """Set the logits of tokens the grammar forbids to -inf, in place, in one call.
+    """Set the logits of tokens the grammar forbids to -inf, in place.
 
-    The rows are masked where they lie (xgrammar's ``indices``): no copy of the constrained
-    logits rows out and back (``index_select`` of a [k, 262144] float32 block allocated and
-    faulted in k MiB each step, several times the mask itself; docs/benchmarks.md).
+    The forbidden bits are unpacked to a bool mask (``np.unpackbits`` of the inverted words) and
+    applied with ``masked_fill_`` where the rows lie: one call when ``rows`` is ``0..k-1`` (every
+    row of an all-constrained batch), else one per row. No copy of the logits rows out and back,
+    and torch's threads instead of xgrammar's single-threaded CPU kernel, 2-4x slower at 16-64
+    rows of a 262k vocabulary (docs/benchmarks.md).
 
     Args:
         logits: [N, vocab_size] float32, one row per sampling request (modified in place).
@@ -21,18 +23,18 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[
     Raises:
         ValueError: if the shapes disagree.
     """
-    import xgrammar as xgr
-
     if bitmask.shape[0] != len(rows) or bitmask.shape[1] * 32 < logits.shape[1]:
         raise ValueError(f"bitmask must be [{len(rows)}, >= {logits.shape[1]} / 32], got {list(bitmask.shape)}")
-    mask = torch.from_numpy(np.ascontiguousarray(bitmask))                  # [k, W] int32
-    if rows != list(range(len(rows))):  # xgrammar reads bitmask[i] for logits[i]: lay the rows out so
-        full = torch.empty((logits.shape[0], mask.shape[1]), dtype=torch.int32)  # [N, W], only rows read
-        full[torch.as_tensor(rows, dtype=torch.int64)] = mask
-        mask = full
-    mask = mask.to(logits.device)
-    backend = "cpu" if logits.device.type == "cpu" else "torch_native"
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=list(rows), backend=backend)
+    vocab_size = logits.shape[1]
+    # Little-endian words: byte b of word w holds tokens 32w + 8b .. 32w + 8b + 7, low bit first.
+    words = np.invert(np.ascontiguousarray(bitmask, dtype="<i4"))
+    forbidden = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]  # [k, V] 0/1
+    forbidden = torch.from_numpy(forbidden).view(torch.bool).to(logits.device)
+    if rows == list(range(len(rows))):
+        logits[:len(rows)].masked_fill_(forbidden, float("-inf"))
+    else:
+        for i, row in enumerate(rows):
+            logits[row].masked_fill_(forbidden[i], float("-inf"))
 
 
 def apply_step_bitmask(logits: torch.Tensor, req_ids: list[str], structured_output_request_ids: dict[str, int],

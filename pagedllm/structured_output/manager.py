@@ -10,7 +10,6 @@ grammar state.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -55,7 +54,6 @@ class StructuredOutputManager:
         self._compiler: Future | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._bitmask = None  # [max_num_seqs, ceil(vocab/32)] int32 torch tensor, made on first use
-        self._batch_matcher = None  # xgrammar.BatchGrammarMatcher (its fill threads), made on first use
         self.compile_times_s: list[float] = []
 
     # -- compiling ----------------------------------------------------------------------------
@@ -133,11 +131,11 @@ class StructuredOutputManager:
             raise RuntimeError(f"{len(rows)} constrained rows in one step, more than max_num_seqs={self.max_num_seqs}")
         if self._bitmask is None:
             self._bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
-            self._batch_matcher = xgr.BatchGrammarMatcher(
-                max_threads=self.config.bitmask_threads or os.cpu_count() or 1)
-        # One call for every row, filled by xgrammar's threads (the GIL released), not a Python loop.
-        matchers = [requests[req_id].structured_output_request.matcher for req_id in rows]
-        self._batch_matcher.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=list(rows.values()))
+        # Row by row in this thread: xgrammar's ``BatchGrammarMatcher`` (a C++ thread pool) was
+        # tried and made the next forward ~4x slower on 2 cores, its threads contending with
+        # torch's OpenMP threads; the serial fill is ~0.1 ms a row (docs/benchmarks.md).
+        for req_id, row in rows.items():
+            requests[req_id].structured_output_request.fill_bitmask(self._bitmask, row)
         return self._bitmask[:len(rows)].numpy().copy()
 
     def shutdown(self) -> None:

@@ -66,6 +66,10 @@ class StructuredOutputRequest:
         """True when the grammar has ended (it accepted a stop token, or allows nothing more)."""
         return self.matcher.is_terminated()
 
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` ([rows, ceil(vocab/32)] int32)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
     def fork(self) -> "StructuredOutputRequest":
         """A copy whose matcher continues from this one's state independently (for forked
         sequences, e.g. beam search); shares the compiled grammar."""

@@ -246,9 +246,9 @@ def test_compile_cache_is_keyed_by_canonical_schema_and_bounded(make_tiny_checkp
 
 
 def test_batched_bitmask_fill_and_apply_equal_per_row_reference(llm):
-    """The manager's one-call fill (xgrammar's ``BatchGrammarMatcher``, threads) equals each
-    matcher's own ``fill_next_token_bitmask``, and the worker's apply on rows out of order equals
-    setting the forbidden logits of each row to -inf by hand."""
+    """The manager's step bitmask holds each matcher's own ``fill_next_token_bitmask`` in its
+    row, and the worker's apply (unpacked bits, ``masked_fill_``), on rows out of order and on
+    rows ``0..k-1``, equals setting the forbidden logits of each row to -inf by hand."""
     import numpy as np
     import torch
     import xgrammar as xgr
@@ -278,13 +278,15 @@ def test_batched_bitmask_fill_and_apply_equal_per_row_reference(llm):
         h.matcher.fill_next_token_bitmask(want, i)
     assert got.shape == (len(handles), (vocab + 31) // 32) and np.array_equal(got, want.numpy())
 
-    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0))
-    positions = [4, 0, 5, 2]  # logits row of each bitmask row
     allowed = (torch.from_numpy(got).to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1  # [4, W, 32]
     allowed = allowed.reshape(len(handles), -1)[:, :vocab].bool()
-    expected = logits.clone()
-    for i, p in enumerate(positions):
-        expected[p][~allowed[i]] = float("-inf")
-    apply_grammar_bitmask(logits, got, positions)
-    assert torch.equal(logits, expected)
-    assert torch.isfinite(logits[1]).all() and torch.isfinite(logits[3]).all()  # unconstrained rows untouched
+    assert 0 < int(allowed.sum()) < allowed.numel()
+    for positions in ([4, 0, 5, 2], [0, 1, 2, 3]):  # logits row of each bitmask row
+        logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0))
+        expected = logits.clone()
+        for i, p in enumerate(positions):
+            expected[p][~allowed[i]] = float("-inf")
+        apply_grammar_bitmask(logits, got, positions)
+        assert torch.equal(logits, expected)
+        for p in set(range(6)) - set(positions):  # unconstrained rows untouched
+            assert torch.isfinite(logits[p]).all()
