@@ -190,3 +190,29 @@ def test_bench_latency_prefills_the_batch_in_one_step_and_counts_a_tied_head_onc
     cfg = json.loads((Path(model) / "config.json").read_text())
     shapes = {tuple(s["out_in"]): s["count"] for s in res["shapes"]}
     assert shapes[(cfg["vocab_size"], cfg["hidden_size"])] == 1
+
+
+def test_bench_throughput_structured_output_compares_the_same_lengths(make_tiny_checkpoint, tmp_path, capsys):
+    """--structured-output json: the unconstrained run makes exactly the constrained replies'
+    lengths (same steps), both greedy constrained runs agree, and --breakdown puts grammar time
+    only on the constrained runs."""
+    model = make_tiny_checkpoint("llama")
+    out = tmp_path / "s.json"
+    rc = main(["bench", "throughput", "--model", model, "--dataset", "random", "--num-prompts", "8",
+               "--input-len", "12", "--output-len", "24", "--dataset-seed", "1", "--structured-output", "json",
+               "--breakdown", "--no-progress", "--output-json", str(out), *ENGINE_FLAGS])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    first, second, plain = res["constrained_first_run"], res["constrained"], res["unconstrained"]
+    assert first["output_lens"] == second["output_lens"] == plain["output_lens"]
+    from pagedllm.benchmarks.datasets import random_requests
+    reqs = random_requests(8, 12, 24, vocab_size=10**6, range_ratio=0.5, seed=1)  # the workload (CLI defaults)
+    assert all(1 <= n <= r.max_tokens for n, r in zip(plain["output_lens"], reqs)), (plain["output_lens"], [r.max_tokens for r in reqs])
+    assert first["num_steps"] == second["num_steps"] == plain["num_steps"]
+    assert res["num_schemas"] == 8 and res["compile_p99_s"] >= res["compile_mean_s"] > 0
+    for run in (first, second):
+        assert run["breakdown"]["grammar bitmask fill"] > 0 and run["breakdown"]["grammar mask apply"] > 0
+    assert plain["breakdown"]["grammar bitmask fill"] == plain["breakdown"]["grammar mask apply"] == 0
+    both = (first["num_output_tokens"] + second["num_output_tokens"]) / (first["duration_s"] + second["duration_s"])
+    assert res["ratio_both_constrained_runs"] == pytest.approx(both / plain["output_tokens_per_s"])
+    assert "both runs together" in capsys.readouterr().out
