@@ -211,6 +211,11 @@ class AsyncLLM:
         return self.engine.vocab_size
 
     @property
+    def data_parallel_size(self) -> int:
+        """Engine replicas behind this front end: 1 (``DPAsyncLLM`` has D)."""
+        return 1
+
+    @property
     def is_running(self) -> bool:
         """True while the engine thread is alive and not shutting down."""
         return self._thread is not None and self._thread.is_alive() and not self._stopping

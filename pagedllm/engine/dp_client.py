@@ -34,6 +34,7 @@ from typing import Any, AsyncIterator, Iterable, Sequence
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_engine import (EngineDeadError, EngineStepError, OutputStream, _Failure, _NewRequest,
                                           _put_all, _Sink)
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.dp_coordinator import DPLoadBalancer
 from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
 from pagedllm.outputs import RequestOutput
@@ -410,8 +411,18 @@ class DPAsyncLLM:
         return self.client.max_model_len
 
     @property
+    def max_num_seqs(self) -> int:
+        """Most sequences in one step of each replica."""
+        return self.client.scheduler_config.max_num_seqs
+
+    @property
     def vocab_size(self) -> int:
         return self.client.vocab_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """D, the replicas (beam search needs 1)."""
+        return self.client.num_replicas
 
     @property
     def is_running(self) -> bool:
@@ -448,7 +459,8 @@ class DPAsyncLLM:
         """As ``AsyncLLM.add_requests``; each request goes to the replica the balancer picks.
 
         Raises:
-            ValueError: a bad prompt or params, a duplicate id (nothing is queued).
+            ValueError: a bad prompt or params, a duplicate id, ``BeamSearchParams`` (beam search
+                needs data_parallel_size=1) (nothing is queued).
             EngineDeadError: shutting down, or every replica is dead.
         """
         self.check_health()
@@ -459,6 +471,8 @@ class DPAsyncLLM:
             request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
             if any(r.request_id == request_id for r in prepared):
                 raise ValueError(f"request_id {request_id!r} is given twice")
+            if isinstance(params, BeamSearchParams):
+                self.client.add_beam_search_request()   # raises: beam search needs data_parallel_size=1
             if isinstance(prompt, ProcessedInput):
                 if params is not None:
                     raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")

@@ -1,6 +1,6 @@
 """Data parallelism behind one server (tiny checkpoint, real ``pagedllm serve`` subprocess):
 32 concurrent clients at --data-parallel-size 2 give DP=1's greedy outputs and spread 40-60% to
-each replica (per-replica counters, ``engine`` label); a replica killed with requests in flight
+each replica (per-replica counters, ``engine`` label); ``use_beam_search`` is a 400 naming it; a replica killed with requests in flight
 fails those requests with a clear error, /health says "degraded", the other replica keeps serving."""
 
 from __future__ import annotations
@@ -56,6 +56,14 @@ def test_dp2_spreads_32_clients_and_equals_dp1(make_tiny_checkpoint, launch_serv
     assert all(0.4 * NUM_CLIENTS <= s <= 0.6 * NUM_CLIENTS for s in served), served
     gen = [server.metric("pagedllm:generation_tokens_total", engine=str(i)) for i in (0, 1)]
     assert gen == [8 * s for s in served]
+    # Beam search needs one engine: a 400 naming use_beam_search on both routes (not a 500).
+    for route, body in (("/v1/completions", {"prompt": PROMPTS[0]}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        r = httpx.post(server.url + route, json={"model": "tiny", "max_tokens": 3, "n": 2, "use_beam_search": True,
+                                                 **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "use_beam_search" and "data_parallel_size=1" in error["message"], error
 
 
 @pytest.mark.slow   # spawns replica processes (~15 s each start on two shared cores)
