@@ -63,7 +63,10 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One beam (vLLM's shape): ``tokens`` = prompt + generated, ``cum_logprob`` natural log."""
+    """One beam (vLLM's shape): ``tokens`` = prompt + generated, ``cum_logprob`` natural log;
+    ``text`` (set when the search finishes) is the decode of all of ``tokens``, prompt and special
+    tokens included, as vLLM's ``LLM.beam_search`` sets it (the server's choices and
+    ``RequestOutput.outputs`` carry only the generated text)."""
 
     tokens: list[int]
     logprobs: list[float] = field(default_factory=list)
@@ -243,8 +246,9 @@ class BeamSearchManager:
         outputs = []
         num_prompt = len(inst.prompt_token_ids)
         for i, seq in enumerate(best):
-            seq.text = self.tokenizer.decode(seq.tokens[num_prompt:], skip_special_tokens=True)
-            outputs.append(CompletionOutput(i, seq.text, seq.tokens[num_prompt:], seq.cum_logprob, None,
+            seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=False)
+            generated = self.tokenizer.decode(seq.tokens[num_prompt:], skip_special_tokens=True)
+            outputs.append(CompletionOutput(i, generated, seq.tokens[num_prompt:], seq.cum_logprob, None,
                                             seq.finish_reason, None))
         self.instances.pop(inst.request_id, None)
         metrics = RequestMetrics(inst.arrival_time, finished_time=time.monotonic())
