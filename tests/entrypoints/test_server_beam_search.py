@@ -183,10 +183,33 @@ def test_length_penalty_without_beam_search_is_400(state):
     assert response.status_code == 400 and response.json()["error"]["param"] == "length_penalty"
 
 
+def metric(state, name: str, **labels: str) -> float:
+    value = state.registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
+    return 0.0 if value is None else value
+
+
+def test_finished_beam_search_counts_once_in_metrics(state, offline):
+    """A beam search is one request in /metrics: one success with its best beam's finish reason,
+    its prompt once, one TTFT and e2e latency, and usage.completion_tokens generated tokens."""
+    names = [("pagedllm:request_success_total", {"finished_reason": "length"}),
+             ("pagedllm:request_success_total", {"finished_reason": "stop"}),
+             ("pagedllm:prompt_tokens_total", {}), ("pagedllm:time_to_first_token_seconds_count", {}),
+             ("pagedllm:e2e_request_latency_seconds_count", {}),
+             ("pagedllm:request_generation_tokens_count", {}), ("pagedllm:request_generation_tokens_sum", {})]
+    before = [metric(state, name, **labels) for name, labels in names]
+    response = run(state, lambda client, http: client.completions.create(
+        model="tiny", prompt=PROMPT, n=3, max_tokens=5, extra_body={"use_beam_search": True, "ignore_eos": True}))
+    after = [metric(state, name, **labels) for name, labels in names]
+    num_prompt = len(offline.get_tokenizer().encode(PROMPT))
+    assert response.usage.completion_tokens == 3 * 5
+    assert [a - b for a, b in zip(after, before)] == [1, 0, num_prompt, 1, 1, 1, 3 * 5]
+
+
 def test_disconnect_mid_beam_search_frees_every_block(state):
     """A client that leaves while the beams run: the search is aborted, its blocks freed, and the
     server keeps serving."""
     engine = state.engine.engine
+    aborts = metric(state, "pagedllm:request_success_total", finished_reason="abort")
 
     async def calls(client, http):
         task = asyncio.ensure_future(client.completions.create(
@@ -206,5 +229,6 @@ def test_disconnect_mid_beam_search_frees_every_block(state):
 
     after = run(state, calls)
     assert after.usage.completion_tokens == 3
+    assert metric(state, "pagedllm:request_success_total", finished_reason="abort") == aborts + 1
     assert not engine.beam_search.instances and not engine.beam_search.beam_to_instance
     assert_pool_empty(state)
