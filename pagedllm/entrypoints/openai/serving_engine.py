@@ -155,7 +155,7 @@ class OpenAIServing:
     @staticmethod
     def check_unsupported_fields(request, table: dict[str, Callable[[Any], bool]]) -> None:
         """Refuse a field vLLM or OpenAI defines but this server does not implement yet, unless its
-        value asks for nothing (``use_beam_search: false``, ``response_format: {"type": "text"}``).
+        value asks for nothing (``priority: 0``, ``functions: []``).
 
         Raises:
             OpenAIError: 400 naming the field.
