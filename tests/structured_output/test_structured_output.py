@@ -243,3 +243,26 @@ def test_compile_cache_is_keyed_by_canonical_schema_and_bounded(make_tiny_checkp
     out = small.generate(["x"], _params(0, json=a, max_tokens=60), use_tqdm=False)[0].outputs[0]
     jsonschema.validate(json.loads(out.text), a)
     small.llm_engine.shutdown()
+
+
+def test_json_whitespace_is_what_the_readme_says():
+    """No free whitespace in JSON constraints: a schema's declared members and items are joined by
+    "," and ":" alone; the parts a schema leaves untyped (all of ``json_object``, extra
+    properties) get xgrammar 0.2.8's fixed ", " between members and items, never newlines."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from pagedllm.structured_output.grammar import build_grammar, grammar_key
+
+    def grammar(**constraint):
+        return build_grammar(grammar_key(StructuredOutputsParams(**constraint), disable_any_whitespace=True))
+
+    any_object = grammar(json_object=True)
+    assert accepts(any_object, '{"a":1}') and accepts(any_object, '{"a":"x", "b":[1, {"c":null}]}')
+    for text in ('{ "a":1}', '{"a": 1}', '{"a":1,\n"b":2}', '{"a":1,"b":2}', '{"a":[1,2]}'):
+        assert not accepts(any_object, text), text
+    typed = grammar(json={"type": "object", "properties": {"l": {"type": "array", "items": {"type": "integer"}},
+                                                           "n": {"type": "integer"}},
+                          "required": ["l", "n"], "additionalProperties": False})
+    assert accepts(typed, '{"l":[1,2],"n":1}')
+    for text in ('{"l":[1,2], "n":1}', '{"l":[1, 2],"n":1}', '{"l": [],"n":1}'):
+        assert not accepts(typed, text), text
