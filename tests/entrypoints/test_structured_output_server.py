@@ -217,6 +217,16 @@ def test_instructor_returns_a_validated_object(state, mode):
     ("chat", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "nope"),
     ("chat", {"tools": [WEATHER_TOOL], "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
+    ("chat", {"tools": [WEATHER_TOOL]}, "tools", "--enable-auto-tool-choice"),   # omitted: "auto", as vLLM
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}], "tool_choice": "required"},
+     "tools", "xgrammar"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools", "'f'"),
+    ("chat", {"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "18 C",
+                                                               "tool_call_id": "call_1"}]},
+     "messages", "chat template rejected"),
     ("chat", {"tool_choice": "required"}, "tool_choice", "needs tools"),
     ("chat", {"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice", "cannot be combined"),
