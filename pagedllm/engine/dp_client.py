@@ -119,7 +119,8 @@ class DPEngineClient:
             address = f"ipc://{self._tmpdir}/input_{i}"
             sock.bind(address)
             self._inputs.append(sock)
-            proc = ctx.Process(target=run_engine_core, args=(replica_args, i, address, output_address, threads),
+            proc = ctx.Process(target=run_engine_core, args=(replica_args, i, address, output_address, threads,
+                                                             logging.getLogger("pagedllm").getEffectiveLevel()),
                                name=f"pagedllm-dp-{i}", daemon=True)
             proc.start()
             self.processes.append(proc)

@@ -5,7 +5,9 @@ hang; bad sizes are refused before any weight loads; no worker process outlives 
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 import signal
 import threading
@@ -93,7 +95,8 @@ _REFERENCE: dict[str, dict] = {}
     pytest.param("gemma3", 2, 2, marks=pytest.mark.slow),     # 4 ranks (1 thread each on 2 cores)
     pytest.param("qwen2", 2, 1, marks=pytest.mark.slow),      # q/k/v biases split with their rows
 ], ids=["llama-tp2", "gemma3-tp2", "llama-pp2", "gemma3-pp2", "gemma3-tp2-pp2", "qwen2-tp2"])
-def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_kv_head, hf_greedy, arch, tp, pp):
+def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_kv_head, hf_greedy, arch, tp, pp,
+                                               caplog, capfd):
     folder = llama_one_kv_head if arch == "llama_1kv" else make_tiny_checkpoint(arch)
     if arch not in _REFERENCE:
         single = _engine(folder)
@@ -101,10 +104,20 @@ def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_k
         single.shutdown()
         # The single-process engine itself equals transformers (greedy, float32).
         assert [_REFERENCE[arch][f"r{i}"][0] for i in (0, 1)] == hf_greedy(folder, PROMPTS[:2], MAX_TOKENS)
+    caplog.set_level(logging.INFO, logger="pagedllm")   # the server's default level
+    capfd.readouterr()
     engine = _engine(folder, tensor_parallel_size=tp, pipeline_parallel_size=pp, cpu_threads_per_rank=1)
     processes = list(engine.executor.processes)
     try:
         assert isinstance(engine.executor, MultiprocExecutor) and len(processes) == tp * pp
+        # The start-up lines come from the driver rank's process (into the same stderr), once.
+        log, driver = capfd.readouterr().err, engine.executor.driver_rank
+        assert re.search(rf"rank{driver} INFO pagedllm\.worker\.worker: KV cache: {engine.num_blocks} blocks x 8 "
+                         rf"tokens .*maximum concurrency for 128-token requests: {engine.num_blocks * 8 / 128:.2f}x",
+                         log), log
+        assert re.search(rf"rank{driver} INFO pagedllm\.attention\.backends: Attention backend: ", log), log
+        assert re.search(rf"rank{driver} INFO pagedllm\.worker\.worker: Model weights: ", log), log
+        assert not re.search(rf"rank(?!{driver} )\d+ INFO", log), log
         _assert_same(_run(engine), _REFERENCE[arch])
         # Callables cannot cross to the worker processes.
         with pytest.raises(ValueError, match="logits_processors"):

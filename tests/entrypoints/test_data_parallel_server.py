@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -48,6 +49,12 @@ def test_dp2_spreads_32_clients_and_equals_dp1(make_tiny_checkpoint, launch_serv
     single.terminate()
     server = launch_server(_args(folder, 2), "dp2")
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "engines": {"0": "ok", "1": "ok"}}
+    # Each replica's start-up lines reach the server's log, prefixed with the replica.
+    log = server.log_path.read_text(errors="replace")
+    for i in (0, 1):
+        assert re.search(rf"dp{i} INFO pagedllm\.worker\.worker: KV cache: \d+ blocks x 8 tokens .*maximum "
+                         rf"concurrency for 128-token requests", log), log
+        assert re.search(rf"dp{i} INFO pagedllm\.engine\.llm_engine: Engine ready", log), log
     got = asyncio.run(_complete_all(server))
     assert got == want
     served = [server.metric("pagedllm:request_success_total", engine=str(i), finished_reason="length")
