@@ -37,6 +37,7 @@ from pagedllm.engine.async_engine import (BEAM_SEARCH_NEEDS_ONE_ENGINE, AsyncFro
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.dp_coordinator import DPLoadBalancer
 from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
+from pagedllm.executor.multiproc import stop_processes
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -366,16 +367,7 @@ class DPEngineClient:
             for i, sock in enumerate(self._inputs):
                 if self.processes[i].is_alive():
                     self._send(i, ("shutdown",))
-        deadline = time.monotonic() + REPLICA_STOP_TIMEOUT_S
-        for proc in self.processes:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self.processes:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=2.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=2.0)
+        stop_processes(self.processes, REPLICA_STOP_TIMEOUT_S)
         self.processes = []
         for sock in self._inputs + [self._outputs]:
             sock.close(linger=0)

@@ -388,6 +388,22 @@ class PendingCall:
         return self._value
 
 
+def stop_processes(processes: list, grace_s: float) -> None:
+    """Wait up to ``grace_s`` seconds (all together) for ``processes`` to exit, then terminate
+    (SIGTERM) and, failing that, kill (SIGKILL) each one still alive, giving each signal 2 s."""
+    deadline = time.monotonic() + grace_s
+    for proc in processes:
+        if grace_s > 0:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2.0)
+
+
 def _stop_workers(processes: list, conns: list[Connection], tmpdir: str | None, graceful: bool = True) -> None:
     """Send "shutdown" to every live worker and wait (``graceful``), then terminate / kill what is left."""
     if graceful:
@@ -398,16 +414,7 @@ def _stop_workers(processes: list, conns: list[Connection], tmpdir: str | None, 
                     conn.send_bytes(payload)
                 except (OSError, ValueError):
                     pass
-        deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
-        for proc in processes:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=2.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=2.0)
+    stop_processes(processes, WORKER_STOP_TIMEOUT_S if graceful else 0.0)
     for conn in conns:
         conn.close()
     if tmpdir is not None:
