@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterable, Sequence
+from typing import AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchParams
@@ -88,6 +88,16 @@ class _Failure:
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
+
+
+def _send_to_loops(batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]]) -> None:
+    """Put each (queue, item) on its queue from any thread: one ``call_soon_threadsafe`` per event loop.
+    A closed loop (its caller is gone) is skipped."""
+    for loop, items in batches.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
 
 
 class OutputStream:
@@ -153,7 +163,126 @@ class OutputStream:
         self.abort()
 
 
-class AsyncLLM:
+# Why a DPAsyncLLM / DPEngineClient rejects a beam search.
+BEAM_SEARCH_NEEDS_ONE_ENGINE = "beam search needs data_parallel_size=1 (its beams share KV blocks in one engine)"
+
+
+class AsyncFrontEnd:
+    """What ``AsyncLLM`` and ``DPAsyncLLM`` (``engine/dp_client.py``) share: the read-only
+    information, request validation, ``add_request`` and ``generate``.
+
+    Subclasses set ``_core`` (the ``LLMEngine`` or ``DPEngineClient``: it has ``tokenizer``,
+    ``max_model_len``, ``scheduler_config``, ``vocab_size`` and ``input_processor``), ``_thread``,
+    ``_stopping`` and ``_ids``, and define ``add_requests``, ``abort`` and ``data_parallel_size``.
+    """
+
+    _core: object
+    _thread: threading.Thread | None
+    _stopping: bool
+    _ids: Iterator[int]
+
+    # -- read-only information (any thread) -------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self._core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Most sequences in one step of one engine (a beam search's width must fit)."""
+        return self._core.scheduler_config.max_num_seqs
+
+    @property
+    def vocab_size(self) -> int:
+        return self._core.vocab_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def is_running(self) -> bool:
+        """True while the background thread is alive and not shutting down."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def process_inputs(self, prompt: PromptType, params: SamplingParams) -> ProcessedInput:
+        """Validate and tokenize without queueing (pure; any thread).
+
+        Raises:
+            ValueError: as ``InputProcessor.process`` (empty prompt, out-of-vocabulary ids, prompt
+                over max_model_len, logprobs over max_logprobs, ...).
+        """
+        return self._core.input_processor.process(prompt, params)
+
+    # -- requests (event loop thread) -------------------------------------------------------
+
+    def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput,
+                                                    SamplingParams | BeamSearchParams | None]],
+                     arrival_time: float | None = None) -> OutputStream:
+        raise NotImplementedError
+
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        raise NotImplementedError
+
+    def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
+                    params: SamplingParams | BeamSearchParams | None = None,
+                    arrival_time: float | None = None) -> OutputStream:
+        """:meth:`add_requests` for one request."""
+        return self.add_requests([(request_id, prompt, params)], arrival_time)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes; leaving the loop early aborts it.
+
+        ``params.output_kind`` decides what each output holds (``DELTA`` for streaming).
+        Validation errors surface at the first ``__anext__`` (use :meth:`add_request` to get them
+        synchronously).
+        """
+        stream = self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def _prepare_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput,
+                                                         SamplingParams | BeamSearchParams | None]],
+                          arrival_time: float) -> list[_NewRequest]:
+        """Give ids, validate and tokenize every request (the caller's thread; nothing is queued).
+
+        Raises:
+            ValueError: a bad prompt or params, an id given twice, no requests, a beam search with
+                ``data_parallel_size > 1``, or what ``_check_request`` raises.
+        """
+        prepared: list[_NewRequest] = []
+        for request_id, prompt, params in requests:
+            request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
+            if any(r.request_id == request_id for r in prepared):
+                raise ValueError(f"request_id {request_id!r} is given twice")
+            beam = params if isinstance(params, BeamSearchParams) else None
+            if beam is not None and self.data_parallel_size > 1:
+                raise ValueError(BEAM_SEARCH_NEEDS_ONE_ENGINE)
+            if isinstance(prompt, ProcessedInput):
+                if params is not None and beam is None:
+                    raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")
+                processed = prompt
+            else:
+                processed = self.process_inputs(prompt, SamplingParams(max_tokens=beam.max_tokens) if beam else params)
+            self._check_request(processed, beam)
+            prepared.append(_NewRequest(request_id, processed, arrival_time, beam))
+        if not prepared:
+            raise ValueError("no requests given")
+        return prepared
+
+    def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
+        """Checks a subclass adds after tokenizing one request (raise ``ValueError``)."""
+
+
+class AsyncLLM(AsyncFrontEnd):
     """An ``LLMEngine`` driven by a background thread, for many concurrent asyncio callers.
 
     Args:
@@ -191,29 +320,16 @@ class AsyncLLM:
         """Build the engine (loads the model) and wrap it; kwargs go to ``AsyncLLM``."""
         return cls(LLMEngine(args), **kwargs)
 
+    @property
+    def _core(self) -> LLMEngine:
+        return self.engine
+
     # -- read-only information (any thread) -------------------------------------------------
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def max_num_seqs(self) -> int:
-        """Most sequences in one step (a beam search's width must fit)."""
-        return self.engine.scheduler_config.max_num_seqs
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
-
-    @property
-    def is_running(self) -> bool:
-        """True while the engine thread is alive and not shutting down."""
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+    def data_parallel_size(self) -> int:
+        """Engine replicas behind this front end: 1 (``DPAsyncLLM`` has D)."""
+        return 1
 
     @property
     def errored(self) -> bool:
@@ -229,15 +345,6 @@ class AsyncLLM:
             raise EngineDeadError("the engine is shutting down")
         if self._thread is not None and not self._thread.is_alive():
             raise EngineDeadError("the engine thread exited")
-
-    def process_inputs(self, prompt: PromptType, params: SamplingParams) -> ProcessedInput:
-        """Validate and tokenize without queueing (pure; any thread).
-
-        Raises:
-            ValueError: as ``InputProcessor.process`` (empty prompt, out-of-vocabulary ids, prompt
-                over max_model_len, logprobs over max_logprobs, ...).
-        """
-        return self.engine.input_processor.process(prompt, params)
 
     # -- requests (event loop thread) -------------------------------------------------------
 
@@ -273,23 +380,7 @@ class AsyncLLM:
         self.check_health()
         loop = asyncio.get_running_loop()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        prepared: list[_NewRequest] = []
-        for request_id, prompt, params in requests:
-            request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
-            if any(r.request_id == request_id for r in prepared):
-                raise ValueError(f"request_id {request_id!r} is given twice")
-            beam = params if isinstance(params, BeamSearchParams) else None
-            if isinstance(prompt, ProcessedInput):
-                if params is not None and beam is None:
-                    raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")
-                processed = prompt
-            else:
-                processed = self.process_inputs(prompt, SamplingParams(max_tokens=beam.max_tokens) if beam else params)
-            if beam is not None:
-                self.engine.beam_search.check_request(len(processed.prompt_token_ids), beam)
-            prepared.append(_NewRequest(request_id, processed, arrival_time, beam))
-        if not prepared:
-            raise ValueError("no requests given")
+        prepared = self._prepare_requests(requests, arrival_time)
         queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
             in_use = [r.request_id for r in prepared if r.request_id in self._sinks]
@@ -304,26 +395,9 @@ class AsyncLLM:
         self.start()
         return OutputStream(self, [r.request_id for r in prepared], queue)
 
-    def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
-                    params: SamplingParams | BeamSearchParams | None = None,
-                    arrival_time: float | None = None) -> OutputStream:
-        """:meth:`add_requests` for one request."""
-        return self.add_requests([(request_id, prompt, params)], arrival_time)
-
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes; leaving the loop early aborts it.
-
-        ``params.output_kind`` decides what each output holds (``DELTA`` for streaming).
-        Validation errors surface at the first ``__anext__`` (use :meth:`add_request` to get them
-        synchronously).
-        """
-        stream = self.add_request(request_id, prompt, params)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
+    def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
+        if beam is not None:
+            self.engine.beam_search.check_request(len(processed.prompt_token_ids), beam)
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests: they stop receiving outputs now and leave the engine (blocks freed) at the
@@ -440,7 +514,7 @@ class AsyncLLM:
                     self._sinks.pop(out.request_id, None)
                 if sink is not None:
                     batches.setdefault(sink.loop, []).append((sink.queue, out))
-        self._send(batches)
+        _send_to_loops(batches)
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         """Deliver ``error`` to these requests' callers and forget their sinks."""
@@ -450,15 +524,7 @@ class AsyncLLM:
                 sink = self._sinks.pop(rid, None)
                 if sink is not None:
                     batches.setdefault(sink.loop, []).append((sink.queue, _Failure(rid, error)))
-        self._send(batches)
-
-    @staticmethod
-    def _send(batches: dict[asyncio.AbstractEventLoop, list]) -> None:
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the caller's loop is closed: nobody is listening
-                pass
+        _send_to_loops(batches)
 
     def _fail_step(self, error: Exception) -> None:
         """A step raised: fail and abort every request in the engine, keep the loop alive."""

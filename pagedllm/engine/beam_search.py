@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -63,7 +64,10 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One beam (vLLM's shape): ``tokens`` = prompt + generated, ``cum_logprob`` natural log."""
+    """One beam (vLLM's shape): ``tokens`` = prompt + generated, ``cum_logprob`` natural log;
+    ``text`` (set when the search finishes) is the decode of all of ``tokens``, prompt and special
+    tokens included, as vLLM's ``LLM.beam_search`` sets it (the server's choices and
+    ``RequestOutput.outputs`` carry only the generated text)."""
 
     tokens: list[int]
     logprobs: list[float] = field(default_factory=list)
@@ -100,6 +104,7 @@ class _Instance:
     beams: dict[str, BeamSearchSequence]          # live engine request id -> its beam
     reported: dict[str, tuple[int, dict]] = field(default_factory=dict)  # this round's outputs
     completed: list[BeamSearchSequence] = field(default_factory=list)
+    metrics: RequestMetrics | None = None         # the search's timestamps (arrival, first/last token)
 
 
 class BeamSearchManager:
@@ -129,7 +134,7 @@ class BeamSearchManager:
         """
         max_tokens = self.check_request(len(prompt_token_ids), params)
         inst = _Instance(request_id, prompt, list(prompt_token_ids), params, self.tokenizer.eos_token_id,
-                         arrival_time, beams={})
+                         arrival_time, beams={}, metrics=RequestMetrics(arrival_time))
         inst.max_tokens = max_tokens
         self.instances[request_id] = inst
         self.scheduler.add_request(self._new_beam(inst, BeamSearchSequence(list(prompt_token_ids))))
@@ -163,30 +168,55 @@ class BeamSearchManager:
         request.group_id, request.group_width = inst.request_id, inst.params.beam_width
         return request
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
+    def process_outputs(self, core_outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
+                        ) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
         """Take this step's outputs of beam requests; advance every beam search whose round is complete.
 
+        Args:
+            core_outputs: the scheduler's outputs of this step.
+            iteration_stats: when given, receives the tokens the beams sampled, each search's TTFT
+                and inter-token latencies (per round), and each finished search once, with the
+                finish reason of its best sequence and the generated tokens of its returned
+                sequences (``usage.completion_tokens``).
         Returns:
             (the other requests' outputs, finished beam searches as ``RequestOutput``s).
         """
+        now = time.monotonic()
         rest, touched = [], {}
+        prev_times: dict[str, tuple[float | None, float | None]] = {}
         for out in core_outputs:
             inst = self.beam_to_instance.get(out.request_id)
             if inst is None:
                 rest.append(out)
                 continue
             if out.new_token_ids:
+                if iteration_stats is not None:
+                    iteration_stats.num_generation_tokens += len(out.new_token_ids)
+                    prev_times.setdefault(inst.request_id, (inst.metrics.first_token_time,
+                                                            inst.metrics.last_token_time))
+                if inst.metrics.first_token_time is None:
+                    inst.metrics.first_token_time = now
+                inst.metrics.last_token_time = now
                 inst.reported[out.request_id] = (len(out.new_token_ids), out.new_top_logprobs[-1] or {})
                 request = self.scheduler.get_request(out.request_id)
                 if request is not None:
                     request.paused = True   # wait for the round; do not decode the sampled token
                 touched[inst.request_id] = inst
+        if iteration_stats is not None:
+            for rid, (first, last) in prev_times.items():
+                inst = touched[rid]
+                iteration_stats.observe_new_tokens(inst.metrics, first, last, len(inst.prompt_token_ids), now)
         finished = []
         for inst in touched.values():
             if set(inst.reported) >= set(inst.beams):
                 result = self._advance(inst)
                 if result is not None:
                     finished.append(result)
+                    if iteration_stats is not None:
+                        best = result.outputs[0].finish_reason if result.outputs else None
+                        iteration_stats.observe_finished(
+                            inst.metrics, best or "length", len(inst.prompt_token_ids),
+                            sum(len(o.token_ids) for o in result.outputs), len(result.outputs), now)
         return rest, finished
 
     def _advance(self, inst: _Instance) -> RequestOutput | None:
@@ -243,20 +273,26 @@ class BeamSearchManager:
         outputs = []
         num_prompt = len(inst.prompt_token_ids)
         for i, seq in enumerate(best):
-            seq.text = self.tokenizer.decode(seq.tokens[num_prompt:], skip_special_tokens=True)
-            outputs.append(CompletionOutput(i, seq.text, seq.tokens[num_prompt:], seq.cum_logprob, None,
+            seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=False)
+            generated = self.tokenizer.decode(seq.tokens[num_prompt:], skip_special_tokens=True)
+            outputs.append(CompletionOutput(i, generated, seq.tokens[num_prompt:], seq.cum_logprob, None,
                                             seq.finish_reason, None))
         self.instances.pop(inst.request_id, None)
-        metrics = RequestMetrics(inst.arrival_time, finished_time=time.monotonic())
-        out = RequestOutput(inst.request_id, inst.prompt, inst.prompt_token_ids, None, outputs, True, metrics)
+        inst.metrics.finished_time = time.monotonic()
+        out = RequestOutput(inst.request_id, inst.prompt, inst.prompt_token_ids, None, outputs, True, inst.metrics)
         out.beam_sequences = best
         return out
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Finish a beam search early: its beams' blocks are freed; the output has no sequences."""
+    def abort(self, request_id: str, iteration_stats: IterationStats | None = None) -> RequestOutput | None:
+        """Finish a beam search early: its beams' blocks are freed; the output has no sequences.
+        ``iteration_stats``, when given, records it as finished with reason "abort"."""
         inst = self.instances.pop(request_id, None)
         if inst is None:
             return None
         self._finish_beams(inst, list(inst.beams))
-        return RequestOutput(request_id, inst.prompt, inst.prompt_token_ids, None, [], True,
-                             RequestMetrics(inst.arrival_time, finished_time=time.monotonic()))
+        now = time.monotonic()
+        inst.metrics.finished_time = now
+        if iteration_stats is not None:
+            iteration_stats.observe_finished(inst.metrics, "abort", len(inst.prompt_token_ids), 0,
+                                             inst.params.beam_width, now)
+        return RequestOutput(request_id, inst.prompt, inst.prompt_token_ids, None, [], True, inst.metrics)

@@ -39,10 +39,13 @@ class _StatsCollector:
         self.records.append((scheduler_stats, iteration_stats))
 
 
-def run_engine_core(engine_args, index: int, input_address: str, output_address: str, num_threads: int) -> None:
-    """Process entry point of replica ``index``: build the engine, then serve messages until shutdown."""
+def run_engine_core(engine_args, index: int, input_address: str, output_address: str, num_threads: int,
+                    log_level: int = logging.WARNING) -> None:
+    """Process entry point of replica ``index``: build the engine, then serve messages until shutdown.
+    ``log_level``: the front end's ``pagedllm`` level, so each replica's start-up lines (dtype,
+    attention backend, KV blocks and max concurrency, engine ready) show, prefixed ``dp<index>``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the front end stops us in order
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s dp{index} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format=f"%(asctime)s dp{index} %(levelname)s %(name)s: %(message)s")
     import torch
     import zmq
 

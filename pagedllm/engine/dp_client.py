@@ -29,13 +29,15 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any, AsyncIterator, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_engine import (EngineDeadError, EngineStepError, OutputStream, _Failure, _NewRequest,
-                                          _put_all, _Sink)
+from pagedllm.engine.async_engine import (BEAM_SEARCH_NEEDS_ONE_ENGINE, AsyncFrontEnd, EngineDeadError,
+                                          EngineStepError, OutputStream, _Failure, _send_to_loops, _Sink)
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.dp_coordinator import DPLoadBalancer
 from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
+from pagedllm.executor.multiproc import stop_processes
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -118,7 +120,8 @@ class DPEngineClient:
             address = f"ipc://{self._tmpdir}/input_{i}"
             sock.bind(address)
             self._inputs.append(sock)
-            proc = ctx.Process(target=run_engine_core, args=(replica_args, i, address, output_address, threads),
+            proc = ctx.Process(target=run_engine_core, args=(replica_args, i, address, output_address, threads,
+                                                             logging.getLogger("pagedllm").getEffectiveLevel()),
                                name=f"pagedllm-dp-{i}", daemon=True)
             proc.start()
             self.processes.append(proc)
@@ -169,7 +172,7 @@ class DPEngineClient:
     def add_beam_search_request(self, *args, **kwargs) -> str:
         """Raises:
             ValueError: beam search runs in one engine (its beams share blocks there)."""
-        raise ValueError("beam search needs data_parallel_size=1 (its beams share KV blocks in one engine)")
+        raise ValueError(BEAM_SEARCH_NEEDS_ONE_ENGINE)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests on their replicas (their blocks are freed there). Returns [] (the
@@ -364,16 +367,7 @@ class DPEngineClient:
             for i, sock in enumerate(self._inputs):
                 if self.processes[i].is_alive():
                     self._send(i, ("shutdown",))
-        deadline = time.monotonic() + REPLICA_STOP_TIMEOUT_S
-        for proc in self.processes:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self.processes:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=2.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=2.0)
+        stop_processes(self.processes, REPLICA_STOP_TIMEOUT_S)
         self.processes = []
         for sock in self._inputs + [self._outputs]:
             sock.close(linger=0)
@@ -381,7 +375,7 @@ class DPEngineClient:
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
-class DPAsyncLLM:
+class DPAsyncLLM(AsyncFrontEnd):
     """``AsyncLLM``'s interface over ``DPEngineClient``: many asyncio callers, D replicas.
 
     Args:
@@ -402,20 +396,13 @@ class DPAsyncLLM:
         return cls(DPEngineClient(args))
 
     @property
-    def tokenizer(self):
-        return self.client.tokenizer
+    def _core(self) -> DPEngineClient:
+        return self.client
 
     @property
-    def max_model_len(self) -> int:
-        return self.client.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.client.vocab_size
-
-    @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+    def data_parallel_size(self) -> int:
+        """D, the replicas (beam search needs 1)."""
+        return self.client.num_replicas
 
     @property
     def errored(self) -> bool:
@@ -434,9 +421,6 @@ class DPAsyncLLM:
         if not self.client.balancer.alive():
             raise EngineDeadError(f"every data-parallel replica is dead: {self.client._deaths()}")
 
-    def process_inputs(self, prompt: PromptType, params: SamplingParams) -> ProcessedInput:
-        return self.client.input_processor.process(prompt, params)
-
     def start(self) -> None:
         with self._lock:
             if self._thread is None:
@@ -448,29 +432,14 @@ class DPAsyncLLM:
         """As ``AsyncLLM.add_requests``; each request goes to the replica the balancer picks.
 
         Raises:
-            ValueError: a bad prompt or params, a duplicate id (nothing is queued).
+            ValueError: a bad prompt or params, a duplicate id, ``BeamSearchParams`` (beam search
+                needs data_parallel_size=1) (nothing is queued).
             EngineDeadError: shutting down, or every replica is dead.
         """
         self.check_health()
         loop = asyncio.get_running_loop()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        prepared: list[_NewRequest] = []
-        for request_id, prompt, params in requests:
-            request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
-            if any(r.request_id == request_id for r in prepared):
-                raise ValueError(f"request_id {request_id!r} is given twice")
-            if isinstance(prompt, ProcessedInput):
-                if params is not None:
-                    raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")
-                processed = prompt
-            else:
-                processed = self.process_inputs(prompt, params)
-            if processed.params.logits_processors:
-                raise ValueError("logits_processors are Python callables and cannot be sent to data-parallel "
-                                 "replica processes")
-            prepared.append(_NewRequest(request_id, processed, arrival_time))
-        if not prepared:
-            raise ValueError("no requests given")
+        prepared = self._prepare_requests(requests, arrival_time)
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             in_use = [r.request_id for r in prepared if r.request_id in self._sinks]
@@ -487,18 +456,10 @@ class DPAsyncLLM:
             raise
         return OutputStream(self, [r.request_id for r in prepared], queue)
 
-    def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> OutputStream:
-        return self.add_requests([(request_id, prompt, params)], arrival_time)
-
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(request_id, prompt, params)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
+    def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
+        if processed.params.logits_processors:
+            raise ValueError("logits_processors are Python callables and cannot be sent to data-parallel "
+                             "replica processes")
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (thread-safe, non-blocking; unknown ids ignored)."""
@@ -555,8 +516,4 @@ class DPAsyncLLM:
                     self._sinks.pop(event.request_id, None)
                 if sink is not None:
                     batches.setdefault(sink.loop, []).append((sink.queue, event))
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass
+        _send_to_loops(batches)

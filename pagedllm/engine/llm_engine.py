@@ -194,13 +194,13 @@ class LLMEngine:
             Final outputs (finish_reason "abort") for the requests that were still known.
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        beam_outputs = [o for o in (self.beam_search.abort(i) for i in ids) if o is not None]
+        stats = IterationStats() if self.stat_loggers else None
+        beam_outputs = [o for o in (self.beam_search.abort(i, stats) for i in ids) if o is not None]
         sample_ids = [sid for rid in ids for sid in self.output_processor.sample_ids(rid)]
         self._pending_processors.difference_update(sample_ids)
         self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
-        stats = IterationStats() if self.stat_loggers and sample_ids else None
         outputs = self.output_processor.abort_requests(ids, stats)
-        if stats is not None:
+        if stats is not None and (sample_ids or beam_outputs):
             self._record_stats(stats)
         return outputs + beam_outputs
 
@@ -293,7 +293,7 @@ class LLMEngine:
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         beam_finished: list[RequestOutput] = []
         if self.beam_search.instances:
-            core_outputs, beam_finished = self.beam_search.process_outputs(core_outputs)
+            core_outputs, beam_finished = self.beam_search.process_outputs(core_outputs, stats)
         processed = self.output_processor.process_outputs(core_outputs, stats)
         if processed.reqs_to_abort:
             self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)

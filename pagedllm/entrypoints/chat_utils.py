@@ -38,6 +38,10 @@ class ChatTemplateError(ValueError):
     """The conversation cannot be rendered: no template, or the template rejected it."""
 
 
+class NoChatTemplateError(ChatTemplateError):
+    """Neither the request, the server nor the tokenizer has a chat template (a base model)."""
+
+
 def load_chat_template(chat_template: str | os.PathLike | None) -> str | None:
     """Resolve a ``--chat-template`` value to the template text.
 
@@ -67,11 +71,11 @@ def resolve_chat_template(tokenizer: Tokenizer, chat_template: str | None) -> st
     """The template to use: the explicit one, else the model's.
 
     Raises:
-        ChatTemplateError: when neither exists.
+        NoChatTemplateError: when neither exists.
     """
     template = chat_template if chat_template is not None else tokenizer.chat_template
     if not template:
-        raise ChatTemplateError(
+        raise NoChatTemplateError(
             "this model has no chat template (it is probably a base model); start the server with "
             f"--chat-template <file> (pagedllm ships {GEMMA_CHAT_TEMPLATE_PATH.relative_to(DATA_DIR.parent.parent)} "
             "for Gemma models) or pass chat_template=, or use /v1/completions with a plain prompt")

@@ -77,10 +77,28 @@ def threads_per_rank(parallel_config: ParallelConfig, cpu_count: int | None) -> 
     return cpus // world
 
 
-def _worker_main(rank: int, configs: tuple, init_method: str, conn: Connection, num_threads: int) -> None:
-    """A worker process: build the ``Worker``, answer calls from the engine until "shutdown" or EOF."""
+def worker_log_settings(rank: int, driver_rank: int) -> tuple[int, str]:
+    """(level, line prefix) for a worker process's log, from the engine process's: the driver
+    rank logs at the engine's ``pagedllm`` level (its start-up lines: dtype, attention backend,
+    weights, KV blocks and max concurrency), the other ranks only warnings and errors (the same
+    lines again would add nothing). The prefix names the rank, after the data-parallel replica
+    (``dp1 rank0``) when the engine runs in one."""
+    import multiprocessing
+
+    level = logging.getLogger("pagedllm").getEffectiveLevel()
+    parent = multiprocessing.current_process().name
+    replica = parent.removeprefix("pagedllm-").replace("-", "")   # "pagedllm-dp-1" -> "dp1"
+    prefix = f"{replica} rank{rank}" if parent.startswith("pagedllm-dp-") else f"rank{rank}"
+    return (level if rank == driver_rank else max(level, logging.WARNING)), prefix
+
+
+def _worker_main(rank: int, configs: tuple, init_method: str, conn: Connection, num_threads: int,
+                 log_settings: tuple[int, str] = (logging.WARNING, "")) -> None:
+    """A worker process: build the ``Worker``, answer calls from the engine until "shutdown" or EOF.
+    ``log_settings``: (level, line prefix) from ``worker_log_settings``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the engine stops us in order
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    level, prefix = log_settings
+    logging.basicConfig(level=level, format=f"%(asctime)s {prefix or f'rank{rank}'} %(levelname)s %(name)s: %(message)s")
     import torch
 
     from pagedllm.worker.worker import Worker
@@ -188,7 +206,8 @@ class MultiprocExecutor(Executor):
         configs = (self.model_config, self.cache_config, self.scheduler_config, self.parallel_config)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_worker_main, args=(rank, configs, init_method, child, self.num_threads),
+            proc = ctx.Process(target=_worker_main, args=(rank, configs, init_method, child, self.num_threads,
+                                                          worker_log_settings(rank, self.driver_rank)),
                                name=f"pagedllm-worker-{rank}", daemon=True)
             proc.start()
             child.close()
@@ -369,6 +388,22 @@ class PendingCall:
         return self._value
 
 
+def stop_processes(processes: list, grace_s: float) -> None:
+    """Wait up to ``grace_s`` seconds (all together) for ``processes`` to exit, then terminate
+    (SIGTERM) and, failing that, kill (SIGKILL) each one still alive, giving each signal 2 s."""
+    deadline = time.monotonic() + grace_s
+    for proc in processes:
+        if grace_s > 0:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2.0)
+
+
 def _stop_workers(processes: list, conns: list[Connection], tmpdir: str | None, graceful: bool = True) -> None:
     """Send "shutdown" to every live worker and wait (``graceful``), then terminate / kill what is left."""
     if graceful:
@@ -379,16 +414,7 @@ def _stop_workers(processes: list, conns: list[Connection], tmpdir: str | None, 
                     conn.send_bytes(payload)
                 except (OSError, ValueError):
                     pass
-        deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
-        for proc in processes:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=2.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=2.0)
+    stop_processes(processes, WORKER_STOP_TIMEOUT_S if graceful else 0.0)
     for conn in conns:
         conn.close()
     if tmpdir is not None:

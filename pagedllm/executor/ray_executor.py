@@ -215,13 +215,7 @@ class RayDistributedExecutor(Executor):
                 self.ray.kill(actor)
             except Exception:
                 pass
-        if self.placement_group is not None:
-            try:
-                from ray.util.placement_group import remove_placement_group
-                remove_placement_group(self.placement_group)
-            except Exception:
-                pass
-            self.placement_group = None
+        self._remove_placement_group()
 
     # -- internals ------------------------------------------------------------------------
 
@@ -240,14 +234,18 @@ class RayDistributedExecutor(Executor):
             except Exception:
                 pass
         self.actors = []
+        self._remove_placement_group()
+        raise RuntimeError(message)
+
+    def _remove_placement_group(self) -> None:
+        """Give the placement group's CPU bundles back to the cluster (idempotent, never raises)."""
         if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
             try:
+                from ray.util.placement_group import remove_placement_group
                 remove_placement_group(self.placement_group)
             except Exception:
                 pass
             self.placement_group = None
-        raise RuntimeError(message)
 
     def _gather(self, refs: list, what: str) -> list[Any]:
         """Every result, in order; the first failure (raised or died) fails the executor at once."""

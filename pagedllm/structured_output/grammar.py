@@ -10,6 +10,7 @@ one compiled grammar.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -75,6 +76,18 @@ def _choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _canonical(schema: Any, ordered: bool = False) -> Any:
+    """``schema`` with the keys of every object sorted, except the members of a ``properties``
+    object: their order is the order in which the constrained JSON writes them (xgrammar follows
+    it), so it is part of what the grammar means and stays as given."""
+    if isinstance(schema, dict):
+        items = schema.items() if ordered else sorted(schema.items())
+        return {k: _canonical(v, ordered=not ordered and k == "properties") for k, v in items}
+    if isinstance(schema, list):
+        return [_canonical(v) for v in schema]
+    return schema
+
+
 def grammar_key(params: StructuredOutputsParams, disable_any_whitespace: bool) -> tuple[str, str]:
     """(kind, canonical text) identifying the compiled grammar of ``params``.
 
@@ -87,7 +100,8 @@ def grammar_key(params: StructuredOutputsParams, disable_any_whitespace: bool) -
     kind = params.kind
     if kind in ("json", "json_object"):
         compact = disable_any_whitespace if params.disable_any_whitespace is None else params.disable_any_whitespace
-        text = json.dumps(_bounded_strings_as_patterns(_schema_of(params)), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        text = json.dumps(_canonical(_bounded_strings_as_patterns(_schema_of(params))), separators=(",", ":"),
+                          ensure_ascii=False)
         return ("json-compact" if compact else "json", text)
     if kind == "regex":
         return ("regex", params.regex)

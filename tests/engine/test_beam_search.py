@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.beam_search import BeamSearchParams, get_beam_search_score
@@ -47,6 +48,9 @@ def test_matches_transformers(engines, arch, width):
     (ours,) = llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(width, N, ignore_eos=True))
     seqs, scores = hf_beams(path, width)
     assert [s.tokens for s in ours.sequences] == seqs
+    # vLLM's LLM.beam_search: text = tokenizer.decode(tokens), the prompt and special tokens included.
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert [s.text for s in ours.sequences] == [hf_tok.decode(s) for s in seqs]
     # transformers divides the sum of logprobs by the generated length; vLLM by the whole length.
     for s, hf_score in zip(ours.sequences, scores):
         assert s.cum_logprob == pytest.approx(hf_score * N, abs=1e-4)

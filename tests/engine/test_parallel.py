@@ -5,7 +5,9 @@ hang; bad sizes are refused before any weight loads; no worker process outlives 
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 import signal
 import threading
@@ -21,7 +23,8 @@ from pagedllm.entrypoints.llm import LLM
 from pagedllm.executor import Executor, MultiprocExecutor
 from pagedllm.executor.multiproc import threads_per_rank
 
-PROMPTS = [[5, 9, 13, 200, 17, 3, 3, 40] * 3, [7, 8, 9], list(range(30, 70))]
+from parallel_utils import PROMPTS, assert_same_outputs, run_requests, tiny_engine
+
 MAX_TOKENS = 12
 
 
@@ -51,33 +54,8 @@ def llama_one_kv_head(tmp_path_factory, tiny_tokenizer_dir) -> str:
     return str(path)
 
 
-def _engine(folder: str, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=folder, dtype="float32", max_model_len=128, seed=0, block_size=8,
-                                kv_cache_memory_bytes=4 << 20, **kwargs))
-
-
 def _run(engine: LLMEngine) -> dict:
-    for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
-        engine.add_request(f"r{i}", prompt, params)
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                c = o.outputs[0]
-                out[o.request_id] = (c.token_ids, None if c.logprobs is None else
-                                     [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
-    return out
-
-
-def _assert_same(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for rid in want:
-        assert got[rid][0] == want[rid][0], rid       # tokens: greedy and seeded sampling
-        if want[rid][1] is not None:
-            for g, w in zip(got[rid][1], want[rid][1]):
-                assert g.keys() == w.keys()
-                for tok in w:
-                    assert abs(g[tok] - w[tok]) < 1e-4, (rid, tok, g[tok], w[tok])
+    return run_requests(engine, zip(PROMPTS, _params()))
 
 
 _REFERENCE: dict[str, dict] = {}
@@ -93,19 +71,30 @@ _REFERENCE: dict[str, dict] = {}
     pytest.param("gemma3", 2, 2, marks=pytest.mark.slow),     # 4 ranks (1 thread each on 2 cores)
     pytest.param("qwen2", 2, 1, marks=pytest.mark.slow),      # q/k/v biases split with their rows
 ], ids=["llama-tp2", "gemma3-tp2", "llama-pp2", "gemma3-pp2", "gemma3-tp2-pp2", "qwen2-tp2"])
-def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_kv_head, hf_greedy, arch, tp, pp):
+def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_kv_head, hf_greedy, arch, tp, pp,
+                                               caplog, capfd):
     folder = llama_one_kv_head if arch == "llama_1kv" else make_tiny_checkpoint(arch)
     if arch not in _REFERENCE:
-        single = _engine(folder)
+        single = tiny_engine(folder)
         _REFERENCE[arch] = _run(single)
         single.shutdown()
         # The single-process engine itself equals transformers (greedy, float32).
         assert [_REFERENCE[arch][f"r{i}"][0] for i in (0, 1)] == hf_greedy(folder, PROMPTS[:2], MAX_TOKENS)
-    engine = _engine(folder, tensor_parallel_size=tp, pipeline_parallel_size=pp, cpu_threads_per_rank=1)
+    caplog.set_level(logging.INFO, logger="pagedllm")   # the server's default level
+    capfd.readouterr()
+    engine = tiny_engine(folder, tensor_parallel_size=tp, pipeline_parallel_size=pp, cpu_threads_per_rank=1)
     processes = list(engine.executor.processes)
     try:
         assert isinstance(engine.executor, MultiprocExecutor) and len(processes) == tp * pp
-        _assert_same(_run(engine), _REFERENCE[arch])
+        # The start-up lines come from the driver rank's process (into the same stderr), once.
+        log, driver = capfd.readouterr().err, engine.executor.driver_rank
+        assert re.search(rf"rank{driver} INFO pagedllm\.worker\.worker: KV cache: {engine.num_blocks} blocks x 8 "
+                         rf"tokens .*maximum concurrency for 128-token requests: {engine.num_blocks * 8 / 128:.2f}x",
+                         log), log
+        assert re.search(rf"rank{driver} INFO pagedllm\.attention\.backends: Attention backend: ", log), log
+        assert re.search(rf"rank{driver} INFO pagedllm\.worker\.worker: Model weights: ", log), log
+        assert not re.search(rf"rank(?!{driver} )\d+ INFO", log), log
+        assert_same_outputs(_run(engine), _REFERENCE[arch])
         # Callables cannot cross to the worker processes.
         with pytest.raises(ValueError, match="logits_processors"):
             engine.add_request("lp", [1, 2, 3], SamplingParams(logits_processors=[lambda ids, logits: logits]))
@@ -117,20 +106,14 @@ def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_k
 
 def _run_many(engine: LLMEngine) -> dict:
     """Eight requests (greedy with logprobs, greedy, seeded sampling), prompts of 9..30 tokens."""
+    requests = []
     for i in range(8):
         prompt = [(7 * i + 3 * j) % 200 + 3 for j in range(9 + 3 * i)]
         params = (SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2) if i % 3 == 0 else
                   SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True) if i % 3 == 1 else
                   SamplingParams(temperature=1.0, top_k=20, seed=100 + i, max_tokens=10, ignore_eos=True, logprobs=1))
-        engine.add_request(f"r{i}", prompt, params)
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                c = o.outputs[0]
-                out[o.request_id] = (c.token_ids, None if c.logprobs is None else
-                                     [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
-    return out
+        requests.append((prompt, params))
+    return run_requests(engine, requests)
 
 
 @pytest.mark.timeout(300)
@@ -140,17 +123,17 @@ def test_pipeline_keeps_two_batches_in_flight_with_the_same_tokens(make_tiny_che
     Threads per rank come from $PAGEDLLM_CPU_THREADS_PER_RANK, read once by ``EngineArgs``."""
     folder = make_tiny_checkpoint("gemma3")
     # A 32-token budget splits the 8 prompts over several batches, so there is work for two.
-    single = _engine(folder, max_num_batched_tokens=32)
+    single = tiny_engine(folder, max_num_batched_tokens=32)
     want = _run_many(single)
     single.shutdown()
     monkeypatch.setenv("PAGEDLLM_CPU_THREADS_PER_RANK", "1")
-    engine = _engine(folder, pipeline_parallel_size=2, max_num_batched_tokens=32)
+    engine = tiny_engine(folder, pipeline_parallel_size=2, max_num_batched_tokens=32)
     processes = list(engine.executor.processes)
     try:
         assert engine.parallel_config.cpu_threads_per_rank == 1
         assert engine.batch_queue_size == engine.executor.max_concurrent_batches == 2
         engine.executor.collective_rpc("get_step_times", (True,))
-        _assert_same(_run_many(engine), want)
+        assert_same_outputs(_run_many(engine), want)
         assert engine.executor.max_num_batches_in_flight == 2
         # Every rank ran every step with 1 thread; stage 0 sent and stage 1 received each step.
         times = engine.executor.collective_rpc("get_step_times")
@@ -166,7 +149,7 @@ def test_pipeline_keeps_two_batches_in_flight_with_the_same_tokens(make_tiny_che
 
 @pytest.mark.timeout(120)
 def test_killed_worker_is_a_clear_error_not_a_hang(llama_one_kv_head):
-    engine = _engine(llama_one_kv_head, tensor_parallel_size=2, cpu_threads_per_rank=1)
+    engine = tiny_engine(llama_one_kv_head, tensor_parallel_size=2, cpu_threads_per_rank=1)
     processes = list(engine.executor.processes)
     try:
         engine.add_request("r0", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))

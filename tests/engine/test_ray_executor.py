@@ -13,14 +13,12 @@ import pytest
 
 from pagedllm import SamplingParams
 from pagedllm.config import ParallelConfig
-from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.executor import Executor
 
+from parallel_utils import PROMPTS, assert_same_outputs, run_requests, tiny_engine
+
 ray = pytest.importorskip("ray", reason="Ray is in the [ray] and [dev] extras; pip install -e '.[dev]'")
-
-PROMPTS = [[5, 9, 13, 200, 17, 3, 3, 40] * 3, [7, 8, 9], list(range(30, 70))]
-
 
 def _params() -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3),
@@ -29,21 +27,7 @@ def _params() -> list[SamplingParams]:
 
 
 def _run(engine: LLMEngine) -> dict:
-    for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
-        engine.add_request(f"r{i}", prompt, params)
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                c = o.outputs[0]
-                out[o.request_id] = (c.token_ids, None if c.logprobs is None else
-                                     [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
-    return out
-
-
-def _engine(folder: str, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=folder, dtype="float32", max_model_len=128, seed=0, block_size=8,
-                                kv_cache_memory_bytes=4 << 20, **kwargs))
+    return run_requests(engine, zip(PROMPTS, _params()))
 
 
 @pytest.fixture
@@ -64,22 +48,15 @@ def test_tp2_through_ray_equals_single_process(make_tiny_checkpoint, local_ray_c
     from pagedllm.executor.ray_executor import RayDistributedExecutor
 
     folder = make_tiny_checkpoint("llama")   # 4 query heads, 2 KV heads: one each per rank
-    single = _engine(folder)
+    single = tiny_engine(folder)
     want = _run(single)
     single.shutdown()
-    engine = _engine(folder, tensor_parallel_size=2, distributed_executor_backend="ray", cpu_threads_per_rank=1)
+    engine = tiny_engine(folder, tensor_parallel_size=2, distributed_executor_backend="ray", cpu_threads_per_rank=1)
     try:
         assert isinstance(engine.executor, RayDistributedExecutor) and len(engine.executor.actors) == 2
         table = ray.util.placement_group_table(engine.executor.placement_group)
         assert table["strategy"] == "STRICT_PACK" and len(table["bundles"]) == 2
-        got = _run(engine)
-        assert got.keys() == want.keys()
-        for rid in want:
-            assert got[rid][0] == want[rid][0], rid
-            if want[rid][1] is not None:
-                for g, w in zip(got[rid][1], want[rid][1]):
-                    assert g.keys() == w.keys()
-                    assert all(abs(g[t] - w[t]) < 1e-4 for t in w)
+        assert_same_outputs(_run(engine), want)
         engine.executor.check_health()
         # A killed actor is a clear error naming the rank, then every call is refused.
         ray.kill(engine.executor.actors[1])

@@ -1,12 +1,13 @@
 """Data parallelism behind one server (tiny checkpoint, real ``pagedllm serve`` subprocess):
 32 concurrent clients at --data-parallel-size 2 give DP=1's greedy outputs and spread 40-60% to
-each replica (per-replica counters, ``engine`` label); a replica killed with requests in flight
+each replica (per-replica counters, ``engine`` label); ``use_beam_search`` is a 400 naming it; a replica killed with requests in flight
 fails those requests with a clear error, /health says "degraded", the other replica keeps serving."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -48,6 +49,12 @@ def test_dp2_spreads_32_clients_and_equals_dp1(make_tiny_checkpoint, launch_serv
     single.terminate()
     server = launch_server(_args(folder, 2), "dp2")
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "engines": {"0": "ok", "1": "ok"}}
+    # Each replica's start-up lines reach the server's log, prefixed with the replica.
+    log = server.log_path.read_text(errors="replace")
+    for i in (0, 1):
+        assert re.search(rf"dp{i} INFO pagedllm\.worker\.worker: KV cache: \d+ blocks x 8 tokens .*maximum "
+                         rf"concurrency for 128-token requests", log), log
+        assert re.search(rf"dp{i} INFO pagedllm\.engine\.llm_engine: Engine ready", log), log
     got = asyncio.run(_complete_all(server))
     assert got == want
     served = [server.metric("pagedllm:request_success_total", engine=str(i), finished_reason="length")
@@ -56,6 +63,14 @@ def test_dp2_spreads_32_clients_and_equals_dp1(make_tiny_checkpoint, launch_serv
     assert all(0.4 * NUM_CLIENTS <= s <= 0.6 * NUM_CLIENTS for s in served), served
     gen = [server.metric("pagedllm:generation_tokens_total", engine=str(i)) for i in (0, 1)]
     assert gen == [8 * s for s in served]
+    # Beam search needs one engine: a 400 naming use_beam_search on both routes (not a 500).
+    for route, body in (("/v1/completions", {"prompt": PROMPTS[0]}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        r = httpx.post(server.url + route, json={"model": "tiny", "max_tokens": 3, "n": 2, "use_beam_search": True,
+                                                 **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "use_beam_search" and "data_parallel_size=1" in error["message"], error
 
 
 @pytest.mark.slow   # spawns replica processes (~15 s each start on two shared cores)

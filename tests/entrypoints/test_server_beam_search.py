@@ -52,6 +52,12 @@ def run(state, fn):
     return asyncio.run(main())
 
 
+def generated_texts(offline, out, num_prompt: int) -> list[str]:
+    """The generated part of each offline beam as text (``BeamSearchSequence.text`` is vLLM's
+    prompt + generated; the server's choices carry only what was generated, as vLLM's server)."""
+    return [offline.get_tokenizer().decode(s.tokens[num_prompt:]) for s in out.sequences]
+
+
 def assert_pool_empty(state) -> None:
     engine = state.engine.engine
     kv = engine.kv_cache_manager
@@ -70,7 +76,9 @@ def test_completions_equal_offline_beam_search(state, offline, width, max_tokens
         extra_body={"use_beam_search": True, **extra}))
     num_prompt = len(offline.get_tokenizer().encode(PROMPT))
     assert [c.index for c in response.choices] == list(range(width))
-    assert [c.text for c in response.choices] == [s.text for s in want.sequences]
+    assert [c.text for c in response.choices] == generated_texts(offline, want, num_prompt)
+    assert [s.text for s in want.sequences] == [offline.get_tokenizer().decode(s.tokens, skip_special_tokens=False)
+                                                for s in want.sequences]
     assert [c.finish_reason for c in response.choices] == [s.finish_reason for s in want.sequences]
     assert response.usage.prompt_tokens == num_prompt
     assert response.usage.completion_tokens == sum(len(s.tokens) - num_prompt for s in want.sequences)
@@ -84,7 +92,9 @@ def test_completions_two_prompts_and_echo(state, offline):
     response = run(state, lambda client, http: client.completions.create(
         model="tiny", prompt=prompts, n=2, max_tokens=4, echo=True,
         extra_body={"use_beam_search": True, "ignore_eos": True}))
-    assert [c.text for c in response.choices] == [p + s.text for p, out in zip(prompts, want) for s in out.sequences]
+    tok = offline.get_tokenizer()
+    assert [c.text for c in response.choices] == [p + text for p, out in zip(prompts, want)
+                                                  for text in generated_texts(offline, out, len(tok.encode(p)))]
     assert response.usage.completion_tokens == 2 * 2 * 4
 
 
@@ -100,7 +110,7 @@ def test_chat_equals_offline_beam_search(state, offline):
     tokens, chat = run(state, calls)
     (want,) = offline.beam_search({"prompt_token_ids": tokens}, BeamSearchParams(3, 6, ignore_eos=True))
     assert [c.index for c in chat.choices] == [0, 1, 2]
-    assert [c.message.content for c in chat.choices] == [s.text for s in want.sequences]
+    assert [c.message.content for c in chat.choices] == generated_texts(offline, want, len(tokens))
     assert chat.usage.prompt_tokens == len(tokens) and chat.usage.completion_tokens == 3 * 6
     assert_pool_empty(state)
 
@@ -134,7 +144,8 @@ def test_beam_search_runs_beside_other_requests(state, offline):
     finally:
         sched.schedule = real
     assert plain.choices[0].text == want_greedy.outputs[0].text
-    assert [c.text for c in beams.choices] == [s.text for s in want_beams.sequences]
+    assert [c.text for c in beams.choices] == generated_texts(offline, want_beams,
+                                                              len(offline.get_tokenizer().encode(PROMPT)))
     # Some step ran the plain request together with beams (ids "beam<k>_<request id>").
     assert any(any(r.startswith("beam") for r in ids) and any(not r.startswith("beam") for r in ids) for ids in steps)
     # Seats: the beams never pushed the batch past max_num_seqs.
@@ -172,10 +183,33 @@ def test_length_penalty_without_beam_search_is_400(state):
     assert response.status_code == 400 and response.json()["error"]["param"] == "length_penalty"
 
 
+def metric(state, name: str, **labels: str) -> float:
+    value = state.registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
+    return 0.0 if value is None else value
+
+
+def test_finished_beam_search_counts_once_in_metrics(state, offline):
+    """A beam search is one request in /metrics: one success with its best beam's finish reason,
+    its prompt once, one TTFT and e2e latency, and usage.completion_tokens generated tokens."""
+    names = [("pagedllm:request_success_total", {"finished_reason": "length"}),
+             ("pagedllm:request_success_total", {"finished_reason": "stop"}),
+             ("pagedllm:prompt_tokens_total", {}), ("pagedllm:time_to_first_token_seconds_count", {}),
+             ("pagedllm:e2e_request_latency_seconds_count", {}),
+             ("pagedllm:request_generation_tokens_count", {}), ("pagedllm:request_generation_tokens_sum", {})]
+    before = [metric(state, name, **labels) for name, labels in names]
+    response = run(state, lambda client, http: client.completions.create(
+        model="tiny", prompt=PROMPT, n=3, max_tokens=5, extra_body={"use_beam_search": True, "ignore_eos": True}))
+    after = [metric(state, name, **labels) for name, labels in names]
+    num_prompt = len(offline.get_tokenizer().encode(PROMPT))
+    assert response.usage.completion_tokens == 3 * 5
+    assert [a - b for a, b in zip(after, before)] == [1, 0, num_prompt, 1, 1, 1, 3 * 5]
+
+
 def test_disconnect_mid_beam_search_frees_every_block(state):
     """A client that leaves while the beams run: the search is aborted, its blocks freed, and the
     server keeps serving."""
     engine = state.engine.engine
+    aborts = metric(state, "pagedllm:request_success_total", finished_reason="abort")
 
     async def calls(client, http):
         task = asyncio.ensure_future(client.completions.create(
@@ -195,5 +229,6 @@ def test_disconnect_mid_beam_search_frees_every_block(state):
 
     after = run(state, calls)
     assert after.usage.completion_tokens == 3
+    assert metric(state, "pagedllm:request_success_total", finished_reason="abort") == aborts + 1
     assert not engine.beam_search.instances and not engine.beam_search.beam_to_instance
     assert_pool_empty(state)

@@ -157,6 +157,26 @@ def test_tool_choice_required_round_trip(state):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_tool_choice_required_cut_by_max_tokens_is_text_without_tool_calls(state):
+    """A reply cut by max_tokens is no call: finish_reason "length", content = the partial JSON,
+    and no ``tool_calls`` key (the openai client reads None), as for any reply without calls."""
+    body = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER_TOOL], "tool_choice": "required",
+            "temperature": 1.0, "seed": 11, "max_tokens": 4}
+
+    async def fn(client, http):
+        raw = await http.post("/v1/chat/completions", json=body)
+        parsed = await client.chat.completions.create(**body)
+        plain = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+        return raw, parsed, plain
+    raw, parsed, plain = run(state, fn)
+    (message,) = [c["message"] for c in raw.json()["choices"]]
+    assert raw.json()["choices"][0]["finish_reason"] == "length"
+    assert "tool_calls" not in message and message["content"].startswith("[")
+    assert parsed.choices[0].message.tool_calls is None and parsed.choices[0].finish_reason == "length"
+    assert parsed.choices[0].message.content == message["content"]
+    assert plain.choices[0].message.tool_calls is None
+
+
 def test_named_tool_choice(state):
     async def fn(client, http):
         return await client.chat.completions.create(
@@ -197,6 +217,16 @@ def test_instructor_returns_a_validated_object(state, mode):
     ("chat", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "nope"),
     ("chat", {"tools": [WEATHER_TOOL], "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
+    ("chat", {"tools": [WEATHER_TOOL]}, "tools", "--enable-auto-tool-choice"),   # omitted: "auto", as vLLM
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}], "tool_choice": "required"},
+     "tools", "xgrammar"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools", "'f'"),
+    ("chat", {"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "18 C",
+                                                               "tool_call_id": "call_1"}]},
+     "messages", "chat template rejected"),
     ("chat", {"tool_choice": "required"}, "tool_choice", "needs tools"),
     ("chat", {"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice", "cannot be combined"),

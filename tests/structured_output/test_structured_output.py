@@ -230,12 +230,16 @@ def test_compile_cache_is_keyed_by_canonical_schema_and_bounded(make_tiny_checkp
                 max_structured_output_grammar_cache=2)
     manager = small.llm_engine.structured_output_manager
     a = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}}, "required": ["x"]}
-    a_reordered = json.loads(json.dumps({"required": ["x"], "properties": {"y": {"type": "boolean"},
-                                                                           "x": {"type": "integer"}},
-                                         "type": "object"}))
+    # The same schema with its keywords in another order (the members of "properties" keep theirs:
+    # their order is the order the JSON is written in).
+    a_reordered = {"required": ["x"], "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}},
+                   "type": "object"}
     f1 = manager.compiled_grammar(StructuredOutputsParams(json=a))
     f2 = manager.compiled_grammar(StructuredOutputsParams(json=json.dumps(a_reordered, indent=2)))
     assert f1 is f2 and manager.num_cached_grammars == 1
+    a_swapped = {"type": "object", "properties": {"y": {"type": "boolean"}, "x": {"type": "integer"}}, "required": ["x"]}
+    assert manager.compiled_grammar(StructuredOutputsParams(json=a_swapped)) is not f1
+    assert manager.num_cached_grammars == 2
     manager.compiled_grammar(StructuredOutputsParams(regex="a+"))
     manager.compiled_grammar(StructuredOutputsParams(choice=["p", "q"]))
     assert manager.num_cached_grammars == 2
@@ -290,3 +294,39 @@ def test_batched_bitmask_fill_and_apply_equal_per_row_reference(llm):
         assert torch.equal(logits, expected)
         for p in set(range(6)) - set(positions):  # unconstrained rows untouched
             assert torch.isfinite(logits[p]).all()
+
+
+def test_json_whitespace_is_what_the_readme_says():
+    """No free whitespace in JSON constraints: a schema's declared members and items are joined by
+    "," and ":" alone; the parts a schema leaves untyped (all of ``json_object``, extra
+    properties) get xgrammar 0.2.8's fixed ", " between members and items, never newlines."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from pagedllm.structured_output.grammar import build_grammar, grammar_key
+
+    def grammar(**constraint):
+        return build_grammar(grammar_key(StructuredOutputsParams(**constraint), disable_any_whitespace=True))
+
+    any_object = grammar(json_object=True)
+    assert accepts(any_object, '{"a":1}') and accepts(any_object, '{"a":"x", "b":[1, {"c":null}]}')
+    for text in ('{ "a":1}', '{"a": 1}', '{"a":1,\n"b":2}', '{"a":1,"b":2}', '{"a":[1,2]}'):
+        assert not accepts(any_object, text), text
+    typed = grammar(json={"type": "object", "properties": {"l": {"type": "array", "items": {"type": "integer"}},
+                                                           "n": {"type": "integer"}},
+                          "required": ["l", "n"], "additionalProperties": False})
+    assert accepts(typed, '{"l":[1,2],"n":1}')
+    for text in ('{"l":[1,2], "n":1}', '{"l":[1, 2],"n":1}', '{"l": [],"n":1}'):
+        assert not accepts(typed, text), text
+
+
+def test_json_members_are_written_in_the_schema_order(llm):
+    """Two schemas that differ only in the order of their properties compile to two grammars, and
+    each reply writes its members in its schema's order (not sorted: a pydantic model's field
+    order survives)."""
+    for order in (["zeta", "alpha", "mid"], ["alpha", "mid", "zeta"]):
+        schema = {"type": "object", "properties": {k: {"type": "boolean"} for k in order},
+                  "required": order, "additionalProperties": False}
+        out = llm.generate(["order"], _params(0, json=schema, max_tokens=40), use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop"
+        assert list(json.loads(out.text, object_pairs_hook=lambda pairs: [k for k, _ in pairs])) == order
+

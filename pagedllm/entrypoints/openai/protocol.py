@@ -190,10 +190,20 @@ class ChatCompletionLogProbs(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A reply message; ``tool_calls`` is left out of the JSON when there are none (as OpenAI
+    answers; the openai client reads it as None)."""
+
     role: str
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_tool_calls(self, handler):
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionResponseChoice(BaseModel):

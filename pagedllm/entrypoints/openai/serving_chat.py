@@ -19,7 +19,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, OutputStream
-from pagedllm.entrypoints.chat_utils import ChatTemplateError, parse_chat_messages, render_chat_prompt
+from pagedllm.entrypoints.chat_utils import (ChatTemplateError, NoChatTemplateError, parse_chat_messages,
+                                             render_chat_prompt)
 from pagedllm.entrypoints.openai.errors import bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                   ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -75,8 +76,10 @@ class OpenAIServingChat(OpenAIServing):
                                         continue_final_message=bool(request.continue_final_message),
                                         tools=getattr(request, "tools", None) or None,
                                         **(request.chat_template_kwargs or {}))
-        except ChatTemplateError as e:
+        except NoChatTemplateError as e:
             raise bad_request(str(e)) from e
+        except ChatTemplateError as e:   # the template rejected the conversation (a role, an order)
+            raise bad_request(str(e), param="messages") from e
         except ValueError as e:
             raise bad_request(str(e), param="messages") from e
         if request.add_special_tokens:

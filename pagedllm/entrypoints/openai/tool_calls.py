@@ -19,6 +19,7 @@ from typing import Any
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, make_tool_call
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.grammar import validate_structured_outputs
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -64,6 +65,21 @@ def _functions(tools: list[Any]) -> dict[str, dict]:
     return out
 
 
+def _checked(params: StructuredOutputsParams, name: str | None = None) -> StructuredOutputsParams:
+    """``params`` once xgrammar can build its grammar.
+
+    Raises:
+        OpenAIError: 400 naming ``tools`` (with xgrammar's message) when it cannot.
+    """
+    try:
+        validate_structured_outputs(params)
+    except ValueError as e:
+        message = str(e).split(": ", 1)[-1]   # drop the "structured_outputs.json" prefix
+        what = f"the parameters of function {name!r}" if name else "the tools' parameters schemas"
+        raise bad_request(f"tools: {what}: {message}", param="tools") from None
+    return params
+
+
 def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None = None,
                auto_tool_parser: ToolParser | None = None) -> ToolPlan:
     """The ``ToolPlan`` of a request (``parallel_tool_calls: false``: at most one call).
@@ -72,9 +88,10 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
         auto_tool_parser: the server's parser when it runs with ``--enable-auto-tool-choice``,
             else None (then ``"auto"`` is refused).
     Raises:
-        OpenAIError: 400 naming ``tools`` or ``tool_choice``: malformed tools, a ``tool_choice``
-            without tools, a named function not in ``tools``, ``"auto"`` without
-            ``--enable-auto-tool-choice``, or an unknown value.
+        OpenAIError: 400 naming ``tools`` or ``tool_choice``: malformed tools, a ``parameters``
+            schema xgrammar cannot compile (``tools``, under ``"required"`` or a named function),
+            a ``tool_choice`` without tools, a named function not in ``tools``, ``"auto"``
+            without ``--enable-auto-tool-choice``, or an unknown value.
     """
     if not tools:
         if tool_choice not in (None, "none"):
@@ -97,7 +114,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan("required", StructuredOutputsParams(json=schema))
+        return ToolPlan("required", _checked(StructuredOutputsParams(json=schema)))
     if isinstance(tool_choice, dict):
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -107,7 +124,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
         if name not in functions:
             raise bad_request(f"tool_choice names the function {name!r}, which is not in tools "
                               f"({sorted(functions)})", param="tool_choice")
-        return ToolPlan("named", StructuredOutputsParams(json=functions[name]), name)
+        return ToolPlan("named", _checked(StructuredOutputsParams(json=functions[name]), name), name)
     raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}",
                       param="tool_choice")
 
