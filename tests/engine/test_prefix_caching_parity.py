@@ -285,7 +285,7 @@ def test_default_model_shared_system_prompt_and_multi_turn(free_memory):
 
     The caching-off engine runs first and is freed before the caching-on one starts, so the test
     holds one copy of the model at a time (the suite's peak memory)."""
-    kw = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20)
+    kw = dict(max_model_len=512, kv_cache_memory_bytes=256 << 20)
 
     def run(llm: LLM, counter: PromptTokenCounter | None):
         tok = llm.get_tokenizer()

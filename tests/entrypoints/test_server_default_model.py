@@ -381,35 +381,6 @@ def test_issue_inputs_echo_max_tokens_zero_and_empty_prompt(http, model_name):
     assert empty["usage"]["prompt_tokens"] == 1 and empty["usage"]["completion_tokens"] >= 1
 
 
-def test_graceful_shutdown_finishes_in_flight_stream(server, model_name):
-    """SIGTERM while a stream runs: the stream completes, then the process exits with status 0."""
-    lines: list[str] = []
-    started = threading.Event()
-
-    def stream():
-        body = {"model": model_name, "prompt": PROMPTS[2], "max_tokens": 30, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300,
-                          headers={"Authorization": f"Bearer {KEY}"}) as response:
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
-                    started.set()
-
-    thread = threading.Thread(target=stream)
-    thread.start()
-    assert started.wait(120)
-    server.proc.send_signal(signal.SIGTERM)
-    thread.join(300)
-    events = sse(lines)
-    assert events[-1] == "[DONE]"
-    assert events[-2]["choices"][0]["finish_reason"] == "length"
-    assert sum(1 for e in events[:-1] if e["choices"][0]["text"]) >= 20
-    assert server.proc.wait(120) == 0
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(server.url + "/health", timeout=5)
-
-
 # -- structured output and tools with the real clients (issue 17) ---------------------------------
 
 def test_openai_parse_instructor_json_and_required_tool_round_trip(server, client, model_name):
@@ -455,3 +426,33 @@ def test_openai_parse_instructor_json_and_required_tool_round_trip(server, clien
                                             extra_body={"chat_template": load_chat_template("gemma-tools")})
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+
+# Stops the module's server: keep it the last test of this file.
+def test_graceful_shutdown_finishes_in_flight_stream(server, model_name):
+    """SIGTERM while a stream runs: the stream completes, then the process exits with status 0."""
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream():
+        body = {"model": model_name, "prompt": PROMPTS[2], "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300,
+                          headers={"Authorization": f"Bearer {KEY}"}) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(120)
+    server.proc.send_signal(signal.SIGTERM)
+    thread.join(300)
+    events = sse(lines)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for e in events[:-1] if e["choices"][0]["text"]) >= 20
+    assert server.proc.wait(120) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=5)
