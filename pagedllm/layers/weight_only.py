@@ -222,7 +222,7 @@ def weight_only_available(mode: str) -> bool:
         ref = x.to(WEIGHT_ONLY_COMPUTE_DTYPE).float() @ layer.dequantized_weight().t()
         return bool(torch.allclose(layer(x), ref, rtol=2e-2, atol=2e-2))
     except (RuntimeError, AttributeError, NotImplementedError) as exc:  # no kernel here, or an old torch
-        logger.info("%s unavailable: %s", mode, exc)
+        logger.warning("%s unavailable: %s", mode, exc)
         return False
 
 

@@ -252,7 +252,7 @@ def test_strided_query_from_fused_qkv():
 def test_kernel_rejects_out_of_range_block_id():
     kernel = cpu_paged.load_kernel()
     if kernel is None:
-        pytest.skip("kernel unavailable")
+        pytest.skip("the C++ paged-attention kernel did not build here (no compiler or ninja, or a compile error: the warning above names it)")
     md = build_attention_metadata([1], [4], [[0, 9]], block_size=4, device="cpu")  # 9 >= 2 blocks
     q = torch.randn(1, 2, 8)
     cache = torch.zeros(2, 4, 1, 8)
@@ -360,7 +360,7 @@ def test_kernel_path_names():
 def test_kernel_rejects_path_not_compiled():
     kernel = cpu_paged.load_kernel()
     if kernel is None:
-        pytest.skip("kernel unavailable")
+        pytest.skip("the C++ paged-attention kernel did not build here (no compiler or ninja, or a compile error: the warning above names it)")
     md = build_attention_metadata([1], [0], [[0]], block_size=4, device="cpu")
     q = torch.randn(1, 2, 8)
     cache = torch.zeros(1, 4, 1, 8)

@@ -6,13 +6,13 @@ from torch import nn
 
 
 class TiedToy(nn.Module):
-    """Embedding [50, 16] (the tied head) and one ``proj`` linear [out_features, 16] with bias."""
+    """Embedding [50, hidden] (the tied head) and one ``proj`` linear [out_features, hidden] with bias."""
 
-    def __init__(self, out_features: int = 16):
+    def __init__(self, out_features: int = 16, hidden: int = 16):
         super().__init__()
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(50, 16)
-        self.model.proj = nn.Linear(16, out_features)
+        self.model.embed_tokens = nn.Embedding(50, hidden)
+        self.model.proj = nn.Linear(hidden, out_features)
         self.tie_word_embeddings = True
         self.packed_lm_head = None
 
@@ -25,5 +25,5 @@ class TiedToy(nn.Module):
 
 @pytest.fixture
 def tied_toy():
-    """Factory: ``tied_toy(out_features=16)`` -> a fresh ``TiedToy``."""
+    """Factory: ``tied_toy(out_features=16, hidden=16)`` -> a fresh ``TiedToy``."""
     return TiedToy

@@ -98,28 +98,11 @@ def test_rows_do_not_depend_on_the_batch(mode):
     torch.testing.assert_close(batched, alone, rtol=0, atol=0)
 
 
-class _Toy(torch.nn.Module):
-    """Tied embedding [50, 64] and one ``proj`` linear [32, 64] with bias."""
-
-    def __init__(self):
-        super().__init__()
-        self.model = torch.nn.Module()
-        self.model.embed_tokens = torch.nn.Embedding(50, 64)
-        self.model.proj = torch.nn.Linear(64, 32)
-        self.tie_word_embeddings = True
-        self.packed_lm_head = None
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def get_lm_head(self):
-        return self.model.embed_tokens
-
-
 @pytest.mark.parametrize("mode", MODES)
-def test_quantize_weight_only_replaces_linears_and_the_tied_head(mode):
+def test_quantize_weight_only_replaces_linears_and_the_tied_head(mode, tied_toy):
+    """A tied embedding [50, 64] and one ``proj`` linear [32, 64] with bias."""
     torch.manual_seed(0)
-    model = _Toy()
+    model = tied_toy(out_features=32, hidden=64)
     w_proj, b_proj = model.model.proj.weight.detach().clone(), model.model.proj.bias.detach().clone()
     w_head = model.model.embed_tokens.weight.detach().clone()
     delta = quantize_weight_only(model, mode)
@@ -141,7 +124,7 @@ def test_quantize_weight_only_replaces_linears_and_the_tied_head(mode):
     torch.testing.assert_close(proj(x), F.linear(x, w_proj, b_proj), rtol=0, atol=tol)
 
 
-def test_weight_only_values_are_validated():
+def test_weight_only_values_are_validated(tied_toy):
     for mode in MODES:
         assert ModelConfig(quantization=mode).quantization == mode
         assert ModelConfig(quantization=mode, dtype="bfloat16").dtype == "bfloat16"
@@ -150,7 +133,7 @@ def test_weight_only_values_are_validated():
         with pytest.raises(ValueError, match="CPU"):
             ModelConfig(quantization=mode, device="cuda")
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        quantize_weight_only(_Toy().half(), INT8_WEIGHT_ONLY)
+        quantize_weight_only(tied_toy(out_features=32, hidden=64).half(), INT8_WEIGHT_ONLY)
     with pytest.raises(ValueError, match="quantization"):
         make_weight_only_layer("int2_weight_only", torch.zeros(4, 32), None, torch.float32)
 
