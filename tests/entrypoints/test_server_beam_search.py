@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import openai
 import pytest
 
@@ -16,7 +15,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.entrypoints.chat_utils import load_chat_template
-from pagedllm.entrypoints.openai.api_server import build_app, build_state
+from pagedllm.entrypoints.openai.api_server import build_state
+from asgi_utils import run_with_clients
 
 ENGINE = dict(dtype="float32", max_model_len=128, block_size=4, kv_cache_memory_bytes=4 << 20, seed=0,
               max_num_seqs=8)
@@ -42,14 +42,7 @@ def offline(path):
     return LLM(path, **ENGINE)
 
 
-def run(state, fn):
-    """``await fn(client, http)`` with an openai client and an httpx client on the app."""
-    async def main():
-        transport = httpx.ASGITransport(app=build_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as http:
-            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
-            return await fn(client, http)
-    return asyncio.run(main())
+run = run_with_clients
 
 
 def generated_texts(offline, out, num_prompt: int) -> list[str]:

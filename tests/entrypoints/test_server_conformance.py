@@ -6,19 +6,17 @@ the n cap, the empty prompt, prompts over max_model_len, and /metrics without *_
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
 
-import httpx
-import openai
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.chat_utils import load_chat_template
-from pagedllm.entrypoints.openai.api_server import build_app, build_state
+from pagedllm.entrypoints.openai.api_server import build_state
 from pagedllm.entrypoints.openai.serving_engine import readable_token
 from pagedllm.tokenizer import _byte_level_decoding_table
+from asgi_utils import run_with_clients
 
 MAX_MODEL_LEN = 128
 MAX_N = 8
@@ -55,14 +53,7 @@ def tok(state):
     return state.engine.tokenizer
 
 
-def run(state, fn):
-    """``await fn(client, http)`` with an openai client and an httpx client on the app."""
-    async def main():
-        transport = httpx.ASGITransport(app=build_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as http:
-            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
-            return await fn(client, http)
-    return asyncio.run(main())
+run = run_with_clients
 
 
 def byte_ids(tok, data: bytes) -> list[int]:

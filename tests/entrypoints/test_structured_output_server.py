@@ -4,20 +4,18 @@ the grammar (a random model never writes valid JSON by chance)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shutil
 
-import httpx
 import jsonschema
-import openai
 import pydantic
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.chat_utils import load_chat_template
-from pagedllm.entrypoints.openai.api_server import build_app, build_state
+from pagedllm.entrypoints.openai.api_server import build_state
+from asgi_utils import run_with_clients
 
 pytestmark = pytest.mark.timeout(600)
 MESSAGES = [{"role": "user", "content": "Describe a person."}]
@@ -60,13 +58,7 @@ def state(long_checkpoint):
     st.engine.shutdown()
 
 
-def run(state, fn):
-    async def main():
-        transport = httpx.ASGITransport(app=build_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=300) as http:
-            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
-            return await fn(client, http)
-    return asyncio.run(main())
+run = run_with_clients
 
 
 def test_chat_completions_parse_returns_a_validated_pydantic_object(state):
