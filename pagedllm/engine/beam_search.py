@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.engine.output_processor import record_new_tokens
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -190,13 +191,8 @@ class BeamSearchManager:
                 rest.append(out)
                 continue
             if out.new_token_ids:
-                if iteration_stats is not None:
-                    iteration_stats.num_generation_tokens += len(out.new_token_ids)
-                    prev_times.setdefault(inst.request_id, (inst.metrics.first_token_time,
-                                                            inst.metrics.last_token_time))
-                if inst.metrics.first_token_time is None:
-                    inst.metrics.first_token_time = now
-                inst.metrics.last_token_time = now
+                record_new_tokens(inst.request_id, inst.metrics, len(out.new_token_ids), now,
+                                  iteration_stats, prev_times)
                 inst.reported[out.request_id] = (len(out.new_token_ids), out.new_top_logprobs[-1] or {})
                 request = self.scheduler.get_request(out.request_id)
                 if request is not None:

@@ -14,6 +14,21 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import Tokenizer
 
 
+def record_new_tokens(key: str, metrics: RequestMetrics, num_new: int, now: float,
+                      iteration_stats: IterationStats | None,
+                      prev_times: dict[str, tuple[float | None, float | None]]) -> None:
+    """Account ``num_new`` generated tokens of request ``key`` at ``now`` (seconds, monotonic):
+    the step's generation-token count, the request's (first, last) token times before this step
+    (kept once per step in ``prev_times``, for TTFT / inter-token latency), then its first and
+    last token times."""
+    if iteration_stats is not None:
+        iteration_stats.num_generation_tokens += num_new
+        prev_times.setdefault(key, (metrics.first_token_time, metrics.last_token_time))
+    if metrics.first_token_time is None:
+        metrics.first_token_time = now
+    metrics.last_token_time = now
+
+
 @dataclass
 class SampleState:
     """One sample (engine-level request) of a parent request."""
@@ -147,13 +162,8 @@ class OutputProcessor:
                 parent.num_cached_tokens = out.num_cached_tokens
             # max_tokens=0 (prompt only): the one token the engine sampled is dropped.
             if out.new_token_ids and sample.params.max_tokens != 0:
-                if iteration_stats is not None:
-                    iteration_stats.num_generation_tokens += len(out.new_token_ids)
-                    prev_times.setdefault(parent.request_id, (parent.metrics.first_token_time,
-                                                              parent.metrics.last_token_time))
-                if parent.metrics.first_token_time is None:
-                    parent.metrics.first_token_time = now
-                parent.metrics.last_token_time = now
+                record_new_tokens(parent.request_id, parent.metrics, len(out.new_token_ids), now,
+                                  iteration_stats, prev_times)
                 sample.changed = True
                 sample.token_ids.extend(out.new_token_ids)
                 sample.cumulative_logprob += sum(out.new_logprobs)
