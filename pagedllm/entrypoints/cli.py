@@ -115,7 +115,24 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
         action.help = f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _subcommand(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names ("generate", "serve", "bench"), or None (``--help``, a typo)."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--log-level":
+            i += 2
+            continue
+        if arg.startswith("--log-level="):
+            i += 1
+            continue
+        return arg if arg in ("generate", "serve", "bench") else None
+    return None
+
+
+def build_parser(subcommand: str | None = None) -> argparse.ArgumentParser:
+    """The ``pagedllm`` parser; with ``subcommand``, only that subcommand's parser is built (the
+    others would import what this run does not use), else all of them."""
     from pagedllm.engine.arg_utils import add_engine_cli_args
 
     parser = argparse.ArgumentParser(prog="pagedllm", description="Paged-KV-cache LLM inference engine")
@@ -142,22 +159,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_cli_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    try:
-        from pagedllm.entrypoints.openai.cli_serve import add_serve_parser
-        add_serve_parser(sub)
-    except ImportError:
-        pass
-    try:
-        from pagedllm.benchmarks.cli import add_bench_parser
-        add_bench_parser(sub)
-    except ImportError:
-        pass
+    # The server's parser imports the FastAPI app (over a second): only built when it can be used.
+    if subcommand in (None, "serve"):
+        try:
+            from pagedllm.entrypoints.openai.cli_serve import add_serve_parser
+            add_serve_parser(sub)
+        except ImportError:
+            pass
+    if subcommand in (None, "bench"):
+        try:
+            from pagedllm.benchmarks.cli import add_bench_parser
+            add_bench_parser(sub)
+        except ImportError:
+            pass
     _show_defaults(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(_subcommand(argv))
     ns = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(ns.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

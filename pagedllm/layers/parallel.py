@@ -179,6 +179,11 @@ class VocabParallelEmbedding(nn.Embedding):
         self.vocab_size = vocab_size
         self.vocab_start = ctx.tp_rank * per_rank
 
+    def reset_parameters(self) -> None:
+        """No random init: the weight always comes from the checkpoint (the model is built on the
+        meta device). ``nn.Embedding``'s ``normal_`` would import ``torch._dynamo`` on its first
+        call, most of a second of every start (docs/performance.md, warm start)."""
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ctx.tp_size == 1:
             return F.embedding(input_ids, self.weight)

@@ -18,7 +18,10 @@ def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None
     Raises:
         ValueError: for other rope types (yarn, dynamic, longrope, ...), naming the type.
     """
-    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
+    # On the CPU even inside a ``torch.device("meta")`` block (the model is built there): a meta
+    # ``arange`` runs torch's Python reference and imports sympy on first use (~0.5 s of a start).
+    positions = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (rope_theta ** (positions.to(torch.float) / head_dim))
     rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
     if rope_type in (None, "default"):
         return inv_freq, 1.0

@@ -95,7 +95,9 @@ def build_model(model_config: ModelConfig, weights, dtype: torch.dtype, device: 
     model_cls = get_model_class(model_config)
     with torch.device("meta"):
         model = model_cls(model_config, ctx) if ctx is not None else model_cls(model_config)
-    model = model.to_empty(device=device).to(dtype)
+    # ``to_empty`` in the model dtype at once (as ``.to_empty(device).to(dtype)`` without the float32
+    # allocation and copy; a meta ``.to`` or ``empty_like`` would import sympy through torch's Python reference).
+    model = model._apply(lambda t: torch.empty(t.shape, device=device, dtype=dtype if t.is_floating_point() else t.dtype))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers()
