@@ -16,6 +16,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.communication import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from pagedllm.distributed.parallel_state import ParallelContext
+from pagedllm.layers.fused_ops import fused_ops_for
 from pagedllm.layers.linear import MergedLinear, lm_head_logits
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.parallel import (PPMissingLayer, TensorParallelSizes, VocabParallelEmbedding, checkpoint_shard,
@@ -39,10 +40,17 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size],
                                          ("gate_proj", "up_proj"), bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.use_fused_ops = False   # set by the model (ModelConfig.cpu_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return tensor_parallel_all_reduce(self.down_proj(F.silu(gate) * up), self.ctx)
+        gate_up = self.gate_up_proj(x)                                            # [T, 2I]
+        fused = fused_ops_for(self.use_fused_ops, gate_up)
+        if fused is not None:
+            act = fused.silu_and_mul(gate_up)                                     # [T, I], one pass
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return tensor_parallel_all_reduce(self.down_proj(act), self.ctx)
 
 
 class LlamaAttention(nn.Module):
@@ -140,6 +148,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, self.bias_flags(config), self.qk_norm, windows, ctx)
         init_stage_and_lm_head(self, config, ctx)
         self.layer_sliding_windows = windows[ctx.layer_start: ctx.layer_start + self.num_layers]
+        # CPU float32 / bfloat16: fused C++ RMSNorm and SiLU x up (layers/fused_ops.py).
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaMLP)):
+                module.use_fused_ops = config.cpu_fused_ops != "off"
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
