@@ -222,3 +222,26 @@ def test_gemma_norm_caches_one_plus_weight():
     assert torch.equal(norm.weight_plus_one, 1.0 + norm.weight.float())
     assert torch.equal(norm(x), before)
     assert math.isclose(float(norm.scale()[0]), 1.0 + float(norm.weight[0]), rel_tol=1e-7)
+
+
+def test_prepare_logs_what_runs_and_config_validates(ops, caplog):
+    import logging
+
+    from pagedllm.config import ModelConfig
+    from pagedllm.engine.arg_utils import EngineArgs, add_engine_cli_args, engine_args_from_cli
+
+    with caplog.at_level(logging.INFO, logger=fused_ops.__name__):
+        assert fused_ops.prepare_fused_ops("auto", torch.device("cpu"), torch.bfloat16) is True
+        assert fused_ops.prepare_fused_ops("off", torch.device("cpu"), torch.float32) is False
+        assert fused_ops.prepare_fused_ops("auto", torch.device("cpu"), torch.float16) is False
+    text = caplog.text
+    assert f"Fused CPU ops (norms, residual adds, q/k norm + RoPE, gated activations): on ({ops.compiled_isas()[0]} code for bfloat16)" in text
+    assert "off, eager torch ops (cpu_fused_ops='off')" in text
+    assert "off, eager torch ops (they take float32 or bfloat16, not torch.float16)" in text
+    with pytest.raises(ValueError, match="cpu_fused_ops must be one of"):
+        ModelConfig(cpu_fused_ops="on")
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_engine_cli_args(parser)
+    assert engine_args_from_cli(parser.parse_args(["--cpu-fused-ops", "off"])).cpu_fused_ops == "off"
+    assert EngineArgs().cpu_fused_ops == "auto"
