@@ -245,3 +245,36 @@ def test_prepare_logs_what_runs_and_config_validates(ops, caplog):
     add_engine_cli_args(parser)
     assert engine_args_from_cli(parser.parse_args(["--cpu-fused-ops", "off"])).cpu_fused_ops == "off"
     assert EngineArgs().cpu_fused_ops == "auto"
+
+
+def test_build_failure_warns_once_and_runs_eager(ops, monkeypatch, caplog, make_tiny_checkpoint):
+    """No compiler: the builder returns None with one WARNING naming the fallback, the start log
+    says the eager ops run, and the model's tokens are those of cpu_fused_ops='off'."""
+    import logging
+
+    from torch.utils import cpp_extension
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.platforms import cpu_extension
+
+    def broken_load(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpu_extension, "_import_built", lambda name, build_dir: None)
+    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    with caplog.at_level(logging.WARNING, logger=cpu_extension.__name__):
+        assert cpu_extension.load_extension.__wrapped__(fused_ops.EXTENSION) is None
+    assert "fused CPU ops unavailable (RuntimeError: no compiler); falling back to the eager torch ops" in caplog.text
+
+    path = make_tiny_checkpoint("gemma3")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(mode):
+        llm = LLM(path, dtype="float32", max_model_len=64, kv_cache_memory_bytes=8 << 20, cpu_fused_ops=mode)
+        return llm.generate({"prompt_token_ids": [5, 9, 33, 7]}, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    eager = run("off")
+    monkeypatch.setattr(fused_ops, "load_fused_ops", lambda: None)
+    with caplog.at_level(logging.INFO, logger=fused_ops.__name__):
+        assert run("auto") == eager
+    assert "off, eager torch ops (the extension could not be built (see the warning above))" in caplog.text
