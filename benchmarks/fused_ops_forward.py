@@ -2,8 +2,9 @@
 
 One process, one thread (``torch.set_num_threads(1)``), CPU time (``time.process_time``): the
 same model instance runs both modes, interleaved, ``--repeats`` times; each timing is the
-median. Also times the linear layers and attention through forward hooks (exclusive of the rest)
-so that "model forward, other" = forward - linear layers - attention.
+median. Also times the linear layers and attention (their classes' ``forward`` / ``__call__``
+wrapped) so that "model forward, other" = forward - linear layers - attention. Run against
+another checkout (``PYTHONPATH=<it>``) without the fused ops, both modes are its eager code.
 
     PYTHONPATH=$PWD python benchmarks/fused_ops_forward.py --dtype float32 --rows 1 16
 """
@@ -39,21 +40,26 @@ def main() -> None:
             if hasattr(m, "use_fused_ops"):
                 m.use_fused_ops = on
 
-    # exclusive timers for linear layers and attention
+    # Time spent in the linear layers and in attention: their classes' forward / __call__ wrapped
+    # (attention.Attention is not an nn.Module, so module hooks would miss it). Neither nests in
+    # the other, so the two sums are exclusive.
     acc = {"linear": 0.0, "attention": 0.0}
-    starts = {}
 
-    def add_timer(module, key):
-        module.register_forward_pre_hook(lambda m, a: starts.__setitem__(id(m), time.process_time()))
-        module.register_forward_hook(lambda m, a, o: acc.__setitem__(key, acc[key] + time.process_time() - starts[id(m)]))
+    def wrap(cls, key, attr="forward"):
+        orig = getattr(cls, attr)
 
-    hooks_on = {"v": False}
-    for m in model.modules():
-        if isinstance(m, Attention):
-            add_timer(m, "attention")
-        elif isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("Linear"):
-            if not any(isinstance(c, torch.nn.Linear) for c in m.children()):
-                add_timer(m, "linear")
+        def timed(self, *a, **k):
+            t0 = time.process_time()
+            out = orig(self, *a, **k)
+            acc[key] += time.process_time() - t0
+            return out
+        setattr(cls, attr, timed)
+
+    linear_classes = {type(m) for m in model.modules()
+                      if type(m).__name__.endswith("Linear") and not any(True for _ in m.children())}
+    for cls in linear_classes:
+        wrap(cls, "linear")
+    wrap(Attention, "attention", "__call__")
 
     for rows in args.rows:
         blocks_per = (args.context + 1 + bs - 1) // bs
@@ -68,6 +74,7 @@ def main() -> None:
                 model(ids, pos, kv, md)
             times = {False: [], True: []}
             parts = {False: [], True: []}
+            attn = {False: [], True: []}
             for _ in range(args.repeats):
                 for on in (False, True):
                     set_fused(on)
@@ -77,11 +84,13 @@ def main() -> None:
                         model(ids, pos, kv, md)
                     times[on].append((time.process_time() - t0) / args.inner * 1e3)
                     parts[on].append((acc["linear"] + acc["attention"]) / args.inner * 1e3)
+                    attn[on].append(acc["attention"] / args.inner * 1e3)
         for on in (False, True):
             fwd, la = statistics.median(times[on]), statistics.median(parts[on])
             res[on] = (fwd, la, fwd - la)
             print(f"{args.dtype} rows={rows:3d} fused={'on ' if on else 'off'}: forward {fwd:7.2f} ms, "
-                  f"linear+attention {la:7.2f} ms, other {fwd - la:6.2f} ms")
+                  f"linear+attention {la:7.2f} ms (attention {statistics.median(attn[on]):5.2f}), "
+                  f"other {fwd - la:6.2f} ms")
         print(f"  -> other {res[False][2]:.2f} -> {res[True][2]:.2f} ms "
               f"({100 * (res[True][2] / res[False][2] - 1):+.0f}%), forward {100 * (res[True][0] / res[False][0] - 1):+.1f}%")
 

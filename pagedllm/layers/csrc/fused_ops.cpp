@@ -83,7 +83,9 @@ inline fVec load(const BF16* p, int64_t n) {
   return fVec::loadu(buf);
 }
 inline void store(BF16* p, const fVec& v) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), at::vec::cvtfp32_bf16(__m512(v)));  // one vector, RNE
+#elif defined(CPU_CAPABILITY_AVX2)
   at::vec::convert_float_bfloat16(v, v).store(p, kW);
 #else
   float buf[kW];
@@ -105,7 +107,17 @@ template <>
 inline fVec round_to<float>(const fVec& v) { return v; }
 template <>
 inline fVec round_to<BF16>(const fVec& v) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+  // As at::vec::cvtfp32_bf16 (round to nearest even, NaN kept), without leaving the float32 lanes:
+  // bits + 0x7fff + lsb, low 16 bits cleared.
+  const __m512 x = v;
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+  return fVec(_mm512_mask_blend_ps(ordered, x, _mm512_castsi512_ps(r)));
+#elif defined(CPU_CAPABILITY_AVX2)
   return std::get<0>(at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(v, v)));
 #else
   float buf[kW];
