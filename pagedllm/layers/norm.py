@@ -103,3 +103,19 @@ def gemma_add_rms_norm(h: torch.Tensor, residual: torch.Tensor, post_norm: Gemma
         return ops.gemma_add_rms_norm(h, residual, post_norm.scale(), pre_norm.scale(), post_norm.eps, pre_norm.eps)
     new_residual = residual + post_norm(h)
     return new_residual, pre_norm(new_residual)
+
+
+def add_rms_norm(h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, fused: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Llama residual step: ``new_residual = residual + h``, then ``(new_residual,
+    norm(new_residual))``; in one C++ pass when ``fused`` and the tensors allow
+    (``layers/fused_ops.py``), else the eager ops (the reference; same rounding points).
+
+    Shapes:
+        h, residual: [T, hidden], one dtype (``norm.weight``'s) -> two [T, hidden] tensors of it.
+    """
+    ops = fused_ops_for(fused, h, residual, norm.weight)
+    if ops is not None:
+        return ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+    new_residual = residual + h
+    return new_residual, norm(new_residual)

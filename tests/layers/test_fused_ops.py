@@ -158,6 +158,60 @@ def test_llama_rms_norm(ops, rows, dtype):
     check(f"rms_norm {rows} {dtype}", ops.rms_norm(x, w, EPS), w * normed, 2 * normed.double().abs() * w.double().abs())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_llama_residual_step(ops, rows, dtype):
+    g = torch.Generator().manual_seed(rows + 5)
+    h = (torch.randn(rows, 576, generator=g) * 5).to(dtype)
+    residual = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    w = (1.0 + torch.randn(576, generator=g) * 0.3).to(dtype)
+    new_residual = residual + h
+    n32 = new_residual.float()
+    normed = (n32 * torch.rsqrt(n32.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
+    got_residual, got_x = ops.add_rms_norm(h, residual, w, EPS)
+    assert torch.equal(got_residual, new_residual)   # one add, rounded once: bitwise
+    check(f"add_rms_norm x {rows} {dtype}", got_x, w * normed, 2 * normed.double().abs() * w.double().abs())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("qk_norm", [False, True])   # Llama / Qwen2, Qwen3
+def test_llama_qk_norm_rope(ops, rows, dtype, qk_norm):
+    from pagedllm.layers.norm import RMSNorm
+
+    heads, kv_heads, d = 4, 2, 64
+    g = torch.Generator().manual_seed(rows + 11)
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g) * 2).to(dtype)
+    cos, sin = RotaryEmbedding(d, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+                               )(torch.randint(0, 3000, (rows,), generator=g), dtype)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.reshape(rows, heads, d), k.reshape(rows, kv_heads, d)
+    weights = (None, None)
+    if qk_norm:
+        q_norm, k_norm = RMSNorm(d, EPS).to(dtype), RMSNorm(d, EPS).to(dtype)
+        with torch.no_grad():
+            q_norm.weight.normal_(1.0, 0.3, generator=g)
+            k_norm.weight.normal_(1.0, 0.3, generator=g)
+        q, k = q_norm(q), k_norm(k)
+        weights = (q_norm.weight.detach(), k_norm.weight.detach())
+    want_q, want_k = apply_rotary(q, k, cos, sin)
+    got = qkv.clone()
+    ops.qk_norm_rope_(got, *weights, cos, sin, heads, kv_heads, d, EPS)
+    gq, gk, gv = got.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    assert torch.equal(gv, v)
+    if not qk_norm:  # RoPE alone rounds where torch rounds: bitwise
+        assert torch.equal(gq.reshape(want_q.shape), want_q) and torch.equal(gk.reshape(want_k.shape), want_k)
+        return
+
+    def terms(n):
+        half = d // 2
+        rot = torch.cat((n[..., half:], n[..., :half]), dim=-1)
+        return 2 * ((n.double() * cos.double()).abs() + (rot.double() * sin.double()).abs())
+    check(f"qk_norm_rope_ q {rows} {dtype}", gq.reshape(want_q.shape), want_q, terms(q))
+    check(f"qk_norm_rope_ k {rows} {dtype}", gk.reshape(want_k.shape), want_k, terms(k))
+
+
 def test_dispatch_falls_back_to_eager(ops):
     """Off, float16, non-contiguous and (where present) CUDA tensors get no fused op."""
     x = torch.randn(4, 64)
@@ -208,6 +262,28 @@ def test_tiny_gemma3_greedy_equal_fused_on_and_off(ops, make_tiny_checkpoint, mo
     eager = run("off")
     assert counting.calls == {}, "cpu_fused_ops='off' must not call the fused ops"
     assert fused == eager
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_llama_family_greedy_equal_fused_on_and_off(ops, make_tiny_checkpoint, monkeypatch, arch):
+    """As for Gemma 3: a tiny random Llama / Qwen3 (q/k norms) gives the same greedy tokens in
+    bfloat16 with the fused ops on and off, and the fused run calls every Llama op."""
+    from pagedllm import LLM, SamplingParams
+
+    path = make_tiny_checkpoint(arch)
+    prompts = [[5 + (7 * i + 3 * j) % 200 for j in range(n)] for i, n in enumerate([3, 40, 1])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(mode):
+        llm = LLM(path, dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=16 << 20, cpu_fused_ops=mode)
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]
+
+    counting = _Counting(ops)
+    monkeypatch.setattr(fused_ops, "load_fused_ops", lambda: counting)
+    fused = run("auto")
+    assert {"rms_norm", "add_rms_norm", "qk_norm_rope_", "silu_and_mul"} <= set(counting.calls)
+    assert run("off") == fused
 
 
 def test_gemma_norm_caches_one_plus_weight():

@@ -10,6 +10,8 @@
 //                         on the merged qkv projection's output;
 //   gelu_tanh_and_mul     gelu_tanh(gate) * up on the merged gate_up output ([T, 2I] -> [T, I]);
 //   rms_norm              Llama RMSNorm: w * cast(x / rms(x)) (LlamaRMSNorm);
+//   add_rms_norm          Llama residual step: new_residual = residual + h; x = rms_norm(new_residual);
+//   qk_norm_rope_         Llama / Qwen RoPE in place on qkv (after Qwen3's per-head RMSNorm);
 //   silu_and_mul          silu(gate) * up ([T, 2I] -> [T, I]).
 // All sums are float32. bfloat16 values are rounded (round to nearest even, as torch) at exactly
 // the points where the eager code produces a bfloat16 tensor, so an op differs from the eager code
@@ -47,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -429,6 +432,106 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// Llama residual step: new_residual = round(residual + h); out = rms_norm(new_residual) (as above).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_float_cpu(h, "h");
+  check_float_cpu(residual, "residual");
+  TORCH_CHECK(h.sizes() == residual.sizes() && h.scalar_type() == residual.scalar_type(),
+              "h and residual must have the same shape and dtype");
+  const int64_t n = h.size(-1);
+  TORCH_CHECK(weight.scalar_type() == h.scalar_type() && weight.is_contiguous() && weight.numel() == n,
+              "weight must be a contiguous tensor of ", n, " elements in h's dtype");
+  const int64_t rows = n ? h.numel() / n : 0;
+  at::Tensor new_residual = at::empty_like(h);
+  at::Tensor out = at::empty_like(h);
+  dispatch(h.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* hp = h.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* nrp = new_residual.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(rows, n, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* nrow = nrp + r * n;
+        fVec acc(0.f);
+        for (int64_t i = 0; i < n; i += kW) {
+          const int64_t m = std::min<int64_t>(kW, n - i);
+          const fVec sum = round_to<scalar_t>(load(rp + r * n + i, m) + load(hp + r * n + i, m));
+          store(nrow + i, sum, m);
+          acc = acc + sum * sum;   // lanes past m are 0
+        }
+        const fVec rv(inv_rms(horizontal_sum(acc), n, static_cast<float>(eps)));
+        for (int64_t i = 0; i < n; i += kW) {
+          const int64_t m = std::min<int64_t>(kW, n - i);
+          store(op + r * n + i, load(wp + i, m) * round_to<scalar_t>(load(nrow + i, m) * rv), m);
+        }
+      }
+    });
+  });
+  return {new_residual, out};
+}
+
+// Llama / Qwen RoPE in place on qkv's q and k heads, after Qwen3's per-head Llama RMSNorm when
+// weights are given (n = round(w * round(x / rms(x))), w in qkv's dtype).
+template <typename T>
+inline void llama_norm_rope_row(T* x, const T* w, const T* cos, const T* sin, int64_t d, float eps) {
+  const fVec r(w != nullptr ? inv_rms(sum_squares(x, d), d, eps) : 1.f);
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; i += kW) {
+    const int64_t m = std::min<int64_t>(kW, half - i);
+    fVec n1 = load(x + i, m), n2 = load(x + half + i, m);
+    if (w != nullptr) {
+      n1 = round_to<T>(load(w + i, m) * round_to<T>(n1 * r));
+      n2 = round_to<T>(load(w + half + i, m) * round_to<T>(n2 * r));
+    }
+    const fVec c1 = load(cos + i, m), c2 = load(cos + half + i, m);
+    const fVec s1 = load(sin + i, m), s2 = load(sin + half + i, m);
+    store(x + i, round_to<T>(round_to<T>(n1 * c1) + round_to<T>(n2.neg() * s1)), m);
+    store(x + half + i, round_to<T>(round_to<T>(n2 * c2) + round_to<T>(n1 * s2)), m);
+  }
+}
+
+void qk_norm_rope_(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight, const std::optional<at::Tensor>& k_weight,
+                   const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, double eps) {
+  check_float_cpu(qkv, "qkv");
+  check_float_cpu(cos, "cos");
+  check_float_cpu(sin, "sin");
+  const int64_t d = head_dim;
+  TORCH_CHECK(qkv.dim() == 2 && d % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d,
+              "qkv must be [num_tokens, (num_heads + 2 num_kv_heads) head_dim] with an even head_dim");
+  TORCH_CHECK(q_weight.has_value() == k_weight.has_value(), "q_weight and k_weight: both or neither");
+  for (const auto* w : {&q_weight, &k_weight}) {
+    if (w->has_value()) {
+      TORCH_CHECK((*w)->scalar_type() == qkv.scalar_type() && (*w)->is_contiguous() && (*w)->numel() == d,
+                  "q/k norm weights must be contiguous [head_dim] in qkv's dtype");
+    }
+  }
+  const int64_t tokens = qkv.size(0);
+  TORCH_CHECK(cos.numel() == tokens * d && sin.numel() == tokens * d, "cos and sin must be [num_tokens, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "cos and sin must have qkv's dtype");
+  const int64_t width = qkv.size(1);
+  dispatch(qkv.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    const scalar_t* wq = q_weight.has_value() ? q_weight->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* wk = k_weight.has_value() ? k_weight->data_ptr<scalar_t>() : nullptr;
+    for_rows(tokens, (num_heads + num_kv_heads) * d, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+          llama_norm_rope_row(base + t * width + h * d, h < num_heads ? wq : wk, cp + t * d, sp + t * d, d,
+                              static_cast<float>(eps));
+        }
+      }
+    });
+  });
+}
+
 std::vector<std::string> compiled_isas() { return {PAGEDLLM_VEC_NAME}; }
 
 }  // namespace
@@ -449,5 +552,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [..., 2I] -> [..., I]", py::arg("gate_up"));
   m.def("rms_norm", &rms_norm, "Llama RMSNorm: weight * cast(x / rms(x))", py::arg("x"), py::arg("weight"),
         py::arg("eps"));
+  m.def("add_rms_norm", &add_rms_norm,
+        "(new_residual, rms_norm(new_residual)) with new_residual = residual + h (Llama)", py::arg("h"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("qk_norm_rope_", &qk_norm_rope_,
+        "RoPE in place on qkv's q and k heads, after per-head Llama RMSNorm when weights are given",
+        py::arg("qkv"), py::arg("q_weight"), py::arg("k_weight"), py::arg("cos"), py::arg("sin"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"));
   m.def("compiled_isas", &compiled_isas, "the vector code path compiled in: avx512, avx2 or portable");
 }
