@@ -1,7 +1,7 @@
 """Fused CPU ops for the elementwise work between a decoder layer's GEMMs (``csrc/fused_ops.cpp``).
 
 At batch 1 a decode step of Gemma 3 runs about 40 small torch ops per layer between its four
-linear layers: RMSNorms (torch's is composite on the CPU: pow, mean, add, rsqrt, mul, mul and
+linear layers (Llama / Qwen fewer, with the same kinds): RMSNorms (torch's is composite on the CPU: pow, mean, add, rsqrt, mul, mul and
 casts), residual adds, per-head q/k norms, RoPE, GELU and the gate multiply. Each reads and writes
 its whole tensor and pays torch's per-op dispatch. The C++ ops here do each group in one pass per
 row, with float32 sums and bfloat16 rounded exactly where the eager code rounds (vLLM fuses the
@@ -40,9 +40,10 @@ EXTENSION = CpuExtension("fused_ops", SOURCE, "fused CPU ops", "the eager torch 
 
 @functools.cache
 def load_fused_ops() -> ModuleType | None:
-    """The C++ ops (``gemma_rms_norm``, ``gemma_add_rms_norm``, ``gemma_qk_norm_rope_``,
-    ``gelu_tanh_and_mul``, ``rms_norm``, ``silu_and_mul``, ``compiled_isas``), compiled first on
-    a machine that has not yet; None (one WARNING) if that fails."""
+    """The C++ ops (Gemma: ``gemma_rms_norm``, ``gemma_add_rms_norm``, ``gemma_qk_norm_rope_``,
+    ``gelu_tanh_and_mul``; Llama / Qwen: ``rms_norm``, ``add_rms_norm``, ``qk_norm_rope_``,
+    ``silu_and_mul``; ``compiled_isas``), compiled first on a machine that has not yet; None
+    (one WARNING) if that fails."""
     return load_extension(EXTENSION)
 
 
