@@ -33,6 +33,8 @@ SUPPORTED_ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_sdpa", "cpu_paged")
 SUPPORTED_CPU_GEMMS = ("onednn", "torch")
 # ``ModelConfig.cpu_isa``: "auto" or a CPU code path (``platforms.cpu.CpuIsa``; config.py imports no torch).
 SUPPORTED_CPU_ISAS = ("auto", "portable", "avx2", "avx512", "avx512_bf16")
+# ``ModelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
+SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -399,6 +401,9 @@ class ModelConfig:
             ``platforms.cpu.CpuIsa`` ("portable", "avx2", "avx512", "avx512_bf16"): the
             paged-attention kernel's micro-kernels, and with them what ``dtype="auto"`` means;
             ``EngineArgs`` defaults it to ``$PAGEDLLM_CPU_ISA``.
+        cpu_fused_ops: "auto" (CPU float32 / bfloat16 models run the fused C++ norms, residual
+            adds, q/k norm + RoPE and gated activations of ``layers/fused_ops.py`` when the
+            extension builds) or "off" (the eager torch ops everywhere).
 
     Architecture (from config.json through ``hf_architecture_fields``; ``ModelConfig.from_hf_config``;
     unset (0 / empty) until then): ``architectures``, ``model_type``, ``vocab_size`` (tokens),
@@ -422,6 +427,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     cpu_gemm: str = "onednn"
     cpu_isa: str = "auto"
+    cpu_fused_ops: str = "auto"
     architectures: tuple[str, ...] = ()
     model_type: str = ""
     vocab_size: int = 0
@@ -481,6 +487,8 @@ class ModelConfig:
             raise ValueError(f"cpu_gemm must be one of {SUPPORTED_CPU_GEMMS}, got {self.cpu_gemm!r}")
         if self.cpu_isa not in SUPPORTED_CPU_ISAS:
             raise ValueError(f"cpu_isa must be one of {SUPPORTED_CPU_ISAS}, got {self.cpu_isa!r}")
+        if self.cpu_fused_ops not in SUPPORTED_CPU_FUSED_OPS:
+            raise ValueError(f"cpu_fused_ops must be one of {SUPPORTED_CPU_FUSED_OPS}, got {self.cpu_fused_ops!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

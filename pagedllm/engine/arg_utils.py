@@ -70,6 +70,8 @@ class EngineArgs:
             "avx512" / "avx512_bf16" (``platforms/cpu.py``; forces the attention kernel's path and
             with it what ``dtype="auto"`` means); default ``$PAGEDLLM_CPU_ISA`` or "auto".
         dtype "auto" on the CPU: bfloat16 where the CPU has avx512_bf16 or AMX, else float32.
+        cpu_fused_ops: "auto" (fused C++ norms / residual adds / RoPE / gated activations on
+            CPU float32 and bfloat16 models, ``layers/fused_ops.py``) or "off" (eager torch ops).
         cpu_kvcache_space: [GiB] the CPU KV budget when ``kv_cache_memory_bytes`` is None; default
             ``$PAGEDLLM_CPU_KVCACHE_SPACE`` or None (min(25% of available RAM, 4 GiB)).
         distributed_executor_backend: None (by world size: "uni" for 1, else "mp"), "uni", "mp"
@@ -116,6 +118,7 @@ class EngineArgs:
     attention_backend: str = field(default_factory=lambda: _env(ATTENTION_BACKEND_ENV) or "auto")
     cpu_gemm: str = field(default_factory=lambda: _env(CPU_GEMM_ENV) or "onednn")
     cpu_isa: str = field(default_factory=lambda: (_env(CPU_ISA_ENV) or "auto").lower())
+    cpu_fused_ops: str = "auto"
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
     distributed_executor_backend: str | None = None
     ray_placement_strategy: str = "STRICT_PACK"
@@ -184,7 +187,7 @@ class EngineArgs:
                             max_model_len=max_model_len, seed=self.seed, device=self.device,
                             quantization=self.quantization, model_folder=model_folder,
                             attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm,
-                            cpu_isa=self.cpu_isa, **arch)
+                            cpu_isa=self.cpu_isa, cpu_fused_ops=self.cpu_fused_ops, **arch)
         space = None if self.cpu_kvcache_space is None else int(float(self.cpu_kvcache_space) * (1 << 30))
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -311,6 +314,9 @@ def add_engine_cli_args(parser) -> None:
                         "quantization (faster at decode batch sizes, not exact); int8_weight_only / "
                         "int4_weight_only: int8 per-channel or 4-bit group-wise weights, activations not "
                         "quantized (CPU; faster at small batches, not exact; default: none)")
+    g.add_argument("--cpu-fused-ops", default="auto", choices=["auto", "off"],
+                   help="auto: CPU float32 / bfloat16 models run fused C++ norms, residual adds, q/k norm + "
+                        "RoPE and gated activations (built once per machine); off: the eager torch ops")
     g.add_argument("--disable-log-stats", action="store_true")
     g.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar"],
                    help="grammar engine for response_format / structured_outputs / tools (default: auto)")

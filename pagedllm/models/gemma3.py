@@ -20,7 +20,8 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.communication import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.linear import MergedLinear, lm_head_logits
-from pagedllm.layers.norm import GemmaRMSNorm
+from pagedllm.layers.fused_ops import fused_ops_for
+from pagedllm.layers.norm import GemmaRMSNorm, gemma_add_rms_norm
 from pagedllm.layers.parallel import (PPMissingLayer, TensorParallelSizes, VocabParallelEmbedding, checkpoint_shard,
                                       init_attention_projections, init_stage_and_lm_head,
                                       zero_row_parallel_biases)
@@ -44,11 +45,18 @@ class Gemma3MLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size],
                                          ("gate_proj", "up_proj"), bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.use_fused_ops = False   # set by the model (ModelConfig.cpu_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)                                            # [T, 2I]
+        fused = fused_ops_for(self.use_fused_ops and self.approximate == "tanh", gate_up)
+        if fused is not None:
+            act = fused.gelu_tanh_and_mul(gate_up)                                # [T, I], one pass
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate=self.approximate) * up
         # down_proj is row-parallel (``intermediate_size`` is this rank's share): sum the ranks.
-        return tensor_parallel_all_reduce(self.down_proj(F.gelu(gate, approximate=self.approximate) * up), self.ctx)
+        return tensor_parallel_all_reduce(self.down_proj(act), self.ctx)
 
 
 class Gemma3Attention(nn.Module):
@@ -64,16 +72,23 @@ class Gemma3Attention(nn.Module):
                               sliding_window=self.sliding_window,
                               logits_soft_cap=config.attn_logit_softcapping,
                               backend=config.attention_backend, cpu_isa=config.cpu_isa)
+        self.use_fused_ops = False   # set by the model (ModelConfig.cpu_fused_ops)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         T = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden_states)                # [T, (Hq + 2 Hkv) D]
+        fused = fused_ops_for(self.use_fused_ops, qkv, *rope)
+        if fused is not None:  # q/k norms and RoPE in place on qkv, one pass per token
+            fused.gemma_qk_norm_rope_(qkv, self.q_norm.scale(), self.k_norm.scale(), rope[0], rope[1],
+                                      self.num_heads, self.num_kv_heads, self.q_norm.eps, self.k_norm.eps)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)      # [T, Hq, D] (views of the merged output)
         k = k.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        if fused is None:
+            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, k, *rope)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)         # [T, Hq, D]
         return tensor_parallel_all_reduce(self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), self.ctx)
 
@@ -99,6 +114,27 @@ class Gemma3DecoderLayer(nn.Module):
         residual = hidden_states
         h = self.mlp(self.pre_feedforward_layernorm(hidden_states))
         return residual + self.post_feedforward_layernorm(h)
+
+    def forward_fused(self, rope, x: torch.Tensor, residual: torch.Tensor, kv_cache, attn_metadata,
+                      next_norm: GemmaRMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` with the residual adds fused into the norms around them (C++ ops,
+        ``layers/fused_ops.py``; the same values as ``forward`` up to the sum order of the norms).
+
+        Args:
+            x: [T, hidden], ``input_layernorm(residual)`` (the previous step's fused output).
+            residual: [T, hidden], this layer's input.
+            next_norm: the norm applied next to this layer's output (the next layer's
+                ``input_layernorm`` or the final norm), or None (the last layer of a pipeline stage).
+        Returns:
+            (this layer's output, ``next_norm`` of it or None).
+        """
+        h = self.self_attn(rope, x, kv_cache, attn_metadata)
+        residual, x = gemma_add_rms_norm(h, residual, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                                         True)
+        h = self.mlp(x)
+        if next_norm is None:
+            return residual + self.post_feedforward_layernorm(h), None
+        return gemma_add_rms_norm(h, residual, self.post_feedforward_layernorm, next_norm, True)
 
 
 class Gemma3TextModel(nn.Module):
@@ -137,6 +173,11 @@ class Gemma3ForCausalLM(nn.Module):
         init_stage_and_lm_head(self, config, ctx)
         self.final_logit_softcapping = config.final_logit_softcapping
         self.layer_sliding_windows = [layer.self_attn.sliding_window for layer in self.stage_layers]
+        # CPU float32 / bfloat16: fused C++ ops between the GEMMs (layers/fused_ops.py).
+        self.use_fused_ops = config.cpu_fused_ops != "off"
+        for module in self.modules():
+            if isinstance(module, (GemmaRMSNorm, Gemma3MLP, Gemma3Attention)):
+                module.use_fused_ops = self.use_fused_ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,7 +195,17 @@ class Gemma3ForCausalLM(nn.Module):
             # Scale cast as transformers does: float32 tensor first, then the weight dtype.
             hidden_states = embed(input_ids) * torch.tensor(self.model.embed_scale).to(embed.weight.dtype)
         ropes = {t: rotary(positions, hidden_states.dtype) for t, rotary in self.model.rotary_emb.items()}
-        for layer, kv_cache in zip(self.stage_layers, kv_caches):
+        layers = self.stage_layers
+        if layers and fused_ops_for(self.use_fused_ops, hidden_states) is not None:
+            # Each residual add runs inside the norms around it: one pass per sub-block boundary.
+            final_norm = self.model.norm if self.ctx.is_last_stage else None
+            residual, x = hidden_states, layers[0].input_layernorm(hidden_states)
+            for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+                residual, x = layer.forward_fused(ropes[layer.layer_type], x, residual, kv_cache, attn_metadata,
+                                                  next_norm)
+            return x if self.ctx.is_last_stage else residual
+        for layer, kv_cache in zip(layers, kv_caches):
             hidden_states = layer(ropes[layer.layer_type], hidden_states, kv_cache, attn_metadata)
         return self.model.norm(hidden_states) if self.ctx.is_last_stage else hidden_states
 

@@ -16,8 +16,9 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.communication import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from pagedllm.distributed.parallel_state import ParallelContext
+from pagedllm.layers.fused_ops import fused_ops_for
 from pagedllm.layers.linear import MergedLinear, lm_head_logits
-from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.norm import RMSNorm, add_rms_norm
 from pagedllm.layers.parallel import (PPMissingLayer, TensorParallelSizes, VocabParallelEmbedding, checkpoint_shard,
                                       init_attention_projections, init_stage_and_lm_head,
                                       zero_row_parallel_biases)
@@ -39,10 +40,17 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size],
                                          ("gate_proj", "up_proj"), bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.use_fused_ops = False   # set by the model (ModelConfig.cpu_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return tensor_parallel_all_reduce(self.down_proj(F.silu(gate) * up), self.ctx)
+        gate_up = self.gate_up_proj(x)                                            # [T, 2I]
+        fused = fused_ops_for(self.use_fused_ops, gate_up)
+        if fused is not None:
+            act = fused.silu_and_mul(gate_up)                                     # [T, I], one pass
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return tensor_parallel_all_reduce(self.down_proj(act), self.ctx)
 
 
 class LlamaAttention(nn.Module):
@@ -61,17 +69,25 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               scale=self.head_dim ** -0.5, sliding_window=sliding_window,
                               backend=config.attention_backend, cpu_isa=config.cpu_isa)
+        self.use_fused_ops = False   # set by the model (ModelConfig.cpu_fused_ops)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         T = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden_states)                # [T, (Hq + 2 Hkv) D]
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else ()
+        fused = fused_ops_for(self.use_fused_ops, qkv, *rope, *norms)
+        if fused is not None:  # (Qwen3's q/k norms and) RoPE in place on qkv, one pass per token
+            fused.qk_norm_rope_(qkv, *(norms or (None, None)), rope[0], rope[1], self.num_heads, self.num_kv_heads,
+                                self.head_dim, self.q_norm.eps if self.qk_norm else 0.0)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)      # [T, Hq, D] (views of the merged output)
         k = k.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        if fused is None:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, k, *rope)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)         # [T, Hq, D]
         return tensor_parallel_all_reduce(self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), self.ctx)
 
@@ -97,6 +113,26 @@ class LlamaDecoderLayer(nn.Module):
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
         return residual + hidden_states
+
+    def forward_fused(self, rope, x: torch.Tensor, residual: torch.Tensor, kv_cache, attn_metadata,
+                      next_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` with each residual add fused into the norm after it (C++ ops,
+        ``layers/fused_ops.py``; the same values as ``forward`` up to the norms' sum order).
+
+        Args:
+            x: [T, hidden], ``input_layernorm(residual)`` (the previous step's fused output).
+            residual: [T, hidden], this layer's input.
+            next_norm: the norm applied next to this layer's output (the next layer's
+                ``input_layernorm`` or the final norm), or None (the last layer of a pipeline stage).
+        Returns:
+            (this layer's output, ``next_norm`` of it or None).
+        """
+        h = self.self_attn(rope, x, kv_cache, attn_metadata)
+        residual, x = add_rms_norm(h, residual, self.post_attention_layernorm, True)
+        h = self.mlp(x)
+        if next_norm is None:
+            return residual + h, None
+        return add_rms_norm(h, residual, next_norm, True)
 
 
 class LlamaModel(nn.Module):
@@ -140,6 +176,11 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, self.bias_flags(config), self.qk_norm, windows, ctx)
         init_stage_and_lm_head(self, config, ctx)
         self.layer_sliding_windows = windows[ctx.layer_start: ctx.layer_start + self.num_layers]
+        # CPU float32 / bfloat16: fused C++ norms, residual adds, RoPE and SiLU x up (layers/fused_ops.py).
+        self.use_fused_ops = config.cpu_fused_ops != "off"
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaMLP, LlamaAttention)):
+                module.use_fused_ops = self.use_fused_ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,7 +196,16 @@ class LlamaForCausalLM(nn.Module):
         if self.ctx.is_first_stage:
             hidden_states = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, hidden_states.dtype)
-        for layer, kv_cache in zip(self.stage_layers, kv_caches):
+        layers = self.stage_layers
+        if layers and fused_ops_for(self.use_fused_ops, hidden_states) is not None:
+            # Each residual add runs inside the norm after it: one pass per sub-block boundary.
+            final_norm = self.model.norm if self.ctx.is_last_stage else None
+            residual, x = hidden_states, layers[0].input_layernorm(hidden_states)
+            for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+                residual, x = layer.forward_fused(rope, x, residual, kv_cache, attn_metadata, next_norm)
+            return x if self.ctx.is_last_stage else residual
+        for layer, kv_cache in zip(layers, kv_caches):
             hidden_states = layer(rope, hidden_states, kv_cache, attn_metadata)
         return self.model.norm(hidden_states) if self.ctx.is_last_stage else hidden_states
 

@@ -39,7 +39,8 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
             longer than its slice (the padded vocabulary) gets zeros in its remaining rows.
         skip_prefixes: name prefixes to ignore unread (modules of other pipeline stages).
     Returns:
-        The checkpoint names loaded.
+        The checkpoint names loaded. Afterwards every submodule's ``process_weights_after_loading()``
+        (vLLM's name) is called, if it has one.
     Raises:
         ValueError: on a shape mismatch, an unknown name, or parameters (or shards) left unloaded.
     """
@@ -85,6 +86,10 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
     missing = (set(params) - merged_params | set(shards)) - loaded
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:5]}")
+    for mod in module.modules():  # caches derived from the weights (e.g. GemmaRMSNorm's 1 + w)
+        hook = getattr(mod, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
     return loaded
 
 

@@ -13,6 +13,7 @@ from pagedllm.attention.backends import prepare_backend
 from pagedllm.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
+from pagedllm.layers.fused_ops import prepare_fused_ops
 from pagedllm.layers.linear import pack_linear_layers
 from pagedllm.layers.quantization import quantize_linear_layers
 from pagedllm.layers.weight_only import WEIGHT_ONLY_MODES, quantize_weight_only
@@ -195,6 +196,7 @@ class Worker:
                     weight_bytes / 2**20, str(self.dtype).replace("torch.", ""), self.device, self.weights_load_s)
         prepare_backend(self.model_config.attention_backend, self.device, self.dtype,
                         self.model_config.cpu_isa)  # compiles the CPU kernel on a first start
+        prepare_fused_ops(self.model_config.cpu_fused_ops, self.device, self.dtype)  # likewise the fused ops
         self.kv_shape = KVCacheShape(
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim, block_size=self.cache_config.block_size,

@@ -24,6 +24,7 @@ from pagedllm.attention.backends import (
     BACKEND_ENV, AttentionSpec, cpu_paged, cpu_sdpa, resolve_backend_name)
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.platforms.cpu import CpuIsa, cpu_flags, missing_flags
+from pagedllm.platforms import cpu_extension
 
 HAVE_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 
@@ -39,7 +40,7 @@ def test_kernel_builds_here():
     # Every path this CPU can run is compiled in (-march=native allows each of them).
     can_run = [isa.value for isa in CpuIsa if not missing_flags(isa, cpu_flags())]
     assert kernel.compiled_isas() == can_run
-    assert cpu_paged.build_directory().name == cpu_paged.extension_name()
+    assert cpu_paged.EXTENSION.build_directory().name == cpu_paged.EXTENSION.name()
 
 
 def dense_attention(q, k, v, scale, window=None, soft_cap=None):
@@ -269,10 +270,10 @@ def test_build_failure_warns_and_falls_back(monkeypatch, caplog):
     def broken_load(*args, **kwargs):
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(cpu_paged, "_import_built", lambda name, build_dir: None)
+    monkeypatch.setattr(cpu_extension, "_import_built", lambda name, build_dir: None)
     monkeypatch.setattr(cpp_extension, "load", broken_load)
-    with caplog.at_level(logging.WARNING, logger=cpu_paged.__name__):
-        assert cpu_paged.load_kernel.__wrapped__() is None
+    with caplog.at_level(logging.WARNING, logger=cpu_extension.__name__):
+        assert cpu_extension.load_extension.__wrapped__(cpu_paged.EXTENSION) is None
     assert any("falling back to cpu_sdpa" in r.getMessage() for r in caplog.records)
 
     monkeypatch.setattr(cpu_paged, "load_kernel", lambda: None)
@@ -289,11 +290,11 @@ def test_stale_build_lock_is_removed(tmp_path):
     """A lock left by a killed build would make torch's builder wait forever."""
     lock = tmp_path / "lock"
     lock.touch()
-    cpu_paged._remove_stale_lock(tmp_path)
+    cpu_extension._remove_stale_lock(tmp_path)
     assert lock.exists()  # fresh: a build may be running
-    old = time.time() - cpu_paged.STALE_LOCK_S - 1
+    old = time.time() - cpu_extension.STALE_LOCK_S - 1
     os.utime(lock, (old, old))
-    cpu_paged._remove_stale_lock(tmp_path)
+    cpu_extension._remove_stale_lock(tmp_path)
     assert not lock.exists()
 
 

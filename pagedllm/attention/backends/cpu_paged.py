@@ -12,25 +12,16 @@ batch: decodes, chunked prefills and fresh prefills (for these too the kernel me
 SDPA on this machine's CPU, see docs/performance.md; it also has the soft cap SDPA lacks).
 
 The kernel is compiled on first use (``attention.backends.prepare_backend`` does it at engine
-start, before any progress bar) with ``torch.utils.cpp_extension.load`` (g++ with ``-O3
--march=native -fopenmp`` through ninja; about 30 s on 2 cores) into
-``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/pagedllm/torch_extensions``, under a name hashing the
-source, the flags, torch's version and this CPU's flags, so later processes load it in
-milliseconds and a different CPU or torch rebuilds it. If the build fails (no compiler), a WARNING
-is logged once and every call falls back to ``cpu_sdpa``; so do non-CPU tensors and dtypes other
-than float32 / bfloat16.
+start, before any progress bar) by the shared builder ``platforms.cpu_extension`` (``-O3
+-march=native -fopenmp``; about 30 s on 2 cores; later processes load it in milliseconds). If
+the build fails (no compiler), a WARNING is logged once and every call falls back to
+``cpu_sdpa``; so do non-CPU tensors and dtypes other than float32 / bfloat16.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import logging
-import os
-import platform
-import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -39,116 +30,22 @@ import torch
 from pagedllm.attention.backends import AttentionSpec, cpu_sdpa
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.platforms.cpu import CpuIsa, resolve_cpu_isa
+from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
-EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp")
-EXTRA_LDFLAGS = ("-fopenmp",)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _cpu_fingerprint() -> str:
-    """The CPU's model and feature flags (``-march=native`` code is only valid on a match)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def extension_name() -> str:
-    """``pagedllm_paged_attention_<12 hex>``: hash of source, flags, torch, Python and CPU."""
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(EXTRA_CFLAGS + EXTRA_LDFLAGS).encode(),
-                 torch.__version__.encode(), sys.version.encode(), _cpu_fingerprint().encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    return f"pagedllm_paged_attention_{digest.hexdigest()[:12]}"
-
-
-def build_directory() -> Path:
-    """Where the compiled kernel lives: ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/pagedllm/...``."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        "~", ".cache", "pagedllm", "torch_extensions")
-    return Path(root).expanduser() / extension_name()
-
-
-# A build takes about a minute; a lock file this old was left by a killed build (seconds).
-STALE_LOCK_S = 15 * 60
-
-
-def _import_built(name: str, build_dir: Path) -> ModuleType | None:
-    """Import ``<build_dir>/<name>.so`` if a previous process built it, else None.
-
-    The name hashes everything the binary depends on, so an existing file is current; this skips
-    torch's builder (its ninja check and lock file) on every start after the first.
-    """
-    path = build_dir / f"{name}.so"
-    if not path.is_file():
-        return None
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except ImportError as exc:  # e.g. a link cut short: let the builder redo it
-        logger.warning("could not import %s (%s); rebuilding", path, exc)
-        return None
-    return module
-
-
-def _remove_stale_lock(build_dir: Path) -> None:
-    """Delete torch's build lock if it is older than ``STALE_LOCK_S`` (its builder was killed).
-
-    torch's ``FileBaton`` waits forever on a lock file; a SIGKILLed build leaves one behind.
-    """
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing stale build lock %s (%.0f s old)", lock, age)
-        lock.unlink(missing_ok=True)
+# Built and loaded by the shared builder (platforms/cpu_extension.py), default flags.
+EXTENSION = CpuExtension("paged_attention", SOURCE, "cpu_paged attention kernel", "cpu_sdpa")
 
 
 @functools.cache
 def load_kernel() -> ModuleType | None:
-    """Load the C++ kernel, compiling it first if this machine has not yet; None if that fails.
-
-    Process-safe: torch's builder holds a lock file in the build directory, so concurrent first
-    calls build once. The outcome is memoised for the process: a failure logs one WARNING and is
-    not retried.
-
-    Returns:
-        The extension module (``paged_attention(...)``, ``built_with_avx2()``), or None.
-    """
-    name = extension_name()
-    build_dir = build_directory()
-    start = time.perf_counter()
-    action = "loaded"
-    try:
-        module = _import_built(name, build_dir)
-        if module is None:
-            action = "built"
-            from torch.utils import cpp_extension
-
-            logger.info("compiling the paged-attention kernel once, about 30 s (%s; later starts load it "
-                        "in milliseconds)", build_dir)
-            build_dir.mkdir(parents=True, exist_ok=True)
-            _remove_stale_lock(build_dir)
-            module = cpp_extension.load(
-                name=name, sources=[str(SOURCE)], extra_cflags=list(EXTRA_CFLAGS),
-                extra_ldflags=list(EXTRA_LDFLAGS), build_directory=str(build_dir),
-                verbose=False)
-    except Exception as exc:  # no compiler, no ninja, compile error, unwritable cache, ...
-        logger.warning("cpu_paged attention kernel unavailable (%s: %s); falling back to "
-                       "cpu_sdpa", type(exc).__name__, exc)
-        return None
-    logger.info("cpu_paged attention kernel %s %s in %.2f s (%s, code paths: %s)",
-                name, action, time.perf_counter() - start, build_dir, ", ".join(module.compiled_isas()))
-    return module
+    """The C++ kernel (``paged_attention(...)``, ``compiled_isas()``, ``built_with_avx2()``),
+    compiled first on a machine that has not yet; None (one WARNING) if that fails.
+    See ``platforms.cpu_extension.load_extension``."""
+    return load_extension(EXTENSION)
 
 
 @functools.cache

@@ -1,0 +1,91 @@
+"""Fused CPU ops for the elementwise work between a decoder layer's GEMMs (``csrc/fused_ops.cpp``).
+
+At batch 1 a decode step of Gemma 3 runs about 40 small torch ops per layer between its four
+linear layers (Llama / Qwen fewer, with the same kinds): RMSNorms (torch's is composite on the CPU: pow, mean, add, rsqrt, mul, mul and
+casts), residual adds, per-head q/k norms, RoPE, GELU and the gate multiply. Each reads and writes
+its whole tensor and pays torch's per-op dispatch. The C++ ops here do each group in one pass per
+row, with float32 sums and bfloat16 rounded exactly where the eager code rounds (vLLM fuses the
+same groups, on the CPU through torch.compile, which docs/performance.md step 4 measured and
+rejected). The eager torch code stays the reference: it runs off the CPU, in other dtypes, when
+the extension cannot be built (no compiler: one WARNING), and with ``cpu_fused_ops="off"``.
+
+How close (tests/layers/test_fused_ops.py): float32 within a few ulp (the sum of squares is
+added in another order than torch's reduction); bfloat16 at most one bfloat16 ulp, where a value
+lies that close to a rounding boundary; the activations use torch's own formula and vector
+tanh / exp, so they round as torch does.
+
+The extension is built and loaded by the shared builder (``platforms.cpu_extension``); the
+worker calls :func:`prepare_fused_ops` at engine start, before any progress bar.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from pagedllm.platforms.cpu_extension import DEFAULT_CFLAGS, CpuExtension, load_extension
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.cpp"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# ``-ffp-contract=off``: products and sums are rounded separately, as in the eager code.
+EXTENSION = CpuExtension("fused_ops", SOURCE, "fused CPU ops", "the eager torch ops",
+                         extra_cflags=DEFAULT_CFLAGS + ("-ffp-contract=off",))
+
+
+@functools.cache
+def load_fused_ops() -> ModuleType | None:
+    """The C++ ops (Gemma: ``gemma_rms_norm``, ``gemma_add_rms_norm``, ``gemma_qk_norm_rope_``,
+    ``gelu_tanh_and_mul``; Llama / Qwen: ``rms_norm``, ``add_rms_norm``, ``qk_norm_rope_``,
+    ``silu_and_mul``; ``compiled_isas``), compiled first on a machine that has not yet; None
+    (one WARNING) if that fails."""
+    return load_extension(EXTENSION)
+
+
+def fused_ops_for(enabled: bool, *tensors: torch.Tensor) -> ModuleType | None:
+    """The extension if ``enabled`` and every tensor is a contiguous float32 / bfloat16 CPU tensor
+    (all one dtype) and it loaded; else None (the caller runs its eager code).
+
+    Args:
+        enabled: the model's ``ModelConfig.cpu_fused_ops != "off"``.
+        tensors: the activations the fused op would read.
+    """
+    if not enabled:
+        return None
+    dtype = tensors[0].dtype
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+            return None
+    if dtype not in SUPPORTED_DTYPES:
+        return None
+    return load_fused_ops()
+
+
+def prepare_fused_ops(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Load (building on a first start) the fused ops the model will run, and log once whether
+    they run and why (one INFO line).
+
+    Args:
+        mode: ``ModelConfig.cpu_fused_ops``, "auto" or "off".
+        device, dtype: where and in what the model runs.
+    Returns:
+        True if the layers will run the fused ops.
+    """
+    if mode == "off":
+        on, why = False, "cpu_fused_ops='off'"
+    elif device.type != "cpu":
+        on, why = False, f"they run on the CPU only, not {device.type}"
+    elif dtype not in SUPPORTED_DTYPES:
+        on, why = False, f"they take float32 or bfloat16, not {dtype}"
+    elif load_fused_ops() is None:
+        on, why = False, "the extension could not be built (see the warning above)"
+    else:
+        on, why = True, f"{', '.join(load_fused_ops().compiled_isas())} code for {str(dtype).replace('torch.', '')}"
+    logger.info("Fused CPU ops (norms, residual adds, q/k norm + RoPE, gated activations): %s (%s)",
+                "on" if on else "off, eager torch ops", why)
+    return on

@@ -1,0 +1,154 @@
+"""Build (once per machine) and load the project's C++ CPU extensions.
+
+One builder for every ``csrc`` source: the paged-attention kernel (``attention/csrc``) and the
+fused elementwise ops (``layers/csrc``). Each is compiled with ``torch.utils.cpp_extension.load``
+(g++ with ``-O3 -march=native -fopenmp`` through ninja; 20-40 s on 2 cores) into
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/pagedllm/torch_extensions``, under a name hashing the
+source, the flags, torch's version, Python's and this CPU's flags, so later processes import the
+``.so`` in milliseconds and a different CPU or torch rebuilds it. A build that fails (no compiler,
+no ninja, a compile error) logs one WARNING naming what runs instead, and the caller's fallback
+(the eager torch code) runs.
+
+The environment variable ``TORCH_EXTENSIONS_DIR`` is torch's own (read by its builder too).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+# A build takes about a minute; a lock file this old was left by a killed build (seconds).
+STALE_LOCK_S = 15 * 60
+DEFAULT_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+DEFAULT_LDFLAGS = ("-fopenmp",)
+
+
+@dataclass(frozen=True)
+class CpuExtension:
+    """One C++ source built into one Python extension module.
+
+    Attributes:
+        label: short name; the module is ``pagedllm_<label>_<12 hex>``.
+        source: the ``.cpp`` file (it defines ``compiled_isas()``: the code paths compiled in).
+        description: what it is, for log lines ("paged-attention kernel").
+        fallback: what runs when it cannot be built, for the warning ("cpu_sdpa").
+        extra_cflags, extra_ldflags: compiler / linker flags (part of the name's hash).
+    """
+
+    label: str
+    source: Path
+    description: str
+    fallback: str
+    extra_cflags: tuple[str, ...] = DEFAULT_CFLAGS
+    extra_ldflags: tuple[str, ...] = DEFAULT_LDFLAGS
+
+    def name(self) -> str:
+        """``pagedllm_<label>_<12 hex>``: hash of source, flags, torch, Python and CPU."""
+        import torch
+
+        digest = hashlib.sha256()
+        for part in (self.source.read_bytes(), " ".join(self.extra_cflags + self.extra_ldflags).encode(),
+                     torch.__version__.encode(), sys.version.encode(), _cpu_fingerprint().encode()):
+            digest.update(part)
+            digest.update(b"\0")
+        return f"pagedllm_{self.label}_{digest.hexdigest()[:12]}"
+
+    def build_directory(self) -> Path:
+        """Where the compiled module lives: ``$TORCH_EXTENSIONS_DIR/<name>`` or
+        ``~/.cache/pagedllm/torch_extensions/<name>``."""
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+            "~", ".cache", "pagedllm", "torch_extensions")
+        return Path(root).expanduser() / self.name()
+
+
+@functools.cache
+def _cpu_fingerprint() -> str:
+    """The CPU's model and feature flags (``-march=native`` code is only valid on a match)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _import_built(name: str, build_dir: Path) -> ModuleType | None:
+    """Import ``<build_dir>/<name>.so`` if a previous process built it, else None.
+
+    The name hashes everything the binary depends on, so an existing file is current; this skips
+    torch's builder (its ninja check and lock file) on every start after the first.
+    """
+    path = build_dir / f"{name}.so"
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # e.g. a link cut short: let the builder redo it
+        logger.warning("could not import %s (%s); rebuilding", path, exc)
+        return None
+    return module
+
+
+def _remove_stale_lock(build_dir: Path) -> None:
+    """Delete torch's build lock if it is older than ``STALE_LOCK_S`` (its builder was killed).
+
+    torch's ``FileBaton`` waits forever on a lock file; a SIGKILLed build leaves one behind.
+    """
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing stale build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
+@functools.cache
+def load_extension(ext: CpuExtension) -> ModuleType | None:
+    """Load ``ext``, compiling it first if this machine has not yet; None if that fails.
+
+    Process-safe: torch's builder holds a lock file in the build directory, so concurrent first
+    calls build once. The outcome is memoised for the process: a failure logs one WARNING and is
+    not retried.
+
+    Returns:
+        The extension module, or None.
+    """
+    name = ext.name()
+    build_dir = ext.build_directory()
+    start = time.perf_counter()
+    action = "loaded"
+    try:
+        module = _import_built(name, build_dir)
+        if module is None:
+            action = "built"
+            from torch.utils import cpp_extension
+
+            logger.info("compiling the %s once, about 30 s (%s; later starts load it in milliseconds)",
+                        ext.description, build_dir)
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _remove_stale_lock(build_dir)
+            module = cpp_extension.load(
+                name=name, sources=[str(ext.source)], extra_cflags=list(ext.extra_cflags),
+                extra_ldflags=list(ext.extra_ldflags), build_directory=str(build_dir), verbose=False)
+    except Exception as exc:  # no compiler, no ninja, compile error, unwritable cache, ...
+        logger.warning("%s unavailable (%s: %s); falling back to %s", ext.description,
+                       type(exc).__name__, exc, ext.fallback)
+        return None
+    logger.info("%s %s %s in %.2f s (%s, code paths: %s)", ext.description, name, action,
+                time.perf_counter() - start, build_dir, ", ".join(module.compiled_isas()))
+    return module
