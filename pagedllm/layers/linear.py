@@ -124,27 +124,31 @@ class KernelLinear(nn.Module):
     out_features: int
 
 
-def replace_linear_layers(model: nn.Module, make_layer) -> tuple[int, bool]:
+def replace_linear_layers(model: nn.Module, make_layer, make_head=None) -> tuple[int, bool]:
     """Replace every ``nn.Linear`` of ``model`` by ``make_layer(weight, bias)`` and, for a model
     with a tied LM head, set ``model.packed_lm_head = make_layer(embedding matrix, None)`` (read by
     ``lm_head_logits``; the embedding stays for the token lookup). The model exposes its embedding
-    through ``get_input_embeddings()`` and its head through ``get_lm_head()``.
+    through ``get_input_embeddings()`` and its head through ``get_lm_head()``. ``make_head``, when
+    given, makes the LM head's layer instead (tied or not).
 
     Returns:
         (layers replaced, whether the tied head was set).
     """
+    make_head = make_head or make_layer
+    head = model.get_lm_head() if hasattr(model, "get_lm_head") else None
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, make_layer(child.weight, child.bias))
+                make = make_head if child is head else make_layer
+                setattr(parent, name, make(child.weight, child.bias))
                 replaced += 1
     # A pipeline stage without the LM head (``model.ctx``: not the last stage) packs none.
     ctx = getattr(model, "ctx", None)
     tied = bool(getattr(model, "tie_word_embeddings", False)) and hasattr(model, "packed_lm_head") \
         and (ctx is None or ctx.is_last_stage)
     if tied:
-        model.packed_lm_head = make_layer(model.get_input_embeddings().weight, None)
+        model.packed_lm_head = make_head(model.get_input_embeddings().weight, None)
     return replaced, tied
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers.linear import lm_head_logits
-from pagedllm.layers.weight_only import (INT4_GROUP_SIZE, INT4_WEIGHT_ONLY, INT8_WEIGHT_ONLY,
+from pagedllm.layers.weight_only import (HEAD_MODE, INT4_GROUP_SIZE, INT4_WEIGHT_ONLY, INT8_WEIGHT_ONLY,
                                          Int4WeightOnlyLinear, Int8WeightOnlyLinear, make_weight_only_layer,
                                          quantize_int4_groupwise, quantize_int8_per_channel, quantize_weight_only,
                                          weight_only_available)
@@ -107,13 +107,13 @@ def test_quantize_weight_only_replaces_linears_and_the_tied_head(mode, tied_toy)
     w_head = model.model.embed_tokens.weight.detach().clone()
     delta = quantize_weight_only(model, mode)
     proj, head = model.model.proj, model.packed_lm_head
-    assert type(proj) is type(head) is (Int8WeightOnlyLinear if mode == INT8_WEIGHT_ONLY else Int4WeightOnlyLinear)
+    assert type(proj) is (Int8WeightOnlyLinear if mode == INT8_WEIGHT_ONLY else Int4WeightOnlyLinear)
+    assert type(head) is Int8WeightOnlyLinear                            # the head is int8 in both modes
     assert torch.equal(model.model.embed_tokens.weight, w_head)          # the lookup keeps float weights
     if mode == INT8_WEIGHT_ONLY:   # int8 codes + one bfloat16 scale per row, bias kept in float32
         assert delta == (32 * 64 + 32 * 2 + 32 * 4) - (32 * 64 * 4 + 32 * 4) + (50 * 64 + 50 * 2)
-    else:                          # 4 bits per weight + (scale, zero) in bfloat16 per 32 columns
-        # (the head's 50 rows are padded to 64: the CPU int4 layout packs rows in tiles of 16)
-        assert delta == (32 * 32 + 32 * 2 * 2 * 2 + 32 * 4) - (32 * 64 * 4 + 32 * 4) + (64 * 32 + 64 * 2 * 2 * 2)
+    else:                          # 4 bits per weight + (scale, zero) in bfloat16 per 32 columns; int8 head
+        assert delta == (32 * 32 + 32 * 2 * 2 * 2 + 32 * 4) - (32 * 64 * 4 + 32 * 4) + (50 * 64 + 50 * 2)
     x = torch.randn(3, 64)
     ref_proj = F.linear(x.bfloat16().float(), proj.dequantized_weight(), b_proj)
     torch.testing.assert_close(proj(x), ref_proj, rtol=2 ** -7, atol=1e-4)
@@ -139,15 +139,17 @@ def test_weight_only_values_are_validated(tied_toy):
 
 
 def _hf_weight_only_greedy(model_dir, mode, prompts, max_new_tokens):
-    """transformers greedy decoding with every linear layer (and the tied head) replaced by the
-    float product of the same dequantized weights, input and output rounded to bfloat16 as the
+    """transformers greedy decoding with every linear layer (and the tied head, in ``HEAD_MODE``)
+    replaced by the float product of the same dequantized weights, input and output rounded to bfloat16 as the
     engine's layers do."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
+    head = model.get_output_embeddings()
+
     def patch(module):
-        layer = make_weight_only_layer(mode, module.weight, None, torch.bfloat16)
+        layer = make_weight_only_layer(HEAD_MODE[mode] if module is head else mode, module.weight, None, torch.bfloat16)
         w_dq = layer.dequantized_weight()
         bias = None if module.bias is None else module.bias.detach().float()
         module.forward = lambda x: F.linear(x.bfloat16().float(), w_dq).bfloat16().float() + \
@@ -182,5 +184,6 @@ def test_engine_greedy_equals_transformers_with_the_same_quantized_weights(mode,
     # The engine really ran the quantized layers (every linear and the tied head).
     model = llm.llm_engine.executor.driver_worker.model_runner.model
     kinds = {type(m) for m in model.modules() if isinstance(m, (Int8WeightOnlyLinear, Int4WeightOnlyLinear))}
-    assert kinds == {Int8WeightOnlyLinear if mode == INT8_WEIGHT_ONLY else Int4WeightOnlyLinear}
+    assert kinds == {Int8WeightOnlyLinear, Int4WeightOnlyLinear} - ({Int4WeightOnlyLinear} if mode == INT8_WEIGHT_ONLY else set())
+    assert type(model.packed_lm_head) is Int8WeightOnlyLinear
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
