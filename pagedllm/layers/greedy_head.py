@@ -1,0 +1,359 @@
+"""Exact greedy tokens from a cheaper LM head: a low-precision pass over the whole vocabulary, a
+proven error bound, and an exact re-score of the few tokens the bound cannot rule out
+(``ModelConfig.exact_greedy_head``, ``--exact-greedy-head {auto,off}``).
+
+What is computed
+----------------
+For a hidden row ``x`` ([K] = hidden_size, the model dtype) and the model's head weight ``W``
+([V, K], the tied embedding or the ``lm_head`` weight, float32 or bfloat16 *as stored*), the
+reference score of token ``j`` is the exact real number ``r_j = sum_i x_i W[j, i]`` and the
+reference token is ``argmax_j r_j``, the lowest index among equal maxima (torch's tie rule).
+A final logit soft cap ``cap * tanh(r / cap)`` (Gemma 2) and any positive scaling are strictly
+increasing functions of ``r_j``, so they map the maxima of ``r`` to the maxima of the capped
+scores and keep their order: they do not change the exact argmax and are not applied here.
+
+This is the argmax of the mathematically exact head. The full head (``compute_logits``) is
+float32 or bfloat16 arithmetic and its argmax can differ from it where the top two exact scores
+lie within the full head's own rounding error (float32: about 1e-6 relative, rare; bfloat16
+logits: 2^-8 relative, i.e. 0.12 at a logit of 30, often). ``--exact-greedy-head off`` keeps the
+full head's argmax.
+
+Two passes (``ExactGreedyHead.argmax``)
+---------------------------------------
+1. Cheap scores ``c_j`` for every token from a low-precision copy of ``W`` (``kind``):
+
+   - ``"bf16"``: ``W~ = bf16(W)`` packed for oneDNN (AVX-512 bf16 / AMX), ``x~ = bf16(x)``,
+     float32 accumulation, bfloat16 output. Needs native bf16 (``platforms/cpu.py``).
+   - ``"int8"``: ``W~[j] = q[j] * s_j`` with ``q`` int8 in [-127, 127] and ``s_j`` a bfloat16
+     scale rounded *up* from ``max_i |W[j, i]| / 127`` (so nothing clips), through
+     ``aten._weight_int8pack_mm`` (bf16 ``x~``, float32 FMAs over ``x~_i * (q_ji * s_j)``,
+     bfloat16 output; torch's ``int8mm_kernel.cpp``).
+
+2. A bound ``|c_j - r_j| <= B_j`` for every token (derived below), candidates
+   ``C = {j : c_j + B_j >= max_k (c_k - B_k)}`` (they include every exact maximum: for the exact
+   best ``k*``, ``c_k* + B_k* >= r_k* >= r_k >= c_k - B_k`` for all ``k``), then the candidates
+   are re-scored exactly (below) and the best taken, lowest index first. A row with more than
+   ``MAX_CANDIDATES`` candidates, or a non-finite row, is returned as a fallback row: the caller
+   runs the full head for it (today's path, not the exact argmax).
+
+The bound
+---------
+Notation: ``u_x`` = 2^-8 (bf16's unit roundoff: 8 significant bits) when ``x`` is float32 and
+rounded to bf16 (0 when it already is bf16); ``u_o`` = 2^-8 (bf16 output rounding); ``g`` = ``K u / (1 - K u)`` with u = 2^-24 (Higham's
+gamma_K for float32 summation of K terms in any order, Higham 2002, eq. 3.4 / lemma 3.1);
+``E_j = max_i |W~[j, i] - W[j, i]|`` and ``A_j = max_i |W~[j, i]|`` (both measured exactly in
+float64 at load; ``E_j <= s_j / 2`` for int8, ``<= 2^-8 max|W_j|`` for bf16); ``|x|_1`` in float64
+per step. The products ``x~_i W~_ji`` are exact in float32 (8 x 15 <= 24 significant bits), so
+the kernel's value before its output rounding is ``c'_j = sum_i x~_i W~_ji + e_sum`` with
+``|e_sum| <= g sum_i |x~_i| |W~_ji| <= g (1 + u_x) |x|_1 A_j``. Then
+
+    |c_j - r_j| <= |c_j - c'_j|                      output rounding (RN): <= u_o |c_j|
+                 + |e_sum|                             <= g (1 + u_x) |x|_1 A_j
+                 + |sum_i (x~_i - x_i) W~_ji|          <= u_x |x|_1 A_j
+                 + |sum_i x_i (W~_ji - W_ji)|          <= |x|_1 E_j
+                 + flushed subnormals (bf16 dot products run with DAZ/FTZ): <= K 2^-126 (1 + A_j + max|x|)
+
+and the code uses twice that (``B_j = 2 (alpha_j + u_o |c_j|)``, ``alpha_j`` the terms without
+``c_j``): the factor 2 also covers the float64 rounding of computing ``B`` itself, and a looser
+bound only adds candidates, never drops the answer.
+
+Finding the candidates cheaply: with ``A = max_j alpha'_j`` (alpha' = 2 alpha; its row constant
+``max_j (E_j + k A_j)`` is precomputed) and ``b = 2 u_o``, every ``j`` in ``C`` has
+``c_j >= c_max - D`` with ``D = (2 A + 2 b |c_max|) / (1 - b)`` (``t -> t + b|t|`` is increasing,
+and ``max_k (c_k - B_k) >= c_max - A - b |c_max|``); the maximiser of ``c_k - B_k`` is in that
+set too. So one pass takes block maxima of ``c`` (``_BLOCK`` tokens), only blocks whose maximum
+reaches ``c_max - D`` are read again, and ``B_j`` is computed on those tokens only.
+
+Exact re-score
+--------------
+Each candidate is re-scored in float64: products of two float32 (or bf16) values are exact in
+float64 (<= 48 significant bits), the sum of K of them has error <= ``gamma_K(2^-53) sum|x_i W_ji|``
+(~7e-14 relative for K = 640), twice that is used. Candidates whose float64 scores lie within
+their bounds of the best are compared exactly: the sign of ``r_a - r_b`` is the sign of
+``math.fsum`` over the 2K exact products (fsum is correctly rounded, and a non-zero exact sum of
+such products is at least 2^-298 in magnitude, so it never rounds to zero).
+
+Which kind, and when (``choose_greedy_head``, measured in docs/performance.md "exact greedy head"):
+single-thread CPU time of the full float32 head vs cheap head + re-score, 262,144 x 640.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+EXACT_GREEDY_HEAD_MODES = ("auto", "off")
+# Rows with more candidates than this go back to the full head (see the module docstring).
+MAX_CANDIDATES = 64
+# Cheap-score top-k per row in which every candidate must lie (else the row falls back).
+PREFILTER = 128
+_U_BF16 = 2.0 ** -8   # bf16: 8 significant bits, round to nearest
+_U_F32 = 2.0 ** -24
+_U_F64 = 2.0 ** -53
+
+
+def gamma(k: int, u: float) -> float:
+    """Higham's ``gamma_k = k u / (1 - k u)``: the relative error bound of a sum of ``k`` terms in
+    any order with unit roundoff ``u`` (relative to the sum of the terms' magnitudes).
+
+    Raises:
+        ValueError: if ``k u >= 1``.
+    """
+    if k * u >= 1.0:
+        raise ValueError(f"gamma_k undefined for k={k}, u={u}")
+    return k * u / (1.0 - k * u)
+
+
+def round_up_to_bf16(t: torch.Tensor) -> torch.Tensor:
+    """float32 -> the smallest bfloat16 value >= each element (as float32); finite inputs >= 0."""
+    b = t.to(torch.bfloat16).float()
+    low = b < t
+    if bool(low.any()):  # one bf16 ulp up: add one to the bf16 bit pattern of positive values
+        bits = t[low].to(torch.bfloat16).view(torch.int16) + 1
+        b[low] = bits.view(torch.bfloat16).float()
+    return b
+
+
+class ExactGreedyHead:
+    """The exact argmax of ``x @ W^T`` per row through a cheap pass and an exact re-score.
+
+    Args:
+        weight: [V, K] the model's head weight as stored (float32 or bfloat16, CPU); referenced,
+            not copied (the re-score reads its rows).
+        kind: "bf16" (oneDNN packed bf16 copy, +V K 2 bytes) or "int8" (int8 copy + bf16 scales,
+            +V (K + 2) bytes).
+        batch_hint: rows the oneDNN layout is tuned for (``max_num_seqs``).
+    Raises:
+        ValueError: for another kind or weight dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, kind: str, batch_hint: int = 1) -> None:
+        if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"weight must be [V, K] float32 or bfloat16, got {list(weight.shape)} {weight.dtype}")
+        self.weight = weight.detach()
+        self.kind = kind
+        self.vocab_size, self.hidden_size = int(weight.shape[0]), int(weight.shape[1])
+        w = self.weight.float()
+        if kind == "bf16":
+            from pagedllm.layers.linear import PackedLinear
+
+            wq = self.weight.to(torch.bfloat16)
+            self._layer = PackedLinear(wq, None, max(1, int(batch_hint)))
+            approx = wq.float()
+            self.extra_bytes = wq.numel() * 2
+        elif kind == "int8":
+            scale = round_up_to_bf16(w.abs().amax(dim=1) / 127.0)
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            self.qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            self.scales = scale.to(torch.bfloat16)                       # exact: bf16 values
+            approx = self.qweight.float() * scale[:, None]               # exact in float32 (15 bits)
+            self.extra_bytes = self.qweight.numel() + 2 * self.scales.numel()
+        else:
+            raise ValueError(f"kind must be 'bf16' or 'int8', got {kind!r}")
+        # Per-token constants (float64): E_j = max |W~ - W|, A_j = max |W~|.
+        err = torch.empty(self.vocab_size, dtype=torch.float64)
+        for lo in range(0, self.vocab_size, 16384):   # chunks: float64 copies stay small
+            hi = min(lo + 16384, self.vocab_size)
+            err[lo:hi] = (approx[lo:hi].double() - w[lo:hi].double()).abs().amax(dim=1)
+        self.weight_error = err                                          # [V] E_j
+        self.approx_max = approx.abs().amax(dim=1).double()              # [V] A_j
+        del approx, w
+        self.g32 = gamma(self.hidden_size, _U_F32)
+        self.g64 = gamma(self.hidden_size, _U_F64)
+        self.weight_error_max = float(self.weight_error.max())
+        self.approx_max_max = float(self.approx_max.max())
+        self.num_fallback_rows = 0
+
+    # -- the cheap pass and its bound --
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, bool, dict[str, torch.Tensor]]:
+        """The kernel's bf16 input and the per-row norms of the bound.
+
+        A float32 row is split into ``x_hi = bf16(x)`` and ``x_lo = bf16(x - x_hi)`` (two kernel
+        rows: at a decode step's few rows the head's cost hardly depends on M), leaving
+        ``x_res = x - x_hi - x_lo`` (|x_res| <= 2^-16 |x|) in the bound; a bf16 row is its own
+        ``x_hi``.
+
+        Returns:
+            (kernel input [M or 2M, K] bf16, split, per-row float64 [M]: ``n1`` = |x|_1,
+            ``nhl`` = |x_hi|_1 + |x_lo|_1, ``nlo`` = |x_lo|_1, ``nres`` = |x_res|_1, ``xinf`` = max|x|).
+        """
+        xd = x.double()
+        hi = x.to(torch.bfloat16)
+        split = x.dtype != torch.bfloat16
+        if split:
+            lo = (x.float() - hi.float()).to(torch.bfloat16)      # x - x_hi is exact in float32
+            res = xd - hi.double() - lo.double()                   # exact in float64
+            kin = torch.cat([hi, lo]).contiguous()
+            nlo = lo.double().abs().sum(dim=1)
+        else:
+            res = torch.zeros_like(xd)
+            kin = hi.contiguous()
+            nlo = torch.zeros(x.shape[0], dtype=torch.float64)
+        norms = {"n1": xd.abs().sum(dim=1), "nhl": hi.double().abs().sum(dim=1) + nlo, "nlo": nlo,
+                 "nres": res.abs().sum(dim=1), "xinf": xd.abs().amax(dim=1)}
+        return kin, split, norms
+
+    def cheap_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """[M, K] -> (``c_hi`` [M, V] bf16, ``c_lo`` [M, V] bf16 or None, the row norms of ``_split``)."""
+        kin, split, norms = self._split(x)
+        if self.kind == "bf16":
+            out = self._layer(kin)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(kin, self.qweight, self.scales)
+        m = x.shape[0]
+        return (out[:m], out[m:], norms) if split else (out, None, norms)
+
+    @staticmethod
+    def combine(c_hi: torch.Tensor, c_lo: torch.Tensor | None) -> torch.Tensor:
+        """The cheap scores ``c = fl32(c_hi + c_lo)`` [M, V] float32."""
+        c = c_hi.float()
+        return c if c_lo is None else c.add_(c_lo)
+
+    def _bound(self, norms: dict[str, torch.Tensor], rows: torch.Tensor | None, toks: torch.Tensor,
+               c: torch.Tensor, c_hi: torch.Tensor, c_lo: torch.Tensor | None) -> torch.Tensor:
+        """``B`` (float64, twice the derived bound) for the tokens ``toks`` of rows ``rows`` (None:
+        ``toks`` is [V] and every row gets all of them); ``c``, ``c_hi``, ``c_lo`` shaped like the result."""
+        def per_row(name):
+            t = norms[name]
+            return t[:, None] if rows is None else t[rows]
+        eta = 2.0 * self.hidden_size * 2.0 ** -126 * (1.0 + self.approx_max_max + per_row("xinf"))
+        coef_a = self.g32 * per_row("nhl") + per_row("nres")
+        outs = c_hi.double().abs() if c_lo is None else c_hi.double().abs() + c_lo.double().abs()
+        a_j, e_j = self.approx_max[toks], self.weight_error[toks]
+        return 2.0 * (coef_a * a_j + per_row("n1") * e_j + _U_BF16 * outs + _U_F32 * c.double().abs() + eta)
+
+    def error_bound(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cheap scores ``c`` [M, V] float32, ``B`` [M, V] float64) with ``|c - r| <= B``
+        elementwise. Dense: for tests; ``argmax`` computes ``B`` on its candidates only."""
+        c_hi, c_lo, norms = self.cheap_pass(x)
+        c = self.combine(c_hi, c_lo)
+        return c, self._bound(norms, None, torch.arange(self.vocab_size), c, c_hi, c_lo)
+
+    # -- the two-pass argmax --
+
+    @torch.inference_mode()
+    def argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact argmax of ``x @ W^T`` per row (module docstring).
+
+        Args:
+            x: [M, K] hidden rows (float32 or bfloat16).
+        Returns:
+            (token ids [M] int64, fallback [M] bool): rows marked fallback hold -1 and need the
+            full head (non-finite row, a candidate window wider than the top ``PREFILTER``
+            tokens, or more than ``MAX_CANDIDATES`` candidates).
+        """
+        m, v = x.shape[0], self.vocab_size
+        c_hi, c_lo, norms = self.cheap_pass(x)
+        c = self.combine(c_hi, c_lo)                                           # [M, V] float32
+        k = min(PREFILTER, v)
+        vals, idx = c.topk(k, dim=1)                                           # [M, k], descending
+        cmax = vals[:, 0].double()
+        # Uniform window D (module docstring): every candidate has c >= cmax - D.
+        alpha = 2.0 * ((self.g32 * norms["nhl"] + norms["nres"]) * self.approx_max_max
+                       + norms["n1"] * self.weight_error_max + 4.0 * _U_BF16 * norms["nlo"] * self.approx_max_max
+                       + 2.0 * self.hidden_size * 2.0 ** -126 * (1.0 + self.approx_max_max + norms["xinf"]))
+        beta = 2.0 * (_U_BF16 + 2.0 * _U_F32)
+        reach = (2.0 * alpha + 2.0 * beta * cmax.abs()) / (1.0 - beta)
+        fallback = ~(torch.isfinite(cmax) & torch.isfinite(norms["n1"]))
+        if k < v:
+            fallback |= vals[:, -1].double() >= cmax - reach
+        # The exact per-token bound on the top k, then c + B >= max (c - B).
+        rows = torch.arange(m)[:, None].expand(m, k)
+        bound = self._bound(norms, rows, idx, vals, c_hi.gather(1, idx),
+                            None if c_lo is None else c_lo.gather(1, idx))    # [M, k]
+        vd = vals.double()
+        low = (vd - bound).amax(dim=1, keepdim=True)
+        sel = (vd + bound >= low) & ~fallback[:, None]
+        fallback |= sel.sum(dim=1) > MAX_CANDIDATES
+        sel &= ~fallback[:, None]
+        tokens = torch.full((m,), -1, dtype=torch.int64)
+        cand_row, pos = sel.nonzero(as_tuple=True)
+        if cand_row.numel():
+            self._rescore(x, cand_row, idx[cand_row, pos], tokens)
+        self.num_fallback_rows += int(fallback.sum())
+        return tokens, fallback
+
+    def _rescore(self, x: torch.Tensor, cand_row: torch.Tensor, cand_tok: torch.Tensor,
+                 tokens: torch.Tensor) -> None:
+        """Write into ``tokens`` the exact best candidate of each row (lowest index on ties)."""
+        xd = x.double()
+        wd = self.weight.index_select(0, cand_tok).double()                   # [Q, K]
+        xr = xd.index_select(0, cand_row)                                      # [Q, K]
+        score = (wd * xr).sum(dim=1)                                           # [Q]
+        err = 2.0 * self.g64 * (wd.abs() * xr.abs()).sum(dim=1)               # [Q]
+        rows, toks = cand_row.tolist(), cand_tok.tolist()
+        score_l, err_l = score.tolist(), err.tolist()
+        per_row: dict[int, list[int]] = {}
+        for q, r in enumerate(rows):
+            per_row.setdefault(r, []).append(q)
+        for r, qs in per_row.items():
+            best = max(qs, key=lambda q: (score_l[q], -toks[q]))
+            close = [q for q in qs if score_l[q] + err_l[q] >= score_l[best] - err_l[best]]
+            if len(close) > 1:  # within float64 error of each other: decide exactly
+                best = self._exact_best(xd[r], [toks[q] for q in close], close)
+            tokens[r] = toks[best]
+
+    def _exact_best(self, xrow: torch.Tensor, toks: list[int], qs: list[int]) -> int:
+        """Among candidate tokens ``toks`` (their entries ``qs``), the one with the largest exact
+        score, lowest token id on ties; exact signs through ``math.fsum`` of exact products."""
+        rows = self.weight.index_select(0, torch.tensor(toks)).double()       # [n, K]
+        prods = (rows * xrow[None, :]).tolist()                                # exact in float64
+        order = sorted(range(len(toks)), key=lambda i: toks[i])
+        best = order[0]
+        for i in order[1:]:
+            if math.fsum(prods[i] + [-p for p in prods[best]]) > 0.0:
+                best = i
+        return qs[best]
+
+
+def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device, tp_size: int,
+                       quantization: str | None, is_last_stage: bool = True) -> tuple[str | None, int, str]:
+    """Whether the exact greedy head runs, with which cheap kind and up to how many rows.
+
+    ``auto`` on the CPU, one tensor rank, no quantization, last pipeline stage:
+
+    - float32 model, native bf16 (``onednn_linear_available(bfloat16)``): ``"bf16"`` at every row
+      count up to ``BF16_MAX_ROWS`` (measured: the bf16 pass costs half the float32 head at M =
+      1..64; docs/performance.md).
+    - float32 model without native bf16: ``"int8"`` up to ``INT8_MAX_ROWS`` rows (the int8
+      kernel reads a quarter of the float32 bytes but is compute-bound single-threaded and loses
+      beyond a few rows).
+    - bfloat16 model: off (measured: the int8 pass is no cheaper than the bf16 head at M = 1 and
+      costlier beyond, so a second pass only adds time).
+
+    Returns:
+        (kind or None for off, max rows, why) -- ``why`` for the log line.
+    Raises:
+        ValueError: for a mode outside ``EXACT_GREEDY_HEAD_MODES``.
+    """
+    if mode not in EXACT_GREEDY_HEAD_MODES:
+        raise ValueError(f"exact_greedy_head must be one of {EXACT_GREEDY_HEAD_MODES}, got {mode!r}")
+    if mode == "off":
+        return None, 0, "off"
+    if device.type != "cpu":
+        return None, 0, "not on the CPU"
+    if tp_size > 1:
+        return None, 0, "the head is split across tensor ranks"
+    if not is_last_stage:
+        return None, 0, "not the last pipeline stage"
+    if quantization is not None:
+        return None, 0, f"quantization={quantization} (the head itself is quantized)"
+    if model_dtype == torch.bfloat16:
+        return None, 0, "bfloat16 model: no cheaper pass than its bf16 head (measured)"
+    if model_dtype != torch.float32:
+        return None, 0, f"dtype {model_dtype}"
+    from pagedllm.layers.linear import onednn_linear_available
+
+    if onednn_linear_available(torch.bfloat16):
+        return "bf16", BF16_MAX_ROWS, "float32 model, native bf16: bf16 cheap pass"
+    return "int8", INT8_MAX_ROWS, "float32 model without native bf16: int8 cheap pass"
+
+
+# Row counts up to which the cheap pass wins (docs/performance.md, "exact greedy head").
+BF16_MAX_ROWS = 1024
+INT8_MAX_ROWS = 4
