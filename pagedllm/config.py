@@ -33,6 +33,7 @@ SUPPORTED_ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_sdpa", "cpu_paged")
 SUPPORTED_CPU_GEMMS = ("onednn", "torch")
 # ``ModelConfig.cpu_isa``: "auto" or a CPU code path (``platforms.cpu.CpuIsa``; config.py imports no torch).
 SUPPORTED_CPU_ISAS = ("auto", "portable", "avx2", "avx512", "avx512_bf16")
+SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")   # layers/greedy_head.py EXACT_GREEDY_HEAD_MODES
 
 
 @dataclass(frozen=True)
@@ -399,6 +400,11 @@ class ModelConfig:
             ``platforms.cpu.CpuIsa`` ("portable", "avx2", "avx512", "avx512_bf16"): the
             paged-attention kernel's micro-kernels, and with them what ``dtype="auto"`` means;
             ``EngineArgs`` defaults it to ``$PAGEDLLM_CPU_ISA``.
+        exact_greedy_head: "auto" or "off". "auto": where it is cheaper (``layers/greedy_head.py``
+            ``choose_greedy_head``: a float32 model on a CPU with native bf16, at most
+            ``BF16_MAX_ROWS`` plain greedy rows in the step), plain greedy rows take the argmax of
+            the exact head through a bf16 pass + proven bound + exact re-score instead of the
+            float32 head's argmax (+V x hidden x 2 bytes for the bf16 copy); "off": the full head.
 
     Architecture (from config.json through ``hf_architecture_fields``; ``ModelConfig.from_hf_config``;
     unset (0 / empty) until then): ``architectures``, ``model_type``, ``vocab_size`` (tokens),
@@ -422,6 +428,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     cpu_gemm: str = "onednn"
     cpu_isa: str = "auto"
+    exact_greedy_head: str = "auto"
     architectures: tuple[str, ...] = ()
     model_type: str = ""
     vocab_size: int = 0
@@ -481,6 +488,9 @@ class ModelConfig:
             raise ValueError(f"cpu_gemm must be one of {SUPPORTED_CPU_GEMMS}, got {self.cpu_gemm!r}")
         if self.cpu_isa not in SUPPORTED_CPU_ISAS:
             raise ValueError(f"cpu_isa must be one of {SUPPORTED_CPU_ISAS}, got {self.cpu_isa!r}")
+        if self.exact_greedy_head not in SUPPORTED_EXACT_GREEDY_HEAD:
+            raise ValueError(f"exact_greedy_head must be one of {SUPPORTED_EXACT_GREEDY_HEAD}, "
+                             f"got {self.exact_greedy_head!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

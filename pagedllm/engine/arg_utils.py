@@ -69,6 +69,8 @@ class EngineArgs:
         cpu_isa: the CPU code path, "auto" (best for the CPU's flags) or "portable" / "avx2" /
             "avx512" / "avx512_bf16" (``platforms/cpu.py``; forces the attention kernel's path and
             with it what ``dtype="auto"`` means); default ``$PAGEDLLM_CPU_ISA`` or "auto".
+        exact_greedy_head: "auto" (plain greedy rows through the cheaper exact head where it
+            pays, ``layers/greedy_head.py``) or "off" (``ModelConfig.exact_greedy_head``).
         dtype "auto" on the CPU: bfloat16 where the CPU has avx512_bf16 or AMX, else float32.
         cpu_kvcache_space: [GiB] the CPU KV budget when ``kv_cache_memory_bytes`` is None; default
             ``$PAGEDLLM_CPU_KVCACHE_SPACE`` or None (min(25% of available RAM, 4 GiB)).
@@ -117,6 +119,7 @@ class EngineArgs:
     cpu_gemm: str = field(default_factory=lambda: _env(CPU_GEMM_ENV) or "onednn")
     cpu_isa: str = field(default_factory=lambda: (_env(CPU_ISA_ENV) or "auto").lower())
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
+    exact_greedy_head: str = "auto"
     distributed_executor_backend: str | None = None
     ray_placement_strategy: str = "STRICT_PACK"
     pp_layer_partition: str | None = field(default_factory=lambda: _env(PP_LAYER_PARTITION_ENV))
@@ -184,7 +187,7 @@ class EngineArgs:
                             max_model_len=max_model_len, seed=self.seed, device=self.device,
                             quantization=self.quantization, model_folder=model_folder,
                             attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm,
-                            cpu_isa=self.cpu_isa, **arch)
+                            cpu_isa=self.cpu_isa, exact_greedy_head=self.exact_greedy_head, **arch)
         space = None if self.cpu_kvcache_space is None else int(float(self.cpu_kvcache_space) * (1 << 30))
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -311,6 +314,12 @@ def add_engine_cli_args(parser) -> None:
                         "quantization (faster at decode batch sizes, not exact); int8_weight_only / "
                         "int4_weight_only: int8 per-channel or 4-bit group-wise weights, activations not "
                         "quantized (CPU; faster at small batches, not exact; default: none)")
+    g.add_argument("--exact-greedy-head", default="auto", choices=["auto", "off"],
+                   help="auto: greedy rows without logprobs / penalties / biases / masks / processors "
+                        "take the exact head's argmax through a cheap bf16 pass, a proven error bound "
+                        "and an exact re-score of the few candidates, where that is faster (float32 "
+                        "model, CPU with native bf16, small decode batches; +V x hidden x 2 bytes); "
+                        "off: the full head's argmax (default: auto)")
     g.add_argument("--disable-log-stats", action="store_true")
     g.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar"],
                    help="grammar engine for response_format / structured_outputs / tools (default: auto)")

@@ -127,15 +127,18 @@ class ExactGreedyHead:
         kind: "bf16" (oneDNN packed bf16 copy, +V K 2 bytes) or "int8" (int8 copy + bf16 scales,
             +V (K + 2) bytes).
         batch_hint: rows the oneDNN layout is tuned for (``max_num_seqs``).
+        max_rows: the most rows per step it is used for (``choose_greedy_head``; read by the
+            model runner).
     Raises:
         ValueError: for another kind or weight dtype.
     """
 
-    def __init__(self, weight: torch.Tensor, kind: str, batch_hint: int = 1) -> None:
+    def __init__(self, weight: torch.Tensor, kind: str, batch_hint: int = 1, max_rows: int = 64) -> None:
         if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"weight must be [V, K] float32 or bfloat16, got {list(weight.shape)} {weight.dtype}")
         self.weight = weight.detach()
         self.kind = kind
+        self.max_rows = int(max_rows)
         self.vocab_size, self.hidden_size = int(weight.shape[0]), int(weight.shape[1])
         w = self.weight.float()
         if kind == "bf16":
@@ -166,6 +169,7 @@ class ExactGreedyHead:
         self.g64 = gamma(self.hidden_size, _U_F64)
         self.weight_error_max = float(self.weight_error.max())
         self.approx_max_max = float(self.approx_max.max())
+        self.num_rows = 0            # rows asked (counters for tests and logs)
         self.num_fallback_rows = 0
 
     # -- the cheap pass and its bound --
@@ -244,10 +248,10 @@ class ExactGreedyHead:
             x: [M, K] hidden rows (float32 or bfloat16).
         Returns:
             (token ids [M] int64, fallback [M] bool): rows marked fallback hold -1 and need the
-            full head (non-finite row, a candidate window wider than the top ``PREFILTER``
-            tokens, or more than ``MAX_CANDIDATES`` candidates).
+            full head (non-finite row, or more than ``MAX_CANDIDATES`` candidates).
         """
         m, v = x.shape[0], self.vocab_size
+        self.num_rows += m
         c_hi, c_lo, norms = self.cheap_pass(x)
         c = self.combine(c_hi, c_lo)                                           # [M, V] float32
         k = min(PREFILTER, v)
@@ -260,21 +264,32 @@ class ExactGreedyHead:
         beta = 2.0 * (_U_BF16 + 2.0 * _U_F32)
         reach = (2.0 * alpha + 2.0 * beta * cmax.abs()) / (1.0 - beta)
         fallback = ~(torch.isfinite(cmax) & torch.isfinite(norms["n1"]))
-        if k < v:
-            fallback |= vals[:, -1].double() >= cmax - reach
+        wide = (vals[:, -1].double() >= cmax - reach) & ~fallback if k < v else torch.zeros_like(fallback)
         # The exact per-token bound on the top k, then c + B >= max (c - B).
         rows = torch.arange(m)[:, None].expand(m, k)
         bound = self._bound(norms, rows, idx, vals, c_hi.gather(1, idx),
                             None if c_lo is None else c_lo.gather(1, idx))    # [M, k]
         vd = vals.double()
         low = (vd - bound).amax(dim=1, keepdim=True)
-        sel = (vd + bound >= low) & ~fallback[:, None]
-        fallback |= sel.sum(dim=1) > MAX_CANDIDATES
-        sel &= ~fallback[:, None]
-        tokens = torch.full((m,), -1, dtype=torch.int64)
+        sel = (vd + bound >= low) & ~(fallback | wide)[:, None]
         cand_row, pos = sel.nonzero(as_tuple=True)
+        cand_tok = idx[cand_row, pos]
+        if bool(wide.any()):
+            # The uniform window reaches past the top k: the per-token bound on the whole row.
+            w_rows = wide.nonzero().squeeze(1)
+            sub = {name: t[w_rows] for name, t in norms.items()}
+            cw = c[w_rows]
+            bw = self._bound(sub, None, torch.arange(v), cw, c_hi[w_rows], None if c_lo is None else c_lo[w_rows])
+            cwd = cw.double()
+            selw = cwd + bw >= (cwd - bw).amax(dim=1, keepdim=True)           # [F, V]
+            wr, wt = selw.nonzero(as_tuple=True)
+            cand_row, cand_tok = torch.cat([cand_row, w_rows[wr]]), torch.cat([cand_tok, wt])
+        fallback |= torch.bincount(cand_row, minlength=m) > MAX_CANDIDATES
+        keep = ~fallback[cand_row]
+        cand_row, cand_tok = cand_row[keep], cand_tok[keep]
+        tokens = torch.full((m,), -1, dtype=torch.int64)
         if cand_row.numel():
-            self._rescore(x, cand_row, idx[cand_row, pos], tokens)
+            self._rescore(x, cand_row, cand_tok, tokens)
         self.num_fallback_rows += int(fallback.sum())
         return tokens, fallback
 
@@ -320,9 +335,10 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
     - float32 model, native bf16 (``onednn_linear_available(bfloat16)``): ``"bf16"`` at every row
       count up to ``BF16_MAX_ROWS`` (measured: the bf16 pass costs half the float32 head at M =
       1..64; docs/performance.md).
-    - float32 model without native bf16: ``"int8"`` up to ``INT8_MAX_ROWS`` rows (the int8
-      kernel reads a quarter of the float32 bytes but is compute-bound single-threaded and loses
-      beyond a few rows).
+    - float32 model without native bf16: off. The int8 pass would be the cheap one, but its
+      bound (``s_j / 2 |x|_1`` per token) is too wide on real rows: on Gemma 3 270M's hidden
+      states 1 of 1 rows at M = 1 and 64 of 64 at M = 64 had more than ``MAX_CANDIDATES``
+      candidates (docs/performance.md), so it would only add a pass.
     - bfloat16 model: off (measured: the int8 pass is no cheaper than the bf16 head at M = 1 and
       costlier beyond, so a second pass only adds time).
 
@@ -351,9 +367,8 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
 
     if onednn_linear_available(torch.bfloat16):
         return "bf16", BF16_MAX_ROWS, "float32 model, native bf16: bf16 cheap pass"
-    return "int8", INT8_MAX_ROWS, "float32 model without native bf16: int8 cheap pass"
+    return None, 0, "float32 model without native bf16 (the int8 pass's bound is too wide to pay; measured)"
 
 
 # Row counts up to which the cheap pass wins (docs/performance.md, "exact greedy head").
-BF16_MAX_ROWS = 1024
-INT8_MAX_ROWS = 4
+BF16_MAX_ROWS = 8
