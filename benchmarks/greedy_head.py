@@ -80,7 +80,8 @@ def main() -> None:
                 assert torch.equal(toks[~fb], ref[~fb]), kind
                 t = cpu_ms(lambda: head.argmax(x), args.repeats)
                 t_cheap = cpu_ms(lambda: head.cheap_pass(x), args.repeats)
-                line += f" | {kind}: cheap {t_cheap:6.1f} two-pass {t:6.1f} ms ({t_full / t:4.2f}x, fallback rows {int(fb.sum())})"
+                line += (f" | {kind}: cheap {t_cheap:6.1f} two-pass {t:6.1f} ms "
+                         f"({t_full / t:4.2f}x, fallback rows {int(fb.sum())})")
             print(line, flush=True)
 
 

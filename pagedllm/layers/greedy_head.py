@@ -20,14 +20,21 @@ full head's argmax.
 
 Two passes (``ExactGreedyHead.argmax``)
 ---------------------------------------
-1. Cheap scores ``c_j`` for every token from a low-precision copy of ``W`` (``kind``):
+1. Cheap scores ``c_j`` for every token from a low-precision copy ``W~`` of ``W`` (``kind``):
 
-   - ``"bf16"``: ``W~ = bf16(W)`` packed for oneDNN (AVX-512 bf16 / AMX), ``x~ = bf16(x)``,
-     float32 accumulation, bfloat16 output. Needs native bf16 (``platforms/cpu.py``).
+   - ``"bf16"``: ``W~ = bf16(W)`` packed for oneDNN (AVX-512 bf16 / AMX), float32 accumulation,
+     bfloat16 output. Needs native bf16 (``platforms/cpu.py``).
    - ``"int8"``: ``W~[j] = q[j] * s_j`` with ``q`` int8 in [-127, 127] and ``s_j`` a bfloat16
      scale rounded *up* from ``max_i |W[j, i]| / 127`` (so nothing clips), through
-     ``aten._weight_int8pack_mm`` (bf16 ``x~``, float32 FMAs over ``x~_i * (q_ji * s_j)``,
-     bfloat16 output; torch's ``int8mm_kernel.cpp``).
+     ``aten._weight_int8pack_mm`` (float32 FMAs over ``x_i * (q_ji * s_j)``, bfloat16 output;
+     torch's ``int8mm_kernel.cpp``).
+
+   Both kernels take bf16 activations. A float32 row is split into ``x_hi = bf16(x)`` and
+   ``x_lo = bf16(x - x_hi)``, run as two kernel rows (at a decode step's few rows the head costs
+   about the same for 2M rows as for M: it is memory bound), and ``c = fl32(c_hi + c_lo)``; the
+   remainder ``x_res = x - x_hi - x_lo`` (about 2^-16 |x|) stays in the bound. Without the split
+   the bf16 rounding of ``x`` (2^-8 |x|_1 max|W~_j|: ~6 logits on Gemma 3's rows, whose
+   ``|x|_1`` is 700-1700) would make the bound useless. A bf16 row is its own ``x_hi``.
 
 2. A bound ``|c_j - r_j| <= B_j`` for every token (derived below), candidates
    ``C = {j : c_j + B_j >= max_k (c_k - B_k)}`` (they include every exact maximum: for the exact
@@ -38,31 +45,39 @@ Two passes (``ExactGreedyHead.argmax``)
 
 The bound
 ---------
-Notation: ``u_x`` = 2^-8 (bf16's unit roundoff: 8 significant bits) when ``x`` is float32 and
-rounded to bf16 (0 when it already is bf16); ``u_o`` = 2^-8 (bf16 output rounding); ``g`` = ``K u / (1 - K u)`` with u = 2^-24 (Higham's
-gamma_K for float32 summation of K terms in any order, Higham 2002, eq. 3.4 / lemma 3.1);
-``E_j = max_i |W~[j, i] - W[j, i]|`` and ``A_j = max_i |W~[j, i]|`` (both measured exactly in
-float64 at load; ``E_j <= s_j / 2`` for int8, ``<= 2^-8 max|W_j|`` for bf16); ``|x|_1`` in float64
-per step. The products ``x~_i W~_ji`` are exact in float32 (8 x 15 <= 24 significant bits), so
-the kernel's value before its output rounding is ``c'_j = sum_i x~_i W~_ji + e_sum`` with
-``|e_sum| <= g sum_i |x~_i| |W~_ji| <= g (1 + u_x) |x|_1 A_j``. Then
+Notation: ``u_o`` = 2^-8 (bf16's unit roundoff, 8 significant bits: the kernels' output
+rounding), ``u`` = 2^-24 (float32), ``g`` = ``K u / (1 - K u)`` (Higham's gamma_K: float32
+summation of K terms in any order, Higham 2002, lemma 3.1 / eq. 3.4); ``E_j = max_i |W~_ji - W_ji|``
+and ``A_j = max_i |W~_ji|`` (measured exactly in float64 at load; ``E_j <= s_j / 2`` for int8,
+``<= 2^-8 max|W_j|`` for bf16); per step, in float64: ``|x|_1``, ``|x_hi|_1 + |x_lo|_1``,
+``|x_lo|_1``, ``|x_res|_1`` (exact: ``x_res`` is computed in float64 from bf16 / float32 values).
+The products ``x_hi,i W~_ji`` are exact in float32 (8 x 15 <= 24 significant bits), so each
+kernel row's value before its output rounding is the exact sum plus ``e`` with
+``|e| <= g sum_i |x_hi,i| |W~_ji| <= g |x_hi|_1 A_j`` (the same for ``x_lo``). Then, with
+``c^_hi``, ``c^_lo`` the kernel's bf16 outputs:
 
-    |c_j - r_j| <= |c_j - c'_j|                      output rounding (RN): <= u_o |c_j|
-                 + |e_sum|                             <= g (1 + u_x) |x|_1 A_j
-                 + |sum_i (x~_i - x_i) W~_ji|          <= u_x |x|_1 A_j
-                 + |sum_i x_i (W~_ji - W_ji)|          <= |x|_1 E_j
-                 + flushed subnormals (bf16 dot products run with DAZ/FTZ): <= K 2^-126 (1 + A_j + max|x|)
+    |c_j - r_j| <= u |c_j|                                  the float32 sum c^_hi + c^_lo
+                 + u_o (|c^_hi,j| + |c^_lo,j|)               the bf16 output roundings (RN)
+                 + g (|x_hi|_1 + |x_lo|_1) A_j               float32 accumulation
+                 + |x_res|_1 A_j                              sum_i x_res,i W~_ji
+                 + |x|_1 E_j                                  sum_i x_i (W~_ji - W_ji)
+                 + 2 K 2^-126 (1 + A_j + max|x|)              flushed subnormals (bf16 dot products run DAZ / FTZ)
 
-and the code uses twice that (``B_j = 2 (alpha_j + u_o |c_j|)``, ``alpha_j`` the terms without
-``c_j``): the factor 2 also covers the float64 rounding of computing ``B`` itself, and a looser
-bound only adds candidates, never drops the answer.
+and the code uses twice that (``B_j``): the factor 2 also covers the float64 rounding of
+computing ``B`` itself, and a looser bound only adds candidates, never drops the answer.
+``tests/layers/test_greedy_head.py`` checks ``|c - r| <= B`` on every element of thousands of rows.
 
-Finding the candidates cheaply: with ``A = max_j alpha'_j`` (alpha' = 2 alpha; its row constant
-``max_j (E_j + k A_j)`` is precomputed) and ``b = 2 u_o``, every ``j`` in ``C`` has
-``c_j >= c_max - D`` with ``D = (2 A + 2 b |c_max|) / (1 - b)`` (``t -> t + b|t|`` is increasing,
-and ``max_k (c_k - B_k) >= c_max - A - b |c_max|``); the maximiser of ``c_k - B_k`` is in that
-set too. So one pass takes block maxima of ``c`` (``_BLOCK`` tokens), only blocks whose maximum
-reaches ``c_max - D`` are read again, and ``B_j`` is computed on those tokens only.
+Finding the candidates without computing ``B`` for every token: since
+``|c^_hi| + |c^_lo| <= (1 + u)|c| + 2 |c^_lo|`` and ``|c^_lo| <= 2 |x_lo|_1 A_max``,
+``B_j <= a + b |c_j|`` with the row constant ``a = 2 ((g (|x_hi|_1 + |x_lo|_1) + |x_res|_1) A_max
++ |x|_1 E_max + 4 u_o |x_lo|_1 A_max + 2 K 2^-126 (1 + A_max + max|x|))`` and
+``b = 2 (u_o + 2 u)``. Then every ``j`` in ``C`` has ``c_j >= c_max - D`` with
+``D = (2 a + 2 b |c_max|) / (1 - b)`` (``t -> t + b|t|`` is increasing, and
+``max_k (c_k - B_k) >= c_max - a - b |c_max|``), and the maximiser of ``c_k - B_k`` lies there too.
+So each row takes its top ``PREFILTER`` cheap scores; if the last of them is below
+``c_max - D``, ``C`` lies among them and ``B_j`` is computed on those 128 tokens only; otherwise
+(a window wider than 128 tokens: on real rows ``E_max`` is ~2x the typical ``E_j``) ``B`` is computed
+for the whole row in float64.
 
 Exact re-score
 --------------
@@ -73,8 +88,9 @@ their bounds of the best are compared exactly: the sign of ``r_a - r_b`` is the 
 ``math.fsum`` over the 2K exact products (fsum is correctly rounded, and a non-zero exact sum of
 such products is at least 2^-298 in magnitude, so it never rounds to zero).
 
-Which kind, and when (``choose_greedy_head``, measured in docs/performance.md "exact greedy head"):
-single-thread CPU time of the full float32 head vs cheap head + re-score, 262,144 x 640.
+Which kind, and when: ``choose_greedy_head``, from the single-thread CPU times of the full head
+vs the cheap pass + bound + re-score on Gemma 3 270M's 262,144 x 640 head and real hidden rows
+(docs/performance.md, step 12; ``benchmarks/greedy_head.py``).
 """
 
 from __future__ import annotations

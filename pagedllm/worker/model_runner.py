@@ -224,10 +224,11 @@ class ModelRunner:
             logits = self.model.compute_logits(h[torch.as_tensor([src[k] for k in rest], device=self.device)]).float()
             self._sample_logits(sched, [states[k] for k in rest], logits, sub)
         pos = {k: j for j, k in enumerate(rest)}
+        order = range(len(states))
         output.req_ids = [st.req_id for st in states]
-        output.sampled_token_ids = [tokens[k] if k in tokens else sub.sampled_token_ids[pos[k]] for k in range(len(states))]
-        output.sampled_logprobs = [math.nan if k in tokens else sub.sampled_logprobs[pos[k]] for k in range(len(states))]
-        output.top_logprobs = [None if k in tokens else sub.top_logprobs[pos[k]] for k in range(len(states))]
+        output.sampled_token_ids = [tokens[k] if k in tokens else sub.sampled_token_ids[pos[k]] for k in order]
+        output.sampled_logprobs = [math.nan if k in tokens else sub.sampled_logprobs[pos[k]] for k in order]
+        output.top_logprobs = [None if k in tokens else sub.top_logprobs[pos[k]] for k in order]
 
     def _top_logprobs(self, reqs: list[ScheduledRequest], sampled) -> list[dict[int, Logprob] | None]:
         if sampled.topk_token_ids is None:

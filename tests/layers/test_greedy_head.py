@@ -8,7 +8,6 @@ except in the cancellation tests, which compare exact rationals instead)."""
 
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 
 import pytest
@@ -21,8 +20,10 @@ from pagedllm.layers.weight_only import weight_only_available
 
 BF16_OK = onednn_linear_available(torch.bfloat16)
 INT8_OK = weight_only_available("int8_weight_only")
-KINDS = [pytest.param("bf16", marks=pytest.mark.skipif(not BF16_OK, reason="no native bf16 oneDNN inner product on this CPU")),
-         pytest.param("int8", marks=pytest.mark.skipif(not INT8_OK, reason="aten._weight_int8pack_mm does not run here"))]
+KINDS = [pytest.param("bf16", marks=pytest.mark.skipif(
+             not BF16_OK, reason="no native bf16 oneDNN inner product on this CPU (avx512_bf16 / AMX)")),
+         pytest.param("int8", marks=pytest.mark.skipif(
+             not INT8_OK, reason="aten._weight_int8pack_mm does not run here"))]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -162,7 +163,7 @@ def test_cancellation_decided_exactly(kind):
     w[3, 0] = w[3, 1] = 0.5            # r_3 = 2^-31, as every other row: ties
     head = ExactGreedyHead(w, kind, 1)
     tokens, fallback = head.argmax(x)
-    exact = [sum(Fraction(float(a)) * Fraction(float(b)) for a, b in zip(x[0].tolist(), w[j].tolist())) for j in range(v)]
+    exact = [sum(Fraction(a) * Fraction(b) for a, b in zip(x[0].tolist(), w[j].tolist())) for j in range(v)]
     assert not bool(fallback.any())
     assert tokens.tolist() == [max(range(v), key=lambda j: (exact[j], -j))] == [11]
     w[11, 2] = 0.5                     # now all tie exactly: lowest index
