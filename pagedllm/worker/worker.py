@@ -14,7 +14,7 @@ from pagedllm.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, ModelCo
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
 from pagedllm.layers.greedy_head import ExactGreedyHead, choose_greedy_head
-from pagedllm.layers.linear import pack_linear_layers
+from pagedllm.layers.linear import CpuGemm, onednn_linear_available, pack_linear_layers, parse_cpu_gemm
 from pagedllm.layers.quantization import quantize_linear_layers
 from pagedllm.layers.weight_only import WEIGHT_ONLY_MODES, quantize_weight_only
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -207,7 +207,8 @@ class Worker:
         on the model's head weight as stored; log whether it runs and why.
 
         Returns:
-            Bytes it adds (its bf16 / int8 copy; 0 when off).
+            Bytes it adds: its bf16 / int8 copy, plus an untied head's float weight where oneDNN
+            packing would otherwise drop it (0 when off).
         """
         kind, max_rows, why = choose_greedy_head(
             self.model_config.exact_greedy_head, self.dtype, self.device, self.parallel.tp_size,
@@ -216,9 +217,12 @@ class Worker:
             if self.model_config.exact_greedy_head != "off":
                 logger.info("exact greedy head: off (%s)", why)
             return 0
-        self.greedy_head = ExactGreedyHead(self.model.get_lm_head().weight, kind,
-                                           self.scheduler_config.max_num_seqs, max_rows=max_rows)
+        weight = self.model.get_lm_head().weight
+        self.greedy_head = ExactGreedyHead(weight, kind, self.scheduler_config.max_num_seqs, max_rows=max_rows)
         extra = self.greedy_head.extra_bytes
+        if not self.model.tie_word_embeddings and parse_cpu_gemm(self.model_config.cpu_gemm) is CpuGemm.ONEDNN \
+                and onednn_linear_available(self.dtype):
+            extra += weight.numel() * weight.element_size()  # the packed lm_head replaces it; this keeps it
         logger.info("exact greedy head: on, %s cheap pass for up to %d plain greedy rows (%s; +%.0f MiB)",
                     kind, max_rows, why, extra / 2**20)
         return extra
