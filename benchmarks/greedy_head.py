@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rows", default="1,4,16,64")
     ap.add_argument("--engine", action="store_true", help="the engine check instead of the head timings")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes to time")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.engine:
@@ -99,7 +100,7 @@ def main() -> None:
     hidden, weight = hidden_rows(args.folder)
     hidden = hidden[torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(0))]
     print(f"head {list(weight.shape)}, {hidden.shape[0]} hidden rows", flush=True)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         w = weight.to(dtype)
         full = PackedLinear(w, None, 64)
         heads = {kind: ExactGreedyHead(w, kind, 64) for kind in ("bf16", "int8")}

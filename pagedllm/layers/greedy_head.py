@@ -74,10 +74,10 @@ Finding the candidates without computing ``B`` for every token: since
 ``b = 2 (u_o + 2 u)``. Then every ``j`` in ``C`` has ``c_j >= c_max - D`` with
 ``D = (2 a + 2 b |c_max|) / (1 - b)`` (``t -> t + b|t|`` is increasing, and
 ``max_k (c_k - B_k) >= c_max - a - b |c_max|``), and the maximiser of ``c_k - B_k`` lies there too.
-So each row takes its top ``PREFILTER`` cheap scores; if the last of them is below
-``c_max - D``, ``C`` lies among them and ``B_j`` is computed on those 128 tokens only; otherwise
-(a window wider than 128 tokens: on real rows ``E_max`` is ~2x the typical ``E_j``) ``B`` is computed
-for the whole row in float64.
+So one pass takes the maxima of blocks of ``_BLOCK`` cheap scores, only the blocks whose maximum
+reaches ``c_max - D`` are read again, and ``B_j`` is computed on their tokens that reach it; a
+row with more than ``MAX_HIT_BLOCKS`` such blocks (``E_max`` is ~2x the typical ``E_j`` on real
+rows, so ``D`` is wider than the candidates) gets ``B`` for the whole row in float64.
 
 Exact re-score
 --------------
@@ -105,8 +105,10 @@ logger = logging.getLogger(__name__)
 EXACT_GREEDY_HEAD_MODES = ("auto", "off")
 # Rows with more candidates than this go back to the full head (see the module docstring).
 MAX_CANDIDATES = 64
-# Cheap-score top-k per row in which every candidate must lie (else the row falls back).
-PREFILTER = 128
+# Tokens per block of the candidate search (block maxima first; only blocks that reach the window
+# are read again), and the most blocks per row read that way (more: the bound for the whole row).
+_BLOCK = 256
+MAX_HIT_BLOCKS = 64
 _U_BF16 = 2.0 ** -8   # bf16: 8 significant bits, round to nearest
 _U_F32 = 2.0 ** -24
 _U_F64 = 2.0 ** -53
@@ -270,26 +272,35 @@ class ExactGreedyHead:
         self.num_rows += m
         c_hi, c_lo, norms = self.cheap_pass(x)
         c = self.combine(c_hi, c_lo)                                           # [M, V] float32
-        k = min(PREFILTER, v)
-        vals, idx = c.topk(k, dim=1)                                           # [M, k], descending
-        cmax = vals[:, 0].double()
+        # Block maxima of c: a candidate's block reaches the window, so only those blocks are read again.
+        nfull = v // _BLOCK
+        bmax = c[:, : nfull * _BLOCK].view(m, nfull, _BLOCK).amax(dim=-1)    # [M, nb]
+        if nfull * _BLOCK < v:
+            bmax = torch.cat([bmax, c[:, nfull * _BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
+        cmax = bmax.amax(dim=1).double()
         # Uniform window D (module docstring): every candidate has c >= cmax - D.
         alpha = 2.0 * ((self.g32 * norms["nhl"] + norms["nres"]) * self.approx_max_max
                        + norms["n1"] * self.weight_error_max + 4.0 * _U_BF16 * norms["nlo"] * self.approx_max_max
                        + 2.0 * self.hidden_size * 2.0 ** -126 * (1.0 + self.approx_max_max + norms["xinf"]))
         beta = 2.0 * (_U_BF16 + 2.0 * _U_F32)
-        reach = (2.0 * alpha + 2.0 * beta * cmax.abs()) / (1.0 - beta)
+        thr = cmax - (2.0 * alpha + 2.0 * beta * cmax.abs()) / (1.0 - beta)   # [M] float64
         fallback = ~(torch.isfinite(cmax) & torch.isfinite(norms["n1"]))
-        wide = (vals[:, -1].double() >= cmax - reach) & ~fallback if k < v else torch.zeros_like(fallback)
-        # The exact per-token bound on the top k, then c + B >= max (c - B).
-        rows = torch.arange(m)[:, None].expand(m, k)
-        bound = self._bound(norms, rows, idx, vals, c_hi.gather(1, idx),
-                            None if c_lo is None else c_lo.gather(1, idx))    # [M, k]
-        vd = vals.double()
-        low = (vd - bound).amax(dim=1, keepdim=True)
-        sel = (vd + bound >= low) & ~(fallback | wide)[:, None]
-        cand_row, pos = sel.nonzero(as_tuple=True)
-        cand_tok = idx[cand_row, pos]
+        hit = (bmax.double() >= thr[:, None]) & ~fallback[:, None]           # [M, nb]
+        wide = hit.sum(dim=1) > MAX_HIT_BLOCKS
+        hit &= ~wide[:, None]
+        hit_row, hit_blk = hit.nonzero(as_tuple=True)                          # [P]
+        cols = hit_blk[:, None] * _BLOCK + torch.arange(_BLOCK)[None, :]      # [P, BLOCK]
+        vals = c[hit_row[:, None], cols.clamp(max=v - 1)].double()
+        vals.masked_fill_(cols >= v, -math.inf)
+        pr, pc = (vals >= thr[hit_row][:, None]).nonzero(as_tuple=True)
+        cand_row, cand_tok, cand_c = hit_row[pr], cols[pr, pc], vals[pr, pc]  # [Q]
+        # The exact per-token bound on those tokens, then c + B >= max (c - B).
+        bound = self._bound(norms, cand_row, cand_tok, cand_c, c_hi[cand_row, cand_tok],
+                            None if c_lo is None else c_lo[cand_row, cand_tok])
+        low = torch.full((m,), -math.inf, dtype=torch.float64)
+        low.scatter_reduce_(0, cand_row, cand_c - bound, reduce="amax")
+        sel = cand_c + bound >= low[cand_row]
+        cand_row, cand_tok = cand_row[sel], cand_tok[sel]
         if bool(wide.any()):
             # The uniform window reaches past the top k: the per-token bound on the whole row.
             w_rows = wide.nonzero().squeeze(1)

@@ -238,3 +238,22 @@ def test_tiny_model_tokens_same_on_and_off(arch, make_tiny_checkpoint):
     on, _ = _generate(path, "auto", SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True), prompts[:2])
     off, _ = _generate(path, "off", SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True), prompts[:2])
     assert [[c.token_ids for c in o.outputs] for o in on] == [[c.token_ids for c in o.outputs] for o in off]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_whole_row_bound_path(kind, dtype, monkeypatch):
+    """Rows whose window reaches more than MAX_HIT_BLOCKS blocks take the whole-row bound: forced
+    here for every row (MAX_HIT_BLOCKS = 0), the tokens still equal the float64 argmax."""
+    import pagedllm.layers.greedy_head as greedy_head
+
+    w = _weights(3000, 640, dtype, seed=7)
+    x = _planted(w, 9, seed=8, noise=0.05 if kind == "bf16" else 0.01)
+    expected = ExactGreedyHead(w, kind, 16).argmax(x)
+    monkeypatch.setattr(greedy_head, "MAX_HIT_BLOCKS", 0)
+    tokens, fallback = ExactGreedyHead(w, kind, 16).argmax(x)
+    assert torch.equal(fallback, expected[1])
+    assert torch.equal(tokens, expected[0])
+    assert torch.equal(tokens[~fallback], _exact(x, w).argmax(dim=1)[~fallback])
+    if kind == "bf16":
+        assert not bool(fallback.any())
