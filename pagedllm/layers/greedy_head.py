@@ -90,7 +90,7 @@ such products is at least 2^-298 in magnitude, so it never rounds to zero).
 
 Which kind, and when: ``choose_greedy_head``, from the single-thread CPU times of the full head
 vs the cheap pass + bound + re-score on Gemma 3 270M's 262,144 x 640 head and real hidden rows
-(docs/performance.md, step 12; ``benchmarks/greedy_head.py``).
+(docs/performance.md, session 7 step 13; ``benchmarks/greedy_head.py``).
 """
 
 from __future__ import annotations
@@ -359,15 +359,18 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
 
     ``auto`` on the CPU, one tensor rank, no quantization, last pipeline stage:
 
-    - float32 model, native bf16 (``onednn_linear_available(bfloat16)``): ``"bf16"`` at every row
-      count up to ``BF16_MAX_ROWS`` (measured: the bf16 pass costs half the float32 head at M =
-      1..64; docs/performance.md).
-    - float32 model without native bf16: off. The int8 pass would be the cheap one, but its
-      bound (``s_j / 2 |x|_1`` per token) is too wide on real rows: on Gemma 3 270M's hidden
-      states 1 of 1 rows at M = 1 and 64 of 64 at M = 64 had more than ``MAX_CANDIDATES``
-      candidates (docs/performance.md), so it would only add a pass.
-    - bfloat16 model: off (measured: the int8 pass is no cheaper than the bf16 head at M = 1 and
-      costlier beyond, so a second pass only adds time).
+    - float32 model, native bf16 (``onednn_linear_available(bfloat16)``): ``"bf16"`` for steps
+      with up to ``BF16_MAX_ROWS`` plain greedy rows. Measured on Gemma 3 270M's head and real
+      hidden rows (AVX-512 bf16, one thread): 1.55x less head time at M = 1, 1.31x at 8, 1.09x
+      at 16 (noise), 0.71x at 64 (the activation split doubles the kernel's rows).
+    - float32 model without native bf16: off. Only the int8 pass is left there; its bound
+      (``s_j / 2 |x|_1`` per token) is ~4x bf16's, and on the same rows it won 1.29x at M = 1
+      but lost from M = 4 on (rows with more than ``MAX_CANDIDATES`` candidates fall back).
+      Not measured on a CPU without AVX-512, where its kernel is the AVX2 one.
+    - bfloat16 model: off. Its head already is the bf16 pass (0.96-1.09x, noise), and the int8
+      pass is no faster at M = 1 and slower beyond.
+
+    Numbers: docs/performance.md, session 7 step 13.
 
     Returns:
         (kind or None for off, max rows, why) -- ``why`` for the log line.
@@ -384,7 +387,7 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
         return None, 0, "the head is split across tensor ranks"
     if not is_last_stage:
         return None, 0, "not the last pipeline stage"
-    if quantization is not None:
+    if quantization not in (None, "gguf"):  # "gguf": dequantized weights in the model dtype
         return None, 0, f"quantization={quantization} (the head itself is quantized)"
     if model_dtype == torch.bfloat16:
         return None, 0, "bfloat16 model: no cheaper pass than its bf16 head (measured)"
@@ -397,5 +400,5 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
     return None, 0, "float32 model without native bf16 (the int8 pass's bound is too wide to pay; measured)"
 
 
-# Row counts up to which the cheap pass wins (docs/performance.md, "exact greedy head").
+# Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md, session 7 step 13).
 BF16_MAX_ROWS = 8

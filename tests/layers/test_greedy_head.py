@@ -194,6 +194,7 @@ def test_choose_greedy_head_rules():
     assert choose_greedy_head("auto", torch.float32, cpu, 1, None, is_last_stage=False)[0] is None
     kind, rows, _ = choose_greedy_head("auto", torch.float32, cpu, 1, None)
     assert (kind, rows > 0) == (("bf16", True) if BF16_OK else (None, False))
+    assert choose_greedy_head("auto", torch.float32, cpu, 1, "gguf")[0] == kind  # dequantized: as None
     with pytest.raises(ValueError, match="exact_greedy_head"):
         choose_greedy_head("on", torch.float32, cpu, 1, None)
 
