@@ -302,7 +302,7 @@ class ExactGreedyHead:
         sel = cand_c + bound >= low[cand_row]
         cand_row, cand_tok = cand_row[sel], cand_tok[sel]
         if bool(wide.any()):
-            # The uniform window reaches past the top k: the per-token bound on the whole row.
+            # The window spans more than MAX_HIT_BLOCKS blocks: the per-token bound on the whole row.
             w_rows = wide.nonzero().squeeze(1)
             sub = {name: t[w_rows] for name, t in norms.items()}
             cw = c[w_rows]
