@@ -35,6 +35,7 @@ SUPPORTED_CPU_GEMMS = ("onednn", "torch")
 SUPPORTED_CPU_ISAS = ("auto", "portable", "avx2", "avx512", "avx512_bf16")
 # ``ModelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
+SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")   # layers/greedy_head.py EXACT_GREEDY_HEAD_MODES
 
 
 @dataclass(frozen=True)
@@ -404,6 +405,11 @@ class ModelConfig:
         cpu_fused_ops: "auto" (CPU float32 / bfloat16 models run the fused C++ norms, residual
             adds, q/k norm + RoPE and gated activations of ``layers/fused_ops.py`` when the
             extension builds) or "off" (the eager torch ops everywhere).
+        exact_greedy_head: "auto" or "off". "auto": where it is cheaper (``layers/greedy_head.py``
+            ``choose_greedy_head``: a float32 model on a CPU with native bf16, at most
+            ``BF16_MAX_ROWS`` plain greedy rows in the step), plain greedy rows take the argmax of
+            the exact head through a bf16 pass + proven bound + exact re-score instead of the
+            float32 head's argmax (+V x hidden x 2 bytes for the bf16 copy); "off": the full head.
 
     Architecture (from config.json through ``hf_architecture_fields``; ``ModelConfig.from_hf_config``;
     unset (0 / empty) until then): ``architectures``, ``model_type``, ``vocab_size`` (tokens),
@@ -428,6 +434,7 @@ class ModelConfig:
     cpu_gemm: str = "onednn"
     cpu_isa: str = "auto"
     cpu_fused_ops: str = "auto"
+    exact_greedy_head: str = "auto"
     architectures: tuple[str, ...] = ()
     model_type: str = ""
     vocab_size: int = 0
@@ -489,6 +496,9 @@ class ModelConfig:
             raise ValueError(f"cpu_isa must be one of {SUPPORTED_CPU_ISAS}, got {self.cpu_isa!r}")
         if self.cpu_fused_ops not in SUPPORTED_CPU_FUSED_OPS:
             raise ValueError(f"cpu_fused_ops must be one of {SUPPORTED_CPU_FUSED_OPS}, got {self.cpu_fused_ops!r}")
+        if self.exact_greedy_head not in SUPPORTED_EXACT_GREEDY_HEAD:
+            raise ValueError(f"exact_greedy_head must be one of {SUPPORTED_EXACT_GREEDY_HEAD}, "
+                             f"got {self.exact_greedy_head!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -69,6 +69,8 @@ class EngineArgs:
         cpu_isa: the CPU code path, "auto" (best for the CPU's flags) or "portable" / "avx2" /
             "avx512" / "avx512_bf16" (``platforms/cpu.py``; forces the attention kernel's path and
             with it what ``dtype="auto"`` means); default ``$PAGEDLLM_CPU_ISA`` or "auto".
+        exact_greedy_head: "auto" (plain greedy rows through the cheaper exact head where it
+            pays, ``layers/greedy_head.py``) or "off" (``ModelConfig.exact_greedy_head``).
         dtype "auto" on the CPU: bfloat16 where the CPU has avx512_bf16 or AMX, else float32.
         cpu_fused_ops: "auto" (fused C++ norms / residual adds / RoPE / gated activations on
             CPU float32 and bfloat16 models, ``layers/fused_ops.py``) or "off" (eager torch ops).
@@ -120,6 +122,7 @@ class EngineArgs:
     cpu_isa: str = field(default_factory=lambda: (_env(CPU_ISA_ENV) or "auto").lower())
     cpu_fused_ops: str = "auto"
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
+    exact_greedy_head: str = "auto"
     distributed_executor_backend: str | None = None
     ray_placement_strategy: str = "STRICT_PACK"
     pp_layer_partition: str | None = field(default_factory=lambda: _env(PP_LAYER_PARTITION_ENV))
@@ -187,7 +190,8 @@ class EngineArgs:
                             max_model_len=max_model_len, seed=self.seed, device=self.device,
                             quantization=self.quantization, model_folder=model_folder,
                             attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm,
-                            cpu_isa=self.cpu_isa, cpu_fused_ops=self.cpu_fused_ops, **arch)
+                            cpu_isa=self.cpu_isa, cpu_fused_ops=self.cpu_fused_ops,
+                            exact_greedy_head=self.exact_greedy_head, **arch)
         space = None if self.cpu_kvcache_space is None else int(float(self.cpu_kvcache_space) * (1 << 30))
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -317,6 +321,12 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--cpu-fused-ops", default="auto", choices=["auto", "off"],
                    help="auto: CPU float32 / bfloat16 models run fused C++ norms, residual adds, q/k norm + "
                         "RoPE and gated activations (built once per machine); off: the eager torch ops")
+    g.add_argument("--exact-greedy-head", default="auto", choices=["auto", "off"],
+                   help="auto: greedy rows without logprobs / penalties / biases / masks / processors "
+                        "take the exact head's argmax through a cheap bf16 pass, a proven error bound "
+                        "and an exact re-score of the few candidates, where that is faster (float32 "
+                        "model, CPU with native bf16, small decode batches; +V x hidden x 2 bytes); "
+                        "off: the full head's argmax (default: auto)")
     g.add_argument("--disable-log-stats", action="store_true")
     g.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar"],
                    help="grammar engine for response_format / structured_outputs / tools (default: auto)")

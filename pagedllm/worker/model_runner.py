@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ from pagedllm.attention.ops import build_attention_metadata
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.communication import recv_from_prev_stage, send_to_next_stage
 from pagedllm.distributed.parallel_state import ParallelContext
+from pagedllm.layers.greedy_head import ExactGreedyHead
 from pagedllm.outputs import Logprob
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
@@ -44,13 +46,16 @@ class ModelRunner:
             compute the logits (a collective), but only the driver rank samples.
         host_kv_caches: the host-side pool for swap preemption, per layer (k, v), each
             [num_cpu_blocks, block_size, Hkv, D] on the CPU (pinned on CUDA); None without swap.
+        greedy_head: the exact greedy head (``layers/greedy_head.py``), or None (every sampled
+            row through ``compute_logits``); built by the worker only with one tensor rank.
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, vocab_size: int, seed: int = 0,
                  parallel: ParallelContext | None = None, hidden_size: int = 0,
                  dtype: torch.dtype | None = None,
-                 host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 greedy_head: ExactGreedyHead | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches or []
@@ -67,6 +72,8 @@ class ModelRunner:
         self.parallel = parallel or ParallelContext()
         self.is_driver = self.parallel.is_driver
         self.hidden_size, self.dtype = hidden_size, dtype
+        # Exact greedy head (issue 18 item 4): plain greedy rows skip the full head.
+        self.greedy_head = greedy_head
 
     def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
         """Attach the logits processors of a request that the next ``execute_model`` sends as
@@ -132,35 +139,96 @@ class ModelRunner:
 
         ends = np.cumsum(q) - 1                                                # last token index per request
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
-        if sample_rows:
+        if sample_rows and self.greedy_head is not None and self.is_driver:
+            self._sample_with_greedy_head(sched, reqs, sample_rows, hidden, ends, output)
+        elif sample_rows:
             idx = torch.as_tensor(ends[sample_rows], device=self.device)
             logits = self.model.compute_logits(hidden[idx]).float()            # [N, V]
-        if sample_rows and self.is_driver:  # the other ranks of the last stage only joined the gather
-            states = [reqs[i].state for i in sample_rows]
-            # Forks (n > 1 / best_of): each draws its first token from its parent's row.
-            row_of = {st.req_id: j for j, st in enumerate(states)}
-            fork_rows = [(row_of[parent], st) for parent, st in self.requests.forks if parent in row_of]
-            if fork_rows:
-                rows = torch.as_tensor(list(range(len(states))) + [j for j, _ in fork_rows], device=self.device)
-                logits = logits.index_select(0, rows)                          # [N + F, V]
-                states = states + [st for _, st in fork_rows]
-            if sched.grammar_bitmask is not None:  # [structured output] grammar masks (forks: own rows), one call
-                apply_step_bitmask(logits, [st.req_id for st in states],
-                                   sched.structured_output_request_ids, sched.grammar_bitmask)
-            metadata = SamplingMetadata.build(
-                [st.sampling_params for st in states],
-                [st.output_token_ids for st in states],
-                [st.prompt_token_ids for st in states],
-                [self._generator_for(st) for st in states],
-                logits.shape[-1], self.device, default_generator=self.default_generator)
-            sampled = self.sampler(logits, metadata)
-            sampling_reqs = states
-            output.req_ids = [st.req_id for st in states]
-            output.sampled_token_ids = sampled.sampled_token_ids.tolist()
-            output.sampled_logprobs = sampled.sampled_logprobs.tolist()
-            output.top_logprobs = self._top_logprobs(sampling_reqs, sampled)
+            if self.is_driver:  # the other ranks of the last stage only joined the gather
+                states = [reqs[i].state for i in sample_rows]
+                # Forks (n > 1 / best_of): each draws its first token from its parent's row.
+                row_of = {st.req_id: j for j, st in enumerate(states)}
+                fork_rows = [(row_of[parent], st) for parent, st in self.requests.forks if parent in row_of]
+                if fork_rows:
+                    rows = torch.as_tensor(list(range(len(states))) + [j for j, _ in fork_rows], device=self.device)
+                    logits = logits.index_select(0, rows)                      # [N + F, V]
+                    states = states + [st for _, st in fork_rows]
+                self._sample_logits(sched, states, logits, output)
         self._prompt_logprobs(reqs, hidden, np.concatenate(([0], np.cumsum(q))), output)
         return output
+
+    def _sample_logits(self, sched: SchedulerOutput, states: list, logits: torch.Tensor,
+                       output: ModelRunnerOutput) -> None:
+        """Grammar masks, then the sampler, on ``logits`` [len(states), V] float32 (one row per
+        state, batch order); fills the output's per-request lists."""
+        if sched.grammar_bitmask is not None:  # [structured output] grammar masks (forks: own rows), one call
+            apply_step_bitmask(logits, [st.req_id for st in states],
+                               sched.structured_output_request_ids, sched.grammar_bitmask)
+        metadata = SamplingMetadata.build(
+            [st.sampling_params for st in states],
+            [st.output_token_ids for st in states],
+            [st.prompt_token_ids for st in states],
+            [self._generator_for(st) for st in states],
+            logits.shape[-1], self.device, default_generator=self.default_generator)
+        sampled = self.sampler(logits, metadata)
+        output.req_ids = [st.req_id for st in states]
+        output.sampled_token_ids = sampled.sampled_token_ids.tolist()
+        output.sampled_logprobs = sampled.sampled_logprobs.tolist()
+        output.top_logprobs = self._top_logprobs(states, sampled)
+
+    @staticmethod
+    def is_plain_greedy(state, structured_ids: dict[str, int]) -> bool:
+        """Whether the state's next token is the plain argmax of the raw logits and nothing else
+        is read from its logits this step: greedy, no logprobs (nor ``best_of`` > ``n``), no
+        penalties, ``logit_bias``, ``allowed_token_ids``, bad words, logits processors, grammar,
+        and no ``min_tokens`` EOS / stop masking in effect (``SamplingMetadata`` applies exactly
+        these to a greedy row)."""
+        p = state.sampling_params
+        if not p.sampling_type_greedy or p.logprobs is not None or p.needs_sampled_logprobs:
+            return False
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            return False
+        if p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids or p.logits_processors:
+            return False
+        if p.structured_outputs is not None or state.req_id in structured_ids:
+            return False
+        return not (len(state.output_token_ids) < p.min_tokens and (p.eos_token_ids or p.stop_token_ids))
+
+    def _sample_with_greedy_head(self, sched: SchedulerOutput, reqs: list[ScheduledRequest], sample_rows: list[int],
+                                 hidden: torch.Tensor, ends: np.ndarray, output: ModelRunnerOutput) -> None:
+        """Sampling on the driver with the exact greedy head (``layers/greedy_head.py``; only with
+        one tensor rank): plain greedy rows (``is_plain_greedy``) take the exact head's argmax
+        when at most ``greedy_head.max_rows`` of them sample this step; their
+        ``sampled_logprobs`` entry is NaN (not asked for, as the sampler gives such rows) and their
+        ``top_logprobs`` None. The other rows, and the greedy head's fallback rows, go through the
+        full head and the sampler as before. Output order: batch order, then forks."""
+        states = [reqs[i].state for i in sample_rows]
+        src = list(range(len(states)))                 # row of ``hidden[idx]`` each state reads
+        row_of = {st.req_id: j for j, st in enumerate(states)}
+        for parent, st in self.requests.forks:
+            if parent in row_of:
+                states.append(st)
+                src.append(row_of[parent])
+        idx = torch.as_tensor(ends[sample_rows], device=self.device)
+        h = hidden[idx]                                                        # [N, H]
+        plain = [k for k, st in enumerate(states) if self.is_plain_greedy(st, sched.structured_output_request_ids)]
+        plain_rows = sorted({src[k] for k in plain})
+        tokens: dict[int, int] = {}
+        if plain and len(plain_rows) <= self.greedy_head.max_rows:
+            ids, fallback = self.greedy_head.argmax(h[torch.as_tensor(plain_rows, device=self.device)])
+            got = {r: int(t) for r, t, fb in zip(plain_rows, ids.tolist(), fallback.tolist()) if not fb}
+            tokens = {k: got[src[k]] for k in plain if src[k] in got}
+        rest = [k for k in range(len(states)) if k not in tokens]
+        sub = ModelRunnerOutput()
+        if rest:
+            logits = self.model.compute_logits(h[torch.as_tensor([src[k] for k in rest], device=self.device)]).float()
+            self._sample_logits(sched, [states[k] for k in rest], logits, sub)
+        pos = {k: j for j, k in enumerate(rest)}
+        order = range(len(states))
+        output.req_ids = [st.req_id for st in states]
+        output.sampled_token_ids = [tokens[k] if k in tokens else sub.sampled_token_ids[pos[k]] for k in order]
+        output.sampled_logprobs = [math.nan if k in tokens else sub.sampled_logprobs[pos[k]] for k in order]
+        output.top_logprobs = [None if k in tokens else sub.top_logprobs[pos[k]] for k in order]
 
     def _top_logprobs(self, reqs: list[ScheduledRequest], sampled) -> list[dict[int, Logprob] | None]:
         if sampled.topk_token_ids is None:

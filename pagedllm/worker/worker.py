@@ -14,7 +14,8 @@ from pagedllm.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, ModelCo
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
 from pagedllm.layers.fused_ops import prepare_fused_ops
-from pagedllm.layers.linear import pack_linear_layers
+from pagedllm.layers.greedy_head import ExactGreedyHead, choose_greedy_head
+from pagedllm.layers.linear import CpuGemm, onednn_linear_available, pack_linear_layers, parse_cpu_gemm
 from pagedllm.layers.quantization import quantize_linear_layers
 from pagedllm.layers.weight_only import WEIGHT_ONLY_MODES, quantize_weight_only
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -146,6 +147,7 @@ class Worker:
         self._weight_bytes = 0
         self.distributed_init_method = distributed_init_method
         self.parallel: ParallelContext | None = None
+        self.greedy_head: ExactGreedyHead | None = None
 
     def init_device(self) -> None:
         """Pick the device and dtype; with more than one rank, join the process group (gloo on the
@@ -183,6 +185,8 @@ class Worker:
         self._weights = None
         self.model = build_model(self.model_config, weights, self.dtype, self.device, self.parallel)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # Before packing: the exact greedy head keeps a reference to the head weight as stored.
+        weight_bytes += self._build_greedy_head()
         if self.model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
             weight_bytes += quantize_linear_layers(self.model)
         elif self.model_config.quantization in WEIGHT_ONLY_MODES:  # int8 / int4 weights (layers/weight_only.py)
@@ -201,6 +205,31 @@ class Worker:
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim, block_size=self.cache_config.block_size,
             dtype_bytes=torch.tensor([], dtype=self.dtype).element_size())
+
+    def _build_greedy_head(self) -> int:
+        """Build the exact greedy head (``ModelConfig.exact_greedy_head``, ``choose_greedy_head``)
+        on the model's head weight as stored; log whether it runs and why.
+
+        Returns:
+            Bytes it adds: its bf16 / int8 copy, plus an untied head's float weight where oneDNN
+            packing would otherwise drop it (0 when off).
+        """
+        kind, max_rows, why = choose_greedy_head(
+            self.model_config.exact_greedy_head, self.dtype, self.device, self.parallel.tp_size,
+            self.model_config.quantization, self.parallel.is_last_stage)
+        if kind is None:
+            if self.model_config.exact_greedy_head != "off":
+                logger.info("exact greedy head: off (%s)", why)
+            return 0
+        weight = self.model.get_lm_head().weight
+        self.greedy_head = ExactGreedyHead(weight, kind, self.scheduler_config.max_num_seqs, max_rows=max_rows)
+        extra = self.greedy_head.extra_bytes
+        if not self.model.tie_word_embeddings and parse_cpu_gemm(self.model_config.cpu_gemm) is CpuGemm.ONEDNN \
+                and onednn_linear_available(self.dtype):
+            extra += weight.numel() * weight.element_size()  # the packed lm_head replaces it; this keeps it
+        logger.info("exact greedy head: on, %s cheap pass for up to %d plain greedy rows (%s; +%.0f MiB)",
+                    kind, max_rows, why, extra / 2**20)
+        return extra
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit this worker's budget (``CacheConfig``; a profiling forward on CUDA).
@@ -255,7 +284,8 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.kv_caches, block_size, self.device,
                                         self.model_config.vocab_size, seed=self.model_config.seed,
                                         parallel=self.parallel, hidden_size=self.model_config.hidden_size,
-                                        dtype=self.dtype, host_kv_caches=self.host_kv_caches)
+                                        dtype=self.dtype, host_kv_caches=self.host_kv_caches,
+                                        greedy_head=self.greedy_head)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (``ModelRunner.execute_model``), timed into ``parallel.step_times``."""

@@ -1,0 +1,123 @@
+"""Single-thread CPU time of the full LM head + argmax vs the exact greedy head (cheap pass +
+bound + exact re-score), on the default model's head and real hidden rows.
+
+Usage (repo root): ``nice -n 19 python benchmarks/greedy_head.py [model folder] [--repeats 7]``;
+``--engine``: instead, the default model in float32 through ``LLM`` with ``exact_greedy_head``
+``auto`` and ``off``: whether 5 prompts x 32 greedy tokens agree, and the CPU time of a batch-1
+generate of 48 tokens (3 interleaved repeats).
+Hidden rows: the final-norm hidden states of every position of a few texts through transformers
+(float32), so the candidate counts are those of real logits. Times are medians of
+``time.process_time`` with ``torch.set_num_threads(1)`` (the machine is shared; wall time is not
+reliable there). Prints one line per (model dtype, M, path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagedllm.layers.greedy_head import ExactGreedyHead
+from pagedllm.layers.linear import PackedLinear
+
+TEXTS = [
+    "The capital of France is Paris, and the capital of Germany is Berlin. The largest city in",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Q: What is 17 times 23?\nA: 17 times 23 is 391. Q: What is 12 times 12?\nA:",
+    "The mitochondria is the powerhouse of the cell. Photosynthesis happens in the",
+]
+
+
+def hidden_rows(folder: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [T, K] float32 after the final norm, head weight [V, K] float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    rows = []
+    with torch.inference_mode():
+        for text in TEXTS:
+            ids = tok(text, return_tensors="pt").input_ids
+            out = model(ids, output_hidden_states=True)
+            rows.append(out.hidden_states[-1][0])
+    return torch.cat(rows), model.get_output_embeddings().weight.detach().clone()
+
+
+def cpu_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def engine_check(repeats: int = 3) -> None:
+    """The engine with the switch on and off (see the module docstring)."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def quicksort(arr):", "Once upon a time, in a land far away,",
+               "The three laws of thermodynamics are", "Water boils at"]
+    llms = {m: LLM(None, dtype="float32", seed=0, exact_greedy_head=m, max_num_seqs=8) for m in ("auto", "off")}
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    tokens = {m: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+              for m, llm in llms.items()}
+    head = llms["auto"].llm_engine.executor.driver_worker.model_runner.greedy_head
+    print(f"5 prompts x 32 tokens identical: {tokens['auto'] == tokens['off']}; rows through the exact head "
+          f"{head.num_rows if head else 0}, fallback {head.num_fallback_rows if head else 0}", flush=True)
+    one = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    times: dict[str, list[float]] = {m: [] for m in llms}
+    for _ in range(repeats):
+        for m, llm in llms.items():
+            t0 = time.process_time()
+            llm.generate([prompts[0]], one, use_tqdm=False)
+            times[m].append(time.process_time() - t0)
+    for m, ts in times.items():
+        print(f"exact_greedy_head={m}: batch 1, 48 tokens: {1e3 * statistics.median(ts) / 48:.2f} ms CPU per token "
+              f"(runs {[round(t, 2) for t in ts]} s)", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("folder", nargs="?", default=None)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rows", default="1,4,16,64")
+    ap.add_argument("--engine", action="store_true", help="the engine check instead of the head timings")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes to time")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.engine:
+        engine_check()
+        return
+    if args.folder is None:
+        from pagedllm.loaders.model_files import resolve_model
+        args.folder = resolve_model(None).folder
+    torch.set_num_threads(1)
+    hidden, weight = hidden_rows(args.folder)
+    hidden = hidden[torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(0))]
+    print(f"head {list(weight.shape)}, {hidden.shape[0]} hidden rows", flush=True)
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+        w = weight.to(dtype)
+        full = PackedLinear(w, None, 64)
+        heads = {kind: ExactGreedyHead(w, kind, 64) for kind in ("bf16", "int8")}
+        for m in [int(r) for r in args.rows.split(",")]:
+            x = hidden[:m].to(dtype)
+            ref = (x.double() @ w.double().t()).argmax(dim=1)
+            t_full = cpu_ms(lambda: full(x).float().argmax(dim=1), args.repeats)
+            line = f"{str(dtype)[6:]:9s} M={m:3d} full head + argmax {t_full:7.1f} ms"
+            for kind, head in heads.items():
+                toks, fb = head.argmax(x)
+                assert torch.equal(toks[~fb], ref[~fb]), kind
+                t = cpu_ms(lambda: head.argmax(x), args.repeats)
+                t_cheap = cpu_ms(lambda: head.cheap_pass(x), args.repeats)
+                line += (f" | {kind}: cheap {t_cheap:6.1f} two-pass {t:6.1f} ms "
+                         f"({t_full / t:4.2f}x, fallback rows {int(fb.sum())})")
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

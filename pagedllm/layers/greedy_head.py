@@ -1,0 +1,404 @@
+"""Exact greedy tokens from a cheaper LM head: a low-precision pass over the whole vocabulary, a
+proven error bound, and an exact re-score of the few tokens the bound cannot rule out
+(``ModelConfig.exact_greedy_head``, ``--exact-greedy-head {auto,off}``).
+
+What is computed
+----------------
+For a hidden row ``x`` ([K] = hidden_size, the model dtype) and the model's head weight ``W``
+([V, K], the tied embedding or the ``lm_head`` weight, float32 or bfloat16 *as stored*), the
+reference score of token ``j`` is the exact real number ``r_j = sum_i x_i W[j, i]`` and the
+reference token is ``argmax_j r_j``, the lowest index among equal maxima (torch's tie rule).
+A final logit soft cap ``cap * tanh(r / cap)`` (Gemma 2) and any positive scaling are strictly
+increasing functions of ``r_j``, so they map the maxima of ``r`` to the maxima of the capped
+scores and keep their order: they do not change the exact argmax and are not applied here.
+
+This is the argmax of the mathematically exact head. The full head (``compute_logits``) is
+float32 or bfloat16 arithmetic and its argmax can differ from it where the top two exact scores
+lie within the full head's own rounding error (float32: about 1e-6 relative, rare; bfloat16
+logits: 2^-8 relative, i.e. 0.12 at a logit of 30, often). ``--exact-greedy-head off`` keeps the
+full head's argmax.
+
+Two passes (``ExactGreedyHead.argmax``)
+---------------------------------------
+1. Cheap scores ``c_j`` for every token from a low-precision copy ``W~`` of ``W`` (``kind``):
+
+   - ``"bf16"``: ``W~ = bf16(W)`` packed for oneDNN (AVX-512 bf16 / AMX), float32 accumulation,
+     bfloat16 output. Needs native bf16 (``platforms/cpu.py``).
+   - ``"int8"``: ``W~[j] = q[j] * s_j`` with ``q`` int8 in [-127, 127] and ``s_j`` a bfloat16
+     scale rounded *up* from ``max_i |W[j, i]| / 127`` (so nothing clips), through
+     ``aten._weight_int8pack_mm`` (float32 FMAs over ``x_i * (q_ji * s_j)``, bfloat16 output;
+     torch's ``int8mm_kernel.cpp``).
+
+   Both kernels take bf16 activations. A float32 row is split into ``x_hi = bf16(x)`` and
+   ``x_lo = bf16(x - x_hi)``, run as two kernel rows (at a decode step's few rows the head costs
+   about the same for 2M rows as for M: it is memory bound), and ``c = fl32(c_hi + c_lo)``; the
+   remainder ``x_res = x - x_hi - x_lo`` (about 2^-16 |x|) stays in the bound. Without the split
+   the bf16 rounding of ``x`` (2^-8 |x|_1 max|W~_j|: ~6 logits on Gemma 3's rows, whose
+   ``|x|_1`` is 700-1700) would make the bound useless. A bf16 row is its own ``x_hi``.
+
+2. A bound ``|c_j - r_j| <= B_j`` for every token (derived below), candidates
+   ``C = {j : c_j + B_j >= max_k (c_k - B_k)}`` (they include every exact maximum: for the exact
+   best ``k*``, ``c_k* + B_k* >= r_k* >= r_k >= c_k - B_k`` for all ``k``), then the candidates
+   are re-scored exactly (below) and the best taken, lowest index first. A row with more than
+   ``MAX_CANDIDATES`` candidates, or a non-finite row, is returned as a fallback row: the caller
+   runs the full head for it (today's path, not the exact argmax).
+
+The bound
+---------
+Notation: ``u_o`` = 2^-8 (bf16's unit roundoff, 8 significant bits: the kernels' output
+rounding), ``u`` = 2^-24 (float32), ``g`` = ``K u / (1 - K u)`` (Higham's gamma_K: float32
+summation of K terms in any order, Higham 2002, lemma 3.1 / eq. 3.4); ``E_j = max_i |W~_ji - W_ji|``
+and ``A_j = max_i |W~_ji|`` (measured exactly in float64 at load; ``E_j <= s_j / 2`` for int8,
+``<= 2^-8 max|W_j|`` for bf16); per step, in float64: ``|x|_1``, ``|x_hi|_1 + |x_lo|_1``,
+``|x_lo|_1``, ``|x_res|_1`` (exact: ``x_res`` is computed in float64 from bf16 / float32 values).
+The products ``x_hi,i W~_ji`` are exact in float32 (8 x 15 <= 24 significant bits), so each
+kernel row's value before its output rounding is the exact sum plus ``e`` with
+``|e| <= g sum_i |x_hi,i| |W~_ji| <= g |x_hi|_1 A_j`` (the same for ``x_lo``). Then, with
+``c^_hi``, ``c^_lo`` the kernel's bf16 outputs:
+
+    |c_j - r_j| <= u |c_j|                                  the float32 sum c^_hi + c^_lo
+                 + u_o (|c^_hi,j| + |c^_lo,j|)               the bf16 output roundings (RN)
+                 + g (|x_hi|_1 + |x_lo|_1) A_j               float32 accumulation
+                 + |x_res|_1 A_j                              sum_i x_res,i W~_ji
+                 + |x|_1 E_j                                  sum_i x_i (W~_ji - W_ji)
+                 + 2 K 2^-126 (1 + A_j + max|x|)              flushed subnormals (bf16 dot products run DAZ / FTZ)
+
+and the code uses twice that (``B_j``): the factor 2 also covers the float64 rounding of
+computing ``B`` itself, and a looser bound only adds candidates, never drops the answer.
+``tests/layers/test_greedy_head.py`` checks ``|c - r| <= B`` on every element of thousands of rows.
+
+Finding the candidates without computing ``B`` for every token: since
+``|c^_hi| + |c^_lo| <= (1 + u)|c| + 2 |c^_lo|`` and ``|c^_lo| <= 2 |x_lo|_1 A_max``,
+``B_j <= a + b |c_j|`` with the row constant ``a = 2 ((g (|x_hi|_1 + |x_lo|_1) + |x_res|_1) A_max
++ |x|_1 E_max + 4 u_o |x_lo|_1 A_max + 2 K 2^-126 (1 + A_max + max|x|))`` and
+``b = 2 (u_o + 2 u)``. Then every ``j`` in ``C`` has ``c_j >= c_max - D`` with
+``D = (2 a + 2 b |c_max|) / (1 - b)`` (``t -> t + b|t|`` is increasing, and
+``max_k (c_k - B_k) >= c_max - a - b |c_max|``), and the maximiser of ``c_k - B_k`` lies there too.
+So one pass takes the maxima of blocks of ``_BLOCK`` cheap scores, only the blocks whose maximum
+reaches ``c_max - D`` are read again, and ``B_j`` is computed on their tokens that reach it; a
+row with more than ``MAX_HIT_BLOCKS`` such blocks (``E_max`` is ~2x the typical ``E_j`` on real
+rows, so ``D`` is wider than the candidates) gets ``B`` for the whole row in float64.
+
+Exact re-score
+--------------
+Each candidate is re-scored in float64: products of two float32 (or bf16) values are exact in
+float64 (<= 48 significant bits), the sum of K of them has error <= ``gamma_K(2^-53) sum|x_i W_ji|``
+(~7e-14 relative for K = 640), twice that is used. Candidates whose float64 scores lie within
+their bounds of the best are compared exactly: the sign of ``r_a - r_b`` is the sign of
+``math.fsum`` over the 2K exact products (fsum is correctly rounded, and a non-zero exact sum of
+such products is at least 2^-298 in magnitude, so it never rounds to zero).
+
+Which kind, and when: ``choose_greedy_head``, from the single-thread CPU times of the full head
+vs the cheap pass + bound + re-score on Gemma 3 270M's 262,144 x 640 head and real hidden rows
+(docs/performance.md, session 7 step 13; ``benchmarks/greedy_head.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+EXACT_GREEDY_HEAD_MODES = ("auto", "off")
+# Rows with more candidates than this go back to the full head (see the module docstring).
+MAX_CANDIDATES = 64
+# Tokens per block of the candidate search (block maxima first; only blocks that reach the window
+# are read again), and the most blocks per row read that way (more: the bound for the whole row).
+_BLOCK = 256
+MAX_HIT_BLOCKS = 64
+_U_BF16 = 2.0 ** -8   # bf16: 8 significant bits, round to nearest
+_U_F32 = 2.0 ** -24
+_U_F64 = 2.0 ** -53
+
+
+def gamma(k: int, u: float) -> float:
+    """Higham's ``gamma_k = k u / (1 - k u)``: the relative error bound of a sum of ``k`` terms in
+    any order with unit roundoff ``u`` (relative to the sum of the terms' magnitudes).
+
+    Raises:
+        ValueError: if ``k u >= 1``.
+    """
+    if k * u >= 1.0:
+        raise ValueError(f"gamma_k undefined for k={k}, u={u}")
+    return k * u / (1.0 - k * u)
+
+
+def round_up_to_bf16(t: torch.Tensor) -> torch.Tensor:
+    """float32 -> the smallest bfloat16 value >= each element (as float32); finite inputs >= 0."""
+    b = t.to(torch.bfloat16).float()
+    low = b < t
+    if bool(low.any()):  # one bf16 ulp up: add one to the bf16 bit pattern of positive values
+        bits = t[low].to(torch.bfloat16).view(torch.int16) + 1
+        b[low] = bits.view(torch.bfloat16).float()
+    return b
+
+
+class ExactGreedyHead:
+    """The exact argmax of ``x @ W^T`` per row through a cheap pass and an exact re-score.
+
+    Args:
+        weight: [V, K] the model's head weight as stored (float32 or bfloat16, CPU); referenced,
+            not copied (the re-score reads its rows).
+        kind: "bf16" (oneDNN packed bf16 copy, +V K 2 bytes) or "int8" (int8 copy + bf16 scales,
+            +V (K + 2) bytes).
+        batch_hint: rows the oneDNN layout is tuned for (``max_num_seqs``).
+        max_rows: the most rows per step it is used for (``choose_greedy_head``; read by the
+            model runner).
+    Raises:
+        ValueError: for another kind or weight dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, kind: str, batch_hint: int = 1, max_rows: int = 64) -> None:
+        if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"weight must be [V, K] float32 or bfloat16, got {list(weight.shape)} {weight.dtype}")
+        self.weight = weight.detach()
+        self.kind = kind
+        self.max_rows = int(max_rows)
+        self.vocab_size, self.hidden_size = int(weight.shape[0]), int(weight.shape[1])
+        w = self.weight.float()
+        if kind == "bf16":
+            from pagedllm.layers.linear import PackedLinear
+
+            wq = self.weight.to(torch.bfloat16)
+            self._layer = PackedLinear(wq, None, max(1, int(batch_hint)))
+            approx = wq.float()
+            self.extra_bytes = wq.numel() * 2
+        elif kind == "int8":
+            scale = round_up_to_bf16(w.abs().amax(dim=1) / 127.0)
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            self.qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            self.scales = scale.to(torch.bfloat16)                       # exact: bf16 values
+            approx = self.qweight.float() * scale[:, None]               # exact in float32 (15 bits)
+            self.extra_bytes = self.qweight.numel() + 2 * self.scales.numel()
+        else:
+            raise ValueError(f"kind must be 'bf16' or 'int8', got {kind!r}")
+        # Per-token constants (float64): E_j = max |W~ - W|, A_j = max |W~|.
+        err = torch.empty(self.vocab_size, dtype=torch.float64)
+        for lo in range(0, self.vocab_size, 16384):   # chunks: float64 copies stay small
+            hi = min(lo + 16384, self.vocab_size)
+            err[lo:hi] = (approx[lo:hi].double() - w[lo:hi].double()).abs().amax(dim=1)
+        self.weight_error = err                                          # [V] E_j
+        self.approx_max = approx.abs().amax(dim=1).double()              # [V] A_j
+        del approx, w
+        self.g32 = gamma(self.hidden_size, _U_F32)
+        self.g64 = gamma(self.hidden_size, _U_F64)
+        self.weight_error_max = float(self.weight_error.max())
+        self.approx_max_max = float(self.approx_max.max())
+        self.num_rows = 0            # rows asked (counters for tests and logs)
+        self.num_fallback_rows = 0
+
+    # -- the cheap pass and its bound --
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, bool, dict[str, torch.Tensor]]:
+        """The kernel's bf16 input and the per-row norms of the bound.
+
+        A float32 row is split into ``x_hi = bf16(x)`` and ``x_lo = bf16(x - x_hi)`` (two kernel
+        rows: at a decode step's few rows the head's cost hardly depends on M), leaving
+        ``x_res = x - x_hi - x_lo`` (|x_res| <= 2^-16 |x|) in the bound; a bf16 row is its own
+        ``x_hi``.
+
+        Returns:
+            (kernel input [M or 2M, K] bf16, split, per-row float64 [M]: ``n1`` = |x|_1,
+            ``nhl`` = |x_hi|_1 + |x_lo|_1, ``nlo`` = |x_lo|_1, ``nres`` = |x_res|_1, ``xinf`` = max|x|).
+        """
+        xd = x.double()
+        hi = x.to(torch.bfloat16)
+        split = x.dtype != torch.bfloat16
+        if split:
+            lo = (x.float() - hi.float()).to(torch.bfloat16)      # x - x_hi is exact in float32
+            res = xd - hi.double() - lo.double()                   # exact in float64
+            kin = torch.cat([hi, lo]).contiguous()
+            nlo = lo.double().abs().sum(dim=1)
+        else:
+            res = torch.zeros_like(xd)
+            kin = hi.contiguous()
+            nlo = torch.zeros(x.shape[0], dtype=torch.float64)
+        norms = {"n1": xd.abs().sum(dim=1), "nhl": hi.double().abs().sum(dim=1) + nlo, "nlo": nlo,
+                 "nres": res.abs().sum(dim=1), "xinf": xd.abs().amax(dim=1)}
+        return kin, split, norms
+
+    def cheap_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """[M, K] -> (``c_hi`` [M, V] bf16, ``c_lo`` [M, V] bf16 or None, the row norms of ``_split``)."""
+        kin, split, norms = self._split(x)
+        if self.kind == "bf16":
+            out = self._layer(kin)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(kin, self.qweight, self.scales)
+        m = x.shape[0]
+        return (out[:m], out[m:], norms) if split else (out, None, norms)
+
+    @staticmethod
+    def combine(c_hi: torch.Tensor, c_lo: torch.Tensor | None) -> torch.Tensor:
+        """The cheap scores ``c = fl32(c_hi + c_lo)`` [M, V] float32."""
+        c = c_hi.float()
+        return c if c_lo is None else c.add_(c_lo)
+
+    def _bound(self, norms: dict[str, torch.Tensor], rows: torch.Tensor | None, toks: torch.Tensor,
+               c: torch.Tensor, c_hi: torch.Tensor, c_lo: torch.Tensor | None) -> torch.Tensor:
+        """``B`` (float64, twice the derived bound) for the tokens ``toks`` of rows ``rows`` (None:
+        ``toks`` is [V] and every row gets all of them); ``c``, ``c_hi``, ``c_lo`` shaped like the result."""
+        def per_row(name):
+            t = norms[name]
+            return t[:, None] if rows is None else t[rows]
+        eta = 2.0 * self.hidden_size * 2.0 ** -126 * (1.0 + self.approx_max_max + per_row("xinf"))
+        coef_a = self.g32 * per_row("nhl") + per_row("nres")
+        outs = c_hi.double().abs() if c_lo is None else c_hi.double().abs() + c_lo.double().abs()
+        a_j, e_j = self.approx_max[toks], self.weight_error[toks]
+        return 2.0 * (coef_a * a_j + per_row("n1") * e_j + _U_BF16 * outs + _U_F32 * c.double().abs() + eta)
+
+    def error_bound(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cheap scores ``c`` [M, V] float32, ``B`` [M, V] float64) with ``|c - r| <= B``
+        elementwise. Dense: for tests; ``argmax`` computes ``B`` on its candidates only."""
+        c_hi, c_lo, norms = self.cheap_pass(x)
+        c = self.combine(c_hi, c_lo)
+        return c, self._bound(norms, None, torch.arange(self.vocab_size), c, c_hi, c_lo)
+
+    # -- the two-pass argmax --
+
+    @torch.inference_mode()
+    def argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact argmax of ``x @ W^T`` per row (module docstring).
+
+        Args:
+            x: [M, K] hidden rows (float32 or bfloat16).
+        Returns:
+            (token ids [M] int64, fallback [M] bool): rows marked fallback hold -1 and need the
+            full head (non-finite row, or more than ``MAX_CANDIDATES`` candidates).
+        """
+        m, v = x.shape[0], self.vocab_size
+        self.num_rows += m
+        c_hi, c_lo, norms = self.cheap_pass(x)
+        c = self.combine(c_hi, c_lo)                                           # [M, V] float32
+        # Block maxima of c: a candidate's block reaches the window, so only those blocks are read again.
+        nfull = v // _BLOCK
+        bmax = c[:, : nfull * _BLOCK].view(m, nfull, _BLOCK).amax(dim=-1)    # [M, nb]
+        if nfull * _BLOCK < v:
+            bmax = torch.cat([bmax, c[:, nfull * _BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
+        cmax = bmax.amax(dim=1).double()
+        # Uniform window D (module docstring): every candidate has c >= cmax - D.
+        alpha = 2.0 * ((self.g32 * norms["nhl"] + norms["nres"]) * self.approx_max_max
+                       + norms["n1"] * self.weight_error_max + 4.0 * _U_BF16 * norms["nlo"] * self.approx_max_max
+                       + 2.0 * self.hidden_size * 2.0 ** -126 * (1.0 + self.approx_max_max + norms["xinf"]))
+        beta = 2.0 * (_U_BF16 + 2.0 * _U_F32)
+        thr = cmax - (2.0 * alpha + 2.0 * beta * cmax.abs()) / (1.0 - beta)   # [M] float64
+        fallback = ~(torch.isfinite(cmax) & torch.isfinite(norms["n1"]))
+        hit = (bmax.double() >= thr[:, None]) & ~fallback[:, None]           # [M, nb]
+        wide = hit.sum(dim=1) > MAX_HIT_BLOCKS
+        hit &= ~wide[:, None]
+        hit_row, hit_blk = hit.nonzero(as_tuple=True)                          # [P]
+        cols = hit_blk[:, None] * _BLOCK + torch.arange(_BLOCK)[None, :]      # [P, BLOCK]
+        vals = c[hit_row[:, None], cols.clamp(max=v - 1)].double()
+        vals.masked_fill_(cols >= v, -math.inf)
+        pr, pc = (vals >= thr[hit_row][:, None]).nonzero(as_tuple=True)
+        cand_row, cand_tok, cand_c = hit_row[pr], cols[pr, pc], vals[pr, pc]  # [Q]
+        # The exact per-token bound on those tokens, then c + B >= max (c - B).
+        bound = self._bound(norms, cand_row, cand_tok, cand_c, c_hi[cand_row, cand_tok],
+                            None if c_lo is None else c_lo[cand_row, cand_tok])
+        low = torch.full((m,), -math.inf, dtype=torch.float64)
+        low.scatter_reduce_(0, cand_row, cand_c - bound, reduce="amax")
+        sel = cand_c + bound >= low[cand_row]
+        cand_row, cand_tok = cand_row[sel], cand_tok[sel]
+        if bool(wide.any()):
+            # The window spans more than MAX_HIT_BLOCKS blocks: the per-token bound on the whole row.
+            w_rows = wide.nonzero().squeeze(1)
+            sub = {name: t[w_rows] for name, t in norms.items()}
+            cw = c[w_rows]
+            bw = self._bound(sub, None, torch.arange(v), cw, c_hi[w_rows], None if c_lo is None else c_lo[w_rows])
+            cwd = cw.double()
+            selw = cwd + bw >= (cwd - bw).amax(dim=1, keepdim=True)           # [F, V]
+            wr, wt = selw.nonzero(as_tuple=True)
+            cand_row, cand_tok = torch.cat([cand_row, w_rows[wr]]), torch.cat([cand_tok, wt])
+        fallback |= torch.bincount(cand_row, minlength=m) > MAX_CANDIDATES
+        keep = ~fallback[cand_row]
+        cand_row, cand_tok = cand_row[keep], cand_tok[keep]
+        tokens = torch.full((m,), -1, dtype=torch.int64)
+        if cand_row.numel():
+            self._rescore(x, cand_row, cand_tok, tokens)
+        self.num_fallback_rows += int(fallback.sum())
+        return tokens, fallback
+
+    def _rescore(self, x: torch.Tensor, cand_row: torch.Tensor, cand_tok: torch.Tensor,
+                 tokens: torch.Tensor) -> None:
+        """Write into ``tokens`` the exact best candidate of each row (lowest index on ties)."""
+        xd = x.double()
+        wd = self.weight.index_select(0, cand_tok).double()                   # [Q, K]
+        xr = xd.index_select(0, cand_row)                                      # [Q, K]
+        score = (wd * xr).sum(dim=1)                                           # [Q]
+        err = 2.0 * self.g64 * (wd.abs() * xr.abs()).sum(dim=1)               # [Q]
+        rows, toks = cand_row.tolist(), cand_tok.tolist()
+        score_l, err_l = score.tolist(), err.tolist()
+        per_row: dict[int, list[int]] = {}
+        for q, r in enumerate(rows):
+            per_row.setdefault(r, []).append(q)
+        for r, qs in per_row.items():
+            best = max(qs, key=lambda q: (score_l[q], -toks[q]))
+            close = [q for q in qs if score_l[q] + err_l[q] >= score_l[best] - err_l[best]]
+            if len(close) > 1:  # within float64 error of each other: decide exactly
+                best = self._exact_best(xd[r], [toks[q] for q in close], close)
+            tokens[r] = toks[best]
+
+    def _exact_best(self, xrow: torch.Tensor, toks: list[int], qs: list[int]) -> int:
+        """Among candidate tokens ``toks`` (their entries ``qs``), the one with the largest exact
+        score, lowest token id on ties; exact signs through ``math.fsum`` of exact products."""
+        rows = self.weight.index_select(0, torch.tensor(toks)).double()       # [n, K]
+        prods = (rows * xrow[None, :]).tolist()                                # exact in float64
+        order = sorted(range(len(toks)), key=lambda i: toks[i])
+        best = order[0]
+        for i in order[1:]:
+            if math.fsum(prods[i] + [-p for p in prods[best]]) > 0.0:
+                best = i
+        return qs[best]
+
+
+def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device, tp_size: int,
+                       quantization: str | None, is_last_stage: bool = True) -> tuple[str | None, int, str]:
+    """Whether the exact greedy head runs, with which cheap kind and up to how many rows.
+
+    ``auto`` on the CPU, one tensor rank, no quantization, last pipeline stage:
+
+    - float32 model, native bf16 (``onednn_linear_available(bfloat16)``): ``"bf16"`` for steps
+      with up to ``BF16_MAX_ROWS`` plain greedy rows. Measured on Gemma 3 270M's head and real
+      hidden rows (AVX-512 bf16, one thread): 1.55x less head time at M = 1, 1.31x at 8, 1.09x
+      at 16 (noise), 0.71x at 64 (the activation split doubles the kernel's rows).
+    - float32 model without native bf16: off. Only the int8 pass is left there; its bound
+      (``s_j / 2 |x|_1`` per token) is ~4x bf16's, and on the same rows it won 1.29x at M = 1
+      but lost from M = 4 on (rows with more than ``MAX_CANDIDATES`` candidates fall back).
+      Not measured on a CPU without AVX-512, where its kernel is the AVX2 one.
+    - bfloat16 model: off. Its head already is the bf16 pass (0.96-1.09x, noise), and the int8
+      pass is no faster at M = 1 and slower beyond.
+
+    Numbers: docs/performance.md, session 7 step 13.
+
+    Returns:
+        (kind or None for off, max rows, why) -- ``why`` for the log line.
+    Raises:
+        ValueError: for a mode outside ``EXACT_GREEDY_HEAD_MODES``.
+    """
+    if mode not in EXACT_GREEDY_HEAD_MODES:
+        raise ValueError(f"exact_greedy_head must be one of {EXACT_GREEDY_HEAD_MODES}, got {mode!r}")
+    if mode == "off":
+        return None, 0, "off"
+    if device.type != "cpu":
+        return None, 0, "not on the CPU"
+    if tp_size > 1:
+        return None, 0, "the head is split across tensor ranks"
+    if not is_last_stage:
+        return None, 0, "not the last pipeline stage"
+    if quantization not in (None, "gguf"):  # "gguf": dequantized weights in the model dtype
+        return None, 0, f"quantization={quantization} (the head itself is quantized)"
+    if model_dtype == torch.bfloat16:
+        return None, 0, "bfloat16 model: no cheaper pass than its bf16 head (measured)"
+    if model_dtype != torch.float32:
+        return None, 0, f"dtype {model_dtype}"
+    from pagedllm.layers.linear import onednn_linear_available
+
+    if onednn_linear_available(torch.bfloat16):
+        return "bf16", BF16_MAX_ROWS, "float32 model, native bf16: bf16 cheap pass"
+    return None, 0, "float32 model without native bf16 (the int8 pass's bound is too wide to pay; measured)"
+
+
+# Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md, session 7 step 13).
+BF16_MAX_ROWS = 8

@@ -1,0 +1,260 @@
+"""The exact greedy head (layers/greedy_head.py): the bound holds on every element, the two-pass
+argmax equals the float64 argmax of the exact head (near-ties, ulp-level ties, duplicated rows:
+lowest index), and a tiny model's greedy tokens are the same with the switch on and off.
+
+Reference: float64 ``x @ W^T`` of the values as stored (float32 / bf16 products are exact in
+float64; the float64 sum's error, ~1e-13 relative here, is far below every bound and gap tested,
+except in the cancellation tests, which compare exact rationals instead)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from pagedllm.layers.greedy_head import (MAX_CANDIDATES, ExactGreedyHead, choose_greedy_head, gamma,
+                                         round_up_to_bf16)
+from pagedllm.layers.linear import onednn_linear_available
+from pagedllm.layers.weight_only import weight_only_available
+
+BF16_OK = onednn_linear_available(torch.bfloat16)
+INT8_OK = weight_only_available("int8_weight_only")
+KINDS = [pytest.param("bf16", marks=pytest.mark.skipif(
+             not BF16_OK, reason="no native bf16 oneDNN inner product on this CPU (avx512_bf16 / AMX)")),
+         pytest.param("int8", marks=pytest.mark.skipif(
+             not INT8_OK, reason="aten._weight_int8pack_mm does not run here"))]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _weights(v: int, k: int, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Rows of different scales and a few outlier columns, as an embedding has.
+    w = torch.randn(v, k, generator=g) * torch.rand(v, 1, generator=g) * 0.1
+    w[:, :4] *= 8
+    return w.to(dtype)
+
+
+def _hidden(m: int, k: int, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * (0.5 + 3 * torch.rand(m, 1, generator=g))
+    x[:, 7] *= 20  # a massive activation
+    return x.to(dtype)
+
+
+def _planted(w: torch.Tensor, m: int, seed: int, noise: float = 0.05) -> torch.Tensor:
+    """[m, K] rows like a language model's last hidden state: a small random part plus three
+    planted tokens scoring about 2..2.5 each (their order decided by gaps of the order of the
+    cheap error), far above the rest."""
+    g = torch.Generator().manual_seed(seed)
+    wf = w.float()
+    x = torch.randn(m, w.shape[1], generator=g) * noise
+    for _ in range(3):
+        t = torch.randint(0, w.shape[0], (m,), generator=g)
+        wt = wf[t]
+        x += wt / (wt.norm(dim=1, keepdim=True) ** 2) * (2.0 + 0.5 * torch.rand(m, 1, generator=g))
+    return x.to(w.dtype)
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.double().t()
+
+
+def test_gamma_and_round_up():
+    assert gamma(640, 2.0 ** -24) == pytest.approx(640 * 2.0 ** -24, rel=1e-4)
+    with pytest.raises(ValueError):
+        gamma(2 ** 24, 2.0 ** -24)
+    t = torch.tensor([1.0, 1.0 + 2 ** -10, 3.3e-5, 0.0])
+    up = round_up_to_bf16(t)
+    assert torch.equal(up.to(torch.bfloat16).float(), up)        # bf16 values
+    assert bool((up >= t).all())
+    assert up[1].item() == 1.0 + 2 ** -7                          # the next bf16 above 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bound_holds_on_every_element(kind, dtype):
+    """|c - r| <= B on 4,096 rows x 2,048 tokens, K = 640 (and the bound is not vacuous)."""
+    w = _weights(2048, 640, dtype, seed=1)
+    head = ExactGreedyHead(w, kind, 64)
+    worst = 0.0
+    for seed in range(64):
+        x = _hidden(64, 640, dtype, seed=100 + seed)
+        c, bound = head.error_bound(x)
+        err = (c.double() - _exact(x, w)).abs()
+        assert bool((err <= bound).all()), f"bound violated, seed {seed}: max err/B {float((err / bound).max())}"
+        worst = max(worst, float((err / bound).max()))
+    assert worst > 1e-3  # measured ~0.1-0.5: the bound is within a few hundred x of the error
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 32, 64])
+def test_random_rows_equal_float64_argmax(kind, dtype, m):
+    w = _weights(6000, 640, dtype, seed=2)
+    head = ExactGreedyHead(w, kind, 64)
+    # int8's bound is ~2.5x bf16's (s_j / 2 per weight): a quieter bulk keeps its windows narrow.
+    x = _planted(w, m, seed=m, noise=0.05 if kind == "bf16" else 0.01)
+    tokens, fallback = head.argmax(x)
+    r = _exact(x, w)
+    assert torch.equal(tokens[~fallback], r.argmax(dim=1)[~fallback])
+    assert bool((tokens[fallback] == -1).all())
+    if kind == "bf16":  # int8's wider bound (s_j / 2 per weight) sends some rows to the full head
+        assert not bool(fallback.any())
+
+
+def _near_tie_weights(dtype, delta: float):
+    """W whose rows 9 and 4 score within ``delta`` of each other and above every other row
+    for x = ones: row 4 = base, row 9 = base with one column raised by ``delta``."""
+    w = _weights(3000, 640, torch.float32, seed=3) * 0.1
+    base = torch.full((640,), 0.05)
+    w[4] = base
+    w[9] = base
+    w[9, 100] += delta
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_near_ties_below_the_cheap_error(kind, dtype):
+    x = torch.ones(3, 640, dtype=dtype)
+    x[1] *= 1.5
+    x[2, 100] = 2.0
+    # bf16 spacing at 0.05 is 2^-12: raise one column by one ulp of its dtype.
+    w = _near_tie_weights(dtype, 2 ** -12 if dtype == torch.bfloat16 else 2 ** -28)
+    head = ExactGreedyHead(w, kind, 8)
+    c, bound = head.error_bound(x)
+    r = _exact(x, w)
+    assert bool(((r[:, 9] - r[:, 4]).abs() < bound[:, 9]).all())   # below the cheap pass's resolution
+    tokens, fallback = head.argmax(x)
+    assert not bool(fallback.any())
+    assert tokens.tolist() == [9, 9, 9] == r.argmax(dim=1).tolist()
+    # The other direction: row 9 lowered by the same amount -> row 4 wins.
+    w2 = w.clone()
+    w2[9, 100] = w2[4, 100] - (w[9, 100] - w[4, 100])
+    tokens2, _ = ExactGreedyHead(w2, kind, 8).argmax(x)
+    assert tokens2.tolist() == [4, 4, 4] == _exact(x, w2).argmax(dim=1).tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_duplicated_rows_take_the_lowest_index(kind, dtype):
+    w = _weights(3000, 640, torch.float32, seed=4) * 0.1
+    top = torch.full((640,), 0.05)
+    for j in (2900, 17, 1234):
+        w[j] = top
+    w = w.to(dtype)
+    x = torch.ones(2, 640, dtype=dtype)
+    tokens, fallback = ExactGreedyHead(w, kind, 8).argmax(x)
+    assert not bool(fallback.any())
+    assert tokens.tolist() == [17, 17] == _exact(x, w).argmax(dim=1).tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cancellation_decided_exactly(kind):
+    """Scores that float64 cannot order (|x|_1 ~ 2^61, gap 2^-53): the fsum path decides, and
+    exact ties among them take the lowest index."""
+    k, v = 640, 16
+    x = torch.zeros(1, k)
+    x[0, 0], x[0, 1], x[0, 2] = 2.0 ** 60, -(2.0 ** 60), 2.0 ** -30
+    w = torch.full((v, k), 0.25)
+    w[:, 2] = 0.5
+    w[11, 2] = 0.5 + 2 ** -24          # exact score 2^-31 (1 + 2^-23): the largest
+    w[3, 0] = w[3, 1] = 0.5            # r_3 = 2^-31, as every other row: ties
+    head = ExactGreedyHead(w, kind, 1)
+    tokens, fallback = head.argmax(x)
+    exact = [sum(Fraction(a) * Fraction(b) for a, b in zip(x[0].tolist(), w[j].tolist())) for j in range(v)]
+    assert not bool(fallback.any())
+    assert tokens.tolist() == [max(range(v), key=lambda j: (exact[j], -j))] == [11]
+    w[11, 2] = 0.5                     # now all tie exactly: lowest index
+    tokens, _ = ExactGreedyHead(w, kind, 1).argmax(x)
+    assert tokens.tolist() == [0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_finite_and_wide_rows_fall_back(kind):
+    w = _weights(4096, 64, torch.float32, seed=5)
+    head = ExactGreedyHead(w, kind, 4)
+    x = _hidden(3, 64, torch.float32, seed=6)
+    x[1, 0] = float("nan")
+    x[2] = 0.0                                        # every token scores 0: > MAX_CANDIDATES tie
+    tokens, fallback = head.argmax(x)
+    assert fallback.tolist() == [False, True, True]
+    assert tokens[0].item() == _exact(x[:1], w).argmax().item()
+    assert head.num_fallback_rows == 2 and head.num_rows == 3
+    assert MAX_CANDIDATES < 4096
+
+
+def test_choose_greedy_head_rules():
+    cpu = torch.device("cpu")
+    assert choose_greedy_head("off", torch.float32, cpu, 1, None)[0] is None
+    assert choose_greedy_head("auto", torch.bfloat16, cpu, 1, None)[0] is None
+    assert choose_greedy_head("auto", torch.float32, cpu, 2, None)[0] is None
+    assert choose_greedy_head("auto", torch.float32, cpu, 1, "int8")[0] is None
+    assert choose_greedy_head("auto", torch.float32, cpu, 1, None, is_last_stage=False)[0] is None
+    kind, rows, _ = choose_greedy_head("auto", torch.float32, cpu, 1, None)
+    assert (kind, rows > 0) == (("bf16", True) if BF16_OK else (None, False))
+    assert choose_greedy_head("auto", torch.float32, cpu, 1, "gguf")[0] == kind  # dequantized: as None
+    with pytest.raises(ValueError, match="exact_greedy_head"):
+        choose_greedy_head("on", torch.float32, cpu, 1, None)
+
+
+def _generate(path, mode, params, prompts, **kwargs):
+    from pagedllm import LLM
+
+    llm = LLM(path, dtype="float32", max_model_len=128, seed=0, kv_cache_memory_bytes=64 << 20,
+              exact_greedy_head=mode, **kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    return outs, runner.greedy_head
+
+
+@pytest.mark.skipif(not BF16_OK, reason="the exact greedy head's auto rule needs native bf16 (no avx512_bf16 / AMX)")
+@pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2"])
+def test_tiny_model_tokens_same_on_and_off(arch, make_tiny_checkpoint):
+    """Greedy tokens with the switch on equal those with it off (and those are transformers'
+    in tests/models/test_hf_parity.py); mixed batches keep every row's output."""
+    from pagedllm import SamplingParams
+
+    path = make_tiny_checkpoint(arch)
+    prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(3 + 5 * i)] for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    mixed = [greedy,
+             SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5),
+             SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3),
+             greedy]
+    for params in (greedy, mixed):
+        on, head = _generate(path, "auto", params, prompts)
+        off, none = _generate(path, "off", params, prompts)
+        assert none is None and head is not None and head.num_rows > 0
+        assert head.num_fallback_rows == 0
+        for a, b in zip(on, off):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+            if b.outputs[0].logprobs is not None:
+                assert [list(d) for d in a.outputs[0].logprobs] == [list(d) for d in b.outputs[0].logprobs]
+    # n > 1 greedy forks read their parent's row.
+    on, _ = _generate(path, "auto", SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True), prompts[:2])
+    off, _ = _generate(path, "off", SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True), prompts[:2])
+    assert [[c.token_ids for c in o.outputs] for o in on] == [[c.token_ids for c in o.outputs] for o in off]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_whole_row_bound_path(kind, dtype, monkeypatch):
+    """Rows whose window reaches more than MAX_HIT_BLOCKS blocks take the whole-row bound: forced
+    here for every row (MAX_HIT_BLOCKS = 0), the tokens still equal the float64 argmax."""
+    import pagedllm.layers.greedy_head as greedy_head
+
+    w = _weights(3000, 640, dtype, seed=7)
+    x = _planted(w, 9, seed=8, noise=0.05 if kind == "bf16" else 0.01)
+    expected = ExactGreedyHead(w, kind, 16).argmax(x)
+    monkeypatch.setattr(greedy_head, "MAX_HIT_BLOCKS", 0)
+    tokens, fallback = ExactGreedyHead(w, kind, 16).argmax(x)
+    assert torch.equal(fallback, expected[1])
+    assert torch.equal(tokens, expected[0])
+    assert torch.equal(tokens[~fallback], _exact(x, w).argmax(dim=1)[~fallback])
+    if kind == "bf16":
+        assert not bool(fallback.any())
