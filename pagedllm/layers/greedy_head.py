@@ -90,7 +90,7 @@ such products is at least 2^-298 in magnitude, so it never rounds to zero).
 
 Which kind, and when: ``choose_greedy_head``, from the single-thread CPU times of the full head
 vs the cheap pass + bound + re-score on Gemma 3 270M's 262,144 x 640 head and real hidden rows
-(docs/performance.md, session 7 step 13; ``benchmarks/greedy_head.py``).
+(docs/performance.md, session 7 step 14; ``benchmarks/greedy_head.py``).
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
     - bfloat16 model: off. Its head already is the bf16 pass (0.96-1.09x, noise), and the int8
       pass is no faster at M = 1 and slower beyond.
 
-    Numbers: docs/performance.md, session 7 step 13.
+    Numbers: docs/performance.md, session 7 step 14.
 
     Returns:
         (kind or None for off, max rows, why) -- ``why`` for the log line.
@@ -400,5 +400,5 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
     return None, 0, "float32 model without native bf16 (the int8 pass's bound is too wide to pay; measured)"
 
 
-# Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md, session 7 step 13).
+# Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md, session 7 step 14).
 BF16_MAX_ROWS = 8
