@@ -74,7 +74,8 @@ class Sampler:
         """Sample one token per row.
 
         Args:
-            logits: [N, vocab_size] float32 logits of each row's last position; not modified.
+            logits: [N, vocab_size] logits of each row's last position, float32 or the model dtype
+                (widened to float32 unless every row is a plain greedy row); not modified.
             metadata: built by ``SamplingMetadata.build`` for the same N rows.
         Returns:
             ``SamplerOutput``; logprobs and ranks are from the raw logits.
@@ -85,6 +86,16 @@ class Sampler:
             raise ValueError(
                 f"logits must be [{metadata.num_reqs}, {metadata.vocab_size}], "
                 f"got {list(logits.shape)}")
+        rows = metadata.logprob_rows
+        if metadata.all_greedy and metadata.adjustments is None and metadata.max_num_logprobs is None \
+                and rows is not None and rows.numel() == 0:
+            # Plain greedy rows, no logprobs: the argmax of the logits in their own dtype. ``max``'s
+            # indices are the first maximum, as ``argmax``'s; a bfloat16 row widened to float32 has
+            # the same order, so this is the float32 path's answer without the [N, V] conversion
+            # (and torch's bfloat16 ``max`` is 5x faster than its bfloat16 ``argmax``).
+            sampled = logits.max(dim=-1).indices
+            return SamplerOutput(sampled_token_ids=sampled,
+                                 sampled_logprobs=torch.full(sampled.shape, float("nan"), device=logits.device))
         if logits.dtype != torch.float32:
             logits = logits.float()
         raw = logits
@@ -93,7 +104,6 @@ class Sampler:
 
         sampled_logit = raw.gather(1, sampled.unsqueeze(1)).squeeze(1)  # [N]
         k = metadata.max_num_logprobs
-        rows = metadata.logprob_rows
         if k is not None or rows is None:
             raw_lse = raw.logsumexp(dim=-1)  # [N]
             sampled_logprobs = sampled_logit - raw_lse

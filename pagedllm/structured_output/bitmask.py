@@ -16,7 +16,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[
     rows of a 262k vocabulary (docs/benchmarks.md).
 
     Args:
-        logits: [N, vocab_size] float32, one row per sampling request (modified in place).
+        logits: [N, vocab_size] float32 or the model dtype, one row per sampling request (modified in place).
         bitmask: [len(rows), ceil(vocab_size / 32)] int32, xgrammar's layout (bit ``t % 32`` of
             word ``t // 32`` set = token ``t`` allowed); row ``i`` applies to ``logits[rows[i]]``.
         rows: distinct indices into ``logits``.
@@ -42,7 +42,7 @@ def apply_step_bitmask(logits: torch.Tensor, req_ids: list[str], structured_outp
     """Mask a step's logits with its ``SchedulerOutput.grammar_bitmask``.
 
     Args:
-        logits: [N, vocab_size] float32, row ``i`` for request ``req_ids[i]`` (modified in place).
+        logits: [N, vocab_size] float32 or the model dtype, row ``i`` for request ``req_ids[i]`` (modified in place).
         req_ids: the sampling requests in logits order.
         structured_output_request_ids: request id -> bitmask row (the message's).
         grammar_bitmask: [R, ceil(vocab_size / 32)] int32.

@@ -143,7 +143,7 @@ class ModelRunner:
             self._sample_with_greedy_head(sched, reqs, sample_rows, hidden, ends, output)
         elif sample_rows:
             idx = torch.as_tensor(ends[sample_rows], device=self.device)
-            logits = self.model.compute_logits(hidden[idx]).float()            # [N, V]
+            logits = self.model.compute_logits(hidden[idx])                    # [N, V], model dtype
             if self.is_driver:  # the other ranks of the last stage only joined the gather
                 states = [reqs[i].state for i in sample_rows]
                 # Forks (n > 1 / best_of): each draws its first token from its parent's row.
@@ -159,8 +159,9 @@ class ModelRunner:
 
     def _sample_logits(self, sched: SchedulerOutput, states: list, logits: torch.Tensor,
                        output: ModelRunnerOutput) -> None:
-        """Grammar masks, then the sampler, on ``logits`` [len(states), V] float32 (one row per
-        state, batch order); fills the output's per-request lists."""
+        """Grammar masks, then the sampler, on ``logits`` [len(states), V] in the model dtype (one
+        row per state, batch order; the sampler widens them to float32 unless every row is plain
+        greedy); fills the output's per-request lists."""
         if sched.grammar_bitmask is not None:  # [structured output] grammar masks (forks: own rows), one call
             apply_step_bitmask(logits, [st.req_id for st in states],
                                sched.structured_output_request_ids, sched.grammar_bitmask)
@@ -221,7 +222,7 @@ class ModelRunner:
         rest = [k for k in range(len(states)) if k not in tokens]
         sub = ModelRunnerOutput()
         if rest:
-            logits = self.model.compute_logits(h[torch.as_tensor([src[k] for k in rest], device=self.device)]).float()
+            logits = self.model.compute_logits(h[torch.as_tensor([src[k] for k in rest], device=self.device)])
             self._sample_logits(sched, [states[k] for k in rest], logits, sub)
         pos = {k: j for j, k in enumerate(rest)}
         order = range(len(states))

@@ -50,6 +50,24 @@ def test_greedy_equals_argmax_of_raw_logits():
     assert out.topk_token_ids is None and out.topk_logprobs is None and out.sampled_ranks is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_greedy_rows_in_the_model_dtype_equal_the_float32_path(dtype):
+    """Plain greedy rows take the first maximum of the logits as given (no float32 copy); ties,
+    and bfloat16's coarse values (many equal logits), pick the lowest index as float32 argmax."""
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 4096) * 4).to(dtype)
+    logits[1, [7, 300, 4000]] = 100.0                 # a three-way tie: the lowest index wins
+    logits[2, :] = 0.0                                # all equal: token 0
+    logits[3, [4095]] = float("inf")
+    out = _sample(logits, [SamplingParams(temperature=0.0) for _ in range(6)])
+    assert out.sampled_token_ids.tolist() == logits.float().argmax(-1).tolist()
+    assert out.sampled_token_ids.tolist()[1:4] == [7, 0, 4095]
+    assert out.sampled_logprobs.isnan().all()         # nobody asked for them
+    # A row asking for logprobs takes the float32 path for the whole batch: same tokens.
+    params = [SamplingParams(temperature=0.0, logprobs=2 if i == 0 else None) for i in range(6)]
+    assert _sample(logits, params).sampled_token_ids.tolist() == out.sampled_token_ids.tolist()
+
+
 def test_all_greedy_builds_no_tensors():
     md = _build([SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, seed=3)])
     assert md.all_greedy and not md.all_random
