@@ -7,7 +7,7 @@ its linear layers; everything is restored on exit. Each component's wall time is
 forward), so the table reports the exclusive part of each:
 
 - ``linear layers``: every ``nn.Linear`` / ``KernelLinear`` (oneDNN, int8) of the decoder (hooks);
-- ``LM head``: ``model.compute_logits``;
+- ``LM head``: ``model.compute_logits`` and the exact greedy head's ``argmax`` (``--exact-greedy-head``);
 - ``attention``: each layer's ``Attention`` call (KV write + paged attention);
 - ``model forward, other``: the forward minus the two above (norms, RoPE, activations, residual
   adds, embedding);
@@ -94,6 +94,8 @@ class StepBreakdown:
         self._patch(runner, "sampler", "sampler")
         self._patch(model, "forward", "forward")
         self._patch(model, "compute_logits", "LM head")
+        if getattr(runner, "greedy_head", None) is not None:   # the exact greedy head is the LM head too
+            self._patch(runner.greedy_head, "argmax", "LM head")
         self._patch_structured_output()
         starts: dict[int, float] = {}
 
