@@ -163,8 +163,6 @@ class OutputStream:
         self.abort()
 
 
-# Why a DPAsyncLLM / DPEngineClient rejects a beam search.
-BEAM_SEARCH_NEEDS_ONE_ENGINE = "beam search needs data_parallel_size=1 (its beams share KV blocks in one engine)"
 
 
 class AsyncFrontEnd:
@@ -255,8 +253,8 @@ class AsyncFrontEnd:
         """Give ids, validate and tokenize every request (the caller's thread; nothing is queued).
 
         Raises:
-            ValueError: a bad prompt or params, an id given twice, no requests, a beam search with
-                ``data_parallel_size > 1``, or what ``_check_request`` raises.
+            ValueError: a bad prompt or params, an id given twice, no requests, or what
+                ``_check_request`` raises.
         """
         prepared: list[_NewRequest] = []
         for request_id, prompt, params in requests:
@@ -264,8 +262,6 @@ class AsyncFrontEnd:
             if any(r.request_id == request_id for r in prepared):
                 raise ValueError(f"request_id {request_id!r} is given twice")
             beam = params if isinstance(params, BeamSearchParams) else None
-            if beam is not None and self.data_parallel_size > 1:
-                raise ValueError(BEAM_SEARCH_NEEDS_ONE_ENGINE)
             if isinstance(prompt, ProcessedInput):
                 if params is not None and beam is None:
                     raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")

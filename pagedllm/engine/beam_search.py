@@ -108,6 +108,26 @@ class _Instance:
     metrics: RequestMetrics | None = None         # the search's timestamps (arrival, first/last token)
 
 
+def check_beam_search_request(num_prompt_tokens: int, params: BeamSearchParams, max_num_seqs: int,
+                              max_model_len: int) -> int:
+    """Check a beam search against an engine's scheduler limits.
+
+    Returns:
+        The effective max_tokens: ``params.max_tokens`` capped by what ``max_model_len`` leaves.
+    Raises:
+        ValueError: if ``beam_width`` exceeds ``max_num_seqs`` (the beams run as one group), or
+            the prompt leaves no room for a token within ``max_model_len``.
+    """
+    if params.beam_width > max_num_seqs:
+        raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_seqs ({max_num_seqs}): "
+                         "the beams run as one group")
+    max_tokens = min(params.max_tokens, max_model_len - num_prompt_tokens)
+    if max_tokens < 1:
+        raise ValueError(f"the prompt ({num_prompt_tokens} tokens) leaves no room for max_tokens "
+                         f"within max_model_len ({max_model_len})")
+    return max_tokens
+
+
 class BeamSearchManager:
     """Beam bookkeeping over the scheduler (see the module docstring).
 
@@ -141,22 +161,10 @@ class BeamSearchManager:
         self.scheduler.add_request(self._new_beam(inst, BeamSearchSequence(list(prompt_token_ids))))
 
     def check_request(self, num_prompt_tokens: int, params: BeamSearchParams) -> int:
-        """Check a beam search against the scheduler's limits (pure: any thread may call it).
-
-        Returns:
-            The effective max_tokens: ``params.max_tokens`` capped by what ``max_model_len`` leaves.
-        Raises:
-            ValueError: if ``beam_width`` exceeds ``max_num_seqs`` (the beams run as one group), or
-                the prompt leaves no room for a token within ``max_model_len``.
-        """
-        if params.beam_width > self.scheduler.max_num_seqs:
-            raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_seqs ({self.scheduler.max_num_seqs}): "
-                             "the beams run as one group")
-        max_tokens = min(params.max_tokens, self.scheduler.max_model_len - num_prompt_tokens)
-        if max_tokens < 1:
-            raise ValueError(f"the prompt ({num_prompt_tokens} tokens) leaves no room for max_tokens "
-                             f"within max_model_len ({self.scheduler.max_model_len})")
-        return max_tokens
+        """``check_beam_search_request`` with this engine's scheduler limits (pure: any thread may
+        call it)."""
+        return check_beam_search_request(num_prompt_tokens, params, self.scheduler.max_num_seqs,
+                                         self.scheduler.max_model_len)
 
     def _new_beam(self, inst: _Instance, seq: BeamSearchSequence) -> Request:
         rid = f"beam{next(self._ids)}_{inst.request_id}"

@@ -4,7 +4,9 @@ own scheduler, KV cache and executor, possibly TP x PP) driven by messages from 
 Channel: pyzmq. The replica PULLs its inbox at ``input_address`` and PUSHes to the front end's one
 PULL socket at ``output_address``; every message is one pickled tuple (``send_pyobj``):
 
-- in: ``("add", request_id, ProcessedInput, arrival_time)``, ``("abort", [request_id, ...])``,
+- in: ``("add", request_id, ProcessedInput, arrival_time)``, ``("beam", request_id, ProcessedInput,
+  arrival_time, BeamSearchParams)`` (a beam search: all its beams in this replica, one final
+  output), ``("abort", [request_id, ...])``,
   ``("call", call_id, method)`` (an ``LLMEngine`` method without arguments, e.g.
   ``reset_prefix_cache``), ``("shutdown",)``;
 - out: ``("ready", index, SchedulerStats)`` once, then per step ``("outputs", index,
@@ -77,10 +79,13 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
             stop = False
             for msg in messages:
                 kind = msg[0]
-                if kind == "add":
-                    _, rid, processed, arrival = msg
+                if kind in ("add", "beam"):
+                    _, rid, processed, arrival = msg[:4]
                     try:
-                        engine.add_request(rid, processed, arrival_time=arrival)
+                        if kind == "add":
+                            engine.add_request(rid, processed, arrival_time=arrival)
+                        else:
+                            engine.add_beam_search_request(rid, processed, msg[4], arrival_time=arrival)
                         in_engine.add(rid)
                     except Exception as e:
                         outbox.send_pyobj(("failed", index, [rid], f"{type(e).__name__}: {e}"))

@@ -32,9 +32,9 @@ import time
 from typing import Any, Iterable, Sequence
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_engine import (BEAM_SEARCH_NEEDS_ONE_ENGINE, AsyncFrontEnd, EngineDeadError,
+from pagedllm.engine.async_engine import (AsyncFrontEnd, EngineDeadError,
                                           EngineStepError, OutputStream, _Failure, _send_to_loops, _Sink)
-from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.engine.beam_search import BeamSearchParams, check_beam_search_request
 from pagedllm.engine.dp_coordinator import DPLoadBalancer
 from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
 from pagedllm.executor.multiproc import stop_processes
@@ -156,6 +156,11 @@ class DPEngineClient:
         if processed.params.logits_processors:
             raise ValueError("logits_processors are Python callables and cannot be sent to data-parallel "
                              "replica processes (use data_parallel_size=1)")
+        return self._route(request_id, processed, arrival_time)
+
+    def _route(self, request_id: str | None, processed: ProcessedInput, arrival_time: float | None,
+               beam: BeamSearchParams | None = None) -> str:
+        """Pick a replica for the request (or beam search), record it, send it; its id."""
         request_id = f"dp-{next(self._ids)}" if request_id is None else str(request_id)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         with self._send_lock:
@@ -166,13 +171,29 @@ class DPEngineClient:
             except RuntimeError as e:
                 raise EngineDeadError(f"{e}: {self._deaths()}") from None
             self.balancer.assign(request_id, replica, processed.prompt_token_ids)
-            self._send(replica, ("add", request_id, processed, arrival_time))
+            if beam is None:
+                self._send(replica, ("add", request_id, processed, arrival_time))
+            else:
+                self._send(replica, ("beam", request_id, processed, arrival_time, beam))
         return request_id
 
-    def add_beam_search_request(self, *args, **kwargs) -> str:
-        """Raises:
-            ValueError: beam search runs in one engine (its beams share blocks there)."""
-        raise ValueError(BEAM_SEARCH_NEEDS_ONE_ENGINE)
+    def add_beam_search_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
+                                params: BeamSearchParams, arrival_time: float | None = None) -> str:
+        """Send a beam search to one replica (all its beams run there: they share KV blocks); its
+        one final ``RequestOutput`` comes back like any other.
+
+        Returns:
+            The request id.
+        Raises:
+            ValueError: a bad prompt or params, a duplicate id, ``beam_width`` above
+                ``max_num_seqs`` or no room within ``max_model_len``.
+            EngineDeadError: every replica is dead.
+        """
+        processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(
+            prompt, SamplingParams(max_tokens=params.max_tokens))
+        check_beam_search_request(len(processed.prompt_token_ids), params, self.scheduler_config.max_num_seqs,
+                                  self.scheduler_config.max_model_len)
+        return self._route(request_id, processed, arrival_time, params)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests on their replicas (their blocks are freed there). Returns [] (the
@@ -432,8 +453,8 @@ class DPAsyncLLM(AsyncFrontEnd):
         """As ``AsyncLLM.add_requests``; each request goes to the replica the balancer picks.
 
         Raises:
-            ValueError: a bad prompt or params, a duplicate id, ``BeamSearchParams`` (beam search
-                needs data_parallel_size=1) (nothing is queued).
+            ValueError: a bad prompt or params, a duplicate id, a beam search that does not fit
+                (nothing is queued).
             EngineDeadError: shutting down, or every replica is dead.
         """
         self.check_health()
@@ -450,13 +471,21 @@ class DPAsyncLLM(AsyncFrontEnd):
         self.start()
         try:
             for r in prepared:
-                self.client.add_request(r.request_id, r.processed, arrival_time=r.arrival_time)
+                if r.beam_params is not None:
+                    self.client.add_beam_search_request(r.request_id, r.processed, r.beam_params,
+                                                        arrival_time=r.arrival_time)
+                else:
+                    self.client.add_request(r.request_id, r.processed, arrival_time=r.arrival_time)
         except BaseException:
             self.abort([r.request_id for r in prepared])
             raise
         return OutputStream(self, [r.request_id for r in prepared], queue)
 
     def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
+        if beam is not None:
+            config = self.client.scheduler_config
+            check_beam_search_request(len(processed.prompt_token_ids), beam, config.max_num_seqs, config.max_model_len)
+            return
         if processed.params.logits_processors:
             raise ValueError("logits_processors are Python callables and cannot be sent to data-parallel "
                              "replica processes")

@@ -1,6 +1,7 @@
 """Data parallelism behind one server (tiny checkpoint, real ``pagedllm serve`` subprocess):
 32 concurrent clients at --data-parallel-size 2 give DP=1's greedy outputs and spread 40-60% to
-each replica (per-replica counters, ``engine`` label); ``use_beam_search`` is a 400 naming it; a replica killed with requests in flight
+each replica (per-replica counters, ``engine`` label); ``use_beam_search`` runs in one replica and
+equals DP=1's beams; a replica killed with requests in flight
 fails those requests with a clear error, /health says "degraded", the other replica keeps serving."""
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def test_dp2_spreads_32_clients_and_equals_dp1(make_tiny_checkpoint, launch_serv
     folder = make_tiny_checkpoint("llama")
     single = launch_server(_args(folder, 1), "dp1")
     want = asyncio.run(_complete_all(single))
+    want_beams = _beam_searches(single)
     single.terminate()
     server = launch_server(_args(folder, 2), "dp2")
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "engines": {"0": "ok", "1": "ok"}}
@@ -63,14 +65,22 @@ def test_dp2_spreads_32_clients_and_equals_dp1(make_tiny_checkpoint, launch_serv
     assert all(0.4 * NUM_CLIENTS <= s <= 0.6 * NUM_CLIENTS for s in served), served
     gen = [server.metric("pagedllm:generation_tokens_total", engine=str(i)) for i in (0, 1)]
     assert gen == [8 * s for s in served]
-    # Beam search needs one engine: a 400 naming use_beam_search on both routes (not a 500).
-    for route, body in (("/v1/completions", {"prompt": PROMPTS[0]}),
-                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
-        r = httpx.post(server.url + route, json={"model": "tiny", "max_tokens": 3, "n": 2, "use_beam_search": True,
-                                                 **body}, timeout=60)
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["param"] == "use_beam_search" and "data_parallel_size=1" in error["message"], error
+    # A beam search runs whole in one replica (its beams share KV blocks there): DP=1's beams.
+    assert _beam_searches(server) == want_beams
+
+
+def _beam_searches(server) -> list:
+    """use_beam_search (width 3) on two prompts: each choice's text and finish reason."""
+    out = []
+    for prompt in PROMPTS[:2]:
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 5,
+                                                             "n": 3, "use_beam_search": True, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert len(choices) == 3
+        out.append([(c["text"], c["finish_reason"]) for c in choices])
+    return out
 
 
 @pytest.mark.slow   # spawns replica processes (~15 s each start on two shared cores)

@@ -90,7 +90,7 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                 chat_template: str | None = None, api_key: str | None = None, log_requests: bool = True,
                 log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S, max_n: int = DEFAULT_MAX_N,
                 enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
-                tool_call_parser: str | None = None) -> ServerState:
+                tool_call_parser: str | None = None, engine_process: bool = False) -> ServerState:
     """Load the model and wire the handlers.
 
     Args:
@@ -104,6 +104,10 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
         enable_prompt_tokens_details: send ``usage.prompt_tokens_details.cached_tokens``.
         enable_auto_tool_choice: accept ``tool_choice: "auto"`` (calls found by ``tool_call_parser``).
         tool_call_parser: a ``tool_parsers.TOOL_PARSERS`` name ("hermes", "pythonic").
+        engine_process: run the engine in its own process even with one replica (vLLM V1's
+            ``EngineCoreProc``; ``pagedllm serve``'s default): the server's Python (HTTP, JSON,
+            streaming) then never holds the GIL the engine loop needs between its ops. False: the
+            engine loop runs in a thread of this process (``AsyncLLM``).
     Raises:
         ValueError: bad engine arguments, an unparsable chat template, ``max_n < 1``, an unknown
             tool-call parser, or ``enable_auto_tool_choice`` without one.
@@ -127,7 +131,7 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not parse: {e}") from e
     registry = CollectorRegistry()
-    if engine_args.data_parallel_size > 1:
+    if engine_args.data_parallel_size > 1 or engine_process:
         # D replica processes behind this server (engine/dp_client.py); metrics carry engine="i".
         from pagedllm.engine.dp_client import DPAsyncLLM, DPEngineClient
 
@@ -314,6 +318,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accept tool_choice 'auto': the model writes calls in its own format, found by "
                         "--tool-call-parser")
+    g.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine loop in a thread of the server process instead of its own process "
+                        "(one process less; each token then waits for the server's Python: on 2 cores "
+                        "about 20%% slower for one client, docs/benchmarks.md)")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how calls are found in a reply under tool_choice 'auto': hermes (JSON in <tool_call> "
                         "tags; the bundled 'gemma-tools' template asks for it) or pythonic ([f(a=1), g()])")
@@ -343,7 +351,8 @@ def run_server(ns: argparse.Namespace) -> int:
                         log_requests=not ns.disable_log_requests,
                         log_stats_interval_s=None if ns.disable_log_stats else ns.log_stats_interval,
                         max_n=ns.max_n, enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
-                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+                        engine_process=not ns.engine_in_process)
     app = build_app(state)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             access_log=not ns.disable_uvicorn_access_log,

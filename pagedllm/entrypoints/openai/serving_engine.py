@@ -178,8 +178,7 @@ class OpenAIServing:
         Returns:
             Whether the request asks for beam search.
         Raises:
-            OpenAIError: 400 naming the field: ``use_beam_search`` on a data-parallel server (the
-                beams share KV blocks in one engine), ``stream`` true, ``temperature`` > 0, ``n`` < 1, a
+            OpenAIError: 400 naming the field: ``stream`` true, ``temperature`` > 0, ``n`` < 1, a
                 sampling field beam search cannot honour (``BEAM_SEARCH_UNSUPPORTED_FIELDS``), or
                 ``length_penalty`` without beam search.
         """
@@ -188,10 +187,6 @@ class OpenAIServing:
                 raise bad_request(f"length_penalty={request.length_penalty!r} is not supported without "
                                   "use_beam_search", param="length_penalty")
             return False
-        if self.engine.data_parallel_size > 1:
-            raise bad_request(f"use_beam_search is not supported on this server: beam search needs "
-                              f"data_parallel_size=1 (its beams share KV blocks in one engine), this server runs "
-                              f"{self.engine.data_parallel_size} replicas", param="use_beam_search")
         if request.stream:
             raise bad_request("use_beam_search cannot be combined with stream=true: the best beams are known "
                               "only at the end", param="stream")
