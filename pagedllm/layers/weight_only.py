@@ -25,9 +25,11 @@ output is rounded to bfloat16, then widened back to the model dtype.
 
 Every ``nn.Linear`` of the decoder and the LM head are replaced (a tied head gets its own
 quantized copy; the float embedding stays for the token lookup). In ``int4_weight_only`` the LM
-head is int8 per channel (``HEAD_MODE``), as llama.cpp's Q4_K_M keeps its output matrix at 6 bits:
-a 4-bit head over Gemma 3's 262,144 rows cost 31% perplexity on the workload against 4% for the
-4-bit decoder layers with an int8 head (``bench accuracy``, docs/benchmarks.md, session 7).
+head is int8 per channel (``HEAD_MODE``), as llama.cpp's Q4_K_M files keep their output / token
+embedding matrix at 8 bits: on the workload the 4-bit head took the perplexity ratio from 1.258 to
+1.314 (``bench accuracy``, docs/benchmarks.md, session 7). Most of int4's cost is the decoder
+layers: the default model's "Q4_K_M" GGUF stores q/k/v/gate/up in Q5_0 and half of v / down in
+Q8_0 / Q6_K, so 4 bits per weight is less than the file has.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The data-parallel load balancer without processes: least load first (in flight, then KV usage),
 prefix affinity within the margin, dead replicas out of rotation; and LLM(data_parallel_size=2)
-equals data_parallel_size=1 with the batch spread evenly."""
+equals data_parallel_size=1 with the batch spread evenly, a beam search included (one replica)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from pagedllm import SamplingParams
 from pagedllm.core.kv_cache_utils import hash_request_tokens
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.dp_coordinator import PREFIX_AFFINITY_MARGIN, DPLoadBalancer
 
 
@@ -63,12 +64,21 @@ def test_offline_llm_dp2_equals_dp1_and_spreads_the_batch(make_tiny_checkpoint):
     params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)] * 8
     kwargs = dict(dtype="float32", max_model_len=128, block_size=8, kv_cache_memory_bytes=4 << 20)
-    want = [o.outputs[0].token_ids for o in LLM(folder, **kwargs).generate(prompts, params, use_tqdm=False)]
+    beam = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    single = LLM(folder, **kwargs)
+    want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    want_beams = [[(s.tokens, round(s.cum_logprob, 4)) for s in o.sequences]
+                  for o in single.beam_search([{"prompt_token_ids": p} for p in prompts[:2]], beam)]
+    del single
     llm = LLM(folder, data_parallel_size=2, **kwargs)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == want
         assert [r.num_served for r in llm.llm_engine.balancer.replicas] == [8, 8]
+        # A beam search runs whole in one replica (its beams share blocks there): DP=1's beams.
+        got_beams = [[(s.tokens, round(s.cum_logprob, 4)) for s in o.sequences]
+                     for o in llm.beam_search([{"prompt_token_ids": p} for p in prompts[:2]], beam)]
+        assert got_beams == want_beams
         with pytest.raises(ValueError, match="logits_processors"):
             llm.generate([[1, 2]], SamplingParams(logits_processors=[lambda ids, logits: logits]), use_tqdm=False)
     finally:
