@@ -117,16 +117,9 @@ class LlamaDecoderLayer(nn.Module):
     def forward_fused(self, rope, x: torch.Tensor, residual: torch.Tensor, kv_cache, attn_metadata,
                       next_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward`` with each residual add fused into the norm after it (C++ ops,
-        ``layers/fused_ops.py``; the same values as ``forward`` up to the norms' sum order).
-
-        Args:
-            x: [T, hidden], ``input_layernorm(residual)`` (the previous step's fused output).
-            residual: [T, hidden], this layer's input.
-            next_norm: the norm applied next to this layer's output (the next layer's
-                ``input_layernorm`` or the final norm), or None (the last layer of a pipeline stage).
-        Returns:
-            (this layer's output, ``next_norm`` of it or None).
-        """
+        ``layers/fused_ops.py``; the same values as ``forward`` up to the norms' sum order). Arguments
+        and result as ``Gemma3DecoderLayer.forward_fused``: ``x`` = ``input_layernorm(residual)``,
+        returns (this layer's output, ``next_norm`` of it, or None without a next norm)."""
         h = self.self_attn(rope, x, kv_cache, attn_metadata)
         residual, x = add_rms_norm(h, residual, self.post_attention_layernorm, True)
         h = self.mlp(x)
