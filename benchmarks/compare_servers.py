@@ -151,13 +151,16 @@ def summarize(out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--server", action="append", default=[], help="repeatable; see the module docstring")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", action="append", default=[],
+                        help="repeatable: llama=PATH_TO_LLAMA_SERVER, pagedllm-DTYPE (float32, bfloat16), "
+                             "pagedllm-QUANT (int8, int8_weight_only, int4_weight_only), vllm-DTYPE=VENV_PYTHON")
     parser.add_argument("--concurrency", type=int, action="append", help="clients (repeatable; default 1 and 16)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--out", required=True, help="folder for the JSON results and server logs")
-    parser.add_argument("--port", type=int, default=8093)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=2 << 30)
+    parser.add_argument("--port", type=int, default=8093, help="port each server listens on in turn (default 8093)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=2 << 30,
+                        help="KV budget of pagedllm and vLLM in bytes (default 2 GiB)")
     parser.add_argument("--skip", action="append", default=[],
                         help="LABEL:C pairs not to run (e.g. vllm-float32:1)")
     parser.add_argument("--summarize-only", action="store_true")

@@ -125,8 +125,12 @@ class DPEngineClient:
                                name=f"pagedllm-dp-{i}", daemon=True)
             proc.start()
             self.processes.append(proc)
-        logger.info("data parallelism: %d replicas (pids %s), %d rank(s) each, %d thread(s) per rank",
-                    self.num_replicas, [p.pid for p in self.processes], parallel_cfg.world_size, threads)
+        if self.num_replicas == 1:
+            logger.info("engine core process (pid %d): %d rank(s), %d thread(s) per rank",
+                        self.processes[0].pid, parallel_cfg.world_size, threads)
+        else:
+            logger.info("data parallelism: %d replicas (pids %s), %d rank(s) each, %d thread(s) per rank",
+                        self.num_replicas, [p.pid for p in self.processes], parallel_cfg.world_size, threads)
         try:
             self._wait_ready()
         except BaseException:

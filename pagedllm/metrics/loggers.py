@@ -29,12 +29,15 @@ class LoggingStatLogger:
 
     Args:
         interval_s: seconds between log lines.
+        log_on_record: also call ``maybe_log`` after each ``record`` (where nobody calls it on a
+            timer: the server's engine-core processes, whose stats arrive with their outputs).
     """
 
-    def __init__(self, interval_s: float = DEFAULT_LOG_INTERVAL_S) -> None:
+    def __init__(self, interval_s: float = DEFAULT_LOG_INTERVAL_S, log_on_record: bool = False) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.interval_s = interval_s
+        self.log_on_record = log_on_record
         self._lock = threading.Lock()
         self._last_log = time.monotonic()
         self._prompt_tokens = 0
@@ -51,6 +54,8 @@ class LoggingStatLogger:
             self._generation_tokens += iteration_stats.num_generation_tokens
             self._finished += len(iteration_stats.finished)
             self._preemptions_total += iteration_stats.num_preempted
+        if self.log_on_record:
+            self.maybe_log()
 
     def seconds_to_next_log(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now

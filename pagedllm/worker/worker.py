@@ -218,8 +218,7 @@ class Worker:
             self.model_config.exact_greedy_head, self.dtype, self.device, self.parallel.tp_size,
             self.model_config.quantization, self.parallel.is_last_stage)
         if kind is None:
-            if self.model_config.exact_greedy_head != "off":
-                logger.info("exact greedy head: off (%s)", why)
+            logger.info("exact greedy head: off (%s)", why)
             return 0
         weight = self.model.get_lm_head().weight
         self.greedy_head = ExactGreedyHead(weight, kind, self.scheduler_config.max_num_seqs, max_rows=max_rows)

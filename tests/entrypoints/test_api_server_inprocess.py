@@ -66,3 +66,30 @@ def test_model_without_chat_template_gets_400(asgi_run, state):
     assert response.status_code == 400
     assert "no chat template" in response.json()["error"]["message"]
     assert "--chat-template" in response.json()["error"]["message"]
+
+
+@pytest.mark.slow   # spawns the engine-core process
+def test_engine_process_serves_and_logs_its_stats_line(asgi_run, make_tiny_checkpoint, caplog):
+    """``pagedllm serve``'s default layout: the engine in its own process; the periodic stats
+    line still comes (from the stats that arrive with the outputs) and the answers are the
+    in-process engine's."""
+    args = EngineArgs(model=make_tiny_checkpoint("qwen2"), dtype="float32", max_model_len=128,
+                      kv_cache_memory_bytes=4 << 20, seed=0)
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    texts = []
+    for engine_process in (False, True):
+        st = build_state(args, ["tiny"], chat_template=None, log_stats_interval_s=0.01, engine_process=engine_process)
+        try:
+            assert (type(st.engine).__name__ == "DPAsyncLLM") == engine_process
+
+            async def calls(client):
+                return [(await client.post("/v1/completions", json=body)).json() for _ in range(3)]
+
+            with caplog.at_level("INFO", logger="pagedllm"):
+                caplog.clear()
+                answers = asgi_run(st, calls)
+            texts.append([a["choices"][0]["text"] for a in answers])
+            assert any("Avg prompt throughput" in r.getMessage() for r in caplog.records), engine_process
+        finally:
+            st.engine.shutdown()
+    assert texts[0] == texts[1]

@@ -178,8 +178,15 @@ def test_abort_frees_blocks_at_once(async_llm):
 
 def test_cancelled_task_aborts(async_llm):
     async def main():
-        task = asyncio.ensure_future(_collect(async_llm, PROMPTS[4], _greedy(max_tokens=200)))
-        await asyncio.sleep(0.3)
+        first = asyncio.Event()
+
+        async def consume():   # cancelled right after its first output: mid-generation on any machine
+            async for _ in async_llm.generate(PROMPTS[4], _greedy(max_tokens=200)):
+                first.set()
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(consume())
+        await first.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

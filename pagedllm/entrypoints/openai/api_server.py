@@ -49,7 +49,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, error_from_exception
 from pagedllm.entrypoints.openai.serving_engine import DEFAULT_MAX_N, run_until_disconnect
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S
+from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.version import __version__
 
@@ -142,6 +142,8 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                                                    initial=engine.initial_stats)
         for stat_loggers, prometheus in zip(engine.stat_loggers, loggers):
             stat_loggers.append(prometheus)
+            if log_stats_interval_s:   # one periodic line per engine, as the in-process engine logs
+                stat_loggers.append(LoggingStatLogger(log_stats_interval_s, log_on_record=True))
         async_engine = DPAsyncLLM(engine)
     else:
         engine = LLMEngine(engine_args)
