@@ -199,8 +199,12 @@ def test_signal_to_the_engine_process_ends_every_rank(llama_one_kv_head, tmp_pat
     import sys
 
     script = tmp_path / "engine.py"
+    # The script installs Python's SIGINT handler itself: a test run started in the background by
+    # a non-interactive shell inherits SIGINT ignored, which a user's foreground engine does not.
     script.write_text(f"""
+import signal
 import time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 if __name__ == "__main__":
