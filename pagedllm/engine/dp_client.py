@@ -426,7 +426,7 @@ class DPAsyncLLM(AsyncFrontEnd):
 
     @property
     def data_parallel_size(self) -> int:
-        """D, the replicas (beam search needs 1)."""
+        """D, the replicas (each beam search runs whole in one of them)."""
         return self.client.num_replicas
 
     @property
