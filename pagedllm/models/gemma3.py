@@ -26,7 +26,7 @@ from pagedllm.layers.parallel import (PPMissingLayer, TensorParallelSizes, Vocab
                                       init_attention_projections, init_stage_and_lm_head,
                                       zero_row_parallel_biases)
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.models.utils import load_named_weights, pp_missing_prefixes
+from pagedllm.models.utils import load_named_weights, pp_missing_prefixes, run_decoder_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -195,19 +195,8 @@ class Gemma3ForCausalLM(nn.Module):
             # Scale cast as transformers does: float32 tensor first, then the weight dtype.
             hidden_states = embed(input_ids) * torch.tensor(self.model.embed_scale).to(embed.weight.dtype)
         ropes = {t: rotary(positions, hidden_states.dtype) for t, rotary in self.model.rotary_emb.items()}
-        layers = self.stage_layers
-        if layers and fused_ops_for(self.use_fused_ops, hidden_states) is not None:
-            # Each residual add runs inside the norms around it: one pass per sub-block boundary.
-            final_norm = self.model.norm if self.ctx.is_last_stage else None
-            residual, x = hidden_states, layers[0].input_layernorm(hidden_states)
-            for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
-                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-                residual, x = layer.forward_fused(ropes[layer.layer_type], x, residual, kv_cache, attn_metadata,
-                                                  next_norm)
-            return x if self.ctx.is_last_stage else residual
-        for layer, kv_cache in zip(layers, kv_caches):
-            hidden_states = layer(ropes[layer.layer_type], hidden_states, kv_cache, attn_metadata)
-        return self.model.norm(hidden_states) if self.ctx.is_last_stage else hidden_states
+        return run_decoder_layers(self, self.stage_layers, lambda layer: ropes[layer.layer_type], hidden_states, kv_caches,
+                                  attn_metadata, fused_ops_for(self.use_fused_ops, hidden_states) is not None)
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding ([vocab, hidden]); with tied embeddings also the LM head's weight."""
