@@ -491,8 +491,9 @@ def add_bench_parser(subparsers) -> None:
     kn.add_argument("--model", default=None, help="model folder or .gguf (default: the default model)")
     kn.add_argument("--rows", type=_int_list, default=[16, 64, 512], help="row counts M (default 16,64,512)")
     kn.add_argument("--backends", type=_str_list, default=["onednn", "torch", "bf16", "int8"],
-                    help="comma-separated subset of onednn,torch,bf16,int8,int8_wo,int4_wo "
-                         "(int8_wo / int4_wo: the weight-only quantized layers)")
+                    help="comma-separated subset of onednn,torch,bf16,int8,int8_wo,int8_wo_torch,int4_wo "
+                         "(int8_wo / int4_wo: the weight-only quantized layers as the engine runs them; "
+                         "int8_wo_torch: int8 on torch's kernel)")
     kn.add_argument("--no-stream", action="store_true",
                     help="skip the STREAM-like memory bandwidth measurement (weight GB/s are shown for M <= 8)")
     kn.add_argument("--min-seconds", type=float, default=0.3, help="time each kernel at least this long")

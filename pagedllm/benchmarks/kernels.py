@@ -16,8 +16,11 @@ Backends (CPU; each is skipped with a reason where it does not run):
   dynamically quantized linear with 7-bit per-channel weights and per-token scaled 8-bit
   activations).
 - ``int8_wo`` / ``int4_wo``: the engine's ``--quantization int8_weight_only`` /
-  ``int4_weight_only`` layers (``layers/weight_only.py``: torch's ``_weight_int8pack_mm`` /
-  ``_weight_int4pack_mm_for_cpu``, bfloat16 activations, weights only quantized).
+  ``int4_weight_only`` layers (``layers/weight_only.py``; int8: the kernel the engine picks here,
+  the AVX-512 VNNI one of ``layers/int8_gemm.py`` where the CPU has it, else torch's
+  ``_weight_int8pack_mm``; int4: torch's ``_weight_int4pack_mm_for_cpu``; weights only quantized).
+- ``int8_wo_torch``: the int8 weight-only layer on torch's kernel (bfloat16 activations), to hold
+  the VNNI kernel against.
 
 Bandwidth: each kernel's GB/s is the bytes of its weight (``BYTES_PER_WEIGHT``) per call over
 the call's time, the rate at which it streams its weight; at the small M of single-user decode a
@@ -43,9 +46,10 @@ from pagedllm.benchmarks.latency import LinearShape, measure_linear_gflops, mode
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("onednn", "torch", "bf16", "int8", "int8_wo", "int4_wo")
+BACKENDS = ("onednn", "torch", "bf16", "int8", "int8_wo", "int8_wo_torch", "int4_wo")
 # Bytes of weight each backend reads per weight element (scales and zeros left out: < 4% more).
-BYTES_PER_WEIGHT = {"onednn": 4.0, "torch": 4.0, "bf16": 2.0, "int8": 1.0, "int8_wo": 1.0, "int4_wo": 0.5}
+BYTES_PER_WEIGHT = {"onednn": 4.0, "torch": 4.0, "bf16": 2.0, "int8": 1.0, "int8_wo": 1.0, "int8_wo_torch": 1.0,
+                    "int4_wo": 0.5}
 STREAM_ARRAY_BYTES = 256 << 20   # per array: far larger than any L3 cache
 
 
@@ -112,14 +116,16 @@ def make_backend(name: str, weight: torch.Tensor, batch_hint: int):
         if not int8_linear_available():
             raise BackendUnavailable("fbgemm's int8 linear is unavailable in this torch build")
         return Int8DynamicLinear(weight, None), torch.float32
-    if name in ("int8_wo", "int4_wo"):
+    if name in ("int8_wo", "int8_wo_torch", "int4_wo"):
+        from pagedllm.layers.int8_gemm import TORCH_KERNEL, int8_kernel_for
         from pagedllm.layers.weight_only import (INT4_WEIGHT_ONLY, INT8_WEIGHT_ONLY, WEIGHT_ONLY_COMPUTE_DTYPE,
                                                  make_weight_only_layer, weight_only_available)
 
-        mode = INT8_WEIGHT_ONLY if name == "int8_wo" else INT4_WEIGHT_ONLY
+        mode = INT4_WEIGHT_ONLY if name == "int4_wo" else INT8_WEIGHT_ONLY
         if not weight_only_available(mode):
             raise BackendUnavailable(f"torch's CPU {mode} kernel does not run here")
-        return make_weight_only_layer(mode, weight, None, WEIGHT_ONLY_COMPUTE_DTYPE), torch.float32
+        kernel = int8_kernel_for()[0] if name == "int8_wo" else TORCH_KERNEL
+        return make_weight_only_layer(mode, weight, None, WEIGHT_ONLY_COMPUTE_DTYPE, kernel), torch.float32
     raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
 
 
@@ -262,19 +268,19 @@ def format_kernels(result: KernelResult) -> str:
     """The table printed by ``pagedllm bench kernels``."""
     names = [b for b in result.backends if b not in result.skipped]
     lines = ["==== Linear kernels, GFLOP/s (2·M·in·out per call; int8 counted as float32 FLOPs) ====",
-             f"{'shape [out x in] x count':<28}{'M':>6}" + "".join(f"{b:>10}" for b in names)]
+             f"{'shape [out x in] x count':<28}{'M':>6}" + "".join(f"{b:>14}" for b in names)]
     for s in result.shapes:
         for m in result.rows:
             vals = [result.gflops.get((s.out_features, s.in_features, m, b)) for b in names]
             lines.append(f"{f'[{s.out_features} x {s.in_features}] x{s.count}':<28}{m:>6}"
-                         + "".join(f"{'n/a' if v is None else f'{v:.1f}':>10}" for v in vals))
+                         + "".join(f"{'n/a' if v is None else f'{v:.1f}':>14}" for v in vals))
     lines.append("---- one decode step of M tokens through all linear layers + LM head: tokens/s ----")
     for m in result.rows:
         cells = []
         for b in names:
             sec = result.step_seconds(m, b)
             cells.append("n/a" if sec is None else f"{m / sec:.1f}")
-        lines.append(f"{'step':<28}{m:>6}" + "".join(f"{c:>10}" for c in cells))
+        lines.append(f"{'step':<28}{m:>6}" + "".join(f"{c:>14}" for c in cells))
     small = [m for m in result.rows if m <= 8]
     if small:
         bw = result.bandwidth
@@ -282,12 +288,12 @@ def format_kernels(result: KernelResult) -> str:
         head = "" if bw is None else (f" (STREAM-like copy {bw['copy_gb_per_s']:.1f} GB/s, "
                                       f"read-only sum {bw['read_gb_per_s']:.1f} GB/s)")
         lines.append(f"---- weight GB/s at M <= 8 (bytes of the weight per call / time){head} ----")
-        lines.append(f"{'shape [out x in] x count':<28}{'M':>6}" + "".join(f"{b:>10}" for b in names))
+        lines.append(f"{'shape [out x in] x count':<28}{'M':>6}" + "".join(f"{b:>14}" for b in names))
         for s in result.shapes:
             for m in small:
                 vals = [result.gb_per_s(s.out_features, s.in_features, m, b) for b in names]
                 lines.append(f"{f'[{s.out_features} x {s.in_features}] x{s.count}':<28}{m:>6}"
-                             + "".join(f"{'n/a' if v is None else f'{v:.1f}':>10}" for v in vals))
+                             + "".join(f"{'n/a' if v is None else f'{v:.1f}':>14}" for v in vals))
         if ref:
             lines.append(f"(as a fraction of the copy bandwidth: divide by {ref:.1f})")
     elif result.bandwidth:

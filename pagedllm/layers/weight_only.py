@@ -5,9 +5,11 @@ name them (``Int8WeightOnlyConfig`` / ``"int8_weight_only"``, ``Int4WeightOnlyCo
 ``"int4_weight_only"``):
 
 - ``int8_weight_only``: ``W[o, i] ~= q[o, i] * s[o]`` with ``q`` int8 in [-127, 127] and one
-  scale per output channel, ``s[o] = max_i |W[o, i]| / 127`` (symmetric, zero point 0). Kernel:
-  torch's ``aten._weight_int8pack_mm(x, q, s)`` (the kernel behind torchao's int8 weight-only
-  layout on the CPU).
+  scale per output channel, ``s[o] = max_i |W[o, i]| / 127`` (symmetric, zero point 0). Kernels:
+  on CPUs with AVX-512 VNNI our own (``layers/int8_gemm.py``: the activation row in 16-bit fixed
+  point, exact integer sums, 1.6-2.7x faster than torch's at 1-16 rows); elsewhere, or with
+  ``cpu_isa`` below ``avx512``, torch's ``aten._weight_int8pack_mm(x, q, s)`` (the kernel behind
+  torchao's int8 weight-only layout on the CPU).
 - ``int4_weight_only``: ``W[o, i] ~= (q[o, i] - 8) * s[o, g] + z[o, g]`` with ``q`` in [0, 15]
   and one (scale, zero) pair per output channel and group ``g = i // group_size`` of input
   columns (asymmetric min/max per group: ``s = (max - min) / 15``, ``z = min + 8 s``; torchao's
@@ -15,9 +17,10 @@ name them (``Int8WeightOnlyConfig`` / ``"int8_weight_only"``, ``Int4WeightOnlyCo
   Kernel: ``aten._weight_int4pack_mm_for_cpu`` on weights packed once by
   ``aten._convert_weight_to_int4pack_for_cpu``.
 
-Activations are never quantized: the only error is the weights' rounding, and a request's result
-does not depend on the rest of the batch. Both kernels take the activation in the same dtype as
-the scales (``compute_dtype``). In torch 2.13 their float32 paths are 10-100x slower than their
+Activations are not quantized to 8 or 4 bits: the error is the weights' rounding plus the
+activation row's rounding to bfloat16 (torch's kernels) or to 16-bit fixed point (the VNNI kernel,
+finer for every element above max|x| / 128), and a request's result does not depend on the rest of
+the batch. torch's kernels take the activation in the same dtype as the scales (``compute_dtype``). In torch 2.13 their float32 paths are 10-100x slower than their
 bfloat16 paths at M = 1..8 (measured: docs/performance.md, session 6), so a float32 model runs
 these layers with bfloat16 inputs and scales by default (``WEIGHT_ONLY_COMPUTE_DTYPE``): the
 input row is rounded to bfloat16, products are accumulated in float32 by the kernel, and the
@@ -40,6 +43,7 @@ import logging
 import torch
 from torch import nn
 
+from pagedllm.layers.int8_gemm import TORCH_KERNEL, VNNI_KERNEL, VNNI_MAX_COLUMNS, int8_kernel_for, load_int8_gemm
 from pagedllm.layers.linear import KernelLinear, replace_linear_layers
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,8 @@ WEIGHT_ONLY_MODES = (INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY)
 INT4_GROUP_SIZE = 32
 # The LM head's mode under each mode (see the module docstring).
 HEAD_MODE = {INT8_WEIGHT_ONLY: INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY: INT8_WEIGHT_ONLY}
+# int8 layers' in_features must be a multiple of this (both kernels step 16 columns at a time).
+INT8_COLUMN_MULTIPLE = 16
 # The dtype the kernels run in when the model is float32 (see the module docstring).
 WEIGHT_ONLY_COMPUTE_DTYPE = torch.bfloat16
 # ``_convert_weight_to_int4pack_for_cpu`` packs output rows in tiles of 16: a layer whose
@@ -135,27 +141,64 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
     Args:
         weight: [out_features, in_features] float (quantized here; the float copy is not kept).
         bias: [out_features] or None (kept in float32, added after the kernel).
-        compute_dtype: dtype of the kernel's input, scales and output (bfloat16 or float32).
+        compute_dtype: dtype of the torch kernel's input, scales and output (bfloat16 or float32).
+        kernel: ``"torch"`` (``aten._weight_int8pack_mm``, any CPU) or ``"vnni"`` (``layers/int8_gemm.py``:
+            AVX-512 VNNI, activations in 16-bit fixed point, output in the input's dtype; a layer
+            wider than it sums in int32 falls back to "torch"). Both use the same codes and the
+            same bfloat16-rounded scales, so the dequantized weight is the same.
     Shapes:
         x: [..., in_features] float -> [..., out_features], x's dtype.
+    Raises:
+        ValueError: for an unknown kernel, or in_features not a multiple of 16 (torch's kernel
+            crashes on such rows in torch 2.13; ours reads 16 columns at a time).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 compute_dtype: torch.dtype = WEIGHT_ONLY_COMPUTE_DTYPE) -> None:
+                 compute_dtype: torch.dtype = WEIGHT_ONLY_COMPUTE_DTYPE, kernel: str = TORCH_KERNEL) -> None:
         super().__init__(weight, bias, compute_dtype)
-        self.qweight, scale = quantize_int8_per_channel(weight)              # [out, in] int8
+        if kernel not in (TORCH_KERNEL, VNNI_KERNEL):
+            raise ValueError(f"kernel must be {TORCH_KERNEL!r} or {VNNI_KERNEL!r}, got {kernel!r}")
+        if self.in_features % INT8_COLUMN_MULTIPLE:
+            raise ValueError(f"int8 weight-only: in_features={self.in_features} is not a multiple of "
+                             f"{INT8_COLUMN_MULTIPLE} (both kernels read rows in 16-column steps)")
+        if kernel == VNNI_KERNEL and self.in_features > VNNI_MAX_COLUMNS:
+            kernel = TORCH_KERNEL
+        self.kernel = kernel
+        q, scale = quantize_int8_per_channel(weight)                          # [out, in] int8
         self.scales = scale.to(compute_dtype)                                  # [out]
-        self.weight_bytes = self.qweight.numel() + self.scales.numel() * self.scales.element_size() + self.bias_bytes
+        if kernel == VNNI_KERNEL:
+            self.qweight = None
+            self.packed_weight, self.row_sums = load_int8_gemm().pack_int8_weight(q)  # [out/16, in/4, 64], [out]
+            self.scales_f32 = self.scales.float()                              # [out], bfloat16 values
+            self.weight_bytes = self.packed_weight.numel() + 4 * self.row_sums.numel() + \
+                4 * self.scales_f32.numel() + self.bias_bytes
+        else:
+            self.qweight = q
+            self.weight_bytes = q.numel() + self.scales.numel() * self.scales.element_size() + self.bias_bytes
+
+    def int8_codes(self) -> torch.Tensor:
+        """[out, in] int8: the codes the kernel multiplies by."""
+        if self.qweight is not None:
+            return self.qweight
+        return load_int8_gemm().unpack_int8_weight(self.packed_weight, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] float32: the weight this layer multiplies by (scales as the kernel sees them)."""
-        return self.qweight.float() * self.scales.float()[:, None]
+        return self.int8_codes().float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel != VNNI_KERNEL or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+            return super().forward(x)
+        lead = x.shape[:-1]
+        y = load_int8_gemm().int8_weight_only_mm(x.reshape(-1, self.in_features).contiguous(), self.packed_weight,
+                                                 self.row_sums, self.scales_f32, self.bias, self.out_features)
+        return y.view(*lead, self.out_features)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only ({self.kernel})"
 
 
 class Int4WeightOnlyLinear(_WeightOnlyLinear):
@@ -234,25 +277,28 @@ def weight_only_available(mode: str) -> bool:
 
 
 def make_weight_only_layer(mode: str, weight: torch.Tensor, bias: torch.Tensor | None,
-                           compute_dtype: torch.dtype) -> KernelLinear:
-    """The ``mode`` layer for ``weight`` [out, in] and ``bias``.
+                           compute_dtype: torch.dtype, int8_kernel: str = TORCH_KERNEL) -> KernelLinear:
+    """The ``mode`` layer for ``weight`` [out, in] and ``bias``; ``int8_kernel`` is the int8 layers'
+    kernel (``Int8WeightOnlyLinear``'s ``kernel``).
 
     Raises:
-        ValueError: for an unknown mode.
+        ValueError: for an unknown mode or kernel.
     """
     if mode == INT8_WEIGHT_ONLY:
-        return Int8WeightOnlyLinear(weight, bias, compute_dtype)
+        return Int8WeightOnlyLinear(weight, bias, compute_dtype, int8_kernel)
     if mode == INT4_WEIGHT_ONLY:
         return Int4WeightOnlyLinear(weight, bias, INT4_GROUP_SIZE, compute_dtype)
     raise ValueError(f"quantization must be one of {WEIGHT_ONLY_MODES} here, got {mode!r}")
 
 
-def quantize_weight_only(model: nn.Module, mode: str) -> int:
+def quantize_weight_only(model: nn.Module, mode: str, cpu_isa: str = "auto") -> int:
     """Replace every ``nn.Linear`` of ``model`` by the ``mode`` weight-only layer and give a tied
     LM head its own quantized copy (``model.packed_lm_head``, read by ``lm_head_logits``), in
     ``HEAD_MODE[mode]``.
 
-    The kernels run in bfloat16 for a float32 or bfloat16 model (``WEIGHT_ONLY_COMPUTE_DTYPE``).
+    The torch kernels run in bfloat16 for a float32 or bfloat16 model (``WEIGHT_ONLY_COMPUTE_DTYPE``);
+    int8 layers (and the head) run the AVX-512 VNNI kernel where ``layers.int8_gemm.int8_kernel_for
+    (cpu_isa)`` picks it.
 
     Returns:
         Weight bytes held after quantization by the replaced layers and the head's copy, minus
@@ -269,11 +315,13 @@ def quantize_weight_only(model: nn.Module, mode: str) -> int:
         raise ValueError(f"quantization={mode!r}: torch's CPU kernel does not run here (torch {torch.__version__})")
     before = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, nn.Linear)
                  for p in m.parameters())
+    int8_kernel, why = int8_kernel_for(cpu_isa)
     replaced, tied = replace_linear_layers(
-        model, lambda weight, bias: make_weight_only_layer(mode, weight, bias, WEIGHT_ONLY_COMPUTE_DTYPE),
+        model, lambda weight, bias: make_weight_only_layer(mode, weight, bias, WEIGHT_ONLY_COMPUTE_DTYPE, int8_kernel),
         make_head=lambda weight, bias: make_weight_only_layer(HEAD_MODE[mode], weight, bias,
-                                                              WEIGHT_ONLY_COMPUTE_DTYPE))
+                                                              WEIGHT_ONLY_COMPUTE_DTYPE, int8_kernel))
     delta = sum(m.weight_bytes for m in model.modules() if isinstance(m, _WeightOnlyLinear)) - before
-    logger.info("%s: quantized %d linear layers%s, the LM head in %s (%+.0f MiB)", mode, replaced,
-                " (and the tied LM head's copy)" if tied else "", HEAD_MODE[mode], delta / 2**20)
+    logger.info("%s: quantized %d linear layers%s, the LM head in %s (%+.0f MiB); int8 kernel: %s (%s)", mode,
+                replaced, " (and the tied LM head's copy)" if tied else "", HEAD_MODE[mode], delta / 2**20,
+                int8_kernel, why)
     return delta

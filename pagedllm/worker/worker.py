@@ -190,7 +190,8 @@ class Worker:
         if self.model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
             weight_bytes += quantize_linear_layers(self.model)
         elif self.model_config.quantization in WEIGHT_ONLY_MODES:  # int8 / int4 weights (layers/weight_only.py)
-            weight_bytes += quantize_weight_only(self.model, self.model_config.quantization)
+            weight_bytes += quantize_weight_only(self.model, self.model_config.quantization,
+                                                 self.model_config.cpu_isa)
         else:  # CPU float32 (and bfloat16 where native): linear layers move into oneDNN's packed layout (layers/linear.py).
             weight_bytes += pack_linear_layers(self.model, self.dtype, self.device,
                                                self.scheduler_config.max_num_seqs, self.model_config.cpu_gemm)

@@ -106,7 +106,7 @@ def test_compiled_mlp_block_matches_eager():
     assert r["max_abs_diff"] < 1e-4
 
 
-@pytest.mark.parametrize("backend,rtol", [("int8_wo", 2e-2), ("int4_wo", 0.15)])
+@pytest.mark.parametrize("backend,rtol", [("int8_wo", 2e-2), ("int8_wo_torch", 2e-2), ("int4_wo", 0.15)])
 def test_weight_only_backends_compute_the_linear_layer(backend, rtol):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 64, generator=gen) / 8

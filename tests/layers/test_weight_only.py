@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.int8_gemm import TORCH_KERNEL, VNNI_FLAGS, VNNI_KERNEL
 from pagedllm.layers.linear import lm_head_logits
+from pagedllm.platforms.cpu import cpu_flags
 from pagedllm.layers.weight_only import (HEAD_MODE, INT4_GROUP_SIZE, INT4_WEIGHT_ONLY, INT8_WEIGHT_ONLY,
                                          Int4WeightOnlyLinear, Int8WeightOnlyLinear, make_weight_only_layer,
                                          quantize_int4_groupwise, quantize_int8_per_channel, quantize_weight_only,
@@ -98,27 +100,48 @@ def test_rows_do_not_depend_on_the_batch(mode):
     torch.testing.assert_close(batched, alone, rtol=0, atol=0)
 
 
+def _cpu_isa_for(int8_kernel):
+    """The ``cpu_isa`` that makes ``quantize_weight_only`` pick ``int8_kernel`` here (skips, naming the
+    missing flag, where the VNNI kernel cannot run)."""
+    if int8_kernel == TORCH_KERNEL:
+        return "avx2"
+    missing = [f for f in VNNI_FLAGS if f not in cpu_flags()]
+    if missing:
+        pytest.skip(f"the VNNI int8 kernel needs the CPU flags {missing}")
+    return "auto"
+
+
+@pytest.mark.parametrize("int8_kernel", [TORCH_KERNEL, VNNI_KERNEL])
 @pytest.mark.parametrize("mode", MODES)
-def test_quantize_weight_only_replaces_linears_and_the_tied_head(mode, tied_toy):
+def test_quantize_weight_only_replaces_linears_and_the_tied_head(mode, int8_kernel, tied_toy):
     """A tied embedding [50, 64] and one ``proj`` linear [32, 64] with bias."""
     torch.manual_seed(0)
     model = tied_toy(out_features=32, hidden=64)
     w_proj, b_proj = model.model.proj.weight.detach().clone(), model.model.proj.bias.detach().clone()
     w_head = model.model.embed_tokens.weight.detach().clone()
-    delta = quantize_weight_only(model, mode)
+    delta = quantize_weight_only(model, mode, _cpu_isa_for(int8_kernel))
     proj, head = model.model.proj, model.packed_lm_head
     assert type(proj) is (Int8WeightOnlyLinear if mode == INT8_WEIGHT_ONLY else Int4WeightOnlyLinear)
     assert type(head) is Int8WeightOnlyLinear                            # the head is int8 in both modes
+    assert head.kernel == int8_kernel
     assert torch.equal(model.model.embed_tokens.weight, w_head)          # the lookup keeps float weights
-    if mode == INT8_WEIGHT_ONLY:   # int8 codes + one bfloat16 scale per row, bias kept in float32
-        assert delta == (32 * 64 + 32 * 2 + 32 * 4) - (32 * 64 * 4 + 32 * 4) + (50 * 64 + 50 * 2)
+    freed = 32 * 64 * 4 + 32 * 4                                         # the float proj weight and bias
+    if int8_kernel == TORCH_KERNEL:   # int8 codes + one bfloat16 scale per row, bias kept in float32
+        int8_proj, head_bytes = 32 * 64 + 32 * 2 + 32 * 4, 50 * 64 + 50 * 2
+    else:   # codes in blocks of 16 rows (50 -> 64 for the head), int32 row sums, float32 scales and bias
+        int8_proj, head_bytes = 32 * 64 + 32 * 4 + 32 * 4 + 32 * 4, 64 * 64 + 64 * 4 + 50 * 4
+    if mode == INT8_WEIGHT_ONLY:
+        assert delta == int8_proj - freed + head_bytes
     else:                          # 4 bits per weight + (scale, zero) in bfloat16 per 32 columns; int8 head
-        assert delta == (32 * 32 + 32 * 2 * 2 * 2 + 32 * 4) - (32 * 64 * 4 + 32 * 4) + (50 * 64 + 50 * 2)
+        assert delta == (32 * 32 + 32 * 2 * 2 * 2 + 32 * 4) - freed + head_bytes
     x = torch.randn(3, 64)
-    ref_proj = F.linear(x.bfloat16().float(), proj.dequantized_weight(), b_proj)
-    torch.testing.assert_close(proj(x), ref_proj, rtol=2 ** -7, atol=1e-4)
-    torch.testing.assert_close(lm_head_logits(model, x), F.linear(x.bfloat16().float(), head.dequantized_weight()),
-                               rtol=2 ** -7, atol=1e-4)
+    for layer, got, bias in ((proj, proj(x), b_proj), (head, lm_head_logits(model, x), None)):
+        w_dq = layer.dequantized_weight()
+        if getattr(layer, "kernel", TORCH_KERNEL) == TORCH_KERNEL:    # bfloat16 input row, float sums, bfloat16 output
+            torch.testing.assert_close(got, F.linear(x.bfloat16().float(), w_dq, bias), rtol=2 ** -7, atol=1e-4)
+        else:   # 16-bit fixed-point row: each element errs by at most max|x| / 65534 (+ float32 rounding)
+            bound = x.abs().amax(1, keepdim=True) / 65534 * w_dq.abs().sum(1) + 1e-5
+            assert bool(((got - F.linear(x, w_dq, bias)).abs() <= bound).all())
     # And close to the float layer, within what the weights' rounding allows.
     tol = 0.02 if mode == INT8_WEIGHT_ONLY else 0.3
     torch.testing.assert_close(proj(x), F.linear(x, w_proj, b_proj), rtol=0, atol=tol)
@@ -138,10 +161,11 @@ def test_weight_only_values_are_validated(tied_toy):
         make_weight_only_layer("int2_weight_only", torch.zeros(4, 32), None, torch.float32)
 
 
-def _hf_weight_only_greedy(model_dir, mode, prompts, max_new_tokens):
+def _hf_weight_only_greedy(model_dir, mode, prompts, max_new_tokens, int8_kernel):
     """transformers greedy decoding with every linear layer (and the tied head, in ``HEAD_MODE``)
     replaced by the float product of the same dequantized weights, input and output rounded to bfloat16 as the
-    engine's layers do."""
+    torch kernels do; with the VNNI int8 kernel, int8 layers are that kernel itself (its arithmetic is
+    tested against a float64 reference in tests/layers/test_int8_gemm.py)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -149,7 +173,11 @@ def _hf_weight_only_greedy(model_dir, mode, prompts, max_new_tokens):
     head = model.get_output_embeddings()
 
     def patch(module):
-        layer = make_weight_only_layer(HEAD_MODE[mode] if module is head else mode, module.weight, None, torch.bfloat16)
+        layer = make_weight_only_layer(HEAD_MODE[mode] if module is head else mode, module.weight, module.bias,
+                                       torch.bfloat16, int8_kernel)
+        if getattr(layer, "kernel", TORCH_KERNEL) == VNNI_KERNEL:
+            module.forward = layer
+            return
         w_dq = layer.dequantized_weight()
         bias = None if module.bias is None else module.bias.detach().float()
         module.forward = lambda x: F.linear(x.bfloat16().float(), w_dq).bfloat16().float() + \
@@ -168,22 +196,24 @@ def _hf_weight_only_greedy(model_dir, mode, prompts, max_new_tokens):
     return outs
 
 
+@pytest.mark.parametrize("int8_kernel", [TORCH_KERNEL, VNNI_KERNEL])
 @pytest.mark.parametrize("mode", MODES)
-def test_engine_greedy_equals_transformers_with_the_same_quantized_weights(mode, make_tiny_checkpoint):
+def test_engine_greedy_equals_transformers_with_the_same_quantized_weights(mode, int8_kernel, make_tiny_checkpoint):
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
     path = make_tiny_checkpoint("gemma3")
     prompts = [[5, 17, 42, 99, 7], [200, 3, 3, 150, 61, 88, 12, 9, 250], [33]]
     llm = LLM(path, dtype="float32", quantization=mode, max_model_len=128, seed=0,
-              kv_cache_memory_bytes=8 << 20)
+              kv_cache_memory_bytes=8 << 20, cpu_isa=_cpu_isa_for(int8_kernel))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
-    assert got == _hf_weight_only_greedy(path, mode, prompts, 12)
+    assert got == _hf_weight_only_greedy(path, mode, prompts, 12, int8_kernel)
     # The engine really ran the quantized layers (every linear and the tied head).
     model = llm.llm_engine.executor.driver_worker.model_runner.model
     kinds = {type(m) for m in model.modules() if isinstance(m, (Int8WeightOnlyLinear, Int4WeightOnlyLinear))}
     assert kinds == {Int8WeightOnlyLinear, Int4WeightOnlyLinear} - ({Int4WeightOnlyLinear} if mode == INT8_WEIGHT_ONLY else set())
     assert type(model.packed_lm_head) is Int8WeightOnlyLinear
+    assert model.packed_lm_head.kernel == int8_kernel
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())

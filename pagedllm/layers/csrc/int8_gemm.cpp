@@ -1,0 +1,319 @@
+// int8 weight-only GEMM for CPUs with AVX-512 VNNI (vpdpbusd).
+//
+//   y[m, n] = s[n] * sum_k q[n, k] * x[m, k] (+ bias[n]),   q int8 in [-127, 127], s float32
+//
+// Why: at small batches a step is bound by reading the weights, and widening int8 weights to
+// floats costs more instructions than the memory takes to deliver them (torch's
+// _weight_int8pack_mm and a vdpbf16ps kernel both reach ~30 GB/s on a 2-core Zen 4 whose plain
+// read loop streams ~58 GB/s: docs/performance.md, session 8). Here the weights are never
+// widened: the activation row is written in 16-bit fixed point and the products are summed in
+// exact integer arithmetic by vpdpbusd (u8 x s8, four products per 32-bit lane).
+//
+// The activation row, per row m (all integer steps exact):
+//   f_m = 32767 / max_k |x[m, k]| (1 for an all-zero row),  X[m, k] = round(x[m, k] * f_m) (to
+//   nearest even; |X| <= 32767), U = X + 32768 in [1, 65535] split into bytes d0 = U mod 256,
+//   d1 = U div 256 (so X = 256 (d1 - 128) + d0).
+// For each output n the kernel sums A0 = sum_k d0 q and A1 = sum_k d1 q in int32 (|A| <= 255 * 127
+// * K: no overflow for K <= 65536) and
+//   sum_k X q = 256 * (A1 - 128 * R[n]) + A0,   R[n] = sum_k q[n, k] (precomputed at pack time),
+// formed in float32 by one fused multiply-add (exact while |A1 - 128 R| < 2^24, i.e. K <= 1032;
+// one float32 rounding above), then y = that * (s[n] * (1 / f_m)) + bias[n] in float32 and
+// written in x's dtype. The only approximation before the final float32 steps is X's rounding:
+// at most max|x[m]| / 65534 per element (bfloat16 rounding of the row, what torch's kernel does
+// first, errs up to |x| / 512 per element). A row's result does not depend on the other rows.
+//
+// Packed layout (pack_int8_weight): output rows in blocks of 16 (zero rows pad the last block),
+// each block contiguous over K as [K / 4][16 rows][4 columns] int8: one 64-byte load is 16 rows x
+// 4 columns, vpdpbusd's operand layout with the rows in the lanes, so a block's result is 16
+// adjacent outputs (no horizontal sums). Threads (at::parallel_for) split the blocks; a
+// micro-kernel call holds up to kMaxRows rows x 2 digit sums of one block in zmm registers and
+// streams the block once per kMaxRows rows.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define PAGEDLLM_INT8_VNNI 1
+#else
+#define PAGEDLLM_INT8_VNNI 0
+#endif
+
+#ifndef PAGEDLLM_INT8_PREFETCH
+#define PAGEDLLM_INT8_PREFETCH 1024  // bytes ahead in each weight block's stream
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 16;     // output rows per packed block (zmm int32 lanes)
+constexpr int64_t kGroup = 4;      // columns per vpdpbusd lane
+#ifndef PAGEDLLM_INT8_ROWS
+#define PAGEDLLM_INT8_ROWS 12
+#endif
+static_assert(PAGEDLLM_INT8_ROWS <= 12, "the micro-kernel names 12 accumulator pairs");
+constexpr int kMaxRows = PAGEDLLM_INT8_ROWS;  // activation rows per micro-kernel call (x 2 digit sums)
+constexpr int64_t kMaxK = 65536;   // int32 digit sums cannot overflow up to here
+
+void check_packed(const torch::Tensor& packed, const torch::Tensor& row_sums, const torch::Tensor& scales,
+                  int64_t n, int64_t k) {
+  TORCH_CHECK(packed.dtype() == torch::kInt8 && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == kGroup * kBlock,
+              "packed must be a contiguous int8 [N / 16, K / 4, 64] tensor from pack_int8_weight");
+  TORCH_CHECK(packed.size(1) * kGroup == k, "packed does not match K=", k);
+  TORCH_CHECK(packed.size(0) * kBlock >= n && packed.size(0) * kBlock < n + kBlock, "packed does not match N=", n);
+  TORCH_CHECK(row_sums.dtype() == torch::kInt32 && row_sums.is_contiguous() &&
+                  row_sums.numel() == packed.size(0) * kBlock,
+              "row_sums must be the int32 tensor pack_int8_weight returned");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == n,
+              "scales must be a contiguous float32 [N] tensor");
+}
+
+}  // namespace
+
+// q [N, K] int8 (K a multiple of 4, <= 65536) -> (packed [ceil(N / 16), K / 4, 64] int8 in the layout
+// above, row sums [ceil(N / 16) * 16] int32).
+std::tuple<torch::Tensor, torch::Tensor> pack_int8_weight(const torch::Tensor& q) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2, "q must be an int8 [N, K] tensor");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(k % kGroup == 0 && k <= kMaxK, "K must be a multiple of 4 and at most 65536, got ", k);
+  const int64_t blocks = (n + kBlock - 1) / kBlock, k4 = k / kGroup;
+  auto qc = q.contiguous();
+  auto packed = torch::zeros({blocks, k4, kGroup * kBlock}, q.options());
+  auto row_sums = torch::zeros({blocks * kBlock}, q.options().dtype(torch::kInt32));
+  const int8_t* src = qc.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  int32_t* sums = row_sums.data_ptr<int32_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t r = 0; r < kBlock && b * kBlock + r < n; ++r) {
+        const int8_t* row = src + (b * kBlock + r) * k;
+        int8_t* out = dst + b * k4 * kGroup * kBlock + kGroup * r;
+        int32_t sum = 0;
+        for (int64_t c = 0; c < k4; ++c) {
+          for (int64_t e = 0; e < kGroup; ++e) {
+            out[c * kGroup * kBlock + e] = row[kGroup * c + e];
+            sum += row[kGroup * c + e];
+          }
+        }
+        sums[b * kBlock + r] = sum;
+      }
+    }
+  });
+  return {packed, row_sums};
+}
+
+// packed -> [N, K] int8: the codes back in row-major order (for tests and dequantized references).
+torch::Tensor unpack_int8_weight(const torch::Tensor& packed, int64_t n) {
+  TORCH_CHECK(packed.dtype() == torch::kInt8 && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == kGroup * kBlock && packed.size(0) * kBlock >= n,
+              "packed must come from pack_int8_weight");
+  const int64_t k4 = packed.size(1), k = k4 * kGroup;
+  auto q = torch::empty({n, k}, packed.options());
+  const int8_t* src = packed.data_ptr<int8_t>();
+  int8_t* dst = q.data_ptr<int8_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    const int8_t* block = src + (r / kBlock) * k4 * kGroup * kBlock + kGroup * (r % kBlock);
+    for (int64_t c = 0; c < k4; ++c)
+      for (int64_t e = 0; e < kGroup; ++e) dst[r * k + kGroup * c + e] = block[c * kGroup * kBlock + e];
+  }
+  return q;
+}
+
+#if PAGEDLLM_INT8_VNNI
+namespace {
+
+// Row m of x (float32 or bfloat16) -> digit bytes d0, d1 [K] and 1 / f_m (see the header).
+template <typename InT>
+float row_digits(const InT* x, int64_t k, uint8_t* d0, uint8_t* d1) {
+  auto load = [&](int64_t i) -> __m512 {
+    if constexpr (std::is_same_v<InT, float>) {
+      return _mm512_loadu_ps(x + i);
+    } else {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+  };
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load(i)));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const float f = amax > 0.f ? 32767.f / amax : 1.f;
+  const __m512 vf = _mm512_set1_ps(f);
+  const __m512i lim = _mm512_set1_epi32(32767), offset = _mm512_set1_epi32(32768), low = _mm512_set1_epi32(255);
+  for (int64_t i = 0; i < k; i += 16) {
+    __m512i xq = _mm512_cvtps_epi32(_mm512_mul_ps(load(i), vf));  // round to nearest even (MXCSR default)
+    xq = _mm512_max_epi32(_mm512_min_epi32(xq, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+    const __m512i u = _mm512_add_epi32(xq, offset);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d0 + i), _mm512_cvtepi32_epi8(_mm512_and_si512(u, low)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d1 + i), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
+  }
+  return amax > 0.f ? amax / 32767.f : 1.f;
+}
+
+template <typename OutT>
+inline void store_row(OutT* out, __m512 v, __mmask16 mask) {
+  if constexpr (std::is_same_v<OutT, float>) {
+    _mm512_mask_storeu_ps(out, mask, v);
+  } else {  // bfloat16, round to nearest even (NaN kept quiet), as c10::BFloat16
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(r));
+  }
+}
+
+// MB rows x the block at w -> out[:, n0 : n0 + 16]. digits: this row block's [K / 4][MB][2] dwords
+// (d0 then d1 of 4 columns), so one pointer and constant offsets address every broadcast.
+template <int MB, typename OutT>
+void micro_kernel(const uint32_t* digits, const float* inv_f, int64_t k4, const int8_t* w, const int32_t* row_sums,
+                  int64_t n0, int64_t n, const float* scales, const float* bias, OutT* out) {
+  // Named accumulators (GCC 12 keeps an array of them on the stack inside the loop).
+#define PAGEDLLM_ACC(i) __m512i a0_##i = _mm512_setzero_si512(), a1_##i = _mm512_setzero_si512();
+  PAGEDLLM_ACC(0) PAGEDLLM_ACC(1) PAGEDLLM_ACC(2) PAGEDLLM_ACC(3) PAGEDLLM_ACC(4) PAGEDLLM_ACC(5)
+  PAGEDLLM_ACC(6) PAGEDLLM_ACC(7) PAGEDLLM_ACC(8) PAGEDLLM_ACC(9) PAGEDLLM_ACC(10) PAGEDLLM_ACC(11)
+#undef PAGEDLLM_ACC
+  for (int64_t c = 0; c < k4; ++c) {
+    const int8_t* p = w + c * kGroup * kBlock;
+#if PAGEDLLM_INT8_PREFETCH
+    _mm_prefetch(reinterpret_cast<const char*>(p + PAGEDLLM_INT8_PREFETCH), _MM_HINT_T0);
+#endif
+    const __m512i wv = _mm512_loadu_si512(p);
+    const uint32_t* dc = digits + c * 2 * MB;
+#define PAGEDLLM_DOT(i)                                                                     \
+    if constexpr (i < MB) {                                                                 \
+      a0_##i = _mm512_dpbusd_epi32(a0_##i, _mm512_set1_epi32(static_cast<int>(dc[2 * i])), wv);     \
+      a1_##i = _mm512_dpbusd_epi32(a1_##i, _mm512_set1_epi32(static_cast<int>(dc[2 * i + 1])), wv); \
+    }
+    PAGEDLLM_DOT(0) PAGEDLLM_DOT(1) PAGEDLLM_DOT(2) PAGEDLLM_DOT(3) PAGEDLLM_DOT(4) PAGEDLLM_DOT(5)
+    PAGEDLLM_DOT(6) PAGEDLLM_DOT(7) PAGEDLLM_DOT(8) PAGEDLLM_DOT(9) PAGEDLLM_DOT(10) PAGEDLLM_DOT(11)
+#undef PAGEDLLM_DOT
+  }
+  const __m512i a0[12] = {a0_0, a0_1, a0_2, a0_3, a0_4, a0_5, a0_6, a0_7, a0_8, a0_9, a0_10, a0_11};
+  const __m512i a1[12] = {a1_0, a1_1, a1_2, a1_3, a1_4, a1_5, a1_6, a1_7, a1_8, a1_9, a1_10, a1_11};
+  const int64_t valid = std::min<int64_t>(kBlock, n - n0);
+  const __mmask16 mask = valid >= kBlock ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
+  const __m512 s = _mm512_maskz_loadu_ps(mask, scales + n0);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  const __m512i r128 = _mm512_slli_epi32(_mm512_loadu_si512(row_sums + n0), 7);
+  for (int m = 0; m < MB; ++m) {
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(a1[m], r128));
+    const __m512 dot = _mm512_fmadd_ps(hi, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(a0[m]));
+    store_row(out + m * n + n0, _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(inv_f[m])), b), mask);
+  }
+}
+
+// Every row of the call x the block at w: row blocks of kMaxRows, then the rest.
+template <typename OutT>
+void block_rows(const uint32_t* digits, const float* inv_f, int64_t rows, int64_t k4, const int8_t* w,
+                const int32_t* row_sums, int64_t n0, int64_t n, const float* scales, const float* bias, OutT* out) {
+  int64_t m = 0;
+  for (; m + kMaxRows <= rows; m += kMaxRows)
+    micro_kernel<kMaxRows>(digits + m * k4 * 2, inv_f + m, k4, w, row_sums, n0, n, scales, bias, out + m * n);
+  const int64_t o = m;
+  switch (rows - m) {
+#define PAGEDLLM_TAIL(R)                                                                                  \
+  case R:                                                                                                 \
+    micro_kernel<R>(digits + o * k4 * 2, inv_f + o, k4, w, row_sums, n0, n, scales, bias, out + o * n); \
+    break;
+    PAGEDLLM_TAIL(1) PAGEDLLM_TAIL(2) PAGEDLLM_TAIL(3) PAGEDLLM_TAIL(4) PAGEDLLM_TAIL(5) PAGEDLLM_TAIL(6)
+    PAGEDLLM_TAIL(7) PAGEDLLM_TAIL(8) PAGEDLLM_TAIL(9) PAGEDLLM_TAIL(10) PAGEDLLM_TAIL(11)
+#undef PAGEDLLM_TAIL
+    default: break;
+  }
+}
+
+template <typename InT, typename OutT>
+void gemm(const InT* x, int64_t rows, int64_t k, const int8_t* packed, const int32_t* row_sums, int64_t n,
+          const float* scales, const float* bias, OutT* out) {
+  const int64_t k4 = k / kGroup;
+  // digits: per row block of kMaxRows rows (the last one shorter), [K / 4][rows in block][2] dwords.
+  std::vector<uint32_t> digits(rows * k4 * 2);
+  std::vector<float> inv_f(rows);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<uint32_t> d0(k4), d1(k4);
+    for (int64_t r = r0; r < r1; ++r) {
+      inv_f[r] = row_digits(x + r * k, k, reinterpret_cast<uint8_t*>(d0.data()), reinterpret_cast<uint8_t*>(d1.data()));
+      const int64_t first = r - r % kMaxRows, in_block = std::min<int64_t>(kMaxRows, rows - first), i = r - first;
+      uint32_t* dst = digits.data() + first * k4 * 2;
+      for (int64_t c = 0; c < k4; ++c) {
+        dst[(c * in_block + i) * 2] = d0[c];
+        dst[(c * in_block + i) * 2 + 1] = d1[c];
+      }
+    }
+  });
+  const int64_t blocks = (n + kBlock - 1) / kBlock, block_bytes = k4 * kGroup * kBlock;
+  // A task streams at least ~64 KiB of weights per row block (a small layer at a decode step stays
+  // on one thread when splitting it costs more than it saves).
+  const int64_t row_blocks = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t grain = std::max<int64_t>(1, 65536 / block_bytes / row_blocks);
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      block_rows(digits.data(), inv_f.data(), rows, k4, packed + b * block_bytes, row_sums, b * kBlock, n, scales, bias,
+                 out);
+  });
+}
+
+}  // namespace
+#endif  // PAGEDLLM_INT8_VNNI
+
+// x [M, K] float32 or bfloat16 -> [M, N] in x's dtype (see the header for the arithmetic).
+torch::Tensor int8_weight_only_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& row_sums,
+                                  const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias, int64_t n) {
+#if PAGEDLLM_INT8_VNNI
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t rows = x.size(0), k = x.size(1);
+  check_packed(packed, row_sums, scales, n, k);
+  TORCH_CHECK(k % 16 == 0, "K must be a multiple of 16, got ", k);
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
+                "bias must be a contiguous float32 [N] tensor");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const int32_t* sums = row_sums.data_ptr<int32_t>();
+  const float* s = scales.data_ptr<float>();
+  if (x.dtype() == torch::kFloat32) {
+    gemm<float, float>(x.data_ptr<float>(), rows, k, w, sums, n, s, bias_ptr, out.data_ptr<float>());
+  } else {
+    gemm<uint16_t, uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, k, w, sums, n, s,
+                             bias_ptr, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "int8_weight_only_mm was not compiled in: this CPU lacks avx512_vnni");
+  return x;
+#endif
+}
+
+std::vector<std::string> compiled_isas() {
+#if PAGEDLLM_INT8_VNNI
+  return {"avx512_vnni"};
+#else
+  return {};
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "int8 weight-only GEMM (AVX-512 VNNI, activations in 16-bit fixed point per row)";
+  m.def("pack_int8_weight", &pack_int8_weight, "q [N, K] int8 -> (packed [ceil(N/16), K/4, 64], row sums)",
+        py::arg("q"));
+  m.def("unpack_int8_weight", &unpack_int8_weight, "packed -> q [N, K] int8", py::arg("packed"), py::arg("n"));
+  m.def("int8_weight_only_mm", &int8_weight_only_mm, "s * (x @ q^T) + bias", py::arg("x"), py::arg("packed"),
+        py::arg("row_sums"), py::arg("scales"), py::arg("bias"), py::arg("n"));
+  m.def("compiled_isas", &compiled_isas, "the code paths compiled in: avx512_vnni, or none");
+}
