@@ -48,14 +48,18 @@ def _read_prompts(ns) -> list:
 
 
 def _cmd_generate(ns) -> int:
+    if ns.owns_process:
+        # The ~10^6 objects these imports (torch's) make live as long as the process: no
+        # collection during the imports, and none walks them again later (docs/performance.md,
+        # "Step 19: start-up, again").
+        gc.disable()
     from pagedllm.engine.arg_utils import engine_args_from_cli
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
     if ns.owns_process:
-        # The ~10^6 objects torch's import made live as long as the process: the collector need
-        # not walk them again during the load (docs/performance.md, "Step 19").
         gc.freeze()
+        gc.enable()
     prompts = _read_prompts(ns)
     args = engine_args_from_cli(ns)
     base = dict(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
