@@ -15,10 +15,10 @@ bytes (0.26 s for the 253 MB default file; content-keyed, so a moved or re-downl
 file hits the cache and an edited one misses). The folder's marker also records the GGUF file's
 fingerprint (absolute path, size, mtime and ctime in ns, inode, device); a later start whose file
 still has that fingerprint takes the marker's SHA-256 instead of reading the file again (as git's
-index trusts unchanged stat data; any write changes the ctime). A conversion is written into a temporary sibling
-folder and moved into place with ``os.replace``, so a crash never leaves a half-written cache;
-``pagedllm_gguf.json`` in the folder records the converter version, and a folder written by an
-older converter is rebuilt.
+index trusts unchanged stat data; any write changes the ctime). A conversion is written into a
+temporary sibling folder and moved into place with ``os.replace``, so a crash never leaves a
+half-written cache; ``pagedllm_gguf.json`` in the folder records the converter version, and a
+folder written by an older converter is rebuilt.
 """
 
 from __future__ import annotations
