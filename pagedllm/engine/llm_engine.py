@@ -57,7 +57,9 @@ class LLMEngine:
         self.model_config, self.cache_config, self.scheduler_config = model_cfg, cache_cfg, sched_cfg
         self.parallel_config = parallel_cfg
         executor_class = executor_class or Executor.get_class(parallel_cfg)
-        # The tokenizer (a 33 MB tokenizer.json for Gemma) loads in a thread while the weights load.
+        # The tokenizer (a 33 MB tokenizer.json for Gemma) loads in a thread while the weights load:
+        # in parallel with worker processes; with the in-process worker hardly at all, since the
+        # tokenizers loader holds the GIL throughout (docs/performance.md, "Step 19").
         with ThreadPoolExecutor(max_workers=1) as pool:
             tokenizer_future = pool.submit(Tokenizer.from_pretrained, args.tokenizer or files.folder)
             self.executor = executor_class(model_cfg, cache_cfg, sched_cfg, parallel_cfg)

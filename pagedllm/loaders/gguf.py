@@ -25,7 +25,9 @@ How llama.cpp's ``convert_hf_to_gguf.py`` changed the weights, undone here as tr
   ``num_attention_heads``, k with ``num_key_value_heads``).
 
 transformers is imported only by :func:`convert_gguf_to_hf_folder` to build the tokenizer once;
-reading and dequantizing weights uses ``gguf`` + numpy + torch only.
+reading and dequantizing weights uses ``gguf`` + numpy + torch only. ``gguf`` (~0.1 s to import)
+is imported by the functions that read tensors, so a warm start (a cached conversion, which
+imports this module for its constants) never loads it.
 """
 
 from __future__ import annotations
@@ -43,8 +45,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
 
 from pagedllm.loaders.safetensors import (
     SAFETENSORS_SINGLE_NAME,
@@ -216,6 +216,8 @@ def read_gguf_header(path: str) -> GGUFHeader:
 
 def _tensor_nbytes(name: str, shape: tuple[int, ...], ggml_type: int) -> int:
     """Bytes of a tensor of torch ``shape`` stored as ``ggml_type`` (blocks along the last dim)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     try:
         qtype = GGMLQuantizationType(ggml_type)
     except ValueError:
@@ -240,6 +242,9 @@ def dequantize_tensor(blob: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
     Raises:
         ValueError: for integer/float64 tensors or a type gguf-py cannot dequantize.
     """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
     qtype = GGMLQuantizationType(info.ggml_type)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     row_len = info.shape[-1] if info.shape else 1

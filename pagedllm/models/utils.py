@@ -81,7 +81,7 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
-            param.copy_(tensor.to(dtype=param.dtype))
+            param.copy_(tensor)  # casts in the same pass (``.to`` first would allocate and write a copy)
             loaded.add(name)
     missing = (set(params) - merged_params | set(shards)) - loaded
     if missing:

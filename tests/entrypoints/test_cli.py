@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
+import pagedllm
 from pagedllm.entrypoints.cli import build_parser, main
 
 TINY_FLAGS = ["--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory-bytes", "8MiB", "--no-progress"]
@@ -52,6 +57,24 @@ def test_text_output_labels_request_then_sample(tiny_dir, capsys):
     assert rc == 0
     labels = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("--- ")]
     assert labels == ["[0.0]", "[0.1]"]
+
+
+def test_command_process_output_equals_in_process_main(tiny_dir, capsys):
+    """``python -m pagedllm.entrypoints.cli generate`` owns its process (it stops the engine and
+    freezes the collector at its end: docs/performance.md, "Step 19"); it prints what an in-process
+    ``main([...])`` prints, and ``main([...])`` leaves the caller's collector as it was."""
+    argv = ["generate", "--model", tiny_dir, "one", "two", "--max-tokens", "3", *TINY_FLAGS]
+    frozen = gc.get_freeze_count()
+    assert main(argv) == 0
+    assert gc.get_freeze_count() == frozen
+    expected = capsys.readouterr().out
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pagedllm.__file__)))  # this checkout's package
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", *argv], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == expected
+    assert "Throughput:" in done.stderr
 
 
 def _start_log(tiny_dir, caplog, *flags) -> str:

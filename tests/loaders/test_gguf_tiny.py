@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import gguf
 import numpy as np
@@ -437,6 +438,49 @@ def test_stale_converter_version_is_rebuilt(tiny_llama_gguf, tmp_path):
     with open(marker_path) as f:
         assert json.load(f)["converter_version"] == model_files.GGUF_CONVERTER_VERSION
     assert sorted(os.listdir(cache)) == [os.path.basename(files.folder)]
+
+
+def test_unchanged_file_is_not_hashed_again(tiny_llama_gguf, tmp_path, monkeypatch):
+    """A warm start takes the SHA-256 from the marker while the file's fingerprint is unchanged;
+    a write (even one that restores size and mtime) changes the ctime, and the file is hashed."""
+    cache = str(tmp_path / "cache")
+    files = resolve_model(tiny_llama_gguf, cache_dir=cache)
+    digest = model_files.sha256_file(tiny_llama_gguf)
+    hashed = []
+    real_sha256_file = model_files.sha256_file
+    monkeypatch.setattr(model_files, "sha256_file", lambda path: hashed.append(path) or real_sha256_file(path))
+    assert resolve_model(tiny_llama_gguf, cache_dir=cache) == files
+    assert hashed == []
+    assert model_files.recorded_sha256(tiny_llama_gguf, cache) == digest
+
+    st = os.stat(tiny_llama_gguf)
+    with open(tiny_llama_gguf, "r+b") as f:  # same bytes, same size, mtime put back
+        data = f.read()
+        f.seek(0)
+        f.write(data)
+    os.utime(tiny_llama_gguf, ns=(st.st_atime_ns, st.st_mtime_ns))
+    if os.stat(tiny_llama_gguf).st_ctime_ns == st.st_ctime_ns:
+        time.sleep(0.01)  # a coarse ctime clock: touch again
+        os.utime(tiny_llama_gguf, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert model_files.recorded_sha256(tiny_llama_gguf, cache) is None
+    assert resolve_model(tiny_llama_gguf, cache_dir=cache) == files
+    assert hashed == [tiny_llama_gguf]
+    # the marker now holds the new fingerprint: the next start reads nothing again
+    assert model_files.recorded_sha256(tiny_llama_gguf, cache) == digest
+    assert resolve_model(tiny_llama_gguf, cache_dir=cache) == files
+    assert hashed == [tiny_llama_gguf]
+    assert not [n for n in os.listdir(files.folder) if n.startswith(".")]
+
+
+def test_edited_file_misses_the_recorded_hash(tiny_llama_gguf, tmp_path):
+    cache = str(tmp_path / "cache")
+    files = resolve_model(tiny_llama_gguf, cache_dir=cache)
+    with open(tiny_llama_gguf, "ab") as f:
+        f.write(b"\0" * 32)  # padding after the tensor data: same model, other bytes
+    assert model_files.recorded_sha256(tiny_llama_gguf, cache) is None
+    again = resolve_model(tiny_llama_gguf, cache_dir=cache)
+    assert os.path.basename(again.folder) == model_files.sha256_file(tiny_llama_gguf)[:16] != \
+        os.path.basename(files.folder)
 
 
 def test_unsupported_architecture_is_a_value_error(tmp_path):
