@@ -21,7 +21,7 @@ import torch
 from pagedllm.attention.backends import (
     BACKEND_ENV, AttentionSpec, get_backend, resolve_backend_name)
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.ops import build_attention_metadata, write_kv
+from pagedllm.attention.ops import build_attention_metadata, kv_cache_slots, write_kv
 
 __all__ = ["BACKEND_ENV", "Attention", "AttentionMetadata", "AttentionSpec",
            "build_attention_metadata", "write_kv"]
@@ -97,12 +97,12 @@ class Attention:
         """
         spec = self.spec
         num_tokens = metadata.num_tokens
-        if query.dim() != 3 or tuple(query.shape) != (num_tokens, spec.num_heads, spec.head_dim):
+        if query.dim() != 3 or query.shape != (num_tokens, spec.num_heads, spec.head_dim):
             raise ValueError(
                 f"query must be [{num_tokens}, {spec.num_heads}, {spec.head_dim}] (num_tokens, "
                 f"num_heads, head_dim), got {tuple(query.shape)}")
         kv_shape = (num_tokens, spec.num_kv_heads, spec.head_dim)
-        if tuple(key.shape) != kv_shape or tuple(value.shape) != kv_shape:
+        if key.shape != kv_shape or value.shape != kv_shape:
             raise ValueError(
                 f"key and value must be {list(kv_shape)} (num_tokens, num_kv_heads, head_dim), "
                 f"got {tuple(key.shape)} and {tuple(value.shape)}")
@@ -110,5 +110,16 @@ class Attention:
             raise ValueError(
                 f"cache block_size {k_cache.shape[1]} != metadata.block_size "
                 f"{metadata.block_size}")
-        write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, metadata.slot_mapping_has_padding)
+        # write_kv's cache checks and slot views, once per step and cache (every layer call of a
+        # step with these caches has the same shapes and dtypes: the key names all they depend on).
+        k_slots, v_slots = metadata.get_plan(
+            ("kv_slots", id(k_cache), id(v_cache), key.dtype, value.dtype, spec.num_kv_heads, spec.head_dim),
+            lambda _: kv_cache_slots(key, value, k_cache, v_cache))
+        if num_tokens:
+            slots = metadata.slot_mapping
+            if metadata.slot_mapping_has_padding or slots.dtype != torch.int64:
+                write_kv(key, value, k_cache, v_cache, slots, metadata.slot_mapping_has_padding)
+            else:
+                k_slots.index_copy_(0, slots, key)
+                v_slots.index_copy_(0, slots, value)
         return self._forward(spec, query, key, value, k_cache, v_cache, metadata)

@@ -46,6 +46,30 @@ def write_kv(
         raise ValueError(
             f"slot_mapping must have shape [{num_tokens}] (one slot per token), "
             f"got {tuple(slot_mapping.shape)}")
+    k_slots, v_slots = kv_cache_slots(key, value, k_cache, v_cache)
+    if num_tokens == 0:
+        return
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    if check_padding:
+        valid = slots >= 0
+        if not bool(valid.all()):  # one host sync; padding is rare (CUDA-graph style batches)
+            key, value, slots = key[valid], value[valid], slots[valid]
+    k_slots.index_copy_(0, slots, key)
+    v_slots.index_copy_(0, slots, value)
+
+
+def kv_cache_slots(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check that ``key`` / ``value`` can be written into the caches (``write_kv``'s rules) and
+    return the caches' ``[num_blocks * block_size, num_kv_heads, head_dim]`` slot views.
+
+    ``Attention`` calls it once per step and cache (``AttentionMetadata.get_plan``), not per
+    layer call: the checks and views depend only on shapes and dtypes, the same for every layer
+    call of a step that writes into these caches.
+
+    Raises:
+        ValueError: as ``write_kv``, for everything but ``slot_mapping``.
+    """
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
@@ -62,16 +86,13 @@ def write_kv(
             f"{k_cache.dtype}/{v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if num_tokens == 0:
-        return
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
-    if check_padding:
-        valid = slots >= 0
-        if not bool(valid.all()):  # one host sync; padding is rare (CUDA-graph style batches)
-            key, value, slots = key[valid], value[valid], slots[valid]
     # [num_blocks, block_size, H_kv, D] -> [num_slots, H_kv, D]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
+    return k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+
+
+# Pure decode batches of at most this many sequences take ``_build_decode_metadata`` (Python lists:
+# at batch 1, 6 us against the numpy path's 28 us, single-thread CPU time, docs/performance.md step 18).
+SMALL_DECODE_SEQS = 8
 
 
 def build_attention_metadata(
@@ -112,6 +133,8 @@ def build_attention_metadata(
         raise ValueError(
             f"query_lens, context_lens and block_tables must have one entry per sequence, got "
             f"{num_seqs}, {len(context_lens)} and {len(block_tables)}")
+    if 0 < num_seqs <= SMALL_DECODE_SEQS and all(q == 1 for q in query_lens):
+        return _build_decode_metadata(context_lens, block_tables, block_size, device)
     q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
     ctx_lens = np.asarray(context_lens, dtype=np.int64).reshape(num_seqs)
     if num_seqs and q_lens.min() < 0:
@@ -169,4 +192,45 @@ def build_attention_metadata(
         seq_lens_cpu=s_list,
         context_lens_cpu=ctx_lens.tolist(),
         slot_mapping_has_padding=False,  # every token here has a real slot
+    )
+
+
+def _build_decode_metadata(context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,
+                           device: torch.device | str) -> AttentionMetadata:
+    """``build_attention_metadata`` for one query token per sequence, in plain Python (a few
+    sequences: the numpy path's per-call cost is most of a batch-1 step's metadata time). The same
+    tensors, dtypes and errors as the numpy path (tests/attention/test_ops.py compares them)."""
+    num_seqs = len(context_lens)
+    ctx = [int(c) for c in context_lens]
+    for i, c in enumerate(ctx):
+        if c < 0:
+            raise ValueError(f"context_lens[{i}] must be >= 0, got {c}")
+    width = 0
+    for i, (c, table) in enumerate(zip(ctx, block_tables)):
+        needed = c // block_size + 1          # blocks covering positions 0 .. c
+        if len(table) < needed:
+            raise ValueError(
+                f"block_tables[{i}] has {len(table)} blocks ({len(table) * block_size} "
+                f"tokens at block_size {block_size}), but sequence {i} needs {c + 1} tokens "
+                f"({needed} blocks)")
+        width = max(width, len(table))
+    lowest = min((b for table in block_tables for b in table), default=0)
+    if lowest < 0:
+        raise ValueError(f"block ids must be >= 0, got {int(lowest)}")
+    rows = [[int(b) for b in table] + [0] * (width - len(table)) for table in block_tables]
+    slots = [rows[i][c // block_size] * block_size + c % block_size for i, c in enumerate(ctx)]
+    seq_lens = [c + 1 for c in ctx]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(rows, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_lens_cpu=[1] * num_seqs,
+        seq_lens_cpu=seq_lens,
+        context_lens_cpu=ctx,
+        slot_mapping_has_padding=False,
     )

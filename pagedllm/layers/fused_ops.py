@@ -58,11 +58,11 @@ def fused_ops_for(enabled: bool, *tensors: torch.Tensor) -> ModuleType | None:
     if not enabled:
         return None
     dtype = tensors[0].dtype
-    for t in tensors:
-        if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
-            return None
-    if dtype not in SUPPORTED_DTYPES:
+    if dtype is not torch.float32 and dtype is not torch.bfloat16:   # SUPPORTED_DTYPES
         return None
+    for t in tensors:   # ``is_cpu``: a flag read (``device.type`` builds a device object per call)
+        if not t.is_cpu or t.dtype is not dtype or not t.is_contiguous():
+            return None
     return load_fused_ops()
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.ops import build_attention_metadata
+from pagedllm.attention.ops import SMALL_DECODE_SEQS, build_attention_metadata
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.communication import recv_from_prev_stage, send_to_next_stage
 from pagedllm.distributed.parallel_state import ParallelContext
@@ -119,12 +119,17 @@ class ModelRunner:
 
         query_lens = [r.num_scheduled_tokens for r in reqs]
         context_lens = [r.num_computed_tokens for r in reqs]
-        input_ids = torch.from_numpy(np.fromiter(
-            (t for r in reqs for t in r.token_ids), dtype=np.int64, count=sum(query_lens))).to(self.device)
-        # positions: context_len .. context_len + query_len - 1 for each request, flattened.
         q = np.asarray(query_lens, dtype=np.int64)
-        starts = np.repeat(np.asarray(context_lens, dtype=np.int64) - np.concatenate(([0], np.cumsum(q)[:-1])), q)
-        positions = torch.from_numpy(np.arange(int(q.sum()), dtype=np.int64) + starts).to(self.device)
+        if len(reqs) <= SMALL_DECODE_SEQS and all(n == 1 for n in query_lens):
+            # A few decodes: two small tensors from lists (the numpy path below costs more per call).
+            input_ids = torch.tensor([r.token_ids[0] for r in reqs], dtype=torch.int64, device=self.device)
+            positions = torch.tensor(context_lens, dtype=torch.int64, device=self.device)
+        else:
+            input_ids = torch.from_numpy(np.fromiter(
+                (t for r in reqs for t in r.token_ids), dtype=np.int64, count=sum(query_lens))).to(self.device)
+            # positions: context_len .. context_len + query_len - 1 for each request, flattened.
+            starts = np.repeat(np.asarray(context_lens, dtype=np.int64) - np.concatenate(([0], np.cumsum(q)[:-1])), q)
+            positions = torch.from_numpy(np.arange(int(q.sum()), dtype=np.int64) + starts).to(self.device)
         md = build_attention_metadata(query_lens, context_lens, [r.block_table for r in reqs],
                                       self.block_size, self.device)
         # -- pipeline parallelism (issue 14): a later stage starts from the previous stage's output --

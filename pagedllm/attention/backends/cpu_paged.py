@@ -70,10 +70,11 @@ def kernel_path(kernel: ModuleType, isa: CpuIsa, dtype: torch.dtype) -> str:
     return _path_index(_compiled(kernel), isa, dtype == torch.bfloat16)[1]
 
 
-def _seq_ids(md: AttentionMetadata) -> torch.Tensor:
-    """[n] int32: the sequences with query tokens this step (built once per step)."""
-    return torch.tensor([i for i, q_len in enumerate(md.query_lens_cpu) if q_len > 0],
-                        dtype=torch.int32)
+def _step_plan(md: AttentionMetadata) -> tuple[torch.Tensor, bool]:
+    """Built once per step, shared by every layer: [n] int32, the sequences with query tokens
+    this step; whether the batch has padding rows past the last sequence's queries."""
+    seq_ids = torch.tensor([i for i, q_len in enumerate(md.query_lens_cpu) if q_len > 0], dtype=torch.int32)
+    return seq_ids, sum(md.query_lens_cpu) != md.num_tokens
 
 
 def forward(
@@ -110,13 +111,11 @@ def forward(
     if kernel is None:
         return cpu_sdpa.forward(spec, query, key, value, k_cache, v_cache, metadata)
 
-    seq_ids = metadata.get_plan("cpu_paged", _seq_ids)
+    seq_ids, padded = metadata.get_plan("cpu_paged", _step_plan)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    if metadata.query_start_loc_cpu[-1] == metadata.num_tokens:
-        out = torch.empty(query.shape, dtype=query.dtype)
-    else:  # padding rows past the last sequence stay zero
-        out = torch.zeros(query.shape, dtype=query.dtype)
+    # padding rows past the last sequence stay zero
+    out = torch.zeros(query.shape, dtype=query.dtype) if padded else torch.empty(query.shape, dtype=query.dtype)
     if seq_ids.numel():
         kernel.paged_attention(
             query, out, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
