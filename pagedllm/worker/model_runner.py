@@ -13,6 +13,7 @@ from pagedllm.attention.ops import SMALL_DECODE_SEQS, build_attention_metadata
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.communication import recv_from_prev_stage, send_to_next_stage
 from pagedllm.distributed.parallel_state import ParallelContext
+from pagedllm.layers.fused_ops import greedy_argmax
 from pagedllm.layers.greedy_head import ExactGreedyHead
 from pagedllm.outputs import Logprob
 from pagedllm.sample.metadata import SamplingMetadata
@@ -62,7 +63,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = vocab_size
-        self.sampler = Sampler()
+        # Plain greedy rows through the fused C++ argmax when the model runs the fused CPU ops.
+        self.sampler = Sampler(greedy_argmax=greedy_argmax if getattr(model, "use_fused_ops", False) else None)
         self.default_generator = make_generator(seed, device)
         self.requests = RequestStates()
         # In-process logits processors of the next step's new requests (never in the message; see
