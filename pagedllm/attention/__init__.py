@@ -110,16 +110,11 @@ class Attention:
             raise ValueError(
                 f"cache block_size {k_cache.shape[1]} != metadata.block_size "
                 f"{metadata.block_size}")
-        # write_kv's cache checks and slot views, once per step and cache (every layer call of a
-        # step with these caches has the same shapes and dtypes: the key names all they depend on).
-        k_slots, v_slots = metadata.get_plan(
-            ("kv_slots", id(k_cache), id(v_cache), key.dtype, value.dtype, spec.num_kv_heads, spec.head_dim),
-            lambda _: kv_cache_slots(key, value, k_cache, v_cache))
-        if num_tokens:
-            slots = metadata.slot_mapping
-            if metadata.slot_mapping_has_padding or slots.dtype != torch.int64:
-                write_kv(key, value, k_cache, v_cache, slots, metadata.slot_mapping_has_padding)
-            else:
-                k_slots.index_copy_(0, slots, key)
-                v_slots.index_copy_(0, slots, value)
+        slots = metadata.slot_mapping
+        if metadata.slot_mapping_has_padding or slots.dtype != torch.int64:
+            write_kv(key, value, k_cache, v_cache, slots, metadata.slot_mapping_has_padding)
+        elif num_tokens:   # write_kv without the checks done above (shapes, slot_mapping's length)
+            k_slots, v_slots = kv_cache_slots(key, value, k_cache, v_cache)
+            k_slots.index_copy_(0, slots, key)
+            v_slots.index_copy_(0, slots, value)
         return self._forward(spec, query, key, value, k_cache, v_cache, metadata)

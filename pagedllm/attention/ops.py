@@ -63,9 +63,8 @@ def kv_cache_slots(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     """Check that ``key`` / ``value`` can be written into the caches (``write_kv``'s rules) and
     return the caches' ``[num_blocks * block_size, num_kv_heads, head_dim]`` slot views.
 
-    ``Attention`` calls it once per step and cache (``AttentionMetadata.get_plan``), not per
-    layer call: the checks and views depend only on shapes and dtypes, the same for every layer
-    call of a step that writes into these caches.
+    ``Attention`` calls it and scatters itself (it has checked the rest: K/V shapes against the
+    metadata, whose ``slot_mapping`` it knows to hold no padding).
 
     Raises:
         ValueError: as ``write_kv``, for everything but ``slot_mapping``.
@@ -217,15 +216,20 @@ def _build_decode_metadata(context_lens: Sequence[int], block_tables: Sequence[S
     lowest = min((b for table in block_tables for b in table), default=0)
     if lowest < 0:
         raise ValueError(f"block ids must be >= 0, got {int(lowest)}")
-    rows = [[int(b) for b in table] + [0] * (width - len(table)) for table in block_tables]
-    slots = [rows[i][c // block_size] * block_size + c % block_size for i, c in enumerate(ctx)]
+    flat_table = [0] * (num_seqs * width)
+    for i, table in enumerate(block_tables):
+        flat_table[i * width: i * width + len(table)] = [int(b) for b in table]
+    slots = [flat_table[i * width + c // block_size] * block_size + c % block_size for i, c in enumerate(ctx)]
     seq_lens = [c + 1 for c in ctx]
+    # The four int32 tensors as contiguous views of one (one tensor built instead of four).
+    ints = torch.tensor([*range(num_seqs + 1), *seq_lens, *ctx, *flat_table], dtype=torch.int32, device=device)
+    n1 = num_seqs + 1
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(rows, dtype=torch.int32, device=device),
-        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+        block_tables=ints[n1 + 2 * num_seqs:].view(num_seqs, width),
+        query_start_loc=ints[:n1],
+        seq_lens=ints[n1: n1 + num_seqs],
+        context_lens=ints[n1 + num_seqs: n1 + 2 * num_seqs],
         max_query_len=1,
         max_seq_len=max(seq_lens),
         block_size=block_size,

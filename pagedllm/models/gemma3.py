@@ -82,7 +82,7 @@ class Gemma3Attention(nn.Module):
         if fused is not None:  # q/k norms and RoPE in place on qkv, one pass per token
             fused.gemma_qk_norm_rope_(qkv, self.q_norm.scale(), self.k_norm.scale(), rope[0], rope[1],
                                       self.num_heads, self.num_kv_heads, self.q_norm.eps, self.k_norm.eps)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)      # [T, Hq, D] (views of the merged output)
         k = k.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]

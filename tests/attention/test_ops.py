@@ -117,7 +117,8 @@ def test_write_kv_validates():
 ])
 def test_decode_metadata_equals_numpy_path(monkeypatch, ctx_lens, tables, bs):
     """Small pure-decode batches take the plain-Python builder; it gives the numpy path's
-    tensors (values and dtypes) and lists."""
+    tensors (values and dtypes; contiguous, as the C++ kernel needs, though four are views of
+    one buffer) and lists."""
     from pagedllm.attention import ops
 
     fast = build_attention_metadata([1] * len(ctx_lens), ctx_lens, tables, bs, "cpu")
@@ -125,7 +126,7 @@ def test_decode_metadata_equals_numpy_path(monkeypatch, ctx_lens, tables, bs):
     ref = build_attention_metadata([1] * len(ctx_lens), ctx_lens, tables, bs, "cpu")
     for name in ("slot_mapping", "block_tables", "query_start_loc", "seq_lens", "context_lens"):
         a, b = getattr(fast, name), getattr(ref, name)
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert a.dtype == b.dtype and torch.equal(a, b) and a.is_contiguous(), name
     for name in ("max_query_len", "max_seq_len", "block_size", "query_lens_cpu", "seq_lens_cpu",
                  "context_lens_cpu", "slot_mapping_has_padding"):
         assert getattr(fast, name) == getattr(ref, name), name
