@@ -16,12 +16,14 @@ Usage (per layer)::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pagedllm.attention.backends import (
     BACKEND_ENV, AttentionSpec, get_backend, resolve_backend_name)
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.ops import build_attention_metadata, kv_cache_slots, write_kv
+from pagedllm.attention.ops import build_attention_metadata, write_kv
 
 __all__ = ["BACKEND_ENV", "Attention", "AttentionMetadata", "AttentionSpec",
            "build_attention_metadata", "write_kv"]
@@ -65,6 +67,9 @@ class Attention:
                                   sliding_window, logits_soft_cap)
         self.backend = resolve_backend_name(backend)
         self._forward = get_backend(self.backend, cpu_isa)
+        # cpu_paged writes this step's K/V inside its kernel call (``write_kv=True``).
+        self._write_and_forward = functools.partial(self._forward, write_kv=True) \
+            if self.backend == "cpu_paged" else None
 
     def __repr__(self) -> str:
         return f"Attention({self.spec}, backend={self.backend!r})"
@@ -110,11 +115,8 @@ class Attention:
             raise ValueError(
                 f"cache block_size {k_cache.shape[1]} != metadata.block_size "
                 f"{metadata.block_size}")
-        slots = metadata.slot_mapping
-        if metadata.slot_mapping_has_padding or slots.dtype != torch.int64:
-            write_kv(key, value, k_cache, v_cache, slots, metadata.slot_mapping_has_padding)
-        elif num_tokens:   # write_kv without the checks done above (shapes, slot_mapping's length)
-            k_slots, v_slots = kv_cache_slots(key, value, k_cache, v_cache)
-            k_slots.index_copy_(0, slots, key)
-            v_slots.index_copy_(0, slots, value)
+        if (self._write_and_forward is not None and not metadata.slot_mapping_has_padding
+                and metadata.slot_mapping.dtype == torch.int64):
+            return self._write_and_forward(spec, query, key, value, k_cache, v_cache, metadata)
+        write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, metadata.slot_mapping_has_padding)
         return self._forward(spec, query, key, value, k_cache, v_cache, metadata)

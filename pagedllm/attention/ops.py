@@ -46,29 +46,6 @@ def write_kv(
         raise ValueError(
             f"slot_mapping must have shape [{num_tokens}] (one slot per token), "
             f"got {tuple(slot_mapping.shape)}")
-    k_slots, v_slots = kv_cache_slots(key, value, k_cache, v_cache)
-    if num_tokens == 0:
-        return
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
-    if check_padding:
-        valid = slots >= 0
-        if not bool(valid.all()):  # one host sync; padding is rare (CUDA-graph style batches)
-            key, value, slots = key[valid], value[valid], slots[valid]
-    k_slots.index_copy_(0, slots, key)
-    v_slots.index_copy_(0, slots, value)
-
-
-def kv_cache_slots(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check that ``key`` / ``value`` can be written into the caches (``write_kv``'s rules) and
-    return the caches' ``[num_blocks * block_size, num_kv_heads, head_dim]`` slot views.
-
-    ``Attention`` calls it and scatters itself (it has checked the rest: K/V shapes against the
-    metadata, whose ``slot_mapping`` it knows to hold no padding).
-
-    Raises:
-        ValueError: as ``write_kv``, for everything but ``slot_mapping``.
-    """
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
@@ -85,8 +62,16 @@ def kv_cache_slots(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
             f"{k_cache.dtype}/{v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
+    if num_tokens == 0:
+        return
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    if check_padding:
+        valid = slots >= 0
+        if not bool(valid.all()):  # one host sync; padding is rare (CUDA-graph style batches)
+            key, value, slots = key[valid], value[valid], slots[valid]
     # [num_blocks, block_size, H_kv, D] -> [num_slots, H_kv, D]
-    return k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
 
 
 # Pure decode batches of at most this many sequences take ``_build_decode_metadata`` (Python lists:
