@@ -511,7 +511,11 @@ void run(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache,
   T* o_base = out.data_ptr<T>();
   const T* k_base = k_cache.data_ptr<T>();
   const T* v_base = v_cache.data_ptr<T>();
-  const int64_t max_rows = kTileTokens * g.group;
+  // Work buffers sized for the largest tile of this call (a decode's tile is one token: G rows,
+  // not kTileTokens x G; every item indexes them below its own rows only).
+  int64_t max_tok = 1;
+  for (const Item& it : items) max_tok = std::max<int64_t>(max_tok, it.tok_end - it.tok_begin);
+  const int64_t max_rows = max_tok * g.group;
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
