@@ -75,7 +75,7 @@ def write_kv(
 
 
 # Pure decode batches of at most this many sequences take ``_build_decode_metadata`` (Python lists:
-# at batch 1, 6 us against the numpy path's 28 us, single-thread CPU time, docs/performance.md step 18).
+# at batch 1, 13 us against the numpy path's 28 us, single-thread CPU time, docs/performance.md step 18).
 SMALL_DECODE_SEQS = 8
 
 
