@@ -362,7 +362,8 @@ def test_build_failure_warns_once_and_runs_eager(ops, monkeypatch, caplog, make_
 @pytest.mark.parametrize("march, isa", [("x86-64-v3", "avx2"), ("x86-64", "portable")])
 def test_narrower_builds_match_too(ops, march, isa):
     """The AVX2 and portable code paths (what a CPU without AVX-512 builds with -march=native),
-    built here with an explicit -march, pass the same op checks (about 20 s per build, once)."""
+    built here with an explicit -march, pass the same op checks (about 20 s per build, once),
+    the sampler's greedy argmax included."""
     import platform
 
     from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
@@ -379,6 +380,8 @@ def test_narrower_builds_match_too(ops, march, isa):
             test_gemma_qk_norm_rope(narrow, rows, dtype, 4, 1, 256)
             test_gated_activations_are_bitwise_torch(narrow, rows, dtype, 2048)
             test_llama_rms_norm(narrow, rows, dtype)
+        for vocab in (17, 4096):
+            test_greedy_argmax_equals_torch(narrow, dtype, vocab)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
