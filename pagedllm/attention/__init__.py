@@ -16,6 +16,8 @@ Usage (per layer)::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pagedllm.attention.backends import (
@@ -65,6 +67,9 @@ class Attention:
                                   sliding_window, logits_soft_cap)
         self.backend = resolve_backend_name(backend)
         self._forward = get_backend(self.backend, cpu_isa)
+        # cpu_paged writes this step's K/V inside its kernel call (``write_kv=True``).
+        self._write_and_forward = functools.partial(self._forward, write_kv=True) \
+            if self.backend == "cpu_paged" else None
 
     def __repr__(self) -> str:
         return f"Attention({self.spec}, backend={self.backend!r})"
@@ -97,12 +102,12 @@ class Attention:
         """
         spec = self.spec
         num_tokens = metadata.num_tokens
-        if query.dim() != 3 or tuple(query.shape) != (num_tokens, spec.num_heads, spec.head_dim):
+        if query.dim() != 3 or query.shape != (num_tokens, spec.num_heads, spec.head_dim):
             raise ValueError(
                 f"query must be [{num_tokens}, {spec.num_heads}, {spec.head_dim}] (num_tokens, "
                 f"num_heads, head_dim), got {tuple(query.shape)}")
         kv_shape = (num_tokens, spec.num_kv_heads, spec.head_dim)
-        if tuple(key.shape) != kv_shape or tuple(value.shape) != kv_shape:
+        if key.shape != kv_shape or value.shape != kv_shape:
             raise ValueError(
                 f"key and value must be {list(kv_shape)} (num_tokens, num_kv_heads, head_dim), "
                 f"got {tuple(key.shape)} and {tuple(value.shape)}")
@@ -110,5 +115,8 @@ class Attention:
             raise ValueError(
                 f"cache block_size {k_cache.shape[1]} != metadata.block_size "
                 f"{metadata.block_size}")
+        if (self._write_and_forward is not None and not metadata.slot_mapping_has_padding
+                and metadata.slot_mapping.dtype == torch.int64):
+            return self._write_and_forward(spec, query, key, value, k_cache, v_cache, metadata)
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, metadata.slot_mapping_has_padding)
         return self._forward(spec, query, key, value, k_cache, v_cache, metadata)

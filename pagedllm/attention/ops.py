@@ -74,6 +74,11 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
 
 
+# Pure decode batches of at most this many sequences take ``_build_decode_metadata`` (Python lists:
+# at batch 1, 13 us against the numpy path's 28 us, single-thread CPU time, docs/performance.md step 18).
+SMALL_DECODE_SEQS = 8
+
+
 def build_attention_metadata(
     query_lens: Sequence[int],
     context_lens: Sequence[int],
@@ -112,6 +117,8 @@ def build_attention_metadata(
         raise ValueError(
             f"query_lens, context_lens and block_tables must have one entry per sequence, got "
             f"{num_seqs}, {len(context_lens)} and {len(block_tables)}")
+    if 0 < num_seqs <= SMALL_DECODE_SEQS and all(q == 1 for q in query_lens):
+        return _build_decode_metadata(context_lens, block_tables, block_size, device)
     q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
     ctx_lens = np.asarray(context_lens, dtype=np.int64).reshape(num_seqs)
     if num_seqs and q_lens.min() < 0:
@@ -169,4 +176,50 @@ def build_attention_metadata(
         seq_lens_cpu=s_list,
         context_lens_cpu=ctx_lens.tolist(),
         slot_mapping_has_padding=False,  # every token here has a real slot
+    )
+
+
+def _build_decode_metadata(context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,
+                           device: torch.device | str) -> AttentionMetadata:
+    """``build_attention_metadata`` for one query token per sequence, in plain Python (a few
+    sequences: the numpy path's per-call cost is most of a batch-1 step's metadata time). The same
+    tensors, dtypes and errors as the numpy path (tests/attention/test_ops.py compares them)."""
+    num_seqs = len(context_lens)
+    ctx = [int(c) for c in context_lens]
+    for i, c in enumerate(ctx):
+        if c < 0:
+            raise ValueError(f"context_lens[{i}] must be >= 0, got {c}")
+    width = 0
+    for i, (c, table) in enumerate(zip(ctx, block_tables)):
+        needed = c // block_size + 1          # blocks covering positions 0 .. c
+        if len(table) < needed:
+            raise ValueError(
+                f"block_tables[{i}] has {len(table)} blocks ({len(table) * block_size} "
+                f"tokens at block_size {block_size}), but sequence {i} needs {c + 1} tokens "
+                f"({needed} blocks)")
+        width = max(width, len(table))
+    lowest = min((b for table in block_tables for b in table), default=0)
+    if lowest < 0:
+        raise ValueError(f"block ids must be >= 0, got {int(lowest)}")
+    flat_table = [0] * (num_seqs * width)
+    for i, table in enumerate(block_tables):
+        flat_table[i * width: i * width + len(table)] = [int(b) for b in table]
+    slots = [flat_table[i * width + c // block_size] * block_size + c % block_size for i, c in enumerate(ctx)]
+    seq_lens = [c + 1 for c in ctx]
+    # The four int32 tensors as contiguous views of one (one tensor built instead of four).
+    ints = torch.tensor([*range(num_seqs + 1), *seq_lens, *ctx, *flat_table], dtype=torch.int32, device=device)
+    n1 = num_seqs + 1
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=ints[n1 + 2 * num_seqs:].view(num_seqs, width),
+        query_start_loc=ints[:n1],
+        seq_lens=ints[n1: n1 + num_seqs],
+        context_lens=ints[n1 + num_seqs: n1 + 2 * num_seqs],
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_lens_cpu=[1] * num_seqs,
+        seq_lens_cpu=seq_lens,
+        context_lens_cpu=ctx,
+        slot_mapping_has_padding=False,
     )

@@ -42,7 +42,7 @@ EXTENSION = CpuExtension("fused_ops", SOURCE, "fused CPU ops", "the eager torch 
 def load_fused_ops() -> ModuleType | None:
     """The C++ ops (Gemma: ``gemma_rms_norm``, ``gemma_add_rms_norm``, ``gemma_qk_norm_rope_``,
     ``gelu_tanh_and_mul``; Llama / Qwen: ``rms_norm``, ``add_rms_norm``, ``qk_norm_rope_``,
-    ``silu_and_mul``; ``compiled_isas``), compiled first on a machine that has not yet; None
+    ``silu_and_mul``; the sampler's ``greedy_argmax``; ``compiled_isas``), compiled first on a machine that has not yet; None
     (one WARNING) if that fails."""
     return load_extension(EXTENSION)
 
@@ -58,12 +58,29 @@ def fused_ops_for(enabled: bool, *tensors: torch.Tensor) -> ModuleType | None:
     if not enabled:
         return None
     dtype = tensors[0].dtype
-    for t in tensors:
-        if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
-            return None
-    if dtype not in SUPPORTED_DTYPES:
+    if dtype is not torch.float32 and dtype is not torch.bfloat16:   # SUPPORTED_DTYPES
         return None
+    for t in tensors:   # ``is_cpu``: a flag read (``device.type`` builds a device object per call)
+        if not t.is_cpu or t.dtype is not dtype or not t.is_contiguous():
+            return None
     return load_fused_ops()
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's greedy token through the C++ op (the sampler's plain greedy rows, handed to
+    ``sample.Sampler`` by the model runner when the model runs the fused ops): torch's
+    ``max(dim=-1).indices`` exactly (first maximum; first NaN; it only compares), in a quarter of
+    its time on a 262,144-token row (docs/performance.md step 18).
+
+    Args:
+        logits: [N, V] float32 / bfloat16, contiguous, on the CPU.
+    Returns:
+        [N] int64, or None (the caller runs torch) for other tensors or without the extension.
+    """
+    ops = fused_ops_for(True, logits)
+    if ops is None or logits.dim() != 2 or logits.shape[1] == 0:
+        return None
+    return ops.greedy_argmax(logits)
 
 
 def prepare_fused_ops(mode: str, device: torch.device, dtype: torch.dtype) -> bool:

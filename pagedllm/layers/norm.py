@@ -68,11 +68,20 @@ class GemmaRMSNorm(nn.Module):
         with torch.no_grad():
             self.weight_plus_one = 1.0 + self.weight.detach().float()
 
+    def _apply(self, fn, recurse=True):
+        """``Module._apply`` (``to``, ``cuda``, ``half``, ``to_empty``, ...), then the cached
+        ``1 + weight`` recomputed from the converted weight, so that ``scale`` need not check
+        per call whether the module moved."""
+        out = super()._apply(fn, recurse)
+        if self.weight_plus_one is not None:
+            self.process_weights_after_loading()
+        return out
+
     def scale(self) -> torch.Tensor:
-        """``1 + weight``, [hidden] float32: the cached copy, or computed now before any load (or
-        after the module moved to another device)."""
+        """``1 + weight``, [hidden] float32: the cached copy (kept in step with ``weight``'s
+        device by ``_apply``), or computed now before any load."""
         w1 = self.weight_plus_one
-        if w1 is None or w1.device != self.weight.device:
+        if w1 is None:
             return 1.0 + self.weight.float()
         return w1
 

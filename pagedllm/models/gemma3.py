@@ -82,10 +82,9 @@ class Gemma3Attention(nn.Module):
         if fused is not None:  # q/k norms and RoPE in place on qkv, one pass per token
             fused.gemma_qk_norm_rope_(qkv, self.q_norm.scale(), self.k_norm.scale(), rope[0], rope[1],
                                       self.num_heads, self.num_kv_heads, self.q_norm.eps, self.k_norm.eps)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)      # [T, Hq, D] (views of the merged output)
-        k = k.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]: views of the merged output, split by heads.
+        q, k, v = qkv.view(T, -1, self.head_dim).split_with_sizes(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if fused is None:
             q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, k, *rope)
@@ -173,6 +172,7 @@ class Gemma3ForCausalLM(nn.Module):
         init_stage_and_lm_head(self, config, ctx)
         self.final_logit_softcapping = config.final_logit_softcapping
         self.layer_sliding_windows = [layer.self_attn.sliding_window for layer in self.stage_layers]
+        self._embed_scales: dict[torch.dtype, torch.Tensor] = {}   # see _embed_scale
         # CPU float32 / bfloat16: fused C++ ops between the GEMMs (layers/fused_ops.py).
         self.use_fused_ops = config.cpu_fused_ops != "off"
         for module in self.modules():
@@ -192,11 +192,18 @@ class Gemma3ForCausalLM(nn.Module):
         """
         if self.ctx.is_first_stage:
             embed = self.model.embed_tokens
-            # Scale cast as transformers does: float32 tensor first, then the weight dtype.
-            hidden_states = embed(input_ids) * torch.tensor(self.model.embed_scale).to(embed.weight.dtype)
+            hidden_states = embed(input_ids) * self._embed_scale(embed.weight.dtype)
         ropes = {t: rotary(positions, hidden_states.dtype) for t, rotary in self.model.rotary_emb.items()}
         return run_decoder_layers(self, self.stage_layers, lambda layer: ropes[layer.layer_type], hidden_states, kv_caches,
                                   attn_metadata, fused_ops_for(self.use_fused_ops, hidden_states) is not None)
+
+    def _embed_scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """sqrt(hidden_size) as a 0-d tensor in ``dtype``, cast as transformers does (a float32
+        tensor first, then the weight dtype); built once per dtype, not per step."""
+        scale = self._embed_scales.get(dtype)
+        if scale is None:
+            scale = self._embed_scales[dtype] = torch.tensor(self.model.embed_scale).to(dtype)
+        return scale
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding ([vocab, hidden]); with tied embeddings also the LM head's weight."""

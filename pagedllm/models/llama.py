@@ -80,10 +80,9 @@ class LlamaAttention(nn.Module):
         if fused is not None:  # (Qwen3's q/k norms and) RoPE in place on qkv, one pass per token
             fused.qk_norm_rope_(qkv, *(norms or (None, None)), rope[0], rope[1], self.num_heads, self.num_kv_heads,
                                 self.head_dim, self.q_norm.eps if self.qk_norm else 0.0)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)      # [T, Hq, D] (views of the merged output)
-        k = k.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]: views of the merged output, split by heads.
+        q, k, v = qkv.view(T, -1, self.head_dim).split_with_sizes(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if fused is None:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)

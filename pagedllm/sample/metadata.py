@@ -9,6 +9,8 @@ row; only ``allowed_token_ids`` needs a ``[rows, vocab]`` bool mask.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -179,11 +181,21 @@ class SamplingMetadata:
                                          device)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         needs = [i for i, p in enumerate(params) if p.needs_sampled_logprobs]
-        logprob_rows = None if len(needs) == n else torch.tensor(needs, dtype=torch.int64, device=device)
+        if len(needs) == n:
+            logprob_rows = None
+        else:
+            logprob_rows = torch.tensor(needs, dtype=torch.int64, device=device) if needs else _no_rows(device)
         return cls(num_reqs=n, vocab_size=vocab_size, all_greedy=all_greedy, all_random=all_random,
                    greedy_rows=greedy_rows, random_rows=random_rows, random=random,
                    adjustments=adjustments, max_num_logprobs=max(asked) if asked else None,
                    logprob_rows=logprob_rows)
+
+
+@functools.cache
+def _no_rows(device) -> torch.Tensor:
+    """A [0] int64 tensor on ``device``, shared by the steps where no row needs its sampled
+    logprob (plain greedy decoding: one tensor less to build per step); read, never written."""
+    return torch.empty(0, dtype=torch.int64, device=device)
 
 
 def _build_random(params: Sequence[SamplingParams], random_idx: list[int],

@@ -21,6 +21,7 @@ distribution.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,17 @@ class SamplerOutput:
 
 class Sampler:
     """Picks one token per row from ``[N, vocab]`` logits; stateless (generators live with the
-    requests)."""
+    requests).
+
+    Args:
+        greedy_argmax: for batches of plain greedy rows, ``[N, V] logits -> [N] int64`` equal to
+            ``logits.max(dim=-1).indices``, or None where it cannot run (then torch runs); the
+            model runner passes ``layers.fused_ops.greedy_argmax`` when the model runs the fused
+            CPU ops. None: torch always.
+    """
+
+    def __init__(self, greedy_argmax: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
+        self.greedy_argmax = greedy_argmax
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
@@ -93,7 +104,9 @@ class Sampler:
             # indices are the first maximum, as ``argmax``'s; a bfloat16 row widened to float32 has
             # the same order, so this is the float32 path's answer without the [N, V] conversion
             # (and torch's bfloat16 ``max`` is 5x faster than its bfloat16 ``argmax``).
-            sampled = logits.max(dim=-1).indices
+            sampled = self.greedy_argmax(logits) if self.greedy_argmax is not None else None
+            if sampled is None:
+                sampled = logits.max(dim=-1).indices
             return SamplerOutput(sampled_token_ids=sampled,
                                  sampled_logprobs=torch.full(sampled.shape, float("nan"), device=logits.device))
         if logits.dtype != torch.float32:

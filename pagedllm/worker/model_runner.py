@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import logging
 import math
+from itertools import accumulate
 
 import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.ops import build_attention_metadata
+from pagedllm.attention.ops import SMALL_DECODE_SEQS, build_attention_metadata
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.communication import recv_from_prev_stage, send_to_next_stage
 from pagedllm.distributed.parallel_state import ParallelContext
+from pagedllm.layers.fused_ops import greedy_argmax
 from pagedllm.layers.greedy_head import ExactGreedyHead
 from pagedllm.outputs import Logprob
 from pagedllm.sample.metadata import SamplingMetadata
@@ -62,7 +64,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = vocab_size
-        self.sampler = Sampler()
+        # Plain greedy rows through the fused C++ argmax when the model runs the fused CPU ops.
+        self.sampler = Sampler(greedy_argmax=greedy_argmax if getattr(model, "use_fused_ops", False) else None)
         self.default_generator = make_generator(seed, device)
         self.requests = RequestStates()
         # In-process logits processors of the next step's new requests (never in the message; see
@@ -119,31 +122,41 @@ class ModelRunner:
 
         query_lens = [r.num_scheduled_tokens for r in reqs]
         context_lens = [r.num_computed_tokens for r in reqs]
-        input_ids = torch.from_numpy(np.fromiter(
-            (t for r in reqs for t in r.token_ids), dtype=np.int64, count=sum(query_lens))).to(self.device)
-        # positions: context_len .. context_len + query_len - 1 for each request, flattened.
-        q = np.asarray(query_lens, dtype=np.int64)
-        starts = np.repeat(np.asarray(context_lens, dtype=np.int64) - np.concatenate(([0], np.cumsum(q)[:-1])), q)
-        positions = torch.from_numpy(np.arange(int(q.sum()), dtype=np.int64) + starts).to(self.device)
+        num_tokens = sum(query_lens)
+        # Token offsets of each request's chunk in the flattened batch: [0, q0, q0 + q1, ...] (Python
+        # ints: after the forward has streamed the weights, numpy's code runs from cold caches).
+        starts = [0, *accumulate(query_lens)]
+        if len(reqs) <= SMALL_DECODE_SEQS and num_tokens == len(reqs) and all(n == 1 for n in query_lens):
+            # A few decodes: one small tensor from lists, input ids then positions (the numpy path
+            # below costs more per call).
+            ids_pos = torch.tensor([*(r.token_ids[0] for r in reqs), *context_lens], dtype=torch.int64,
+                                   device=self.device)
+            input_ids, positions = ids_pos[:num_tokens], ids_pos[num_tokens:]
+        else:
+            input_ids = torch.from_numpy(np.fromiter(
+                (t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)).to(self.device)
+            # positions: context_len .. context_len + query_len - 1 for each request, flattened.
+            q = np.asarray(query_lens, dtype=np.int64)
+            shift = np.repeat(np.asarray(context_lens, dtype=np.int64) - np.asarray(starts[:-1], dtype=np.int64), q)
+            positions = torch.from_numpy(np.arange(num_tokens, dtype=np.int64) + shift).to(self.device)
         md = build_attention_metadata(query_lens, context_lens, [r.block_table for r in reqs],
                                       self.block_size, self.device)
         # -- pipeline parallelism (issue 14): a later stage starts from the previous stage's output --
         if self.parallel.is_first_stage:
             hidden = self.model(input_ids, positions, self.kv_caches, md)      # [T, H]
         else:
-            received = recv_from_prev_stage((int(q.sum()), self.hidden_size), self.dtype, self.device, self.parallel)
+            received = recv_from_prev_stage((num_tokens, self.hidden_size), self.dtype, self.device, self.parallel)
             hidden = self.model(input_ids, positions, self.kv_caches, md, hidden_states=received)
         if not self.parallel.is_last_stage:
             send_to_next_stage(hidden, self.parallel)
             return output
 
-        ends = np.cumsum(q) - 1                                                # last token index per request
+        ends = [e - 1 for e in starts[1:]]                                     # last token index per request
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
         if sample_rows and self.greedy_head is not None and self.is_driver:
             self._sample_with_greedy_head(sched, reqs, sample_rows, hidden, ends, output)
         elif sample_rows:
-            idx = torch.as_tensor(ends[sample_rows], device=self.device)
-            logits = self.model.compute_logits(hidden[idx])                    # [N, V], model dtype
+            logits = self.model.compute_logits(self._sampled_hidden(hidden, [ends[i] for i in sample_rows]))  # [N, V]
             if self.is_driver:  # the other ranks of the last stage only joined the gather
                 states = [reqs[i].state for i in sample_rows]
                 # Forks (n > 1 / best_of): each draws its first token from its parent's row.
@@ -154,8 +167,15 @@ class ModelRunner:
                     logits = logits.index_select(0, rows)                      # [N + F, V]
                     states = states + [st for _, st in fork_rows]
                 self._sample_logits(sched, states, logits, output)
-        self._prompt_logprobs(reqs, hidden, np.concatenate(([0], np.cumsum(q))), output)
+        self._prompt_logprobs(reqs, hidden, starts, output)
         return output
+
+    def _sampled_hidden(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``hidden[rows]`` ([len(rows), H]); ``hidden`` itself when the rows are all of its rows
+        (``rows`` is increasing: a decode-only step where every request samples)."""
+        if len(rows) == hidden.shape[0]:
+            return hidden
+        return hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
 
     def _sample_logits(self, sched: SchedulerOutput, states: list, logits: torch.Tensor,
                        output: ModelRunnerOutput) -> None:
@@ -196,7 +216,7 @@ class ModelRunner:
         return not (len(state.output_token_ids) < p.min_tokens and (p.eos_token_ids or p.stop_token_ids))
 
     def _sample_with_greedy_head(self, sched: SchedulerOutput, reqs: list[ScheduledRequest], sample_rows: list[int],
-                                 hidden: torch.Tensor, ends: np.ndarray, output: ModelRunnerOutput) -> None:
+                                 hidden: torch.Tensor, ends: list[int], output: ModelRunnerOutput) -> None:
         """Sampling on the driver with the exact greedy head (``layers/greedy_head.py``; only with
         one tensor rank): plain greedy rows (``is_plain_greedy``) take the exact head's argmax
         when at most ``greedy_head.max_rows`` of them sample this step; their
@@ -210,8 +230,7 @@ class ModelRunner:
             if parent in row_of:
                 states.append(st)
                 src.append(row_of[parent])
-        idx = torch.as_tensor(ends[sample_rows], device=self.device)
-        h = hidden[idx]                                                        # [N, H]
+        h = self._sampled_hidden(hidden, [ends[i] for i in sample_rows])      # [N, H]
         plain = [k for k, st in enumerate(states) if self.is_plain_greedy(st, sched.structured_output_request_ids)]
         plain_rows = sorted({src[k] for k in plain})
         tokens: dict[int, int] = {}
@@ -252,7 +271,7 @@ class ModelRunner:
             out.append(entry)
         return out
 
-    def _prompt_logprobs(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, starts: np.ndarray,
+    def _prompt_logprobs(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, starts: list[int],
                          output: ModelRunnerOutput) -> None:
         """Logprobs of prompt tokens 1..P-1 covered by this step's chunk: the logits at position
         j score prompt token j + 1."""

@@ -263,6 +263,50 @@ def test_kernel_rejects_out_of_range_block_id():
                                torch.zeros(1, dtype=torch.int32), 1.0, 0, 0.0, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_kv_as_write_kv(dtype):
+    """``cpu_paged`` writes this step's K/V inside the kernel call: the caches end up bitwise as
+    after ``write_kv`` (strided K/V views of a fused qkv, a prefill chunk and decodes), and the
+    output is the same as the kernel's on caches written beforehand."""
+    from pagedllm.attention import write_kv
+
+    kernel = cpu_paged.load_kernel()
+    if kernel is None:
+        pytest.skip("the C++ paged-attention kernel did not build here (no compiler or ninja, or a compile error: the warning above names it)")
+    h, h_kv, d, bs = 4, 2, 16, 4
+    md = build_attention_metadata([6, 1, 1], [0, 3, 9], [[3, 0], [1], [4, 2, 5]], bs, "cpu")
+    qkv = torch.randn(8, (h + 2 * h_kv) * d).to(dtype)
+    q, k, v = qkv.split([h * d, h_kv * d, h_kv * d], dim=-1)
+    q, k, v = q.view(8, h, d), k.view(8, h_kv, d), v.view(8, h_kv, d)
+    k_cache, v_cache = torch.randn(6, bs, h_kv, d).to(dtype), torch.randn(6, bs, h_kv, d).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv(k, v, k_ref, v_ref, md.slot_mapping)
+    spec = AttentionSpec(h, d, h_kv, 0.25)
+    want = cpu_paged.forward(spec, q, k, v, k_ref, v_ref, md)
+    out = Attention(h, d, h_kv, 0.25, backend="cpu_paged")(q, k, v, k_cache, v_cache, md)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(out, want)
+
+
+def test_kernel_write_rejects_bad_slots_and_shapes():
+    kernel = cpu_paged.load_kernel()
+    if kernel is None:
+        pytest.skip("the C++ paged-attention kernel did not build here (no compiler or ninja, or a compile error: the warning above names it)")
+    md = build_attention_metadata([1], [4], [[0, 1]], block_size=4, device="cpu")
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+    cache = torch.zeros(2, 4, 1, 8)
+    args = (q, torch.empty_like(q), cache, cache, md.block_tables, md.query_start_loc, md.seq_lens,
+            md.context_lens, torch.zeros(1, dtype=torch.int32), 1.0, 0, 0.0, 0)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[0\] = 8 out of range"):
+        kernel.paged_attention(*args, k, k, torch.tensor([8]))
+    with pytest.raises(RuntimeError, match="key and value must be"):
+        kernel.paged_attention(*args, torch.randn(1, 2, 8), torch.randn(1, 2, 8), md.slot_mapping)
+    with pytest.raises(RuntimeError, match="all three or none"):
+        kernel.paged_attention(*args, k, k, None)
+    with pytest.raises(RuntimeError, match="int64"):
+        kernel.paged_attention(*args, k, k, md.slot_mapping.int())
+
+
 def test_build_failure_warns_and_falls_back(monkeypatch, caplog):
     """No compiler: load_kernel returns None with a WARNING, and forward equals cpu_sdpa's."""
     from torch.utils import cpp_extension

@@ -107,3 +107,41 @@ def test_write_kv_validates():
     with pytest.raises(ValueError, match="key must be"):
         write_kv(torch.randn(3, 2, 8), torch.randn(3, 2, 8), k_cache, v_cache,
                  torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("ctx_lens, tables, bs", [
+    ([0], [[3]], 4),
+    ([63], [[5, 1, 9, 2]], 16),
+    ([7, 0, 30, 16], [[2, 3], [9], [4, 5, 6, 7, 8], [0, 1, 10]], 8),
+    ([15, 2], [[11, 12, 13], [14]], 8),               # longer tables than needed
+])
+def test_decode_metadata_equals_numpy_path(monkeypatch, ctx_lens, tables, bs):
+    """Small pure-decode batches take the plain-Python builder; it gives the numpy path's
+    tensors (values and dtypes; contiguous, as the C++ kernel needs, though four are views of
+    one buffer) and lists."""
+    from pagedllm.attention import ops
+
+    fast = build_attention_metadata([1] * len(ctx_lens), ctx_lens, tables, bs, "cpu")
+    monkeypatch.setattr(ops, "SMALL_DECODE_SEQS", 0)
+    ref = build_attention_metadata([1] * len(ctx_lens), ctx_lens, tables, bs, "cpu")
+    for name in ("slot_mapping", "block_tables", "query_start_loc", "seq_lens", "context_lens"):
+        a, b = getattr(fast, name), getattr(ref, name)
+        assert a.dtype == b.dtype and torch.equal(a, b) and a.is_contiguous(), name
+    for name in ("max_query_len", "max_seq_len", "block_size", "query_lens_cpu", "seq_lens_cpu",
+                 "context_lens_cpu", "slot_mapping_has_padding"):
+        assert getattr(fast, name) == getattr(ref, name), name
+
+
+@pytest.mark.parametrize("small", [True, False])
+@pytest.mark.parametrize("ctx_lens, tables, match", [
+    ([-2], [[0]], r"context_lens\[0\]"),
+    ([4], [[0]], r"block_tables\[0\] has 1 blocks"),
+    ([0, 0], [[0], [-3]], "block ids"),
+])
+def test_decode_metadata_rejects_bad_input_on_both_paths(monkeypatch, small, ctx_lens, tables, match):
+    from pagedllm.attention import ops
+
+    if not small:
+        monkeypatch.setattr(ops, "SMALL_DECODE_SEQS", 0)
+    with pytest.raises(ValueError, match=match):
+        build_attention_metadata([1] * len(ctx_lens), ctx_lens, tables, block_size=4, device="cpu")

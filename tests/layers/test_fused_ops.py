@@ -362,7 +362,8 @@ def test_build_failure_warns_once_and_runs_eager(ops, monkeypatch, caplog, make_
 @pytest.mark.parametrize("march, isa", [("x86-64-v3", "avx2"), ("x86-64", "portable")])
 def test_narrower_builds_match_too(ops, march, isa):
     """The AVX2 and portable code paths (what a CPU without AVX-512 builds with -march=native),
-    built here with an explicit -march, pass the same op checks (about 20 s per build, once)."""
+    built here with an explicit -march, pass the same op checks (about 20 s per build, once),
+    the sampler's greedy argmax included."""
     import platform
 
     from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
@@ -379,3 +380,40 @@ def test_narrower_builds_match_too(ops, march, isa):
             test_gemma_qk_norm_rope(narrow, rows, dtype, 4, 1, 256)
             test_gated_activations_are_bitwise_torch(narrow, rows, dtype, 2048)
             test_llama_rms_norm(narrow, rows, dtype)
+        for vocab in (17, 4096):
+            test_greedy_argmax_equals_torch(narrow, dtype, vocab)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 255, 4096, 262144])
+def test_greedy_argmax_equals_torch(ops, dtype, vocab):
+    """``greedy_argmax`` is torch's ``max(dim).indices`` (= ``argmax``) exactly: first maximum,
+    first NaN when a row has one, -0.0 == 0.0, all -inf -> 0; ties at every position of a vector."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(24, vocab, generator=g).to(dtype)
+    x[1] = x[1].round()                                     # many ties (bf16 and float32)
+    x[2] = float("-inf")
+    x[3] = 0.0
+    x[3, ::2] = -0.0
+    x[4, vocab // 2:] = float("inf")                       # first inf in the second half
+    x[5, (vocab * 3) // 4] = float("nan")
+    x[6, vocab - 1] = float("nan")
+    x[6, 0] = float("nan")
+    x[7] = float("nan")
+    x[8] = x[8].abs() * -1 - 1
+    x[8, vocab - 1] = -0.5                                   # the maximum in the tail
+    for r in range(9, 24):                                 # a tie of the row maximum at a random later index
+        j = int(torch.randint(0, vocab, (1,), generator=g))
+        x[r, j:] = torch.minimum(x[r, j:], x[r].max())
+        x[r, j] = x[r].max()
+    got = ops.greedy_argmax(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.max(dim=-1).indices)
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_greedy_argmax_rejects_bad_input(ops):
+    with pytest.raises(RuntimeError, match="vocab >= 1"):
+        ops.greedy_argmax(torch.empty(2, 0))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.greedy_argmax(torch.randn(8, 8).t())

@@ -24,3 +24,20 @@ def test_fused_and_unfused_paths_are_bitwise_equal(dtype, shape):
     y = norm(x)
     assert y.dtype == dtype and y.shape == x.shape
     assert torch.equal(y, three_steps(norm, x))
+
+
+def test_gemma_scale_cache_follows_module_conversions():
+    """``GemmaRMSNorm.scale`` returns its cached ``1 + w`` without a per-call device check; the
+    cache is recomputed when the module is converted (``_apply``: ``to``, ``to_empty``, ...)."""
+    norm = GemmaRMSNorm(8)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+    assert torch.equal(norm.scale(), 1.0 + norm.weight.float())       # before loading: computed per call
+    norm.process_weights_after_loading()
+    cached = norm.scale()
+    assert cached is norm.scale() and torch.equal(cached, 1.0 + norm.weight.float())
+    norm.to(torch.bfloat16)                                            # the weight is rounded: so is 1 + w
+    assert norm.scale().dtype == torch.float32
+    assert torch.equal(norm.scale(), 1.0 + norm.weight.float())
+    norm.to("meta")
+    assert norm.scale().device.type == "meta"

@@ -68,6 +68,36 @@ def test_plain_greedy_rows_in_the_model_dtype_equal_the_float32_path(dtype):
     assert _sample(logits, params).sampled_token_ids.tolist() == out.sampled_token_ids.tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_greedy_rows_through_the_fused_argmax(dtype):
+    """The model runner hands the sampler the fused C++ argmax (``layers.fused_ops.greedy_argmax``)
+    when the model runs the fused ops: same tokens as torch's path; a non-contiguous batch (the op
+    answers None) falls back to torch."""
+    from pagedllm.layers.fused_ops import greedy_argmax, load_fused_ops
+
+    if load_fused_ops() is None:
+        pytest.skip("the fused CPU ops did not build here (no C++ compiler): nothing to compare")
+    torch.manual_seed(1)
+    logits = (torch.randn(6, 262144) * 4).to(dtype)
+    logits[1, [7, 300, 200000]] = 100.0
+    logits[2, :] = 0.0
+    logits[4, 123456] = float("nan")
+    params = [SamplingParams(temperature=0.0) for _ in range(6)]
+    calls = []
+
+    def counted(x):
+        calls.append(x.shape)
+        return greedy_argmax(x)
+    fused = Sampler(greedy_argmax=counted)(logits, _build(params, logits))
+    assert calls == [logits.shape]
+    assert torch.equal(fused.sampled_token_ids, Sampler()(logits, _build(params, logits)).sampled_token_ids)
+    assert fused.sampled_token_ids.tolist()[1:3] == [7, 0] and fused.sampled_token_ids[4] == 123456
+    wide = torch.cat([logits, logits], dim=1)[:, ::2]   # not contiguous: the op declines, torch runs
+    assert greedy_argmax(wide) is None
+    assert torch.equal(Sampler(greedy_argmax=greedy_argmax)(wide, _build(params, wide)).sampled_token_ids,
+                       wide.max(dim=-1).indices)
+
+
 def test_all_greedy_builds_no_tensors():
     md = _build([SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, seed=3)])
     assert md.all_greedy and not md.all_random

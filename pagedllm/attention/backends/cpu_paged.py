@@ -27,6 +27,7 @@ from types import ModuleType
 
 import torch
 
+from pagedllm.attention import ops
 from pagedllm.attention.backends import AttentionSpec, cpu_sdpa
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.platforms.cpu import CpuIsa, resolve_cpu_isa
@@ -70,10 +71,11 @@ def kernel_path(kernel: ModuleType, isa: CpuIsa, dtype: torch.dtype) -> str:
     return _path_index(_compiled(kernel), isa, dtype == torch.bfloat16)[1]
 
 
-def _seq_ids(md: AttentionMetadata) -> torch.Tensor:
-    """[n] int32: the sequences with query tokens this step (built once per step)."""
-    return torch.tensor([i for i, q_len in enumerate(md.query_lens_cpu) if q_len > 0],
-                        dtype=torch.int32)
+def _step_plan(md: AttentionMetadata) -> tuple[torch.Tensor, bool]:
+    """Built once per step, shared by every layer: [n] int32, the sequences with query tokens
+    this step; whether the batch has padding rows past the last sequence's queries."""
+    seq_ids = torch.tensor([i for i, q_len in enumerate(md.query_lens_cpu) if q_len > 0], dtype=torch.int32)
+    return seq_ids, sum(md.query_lens_cpu) != md.num_tokens
 
 
 def forward(
@@ -85,19 +87,24 @@ def forward(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     isa: CpuIsa | None = None,
+    write_kv: bool = False,
 ) -> torch.Tensor:
     """Paged attention over a flattened batch of prefill chunks and decodes (CPU kernel).
 
     Args:
         spec: the layer's heads, scale, window and soft cap.
         query: [num_tokens, num_heads, head_dim], float32 or bfloat16 (else ``cpu_sdpa`` runs).
-        key, value: [num_tokens, num_kv_heads, head_dim], this step's K/V; unused (the kernel
-            reads them back from the cache, where they were just written).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, already
-            holding this step's K/V.
+        key, value: [num_tokens, num_kv_heads, head_dim], this step's K/V; read only with
+            ``write_kv`` (the kernel reads them back from the cache).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, holding
+            this step's K/V already, or (``write_kv``) after this call.
         metadata: this step's AttentionMetadata (int32 block tables and lengths on the CPU).
         isa: the micro-kernels to run (``platforms.cpu``; None = the best the CPU's flags
             allow); a path not compiled into this build runs the fastest one below it.
+        write_kv: write ``key`` / ``value`` into the caches first, through
+            ``metadata.slot_mapping`` (int64, no padding slots: ``Attention`` checks): inside the
+            kernel's call (one call per layer instead of two ``index_copy_`` and the kernel), else
+            with ``ops.write_kv``.
     Returns:
         [num_tokens, num_heads, head_dim] in query dtype; rows of padding tokens (past the last
         sequence's queries) are zero.
@@ -108,19 +115,22 @@ def forward(
     if query.device.type == "cpu" and query.dtype in SUPPORTED_DTYPES:
         kernel = load_kernel()
     if kernel is None:
+        if write_kv:
+            ops.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, False)
         return cpu_sdpa.forward(spec, query, key, value, k_cache, v_cache, metadata)
 
-    seq_ids = metadata.get_plan("cpu_paged", _seq_ids)
+    seq_ids, padded = metadata.get_plan("cpu_paged", _step_plan)
+    if write_kv and not seq_ids.numel():   # no kernel call to write in
+        ops.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, False)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    if metadata.query_start_loc_cpu[-1] == metadata.num_tokens:
-        out = torch.empty(query.shape, dtype=query.dtype)
-    else:  # padding rows past the last sequence stay zero
-        out = torch.zeros(query.shape, dtype=query.dtype)
+    # padding rows past the last sequence stay zero
+    out = torch.zeros(query.shape, dtype=query.dtype) if padded else torch.empty(query.shape, dtype=query.dtype)
     if seq_ids.numel():
         kernel.paged_attention(
             query, out, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
             metadata.seq_lens, metadata.context_lens, seq_ids, spec.scale,
             spec.sliding_window or 0, spec.logits_soft_cap or 0.0,
-            _path_index(_compiled(kernel), isa or resolve_cpu_isa("auto"), query.dtype == torch.bfloat16)[0])
+            _path_index(_compiled(kernel), isa or resolve_cpu_isa("auto"), query.dtype == torch.bfloat16)[0],
+            *((key, value, metadata.slot_mapping) if write_kv else ()))
     return out

@@ -12,6 +12,9 @@
 //   block_tables:     [num_seqs, max_num_blocks] int32.
 //   query_start_loc:  [num_seqs + 1] int32; seq_lens, context_lens: [num_seqs] int32.
 //   seq_ids:          [n] int32, the sequences this call handles (the others' rows are untouched).
+//   key, value, slot_mapping (optional): this step's K/V [num_tokens, num_kv_heads, head_dim]
+//                     (head_dim contiguous) and int64 slots [num_tokens], written into the caches
+//                     before attending (write_kv's index_copy_, without padding slots).
 //
 // Work item = (sequence, kv head, tile of up to kTileTokens query tokens). The G = num_heads /
 // num_kv_heads query heads of a kv head are processed together (rows = tokens x G), so each K/V row
@@ -39,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -507,7 +511,11 @@ void run(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache,
   T* o_base = out.data_ptr<T>();
   const T* k_base = k_cache.data_ptr<T>();
   const T* v_base = v_cache.data_ptr<T>();
-  const int64_t max_rows = kTileTokens * g.group;
+  // Work buffers sized for the largest tile of this call (a decode's tile is one token: G rows,
+  // not kTileTokens x G; every item indexes them below its own rows only).
+  int64_t max_tok = 1;
+  for (const Item& it : items) max_tok = std::max<int64_t>(max_tok, it.tok_end - it.tok_begin);
+  const int64_t max_rows = max_tok * g.group;
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
@@ -542,14 +550,55 @@ void check_int32_cpu(const at::Tensor& t, const char* name) {
               " must be a contiguous int32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
 
+// Copies token t's K and V ([num_kv_heads, head_dim] rows of key / value, heads strided, head_dim
+// contiguous) to cache slot slots[t] (= block * block_size + offset) of the contiguous caches,
+// as write_kv's index_copy_ does (pagedllm/attention/ops.py); every slot must be in range.
+void write_kv_slots(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  const int64_t tokens = key.size(0), heads = k_cache.size(2), d = k_cache.size(3);
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == heads && key.size(2) == d,
+              "key and value must be [num_tokens, ", heads, ", ", d, "] to match the cache, got ", key.sizes(),
+              " and ", value.sizes());
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type(),
+              "key/value dtype must be the caches' ", k_cache.scalar_type());
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu(), "key and value must be CPU tensors");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value must be contiguous in head_dim");
+  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous() && slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens,
+              "slot_mapping must be a contiguous int64 CPU tensor of ", tokens, " slots");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = d * static_cast<int64_t>(key.element_size());
+  const int64_t slot_stride = heads * d;   // elements per slot (contiguous caches)
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const auto* kp = static_cast<const char*>(key.data_ptr());
+  const auto* vp = static_cast<const char*>(value.data_ptr());
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t esz = key.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slots[t];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "slot_mapping[", t, "] = ", slot, " out of range [0, ",
+                num_slots, ")");
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t dst = (slot * slot_stride + h * d) * esz;
+      std::memcpy(kc + dst, kp + (t * key.stride(0) + h * key.stride(1)) * esz, row_bytes);
+      std::memcpy(vc + dst, vp + (t * value.stride(0) + h * value.stride(1)) * esz, row_bytes);
+    }
+  }
+}
+
 }  // namespace
 
-// Writes the attention output of every query token of the sequences `seq_ids` into `out`.
+// Writes the attention output of every query token of the sequences `seq_ids` into `out`. With
+// key, value and slot_mapping, first writes this step's K/V into the caches (one call per layer
+// instead of two index_copy_ and the kernel).
 void paged_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& context_lens, const at::Tensor& seq_ids, double scale,
-                     int64_t sliding_window, double logits_soft_cap, int64_t isa) {
+                     int64_t sliding_window, double logits_soft_cap, int64_t isa,
+                     const std::optional<at::Tensor>& key, const std::optional<at::Tensor>& value,
+                     const std::optional<at::Tensor>& slot_mapping) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out must be [num_tokens, num_heads, head_dim] of the same shape, got ",
               query.sizes(), " and ", out.sizes());
@@ -574,6 +623,9 @@ void paged_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor&
   check_int32_cpu(context_lens, "context_lens");
   check_int32_cpu(seq_ids, "seq_ids");
   TORCH_CHECK(block_tables.dim() == 2, "block_tables must be 2-D");
+  TORCH_CHECK(key.has_value() == value.has_value() && key.has_value() == slot_mapping.has_value(),
+              "key, value and slot_mapping: all three or none");
+  if (key.has_value()) write_kv_slots(*key, *value, k_cache, v_cache, *slot_mapping);
 
   Geometry g;
   g.num_heads = query.size(1);
@@ -681,7 +733,12 @@ bool built_with_avx2() { return PAGEDLLM_AVX2; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released: the kernel touches no Python objects, and a server's other threads run.
   m.def("paged_attention", &paged_attention,
-        "Paged attention over the block table, in place into out (float32 / bfloat16, CPU)",
+        "Paged attention over the block table, in place into out (float32 / bfloat16, CPU); with key, "
+        "value and slot_mapping, this step's K/V are written into the caches first",
+        py::arg("query"), py::arg("out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("context_lens"), py::arg("seq_ids"),
+        py::arg("scale"), py::arg("sliding_window"), py::arg("logits_soft_cap"), py::arg("isa"),
+        py::arg("key") = py::none(), py::arg("value") = py::none(), py::arg("slot_mapping") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("compiled_isas", &compiled_isas,
         "Names of the code paths compiled in; the index of a name is paged_attention's isa argument");

@@ -12,7 +12,9 @@
 //   rms_norm              Llama RMSNorm: w * cast(x / rms(x)) (LlamaRMSNorm);
 //   add_rms_norm          Llama residual step: new_residual = residual + h; x = rms_norm(new_residual);
 //   qk_norm_rope_         Llama / Qwen RoPE in place on qkv (after Qwen3's per-head RMSNorm);
-//   silu_and_mul          silu(gate) * up ([T, 2I] -> [T, I]).
+//   silu_and_mul          silu(gate) * up ([T, 2I] -> [T, I]);
+//   greedy_argmax         per row the index of the first maximum (of the first NaN, if any), as
+//                         torch's max(dim).indices / argmax: the sampler's plain greedy rows.
 // All sums are float32. bfloat16 values are rounded (round to nearest even, as torch) at exactly
 // the points where the eager code produces a bfloat16 tensor, so an op differs from the eager code
 // only by the order of the float32 sum of squares (a few float32 ulp of the inverse rms; at most
@@ -47,6 +49,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <string>
 #include <optional>
@@ -532,6 +535,66 @@ void qk_norm_rope_(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight, c
   });
 }
 
+// ---------------------------------- greedy argmax ----------------------------------
+
+// Index of the first maximum of x[0..n) (n >= 1), or of the first NaN if there is one: torch's
+// max(dim).indices / argmax on the CPU (-0.0 == 0.0; -inf rows give 0). Two passes: the vector
+// maximum (NaN-propagating), then the first lane equal to it. Exact: only compares, no arithmetic.
+template <typename T>
+int64_t row_argmax(const T* x, int64_t n) {
+  const int64_t full = n - n % kW;
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  if (full) {
+    fVec vm = load(x);
+    for (int64_t i = kW; i < full; i += kW) vm = at::vec::maximum(vm, load(x + i));
+    float lanes[kW];
+    vm.store(lanes);
+    for (int64_t j = 0; j < kW; ++j) {
+      if (std::isnan(lanes[j])) nan = true;
+      else if (lanes[j] > m) m = lanes[j];
+    }
+  }
+  for (int64_t i = full; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v)) nan = true;
+    else if (v > m) m = v;
+  }
+  const fVec mv(m);
+  constexpr int all_miss = (1 << kW) - 1;
+  for (int64_t i = 0; i < full; i += kW) {
+    const fVec v = load(x + i);
+    const int miss = nan ? v.isnan().zero_mask() : (v == mv).zero_mask();   // bit j set: lane j differs
+    if (miss != all_miss) {
+      for (int64_t j = 0; j < kW; ++j) {
+        if (!((miss >> j) & 1)) return i + j;
+      }
+    }
+  }
+  for (int64_t i = full; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (nan ? std::isnan(v) : v == m) return i;
+  }
+  return 0;  // not reached: some element equals the maximum
+}
+
+// [N, V] logits -> [N] int64: each row's greedy token (see row_argmax).
+at::Tensor greedy_argmax(const at::Tensor& logits) {
+  check_float_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [num_rows, vocab] with vocab >= 1");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  dispatch(logits.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = logits.data_ptr<scalar_t>();
+    for_rows(rows, n, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = row_argmax(xp + r * n, n);
+    });
+  });
+  return out;
+}
+
 std::vector<std::string> compiled_isas() { return {PAGEDLLM_VEC_NAME}; }
 
 }  // namespace
@@ -559,5 +622,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "RoPE in place on qkv's q and k heads, after per-head Llama RMSNorm when weights are given",
         py::arg("qkv"), py::arg("q_weight"), py::arg("k_weight"), py::arg("cos"), py::arg("sin"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"));
+  m.def("greedy_argmax", &greedy_argmax, "[N, V] -> [N] int64: first index of each row's maximum (first NaN)",
+        py::arg("logits"));
   m.def("compiled_isas", &compiled_isas, "the vector code path compiled in: avx512, avx2 or portable");
 }
