@@ -190,6 +190,7 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
         "p50_decode_step_s": percentile(decode_steps, 50), "p90_decode_step_s": percentile(decode_steps, 90),
         "decode_tokens_per_s": batch_size / step if step else None,
         "dtype": str(engine.executor.driver_worker.dtype).replace("torch.", ""),
+        "quantization": engine.model_config.quantization,
     }
     if timer is not None:
         bd = timer.as_dict()
@@ -210,7 +211,8 @@ def format_latency(result: dict) -> str:
     """Human-readable summary (ms)."""
     ms = lambda v: "n/a" if v is None else f"{v * 1000:.1f} ms"  # noqa: E731
     lines = [f"==== Latency: batch {result['batch_size']} x ({result['input_len']} in, {result['output_len']} out), "
-             f"{result['dtype']}, {result['num_iters']} iterations ====",
+             f"{result['dtype']}{'' if not result.get('quantization') else ', ' + result['quantization']}, "
+             f"{result['num_iters']} iterations ====",
              f"end-to-end     mean {ms(result['mean_latency_s'])}  p50 {ms(result['p50_latency_s'])}  "
              f"p90 {ms(result['p90_latency_s'])}  p99 {ms(result['p99_latency_s'])}",
              f"prefill phase  mean {ms(result['mean_prefill_phase_s'])}",

@@ -99,6 +99,7 @@ class DPEngineClient:
         self._results: dict[int, dict[int, Any]] = {}
         self._buffered: list = []
         self._send_lock = threading.Lock()
+        self._shutdown_lock = threading.Lock()   # one shutdown at a time (zmq sockets are not thread-safe)
 
         threads = replica_threads(engine_args, parallel_cfg.world_size, os.cpu_count())
         replica_args = dataclasses.replace(engine_args, data_parallel_size=1,
@@ -385,19 +386,21 @@ class DPEngineClient:
                                               for i in range(self.num_replicas)}}
 
     def shutdown(self) -> None:
-        """Stop every replica (graceful, then terminate) and close the sockets (idempotent)."""
-        if not self.processes:
-            return
-        with self._send_lock:
-            for i, sock in enumerate(self._inputs):
-                if self.processes[i].is_alive():
-                    self._send(i, ("shutdown",))
-        stop_processes(self.processes, REPLICA_STOP_TIMEOUT_S)
-        self.processes = []
-        for sock in self._inputs + [self._outputs]:
-            sock.close(linger=0)
-        self._ctx.term()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        """Stop every replica (graceful, then terminate) and close the sockets (idempotent; a call
+        while another thread's is under way waits for it and returns)."""
+        with self._shutdown_lock:
+            if not self.processes:
+                return
+            with self._send_lock:
+                for i, sock in enumerate(self._inputs):
+                    if self.processes[i].is_alive():
+                        self._send(i, ("shutdown",))
+            stop_processes(self.processes, REPLICA_STOP_TIMEOUT_S)
+            self.processes = []
+            for sock in self._inputs + [self._outputs]:
+                sock.close(linger=0)
+            self._ctx.term()
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
 class DPAsyncLLM(AsyncFrontEnd):

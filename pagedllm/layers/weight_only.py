@@ -321,7 +321,8 @@ def quantize_weight_only(model: nn.Module, mode: str, cpu_isa: str = "auto") -> 
         make_head=lambda weight, bias: make_weight_only_layer(HEAD_MODE[mode], weight, bias,
                                                               WEIGHT_ONLY_COMPUTE_DTYPE, int8_kernel))
     delta = sum(m.weight_bytes for m in model.modules() if isinstance(m, _WeightOnlyLinear)) - before
-    logger.info("%s: quantized %d linear layers%s, the LM head in %s (%+.0f MiB); int8 kernel: %s (%s)", mode,
+    logger.info("%s: quantized %d linear layers%s, the LM head in %s (%+.0f MiB against the model's float "
+                "linear layers); int8 kernel: %s (%s)", mode,
                 replaced, " (and the tied LM head's copy)" if tied else "", HEAD_MODE[mode], delta / 2**20,
                 int8_kernel, why)
     return delta

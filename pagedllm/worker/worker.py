@@ -197,8 +197,10 @@ class Worker:
                                                self.scheduler_config.max_num_seqs, self.model_config.cpu_gemm)
         self._weight_bytes = weight_bytes
         self.weights_load_s = time.perf_counter() - t0
-        logger.info("Model weights: %.1f MiB in %s on %s, loaded in %.2f s",
-                    weight_bytes / 2**20, str(self.dtype).replace("torch.", ""), self.device, self.weights_load_s)
+        quant = self.model_config.quantization
+        quant_note = f", {quant} weights" if quant not in (None, "gguf") else ""
+        logger.info("Model weights: %.1f MiB (%s%s) on %s, loaded in %.2f s", weight_bytes / 2**20,
+                    str(self.dtype).replace("torch.", ""), quant_note, self.device, self.weights_load_s)
         prepare_backend(self.model_config.attention_backend, self.device, self.dtype,
                         self.model_config.cpu_isa)  # compiles the CPU kernel on a first start
         prepare_fused_ops(self.model_config.cpu_fused_ops, self.device, self.dtype)  # likewise the fused ops

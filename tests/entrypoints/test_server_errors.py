@@ -235,3 +235,37 @@ def test_sigterm_exits_cleanly(server):
     assert server.proc.wait(60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)
+
+
+def test_a_stream_still_running_at_the_shutdown_timeout_ends_with_an_error_event(launch_server, tiny_path):
+    """SIGINT with ``--shutdown-timeout 0.2`` while a long stream runs: after 0.2 s the stream gets an
+    OpenAI error body (the server is shutting down) and ``[DONE]``, not a dropped connection,
+    and the server exits with status 0."""
+    import json
+    import time
+
+    server = launch_server(["serve", tiny_path, "--max-model-len", "512", "--kv-cache-memory-bytes", "16MiB",
+                            "--dtype", "float32", "--block-size", "16", "--shutdown-timeout", "0.2"],
+                           "shutdown_timeout_server", module="pagedllm.entrypoints.cli")
+    body = {"model": tiny_path, "prompt": "The quick brown fox", "max_tokens": 500, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for line in lines:                      # the first token: the request is running
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    break
+            signalled = time.monotonic()
+            server.proc.send_signal(signal.SIGINT)
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "shutting down" in error["message"], error
+    assert len(events) > 3                          # tokens kept streaming during the timeout
+    assert time.monotonic() - signalled < 30
+    assert server.proc.wait(60) == 0

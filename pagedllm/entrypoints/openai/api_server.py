@@ -334,6 +334,47 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(0)
 
 
+# After ``--shutdown-timeout`` the requests still running are failed (an error response, or an
+# error event and ``[DONE]`` on a stream); uvicorn then waits this many more seconds for those
+# responses to be written before it cancels what is left.
+SHUTDOWN_FLUSH_S = 5.0
+
+
+def _make_server(config, engine, shutdown_timeout_s: float):
+    """A ``uvicorn.Server`` whose graceful shutdown fails the engine's requests still running
+    ``shutdown_timeout_s`` seconds after it began, so that each gets a clean error instead of a
+    dropped connection (uvicorn alone cancels the handlers' tasks at its timeout).
+
+    Args:
+        config: the ``uvicorn.Config`` (its ``timeout_graceful_shutdown`` should be
+            ``shutdown_timeout_s + SHUTDOWN_FLUSH_S``).
+        engine: the server's engine front end (``shutdown()`` fails its running requests with
+            ``EngineDeadError``, HTTP 503; idempotent).
+        shutdown_timeout_s: seconds in-flight requests get to finish (``--shutdown-timeout``).
+    """
+    import threading
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        # The thread that stops the engine at the timeout (None: not started); the caller joins
+        # it before its own ``engine.shutdown()``, so the two never run at once.
+        engine_stopper: threading.Thread | None = None
+
+        async def shutdown(self, sockets=None) -> None:
+            def stop_engine() -> None:
+                self.engine_stopper = threading.Thread(target=engine.shutdown, name="engine-shutdown", daemon=True)
+                self.engine_stopper.start()
+
+            fail = asyncio.get_running_loop().call_later(shutdown_timeout_s, stop_engine)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                fail.cancel()
+
+    return _Server(config)
+
+
 def run_server(ns: argparse.Namespace) -> int:
     """Load the model, serve until SIGINT/SIGTERM, shut down gracefully.
 
@@ -358,8 +399,8 @@ def run_server(ns: argparse.Namespace) -> int:
     app = build_app(state)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             access_log=not ns.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=ns.shutdown_timeout)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=ns.shutdown_timeout + SHUTDOWN_FLUSH_S)
+    server = _make_server(config, state.engine, ns.shutdown_timeout)
     logger.info("serving %s as %s on http://%s:%d (api key %s)", state.models.root, state.models.served_model_names,
                 ns.host, ns.port, "required" if api_key else "off")
     try:
@@ -367,6 +408,8 @@ def run_server(ns: argparse.Namespace) -> int:
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
+        if server.engine_stopper is not None:
+            server.engine_stopper.join()
         state.engine.shutdown()
     logger.info("server stopped")
     return 0
