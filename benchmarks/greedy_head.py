@@ -103,7 +103,14 @@ def main() -> None:
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         w = weight.to(dtype)
         full = PackedLinear(w, None, 64)
-        heads = {kind: ExactGreedyHead(w, kind, 64) for kind in ("bf16", "int8")}
+        from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_kernel_for
+
+        kinds = ("bf16", "int8") + (("int8_vnni",) if int8_kernel_for()[0] == VNNI_KERNEL else ())
+        heads = {kind: ExactGreedyHead(w, kind, 64) for kind in kinds}
+        for kind, head in heads.items():   # a row's fallback does not depend on the other rows
+            _, fb = head.argmax(hidden.to(dtype))
+            print(f"{str(dtype)[6:]:9s} {kind}: {int(fb.sum())} of {hidden.shape[0]} rows fall back to the full head",
+                  flush=True)
         for m in [int(r) for r in args.rows.split(",")]:
             x = hidden[:m].to(dtype)
             ref = (x.double() @ w.double().t()).argmax(dim=1)

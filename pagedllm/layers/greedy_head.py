@@ -29,7 +29,13 @@ Two passes (``ExactGreedyHead.argmax``)
      ``aten._weight_int8pack_mm`` (float32 FMAs over ``x_i * (q_ji * s_j)``, bfloat16 output;
      torch's ``int8mm_kernel.cpp``).
 
-   Both kernels take bf16 activations. A float32 row is split into ``x_hi = bf16(x)`` and
+   - ``"int8_vnni"``: the same ``W~`` through the AVX-512 VNNI kernel of ``layers/int8_gemm.py``,
+     which takes the row as it is (float32) in 16-bit fixed point and sums exactly in integers
+     (its own bound below): no split, a quarter of the float32 head's bytes. Its window is wider
+     (the int8 weight term), so it allows more candidates (``MAX_CANDIDATES_VNNI``) before a row
+     falls back; the exact re-score of a few hundred 640-wide rows costs well under a millisecond.
+
+   The first two kernels take bf16 activations. A float32 row is split into ``x_hi = bf16(x)`` and
    ``x_lo = bf16(x - x_hi)``, run as two kernel rows (at a decode step's few rows the head costs
    about the same for 2M rows as for M: it is memory bound), and ``c = fl32(c_hi + c_lo)``; the
    remainder ``x_res = x - x_hi - x_lo`` (about 2^-16 |x|) stays in the bound. Without the split
@@ -66,6 +72,21 @@ kernel row's value before its output rounding is the exact sum plus ``e`` with
 and the code uses twice that (``B_j``): the factor 2 also covers the float64 rounding of
 computing ``B`` itself, and a looser bound only adds candidates, never drops the answer.
 ``tests/layers/test_greedy_head.py`` checks ``|c - r| <= B`` on every element of thousands of rows.
+
+For ``"int8_vnni"`` (the kernel's arithmetic: ``csrc/int8_gemm.cpp``'s header): with
+``f = fl32(32767 / max|x|)``, each ``X_i = round(fl32(x_i f))`` is ``x_i f + e_i`` with ``|e_i| <= 0.5 +
+32768 u <= 0.502``, and ``S_j = sum_i X_i q_ji`` is exact; so ``s_j S_j / f`` differs from
+``sum_i x_i W~_ji`` by at most ``0.502 / f sum_i |W~_ji| <= 0.503 max|x| K A_j / 32767``. The kernel
+then rounds ``S_j`` to float32 through two int32 sums (at most ``3 u 65790 sum_i |q_ji|``, i.e.
+``<= 6.1 u max|x| K A_j`` in the scores' units) and multiplies by ``fl32(s_j fl32(max|x| / 32767))``
+(four relative roundings against ``1 / f``: ``<= 4.01 u (|x|_1 A_j + 0.51 max|x| K A_j / 32767)``).
+With the weight term as above, and no subnormals on this integer path (a row with ``0 < max|x| <
+2^-100``, where ``f`` could overflow, goes to the full head):
+
+    |c_j - r_j| <= |x|_1 E_j + A_j (max|x| K (0.503 / 32767 + 7 u) + 4.01 u |x|_1)
+
+and ``B_j`` is twice that. It has no term in ``|c_j|``, so the window below is ``D = 2 a`` with
+``a = 2 (|x|_1 E_max + A_max (max|x| K (0.503 / 32767 + 7 u) + 4.01 u |x|_1))``.
 
 Finding the candidates without computing ``B`` for every token: since
 ``|c^_hi| + |c^_lo| <= (1 + u)|c| + 2 |c^_lo|`` and ``|c^_lo| <= 2 |x_lo|_1 A_max``,
@@ -109,6 +130,10 @@ MAX_CANDIDATES = 64
 # are read again), and the most blocks per row read that way (more: the bound for the whole row).
 _BLOCK = 256
 MAX_HIT_BLOCKS = 64
+# The same two limits for "int8_vnni" (module docstring): its bound leaves a median of 60 and at
+# most 1,681 candidates on 133 real hidden rows of the default model (docs/performance.md, step 21).
+MAX_CANDIDATES_VNNI = 4096
+MAX_HIT_BLOCKS_VNNI = 2048
 _U_BF16 = 2.0 ** -8   # bf16: 8 significant bits, round to nearest
 _U_F32 = 2.0 ** -24
 _U_F64 = 2.0 ** -53
@@ -166,15 +191,29 @@ class ExactGreedyHead:
             self._layer = PackedLinear(wq, None, max(1, int(batch_hint)))
             approx = wq.float()
             self.extra_bytes = wq.numel() * 2
-        elif kind == "int8":
+        elif kind in ("int8", "int8_vnni"):
             scale = round_up_to_bf16(w.abs().amax(dim=1) / 127.0)
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             self.qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
             self.scales = scale.to(torch.bfloat16)                       # exact: bf16 values
             approx = self.qweight.float() * scale[:, None]               # exact in float32 (15 bits)
             self.extra_bytes = self.qweight.numel() + 2 * self.scales.numel()
+            if kind == "int8_vnni":
+                from pagedllm.layers.int8_gemm import load_int8_gemm
+
+                if self.hidden_size % 16:
+                    raise ValueError(f"kind 'int8_vnni' needs a hidden size that is a multiple of 16, got {self.hidden_size}")
+                self._ext = load_int8_gemm()
+                self.packed, self.row_sums = self._ext.pack_int8_weight(self.qweight)
+                self.qweight = None
+                self.scales = scale.float().contiguous()                  # the same bf16 values, float32
+                self.extra_bytes = self.packed.numel() + 4 * self.row_sums.numel() + 4 * self.scales.numel()
         else:
-            raise ValueError(f"kind must be 'bf16' or 'int8', got {kind!r}")
+            raise ValueError(f"kind must be 'bf16', 'int8' or 'int8_vnni', got {kind!r}")
+        # int8_vnni's window is wider (its weight term) and its candidates are re-scored without a
+        # second pass: it takes more of both before a row goes to the full head.
+        self.max_candidates = MAX_CANDIDATES_VNNI if kind == "int8_vnni" else MAX_CANDIDATES
+        self.max_hit_blocks = MAX_HIT_BLOCKS_VNNI if kind == "int8_vnni" else MAX_HIT_BLOCKS
         # Per-token constants (float64): E_j = max |W~ - W|, A_j = max |W~|.
         err = torch.empty(self.vocab_size, dtype=torch.float64)
         for lo in range(0, self.vocab_size, 16384):   # chunks: float64 copies stay small
@@ -187,6 +226,11 @@ class ExactGreedyHead:
         self.g64 = gamma(self.hidden_size, _U_F64)
         self.weight_error_max = float(self.weight_error.max())
         self.approx_max_max = float(self.approx_max.max())
+        # Per block of _BLOCK tokens: the largest E_j and A_j (int8_vnni's per-block window).
+        nb = -(-self.vocab_size // _BLOCK)
+        pad = nb * _BLOCK - self.vocab_size
+        self.block_weight_error = torch.nn.functional.pad(self.weight_error, (0, pad)).view(nb, _BLOCK).amax(dim=1)
+        self.block_approx_max = torch.nn.functional.pad(self.approx_max, (0, pad)).view(nb, _BLOCK).amax(dim=1)
         self.num_rows = 0            # rows asked (counters for tests and logs)
         self.num_fallback_rows = 0
 
@@ -221,7 +265,14 @@ class ExactGreedyHead:
         return kin, split, norms
 
     def cheap_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-        """[M, K] -> (``c_hi`` [M, V] bf16, ``c_lo`` [M, V] bf16 or None, the row norms of ``_split``)."""
+        """[M, K] -> (``c_hi`` [M, V] bf16, ``c_lo`` [M, V] bf16 or None, the row norms of ``_split``);
+        ``int8_vnni``: (``c`` [M, V] float32, None, ``n1`` = |x|_1 and ``xinf`` = max|x| [M] float64)."""
+        if self.kind == "int8_vnni":   # the row goes in as it is (16-bit fixed point inside the kernel)
+            xd = x.double()
+            norms = {"n1": xd.abs().sum(dim=1), "xinf": xd.abs().amax(dim=1)}
+            c = self._ext.int8_weight_only_mm(x.float().contiguous(), self.packed, self.row_sums, self.scales,
+                                              None, self.vocab_size)
+            return c, None, norms
         kin, split, norms = self._split(x)
         if self.kind == "bf16":
             out = self._layer(kin)
@@ -243,11 +294,20 @@ class ExactGreedyHead:
         def per_row(name):
             t = norms[name]
             return t[:, None] if rows is None else t[rows]
+        a_j, e_j = self.approx_max[toks], self.weight_error[toks]
+        if self.kind == "int8_vnni":
+            return 2.0 * (per_row("n1") * e_j + a_j * self._vnni_row_term(per_row("n1"), per_row("xinf")))
         eta = 2.0 * self.hidden_size * 2.0 ** -126 * (1.0 + self.approx_max_max + per_row("xinf"))
         coef_a = self.g32 * per_row("nhl") + per_row("nres")
         outs = c_hi.double().abs() if c_lo is None else c_hi.double().abs() + c_lo.double().abs()
-        a_j, e_j = self.approx_max[toks], self.weight_error[toks]
         return 2.0 * (coef_a * a_j + per_row("n1") * e_j + _U_BF16 * outs + _U_F32 * c.double().abs() + eta)
+
+    def _vnni_row_term(self, n1: torch.Tensor, xinf: torch.Tensor) -> torch.Tensor:
+        """``int8_vnni``: the bound's factor of ``A_j`` (module docstring): the row's fixed-point
+        rounding, ``0.503 xinf K / 32767``, and the kernel's float32 steps, ``7 u xinf K + 4.01 u |x|_1``
+        (plus ``2^-100`` for what the derivation's first-order terms leave out)."""
+        k = self.hidden_size
+        return xinf * k * (0.503 / 32767.0 + 7.0 * _U_F32) + 4.01 * _U_F32 * n1 + 2.0 ** -100
 
     def error_bound(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cheap scores ``c`` [M, V] float32, ``B`` [M, V] float64) with ``|c - r| <= B``
@@ -278,21 +338,44 @@ class ExactGreedyHead:
         if nfull * _BLOCK < v:
             bmax = torch.cat([bmax, c[:, nfull * _BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
         cmax = bmax.amax(dim=1).double()
+        if self.kind == "int8_vnni":
+            # Every candidate j has c_j + B_j >= max_k (c_k - B_k) >= c_top - B_top (top = the largest
+            # c), and B_j <= 2 (|x|_1 E_max(b) + A_max(b) t) on its block b: a block whose maximum
+            # plus that cannot reach c_top - B_top holds no candidate.
+            top = c.argmax(dim=1)
+            term = self._vnni_row_term(norms["n1"], norms["xinf"])                         # [M]
+            b_top = 2.0 * (norms["n1"] * self.weight_error[top] + self.approx_max[top] * term)
+            reach = 2.0 * (norms["n1"][:, None] * self.block_weight_error[None, :]
+                           + term[:, None] * self.block_approx_max[None, :])               # [M, nb]
         # Uniform window D (module docstring): every candidate has c >= cmax - D.
-        alpha = 2.0 * ((self.g32 * norms["nhl"] + norms["nres"]) * self.approx_max_max
-                       + norms["n1"] * self.weight_error_max + 4.0 * _U_BF16 * norms["nlo"] * self.approx_max_max
-                       + 2.0 * self.hidden_size * 2.0 ** -126 * (1.0 + self.approx_max_max + norms["xinf"]))
-        beta = 2.0 * (_U_BF16 + 2.0 * _U_F32)
+        if self.kind == "int8_vnni":   # B_j <= alpha: no term in |c_j|
+            alpha = 2.0 * (norms["n1"] * self.weight_error_max
+                           + self.approx_max_max * self._vnni_row_term(norms["n1"], norms["xinf"]))
+            beta = 0.0
+        else:
+            alpha = 2.0 * ((self.g32 * norms["nhl"] + norms["nres"]) * self.approx_max_max
+                           + norms["n1"] * self.weight_error_max + 4.0 * _U_BF16 * norms["nlo"] * self.approx_max_max
+                           + 2.0 * self.hidden_size * 2.0 ** -126 * (1.0 + self.approx_max_max + norms["xinf"]))
+            beta = 2.0 * (_U_BF16 + 2.0 * _U_F32)
         thr = cmax - (2.0 * alpha + 2.0 * beta * cmax.abs()) / (1.0 - beta)   # [M] float64
         fallback = ~(torch.isfinite(cmax) & torch.isfinite(norms["n1"]))
-        hit = (bmax.double() >= thr[:, None]) & ~fallback[:, None]           # [M, nb]
-        wide = hit.sum(dim=1) > MAX_HIT_BLOCKS
+        if self.kind == "int8_vnni":   # 32767 / max|x| would overflow float32: not this path
+            fallback |= (norms["xinf"] > 0) & (norms["xinf"] < 2.0 ** -100)
+        if self.kind == "int8_vnni":
+            hit = (bmax.double() + reach >= (cmax - b_top)[:, None]) & ~fallback[:, None]
+        else:
+            hit = (bmax.double() >= thr[:, None]) & ~fallback[:, None]       # [M, nb]
+        wide = hit.sum(dim=1) > self.max_hit_blocks
         hit &= ~wide[:, None]
         hit_row, hit_blk = hit.nonzero(as_tuple=True)                          # [P]
         cols = hit_blk[:, None] * _BLOCK + torch.arange(_BLOCK)[None, :]      # [P, BLOCK]
         vals = c[hit_row[:, None], cols.clamp(max=v - 1)].double()
         vals.masked_fill_(cols >= v, -math.inf)
-        pr, pc = (vals >= thr[hit_row][:, None]).nonzero(as_tuple=True)
+        if self.kind == "int8_vnni":
+            keep_tok = vals + reach[hit_row, hit_blk][:, None] >= (cmax - b_top)[hit_row][:, None]
+        else:
+            keep_tok = vals >= thr[hit_row][:, None]
+        pr, pc = keep_tok.nonzero(as_tuple=True)
         cand_row, cand_tok, cand_c = hit_row[pr], cols[pr, pc], vals[pr, pc]  # [Q]
         # The exact per-token bound on those tokens, then c + B >= max (c - B).
         bound = self._bound(norms, cand_row, cand_tok, cand_c, c_hi[cand_row, cand_tok],
@@ -311,7 +394,7 @@ class ExactGreedyHead:
             selw = cwd + bw >= (cwd - bw).amax(dim=1, keepdim=True)           # [F, V]
             wr, wt = selw.nonzero(as_tuple=True)
             cand_row, cand_tok = torch.cat([cand_row, w_rows[wr]]), torch.cat([cand_tok, wt])
-        fallback |= torch.bincount(cand_row, minlength=m) > MAX_CANDIDATES
+        fallback |= torch.bincount(cand_row, minlength=m) > self.max_candidates
         keep = ~fallback[cand_row]
         cand_row, cand_tok = cand_row[keep], cand_tok[keep]
         tokens = torch.full((m,), -1, dtype=torch.int64)
@@ -354,12 +437,18 @@ class ExactGreedyHead:
 
 
 def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device, tp_size: int,
-                       quantization: str | None, is_last_stage: bool = True) -> tuple[str | None, int, str]:
+                       quantization: str | None, is_last_stage: bool = True,
+                       cpu_isa: str = "auto") -> tuple[str | None, int, str]:
     """Whether the exact greedy head runs, with which cheap kind and up to how many rows.
 
     ``auto`` on the CPU, one tensor rank, no quantization, last pipeline stage:
 
-    - float32 model, native bf16 (``onednn_linear_available(bfloat16)``): ``"bf16"`` for steps
+    - float32 model on a CPU with AVX-512 VNNI (``layers.int8_gemm.int8_kernel_for(cpu_isa)``):
+      ``"int8_vnni"`` for steps with up to ``INT8_VNNI_MAX_ROWS`` plain greedy rows. Measured on
+      the default model's head and 133 real hidden rows (one thread): 2.6x less head time at
+      M = 1, 2.8x at 2, 2.0x at 4, 1.4x at 8 (bf16: 1.6 / 1.7 / 1.4 / 1.3x), no row falling back
+      (docs/performance.md, session 8 step 21).
+    - float32 model, native bf16 (``onednn_linear_available(bfloat16)``), no VNNI: ``"bf16"`` for steps
       with up to ``BF16_MAX_ROWS`` plain greedy rows. Measured on Gemma 3 270M's head and real
       hidden rows (AVX-512 bf16, one thread): 1.55x less head time at M = 1, 1.31x at 8, 1.09x
       at 16 (noise), 0.71x at 64 (the activation split doubles the kernel's rows).
@@ -393,7 +482,11 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
         return None, 0, "bfloat16 model: no cheaper pass than its bf16 head (measured)"
     if model_dtype != torch.float32:
         return None, 0, f"dtype {model_dtype}"
+    from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_kernel_for
     from pagedllm.layers.linear import onednn_linear_available
+
+    if int8_kernel_for(cpu_isa)[0] == VNNI_KERNEL:
+        return "int8_vnni", INT8_VNNI_MAX_ROWS, "float32 model, AVX-512 VNNI: int8 cheap pass"
 
     if onednn_linear_available(torch.bfloat16):
         return "bf16", BF16_MAX_ROWS, "float32 model, native bf16: bf16 cheap pass"
@@ -402,3 +495,5 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
 
 # Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md, session 7 step 14).
 BF16_MAX_ROWS = 8
+# The same for the int8 VNNI pass (docs/performance.md, session 8 step 21).
+INT8_VNNI_MAX_ROWS = 8

@@ -219,7 +219,7 @@ class Worker:
         """
         kind, max_rows, why = choose_greedy_head(
             self.model_config.exact_greedy_head, self.dtype, self.device, self.parallel.tp_size,
-            self.model_config.quantization, self.parallel.is_last_stage)
+            self.model_config.quantization, self.parallel.is_last_stage, self.model_config.cpu_isa)
         if kind is None:
             logger.info("exact greedy head: off (%s)", why)
             return 0

@@ -15,15 +15,21 @@ import torch
 
 from pagedllm.layers.greedy_head import (MAX_CANDIDATES, ExactGreedyHead, choose_greedy_head, gamma,
                                          round_up_to_bf16)
+from pagedllm.layers.int8_gemm import VNNI_FLAGS
 from pagedllm.layers.linear import onednn_linear_available
 from pagedllm.layers.weight_only import weight_only_available
+from pagedllm.platforms.cpu import cpu_flags
 
 BF16_OK = onednn_linear_available(torch.bfloat16)
 INT8_OK = weight_only_available("int8_weight_only")
+VNNI_MISSING = [f for f in VNNI_FLAGS if f not in cpu_flags()]
+VNNI_OK = not VNNI_MISSING
 KINDS = [pytest.param("bf16", marks=pytest.mark.skipif(
              not BF16_OK, reason="no native bf16 oneDNN inner product on this CPU (avx512_bf16 / AMX)")),
          pytest.param("int8", marks=pytest.mark.skipif(
-             not INT8_OK, reason="aten._weight_int8pack_mm does not run here"))]
+             not INT8_OK, reason="aten._weight_int8pack_mm does not run here")),
+         pytest.param("int8_vnni", marks=pytest.mark.skipif(
+             not VNNI_OK, reason=f"the VNNI int8 kernel needs the CPU flags {VNNI_MISSING}"))]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -177,11 +183,16 @@ def test_non_finite_and_wide_rows_fall_back(kind):
     head = ExactGreedyHead(w, kind, 4)
     x = _hidden(3, 64, torch.float32, seed=6)
     x[1, 0] = float("nan")
-    x[2] = 0.0                                        # every token scores 0: > MAX_CANDIDATES tie
+    x[2] = 0.0                                        # every token scores 0: a 4096-way tie
     tokens, fallback = head.argmax(x)
-    assert fallback.tolist() == [False, True, True]
+    if head.max_candidates < 4096:                    # bf16, int8: too many candidates
+        assert fallback.tolist() == [False, True, True]
+        assert head.num_fallback_rows == 2
+    else:                                             # int8_vnni takes up to 4096: the exact tie, lowest id
+        assert fallback.tolist() == [False, True, False] and tokens[2].item() == 0
+        assert head.num_fallback_rows == 1
     assert tokens[0].item() == _exact(x[:1], w).argmax().item()
-    assert head.num_fallback_rows == 2 and head.num_rows == 3
+    assert head.num_rows == 3
     assert MAX_CANDIDATES < 4096
 
 
@@ -193,7 +204,11 @@ def test_choose_greedy_head_rules():
     assert choose_greedy_head("auto", torch.float32, cpu, 1, "int8")[0] is None
     assert choose_greedy_head("auto", torch.float32, cpu, 1, None, is_last_stage=False)[0] is None
     kind, rows, _ = choose_greedy_head("auto", torch.float32, cpu, 1, None)
-    assert (kind, rows > 0) == (("bf16", True) if BF16_OK else (None, False))
+    want = "int8_vnni" if VNNI_OK else ("bf16" if BF16_OK else None)
+    assert (kind, rows > 0) == (want, want is not None)
+    if VNNI_OK:   # a forced path below avx512 leaves the VNNI kernel out: the bf16 pass (where native bf16)
+        forced = choose_greedy_head("auto", torch.float32, cpu, 1, None, cpu_isa="avx2")[0]
+        assert forced == ("bf16" if BF16_OK else None)
     assert choose_greedy_head("auto", torch.float32, cpu, 1, "gguf")[0] == kind  # dequantized: as None
     with pytest.raises(ValueError, match="exact_greedy_head"):
         choose_greedy_head("on", torch.float32, cpu, 1, None)
