@@ -238,14 +238,15 @@ def test_sigterm_exits_cleanly(server):
 
 
 def test_a_stream_still_running_at_the_shutdown_timeout_ends_with_an_error_event(launch_server, tiny_path):
-    """SIGINT with ``--shutdown-timeout 0.2`` while a long stream runs: after 0.2 s the stream gets an
+    """SIGINT with ``--shutdown-timeout 0.05`` while a long stream runs (500 tokens: ~0.4 s offline on
+    the tiny model, more through the server): after 0.05 s the stream gets an
     OpenAI error body (the server is shutting down) and ``[DONE]``, not a dropped connection,
     and the server exits with status 0."""
     import json
     import time
 
     server = launch_server(["serve", tiny_path, "--max-model-len", "512", "--kv-cache-memory-bytes", "16MiB",
-                            "--dtype", "float32", "--block-size", "16", "--shutdown-timeout", "0.2"],
+                            "--dtype", "float32", "--block-size", "16", "--shutdown-timeout", "0.05"],
                            "shutdown_timeout_server", module="pagedllm.entrypoints.cli")
     body = {"model": tiny_path, "prompt": "The quick brown fox", "max_tokens": 500, "temperature": 0,
             "ignore_eos": True, "stream": True}
@@ -266,6 +267,6 @@ def test_a_stream_still_running_at_the_shutdown_timeout_ends_with_an_error_event
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["type"] == "server_error" and "shutting down" in error["message"], error
-    assert len(events) > 3                          # tokens kept streaming during the timeout
+    assert len(events) >= 3                         # the first token, the error, [DONE]
     assert time.monotonic() - signalled < 30
     assert server.proc.wait(60) == 0
