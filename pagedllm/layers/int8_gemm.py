@@ -52,6 +52,12 @@ def load_int8_gemm() -> ModuleType | None:
     return load_extension(EXTENSION)
 
 
+def missing_vnni_flags(flags: frozenset[str] | None = None) -> list[str]:
+    """The ``VNNI_FLAGS`` this CPU (or ``flags``) lacks; empty where the kernel can run."""
+    flags = cpu_flags() if flags is None else flags
+    return [f for f in VNNI_FLAGS if f not in flags]
+
+
 def int8_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None) -> tuple[str, str]:
     """Which int8 weight-only kernel runs here, and why.
 
@@ -67,7 +73,7 @@ def int8_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None) 
     isa = resolve_cpu_isa(cpu_isa, flags)
     if isa not in (CpuIsa.AVX512, CpuIsa.AVX512_BF16):
         return TORCH_KERNEL, f"cpu_isa {isa.value!r} (the VNNI kernel needs the avx512 paths)"
-    missing = [f for f in VNNI_FLAGS if f not in flags]
+    missing = missing_vnni_flags(flags)
     if missing:
         return TORCH_KERNEL, f"the CPU lacks {', '.join(missing)}"
     module = load_int8_gemm()

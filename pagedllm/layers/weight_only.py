@@ -168,7 +168,8 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         self.scales = scale.to(compute_dtype)                                  # [out]
         if kernel == VNNI_KERNEL:
             self.qweight = None
-            self.packed_weight, self.row_sums = load_int8_gemm().pack_int8_weight(q)  # [out/16, in/4, 64], [out]
+            self._ext = load_int8_gemm()                                       # looked up once, not per call
+            self.packed_weight, self.row_sums = self._ext.pack_int8_weight(q)  # [out/16, in/4, 64], [out]
             self.scales_f32 = self.scales.float()                              # [out], bfloat16 values
             self.weight_bytes = self.packed_weight.numel() + 4 * self.row_sums.numel() + \
                 4 * self.scales_f32.numel() + self.bias_bytes
@@ -180,7 +181,7 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         """[out, in] int8: the codes the kernel multiplies by."""
         if self.qweight is not None:
             return self.qweight
-        return load_int8_gemm().unpack_int8_weight(self.packed_weight, self.out_features)
+        return self._ext.unpack_int8_weight(self.packed_weight, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] float32: the weight this layer multiplies by (scales as the kernel sees them)."""
@@ -190,8 +191,8 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         if self.kernel != VNNI_KERNEL or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
             return super().forward(x)
         lead = x.shape[:-1]
-        y = load_int8_gemm().int8_weight_only_mm(x.reshape(-1, self.in_features).contiguous(), self.packed_weight,
-                                                 self.row_sums, self.scales_f32, self.bias, self.out_features)
+        y = self._ext.int8_weight_only_mm(x.reshape(-1, self.in_features).contiguous(), self.packed_weight,
+                                          self.row_sums, self.scales_f32, self.bias, self.out_features)
         return y.view(*lead, self.out_features)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:

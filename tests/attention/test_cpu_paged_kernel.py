@@ -29,6 +29,16 @@ from pagedllm.platforms import cpu_extension
 HAVE_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 
 
+def built_kernel():
+    """The compiled kernel; skips only where no C++ compiler is on PATH (where one is, a failed
+    build fails the test instead of hiding behind a skip)."""
+    if not HAVE_COMPILER:
+        pytest.skip("no C++ compiler on PATH")
+    kernel = cpu_paged.load_kernel()
+    assert kernel is not None, "a C++ compiler is on PATH but the kernel did not build (see the warning)"
+    return kernel
+
+
 def test_kernel_builds_here():
     """Where a C++ compiler exists (this machine), the kernel must build: else every other test
     here would silently exercise the cpu_sdpa fallback."""
@@ -251,9 +261,7 @@ def test_strided_query_from_fused_qkv():
 
 
 def test_kernel_rejects_out_of_range_block_id():
-    kernel = cpu_paged.load_kernel()
-    if kernel is None:
-        pytest.skip("the C++ paged-attention kernel did not build here (no compiler or ninja, or a compile error: the warning above names it)")
+    kernel = built_kernel()
     md = build_attention_metadata([1], [4], [[0, 9]], block_size=4, device="cpu")  # 9 >= 2 blocks
     q = torch.randn(1, 2, 8)
     cache = torch.zeros(2, 4, 1, 8)
@@ -270,9 +278,7 @@ def test_kernel_writes_kv_as_write_kv(dtype):
     output is the same as the kernel's on caches written beforehand."""
     from pagedllm.attention import write_kv
 
-    kernel = cpu_paged.load_kernel()
-    if kernel is None:
-        pytest.skip("the C++ paged-attention kernel did not build here (no compiler or ninja, or a compile error: the warning above names it)")
+    kernel = built_kernel()
     h, h_kv, d, bs = 4, 2, 16, 4
     md = build_attention_metadata([6, 1, 1], [0, 3, 9], [[3, 0], [1], [4, 2, 5]], bs, "cpu")
     qkv = torch.randn(8, (h + 2 * h_kv) * d).to(dtype)
@@ -289,9 +295,7 @@ def test_kernel_writes_kv_as_write_kv(dtype):
 
 
 def test_kernel_write_rejects_bad_slots_and_shapes():
-    kernel = cpu_paged.load_kernel()
-    if kernel is None:
-        pytest.skip("the C++ paged-attention kernel did not build here (no compiler or ninja, or a compile error: the warning above names it)")
+    kernel = built_kernel()
     md = build_attention_metadata([1], [4], [[0, 1]], block_size=4, device="cpu")
     q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
     cache = torch.zeros(2, 4, 1, 8)
@@ -403,9 +407,7 @@ def test_kernel_path_names():
 
 
 def test_kernel_rejects_path_not_compiled():
-    kernel = cpu_paged.load_kernel()
-    if kernel is None:
-        pytest.skip("the C++ paged-attention kernel did not build here (no compiler or ninja, or a compile error: the warning above names it)")
+    kernel = built_kernel()
     md = build_attention_metadata([1], [0], [[0]], block_size=4, device="cpu")
     q = torch.randn(1, 2, 8)
     cache = torch.zeros(1, 4, 1, 8)

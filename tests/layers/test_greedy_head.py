@@ -15,14 +15,13 @@ import torch
 
 from pagedllm.layers.greedy_head import (MAX_CANDIDATES, ExactGreedyHead, choose_greedy_head, gamma,
                                          round_up_to_bf16)
-from pagedllm.layers.int8_gemm import VNNI_FLAGS
+from pagedllm.layers.int8_gemm import missing_vnni_flags
 from pagedllm.layers.linear import onednn_linear_available
 from pagedllm.layers.weight_only import weight_only_available
-from pagedllm.platforms.cpu import cpu_flags
 
 BF16_OK = onednn_linear_available(torch.bfloat16)
 INT8_OK = weight_only_available("int8_weight_only")
-VNNI_MISSING = [f for f in VNNI_FLAGS if f not in cpu_flags()]
+VNNI_MISSING = missing_vnni_flags()
 VNNI_OK = not VNNI_MISSING
 KINDS = [pytest.param("bf16", marks=pytest.mark.skipif(
              not BF16_OK, reason="no native bf16 oneDNN inner product on this CPU (avx512_bf16 / AMX)")),

@@ -7,11 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.int8_gemm import TORCH_KERNEL, VNNI_FLAGS, VNNI_KERNEL, int8_kernel_for, load_int8_gemm
+from pagedllm.layers.int8_gemm import TORCH_KERNEL, VNNI_KERNEL, int8_kernel_for, load_int8_gemm, missing_vnni_flags
 from pagedllm.layers.weight_only import Int8WeightOnlyLinear, quantize_int8_per_channel
-from pagedllm.platforms.cpu import cpu_flags
 
-MISSING = [f for f in VNNI_FLAGS if f not in cpu_flags()]
+MISSING = missing_vnni_flags()
 needs_vnni = pytest.mark.skipif(bool(MISSING), reason=f"the VNNI int8 kernel needs the CPU flags {MISSING}")
 
 

@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.config import ModelConfig
-from pagedllm.layers.int8_gemm import TORCH_KERNEL, VNNI_FLAGS, VNNI_KERNEL
+from pagedllm.layers.int8_gemm import TORCH_KERNEL, VNNI_KERNEL, missing_vnni_flags
 from pagedllm.layers.linear import lm_head_logits
-from pagedllm.platforms.cpu import cpu_flags
 from pagedllm.layers.weight_only import (HEAD_MODE, INT4_GROUP_SIZE, INT4_WEIGHT_ONLY, INT8_WEIGHT_ONLY,
                                          Int4WeightOnlyLinear, Int8WeightOnlyLinear, make_weight_only_layer,
                                          quantize_int4_groupwise, quantize_int8_per_channel, quantize_weight_only,
@@ -105,7 +104,7 @@ def _cpu_isa_for(int8_kernel):
     missing flag, where the VNNI kernel cannot run)."""
     if int8_kernel == TORCH_KERNEL:
         return "avx2"
-    missing = [f for f in VNNI_FLAGS if f not in cpu_flags()]
+    missing = missing_vnni_flags()
     if missing:
         pytest.skip(f"the VNNI int8 kernel needs the CPU flags {missing}")
     return "auto"
