@@ -151,6 +151,13 @@ def gamma(k: int, u: float) -> float:
     return k * u / (1.0 - k * u)
 
 
+def _float32_up(t: torch.Tensor) -> torch.Tensor:
+    """float64 -> the smallest float32 value >= each element (finite inputs)."""
+    f = t.float()
+    low = f.double() < t
+    return torch.where(low, torch.nextafter(f, torch.full_like(f, math.inf)), f).contiguous()
+
+
 def round_up_to_bf16(t: torch.Tensor) -> torch.Tensor:
     """float32 -> the smallest bfloat16 value >= each element (as float32); finite inputs >= 0."""
     b = t.to(torch.bfloat16).float()
@@ -204,6 +211,8 @@ class ExactGreedyHead:
                 if self.hidden_size % 16:
                     raise ValueError(f"kind 'int8_vnni' needs a hidden size that is a multiple of 16, got {self.hidden_size}")
                 self._ext = load_int8_gemm()
+                if self._ext is None:
+                    raise ValueError("kind 'int8_vnni' needs the int8 VNNI kernel, which did not build here")
                 self.packed, self.row_sums = self._ext.pack_int8_weight(self.qweight)
                 self.qweight = None
                 self.scales = scale.float().contiguous()                  # the same bf16 values, float32
@@ -231,6 +240,12 @@ class ExactGreedyHead:
         pad = nb * _BLOCK - self.vocab_size
         self.block_weight_error = torch.nn.functional.pad(self.weight_error, (0, pad)).view(nb, _BLOCK).amax(dim=1)
         self.block_approx_max = torch.nn.functional.pad(self.approx_max, (0, pad)).view(nb, _BLOCK).amax(dim=1)
+        if kind == "int8_vnni":
+            # The fused C++ pass (``_argmax_fused``): 2 E_j and 2 A_j as float32 rounded up, and the
+            # head weight contiguous for its re-score (a view when it already is: no copy).
+            self._err2 = _float32_up(2.0 * self.weight_error)
+            self._amax2 = _float32_up(2.0 * self.approx_max)
+            self._weight_c = self.weight.contiguous()
         self.num_rows = 0            # rows asked (counters for tests and logs)
         self.num_fallback_rows = 0
 
@@ -328,8 +343,52 @@ class ExactGreedyHead:
             (token ids [M] int64, fallback [M] bool): rows marked fallback hold -1 and need the
             full head (non-finite row, or more than ``MAX_CANDIDATES`` candidates).
         """
+        self.num_rows += x.shape[0]
+        if self.kind == "int8_vnni":
+            tokens, fallback = self._argmax_fused(x)
+        else:
+            tokens, fallback = self._argmax_two_pass(x)
+        self.num_fallback_rows += int(fallback.sum())
+        return tokens, fallback
+
+    def _argmax_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``int8_vnni``: the cheap pass, the bound, the candidates and their float64 re-score in
+        one C++ call (``int8_gemm.cpp``'s ``int8_greedy_argmax``): no [M, V] scores are written.
+
+        It evaluates ``B_j = n1 (2 E_j) + t (2 A_j)`` (``t`` = ``_vnni_row_term``) and ``c_j +- B_j``
+        in float32, with ``2 E_j``, ``2 A_j``, ``n1`` and ``t`` rounded up to float32. That is safe:
+        ``B_j`` is twice the derived bound ``b_j``, and ``b_j >= 4.01 u |x|_1 A_j >= 4 u |c_j|``
+        (``|c_j| <= |x|_1 A_j`` up to ``b_j``), so the three float32 roundings of ``B_j`` and the
+        one of ``c_j +- B_j`` (each at most ``u`` relative, ``u`` = 2^-24) move ``c_j +- B_j`` by
+        less than ``b_j``: the computed ``c_j + B_j`` stays >= ``c_j + b_j`` >= ``r_j`` and the
+        computed ``c_k - B_k`` <= ``r_k``, so every exact maximum is still a candidate. Rows the
+        kernel cannot decide alone (a rival within both float64 error bounds) are decided by
+        ``_argmax_two_pass`` (exact ``math.fsum`` comparison); rows past ``max_candidates`` and
+        non-finite rows fall back."""
+        xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        xin = xin.contiguous()
+        xd = xin.double()
+        n1, xinf = xd.abs().sum(dim=1), xd.abs().amax(dim=1)
+        term = self._vnni_row_term(n1, xinf)
+        fallback = ~(torch.isfinite(n1) & torch.isfinite(term)) | ((xinf > 0) & (xinf < 2.0 ** -100))
+        safe = ~fallback
+        tokens, status, _ = self._ext.int8_greedy_argmax(
+            xin, self.packed, self.row_sums, self.scales, self.vocab_size, self._weight_c, self._err2, self._amax2,
+            _float32_up(torch.where(safe, n1, 0.0)), _float32_up(torch.where(safe, term, 0.0)),
+            self.max_candidates, self.g64)
+        fallback |= status == 1
+        tokens[fallback] = -1
+        close = ((status == 2) & ~fallback).nonzero().squeeze(1)
+        if close.numel():
+            t2, f2 = self._argmax_two_pass(xin[close])
+            tokens[close] = t2
+            fallback[close] = f2
+        return tokens, fallback
+
+    def _argmax_two_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``argmax`` in torch ops: the cheap pass's [M, V] scores, block maxima, the bound on the
+        tokens of the blocks that reach the window, the exact re-score (module docstring)."""
         m, v = x.shape[0], self.vocab_size
-        self.num_rows += m
         c_hi, c_lo, norms = self.cheap_pass(x)
         c = self.combine(c_hi, c_lo)                                           # [M, V] float32
         # Block maxima of c: a candidate's block reaches the window, so only those blocks are read again.
@@ -400,7 +459,6 @@ class ExactGreedyHead:
         tokens = torch.full((m,), -1, dtype=torch.int64)
         if cand_row.numel():
             self._rescore(x, cand_row, cand_tok, tokens)
-        self.num_fallback_rows += int(fallback.sum())
         return tokens, fallback
 
     def _rescore(self, x: torch.Tensor, cand_row: torch.Tensor, cand_tok: torch.Tensor,
@@ -443,11 +501,13 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
 
     ``auto`` on the CPU, one tensor rank, no quantization, last pipeline stage:
 
-    - float32 model on a CPU with AVX-512 VNNI (``layers.int8_gemm.int8_kernel_for(cpu_isa)``):
-      ``"int8_vnni"`` for steps with up to ``INT8_VNNI_MAX_ROWS`` plain greedy rows. Measured on
-      the default model's head and 133 real hidden rows (one thread): 2.6x less head time at
-      M = 1, 2.8x at 2, 2.0x at 4, 1.4x at 8 (bf16: 1.6 / 1.7 / 1.4 / 1.3x), no row falling back
-      (docs/performance.md, session 8 step 21).
+    - float32 or bfloat16 model on a CPU with AVX-512 VNNI (``layers.int8_gemm.int8_kernel_for(cpu_isa)``):
+      ``"int8_vnni"``, fused in C++ (``_argmax_fused``), for steps with up to ``INT8_VNNI_MAX_ROWS``
+      plain greedy rows. Measured on the default model's head and real hidden rows (one thread,
+      CPU time, full head + argmax vs the fused pass): float32 2.2-3.1x less head time at M = 1-64,
+      bfloat16 1.1-1.7x (docs/performance.md, session 9 step 23). A bfloat16 model's greedy token is
+      then the exact argmax of its bf16 hidden row times its bf16 head, where the full head's argmax is
+      that of bf16-rounded logits (they differ only where the top two lie within bf16 rounding).
     - float32 model, native bf16 (``onednn_linear_available(bfloat16)``), no VNNI: ``"bf16"`` for steps
       with up to ``BF16_MAX_ROWS`` plain greedy rows. Measured on Gemma 3 270M's head and real
       hidden rows (AVX-512 bf16, one thread): 1.55x less head time at M = 1, 1.31x at 8, 1.09x
@@ -456,10 +516,10 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
       (``s_j / 2 |x|_1`` per token) is ~4x bf16's, and on the same rows it won 1.29x at M = 1
       but lost from M = 4 on (rows with more than ``MAX_CANDIDATES`` candidates fall back).
       Not measured on a CPU without AVX-512, where its kernel is the AVX2 one.
-    - bfloat16 model: off. Its head already is the bf16 pass (0.96-1.09x, noise), and the int8
-      pass is no faster at M = 1 and slower beyond.
+    - bfloat16 model without VNNI: off. Its head already is the bf16 pass (0.96-1.09x, noise), and
+      torch's int8 kernel is no faster at M = 1 and slower beyond.
 
-    Numbers: docs/performance.md, session 7 step 14.
+    Numbers: docs/performance.md, session 7 step 14 and session 9 step 23.
 
     Returns:
         (kind or None for off, max rows, why) -- ``why`` for the log line.
@@ -478,16 +538,16 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
         return None, 0, "not the last pipeline stage"
     if quantization not in (None, "gguf"):  # "gguf": dequantized weights in the model dtype
         return None, 0, f"quantization={quantization} (the head itself is quantized)"
-    if model_dtype == torch.bfloat16:
-        return None, 0, "bfloat16 model: no cheaper pass than its bf16 head (measured)"
-    if model_dtype != torch.float32:
+    if model_dtype not in (torch.float32, torch.bfloat16):
         return None, 0, f"dtype {model_dtype}"
     from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_kernel_for
     from pagedllm.layers.linear import onednn_linear_available
 
+    name = "float32" if model_dtype == torch.float32 else "bfloat16"
     if int8_kernel_for(cpu_isa)[0] == VNNI_KERNEL:
-        return "int8_vnni", INT8_VNNI_MAX_ROWS, "float32 model, AVX-512 VNNI: int8 cheap pass"
-
+        return "int8_vnni", INT8_VNNI_MAX_ROWS, f"{name} model, AVX-512 VNNI: int8 cheap pass"
+    if model_dtype == torch.bfloat16:
+        return None, 0, "bfloat16 model without AVX-512 VNNI: no cheaper pass than its bf16 head (measured)"
     if onednn_linear_available(torch.bfloat16):
         return "bf16", BF16_MAX_ROWS, "float32 model, native bf16: bf16 cheap pass"
     return None, 0, "float32 model without native bf16 (the int8 pass's bound is too wide to pay; measured)"
@@ -495,5 +555,6 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
 
 # Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md, session 7 step 14).
 BF16_MAX_ROWS = 8
-# The same for the int8 VNNI pass (docs/performance.md, session 8 step 21).
-INT8_VNNI_MAX_ROWS = 8
+# The same for the int8 VNNI pass, fused in C++ (docs/performance.md, session 9 step 23): it wins at
+# every row count measured (1-128), so the limit is only what its per-row scratch allows.
+INT8_VNNI_MAX_ROWS = 1024

@@ -198,7 +198,10 @@ def test_non_finite_and_wide_rows_fall_back(kind):
 def test_choose_greedy_head_rules():
     cpu = torch.device("cpu")
     assert choose_greedy_head("off", torch.float32, cpu, 1, None)[0] is None
-    assert choose_greedy_head("auto", torch.bfloat16, cpu, 1, None)[0] is None
+    # A bfloat16 model: the int8 VNNI pass where the CPU has it, else off (its head is already bf16).
+    assert choose_greedy_head("auto", torch.bfloat16, cpu, 1, None)[0] == ("int8_vnni" if VNNI_OK else None)
+    assert choose_greedy_head("auto", torch.bfloat16, cpu, 1, None, cpu_isa="avx2")[0] is None
+    assert choose_greedy_head("auto", torch.float16, cpu, 1, None)[0] is None
     assert choose_greedy_head("auto", torch.float32, cpu, 2, None)[0] is None
     assert choose_greedy_head("auto", torch.float32, cpu, 1, "int8")[0] is None
     assert choose_greedy_head("auto", torch.float32, cpu, 1, None, is_last_stage=False)[0] is None
@@ -213,10 +216,10 @@ def test_choose_greedy_head_rules():
         choose_greedy_head("on", torch.float32, cpu, 1, None)
 
 
-def _generate(path, mode, params, prompts, **kwargs):
+def _generate(path, mode, params, prompts, dtype="float32", **kwargs):
     from pagedllm import LLM
 
-    llm = LLM(path, dtype="float32", max_model_len=128, seed=0, kv_cache_memory_bytes=64 << 20,
+    llm = LLM(path, dtype=dtype, max_model_len=128, seed=0, kv_cache_memory_bytes=64 << 20,
               exact_greedy_head=mode, **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     runner = llm.llm_engine.executor.driver_worker.model_runner
@@ -272,3 +275,98 @@ def test_whole_row_bound_path(kind, dtype, monkeypatch):
     assert torch.equal(tokens[~fallback], _exact(x, w).argmax(dim=1)[~fallback])
     if kind == "bf16":
         assert not bool(fallback.any())
+
+
+VNNI_ONLY = pytest.mark.skipif(not VNNI_OK, reason=f"the VNNI int8 kernel needs the CPU flags {VNNI_MISSING}")
+
+
+@VNNI_ONLY
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v", [4099, 6000])
+def test_int8_vnni_fused_pass_equals_the_two_pass_path(dtype, v):
+    """The C++ pass (bound, candidates and float64 re-score in one call) gives the torch two-pass
+    path's tokens and fallbacks and the float64 argmax, at every row count the engine sends (a
+    vocabulary that is not a multiple of 16 masks the last block)."""
+    w = _weights(v, 640, dtype, seed=9)
+    head = ExactGreedyHead(w, "int8_vnni", 64)
+    for m in (1, 7, 12, 13, 40, 100):
+        x = _planted(w, m, seed=100 + m, noise=0.01)
+        last = w[v - 1].float()
+        x[0] = (last / last.norm() ** 2 * 20.0).to(dtype)       # row 0's best token is in the last block
+        fused = head._argmax_fused(x)
+        two_pass = head._argmax_two_pass(x)
+        assert torch.equal(fused[1], two_pass[1]) and torch.equal(fused[0], two_pass[0])
+        ref = _exact(x, w).argmax(dim=1)
+        assert torch.equal(fused[0][~fused[1]], ref[~fused[1]])
+        assert int(fused[1].sum()) == 0
+    assert ref[0].item() == v - 1
+
+
+@VNNI_ONLY
+def test_int8_vnni_fused_candidates_and_statuses():
+    """The kernel's statuses: more candidates than the limit -> 1 (token -1), a rival within the
+    float64 error bounds -> 2 (resolved by the exact path), else 0 with the float64 argmax; the
+    candidate count equals the two-pass path's count of c_j + B_j >= max (c - B)."""
+    w = _weights(3000, 640, torch.float32, seed=10)
+    head = ExactGreedyHead(w, "int8_vnni", 8)
+    x = _planted(w, 6, seed=11, noise=0.01)
+    xd = x.double()
+    n1, xinf = xd.abs().sum(dim=1), xd.abs().amax(dim=1)
+    term = head._vnni_row_term(n1, xinf)
+    from pagedllm.layers.greedy_head import _float32_up
+
+    def call(limit):
+        return head._ext.int8_greedy_argmax(x, head.packed, head.row_sums, head.scales, head.vocab_size,
+                                            head._weight_c, head._err2, head._amax2, _float32_up(n1),
+                                            _float32_up(term), limit, head.g64)
+    tokens, status, counts = call(4096)
+    c, bound = head.error_bound(x)
+    cd = c.double()
+    want = (cd + bound >= (cd - bound).amax(dim=1, keepdim=True)).sum(dim=1)
+    # float32 evaluation of the bound may only add candidates at its rounding edge (none here).
+    assert counts.tolist() == want.tolist()
+    assert status.tolist() == [0] * 6
+    assert torch.equal(tokens, _exact(x, w).argmax(dim=1))
+    few = int(counts.min()) - 1
+    tokens, status, _ = call(few)
+    assert [s == 1 for s in status.tolist()] == [cnt > few for cnt in counts.tolist()]
+    assert bool((tokens[status == 1] == -1).all())
+    # Two identical rows of W at the top: the rival is within the float64 bound -> status 2.
+    w2 = w.clone()
+    top = int(_exact(x[:1], w).argmax())
+    w2[2999] = w2[top]
+    head2 = ExactGreedyHead(w2, "int8_vnni", 8)
+    _, status2, _ = head2._ext.int8_greedy_argmax(x[:1], head2.packed, head2.row_sums, head2.scales, 3000,
+                                                  head2._weight_c, head2._err2, head2._amax2,
+                                                  _float32_up(n1[:1]), _float32_up(term[:1]), 4096, head2.g64)
+    assert status2.tolist() == [2]
+    assert head2.argmax(x[:1])[0].tolist() == [min(top, 2999)]
+
+
+@VNNI_ONLY
+def test_bfloat16_model_takes_the_exact_argmax_of_its_own_head(make_tiny_checkpoint, monkeypatch):
+    """A bfloat16 model on a VNNI CPU samples plain greedy rows through the int8 pass: every token
+    it returns is the float64 argmax of that step's bf16 hidden row times the bf16 head weight (the
+    exact head, before bf16 output rounding), and the tokens are the generated ones."""
+    from pagedllm import SamplingParams
+
+    seen = []
+    original = ExactGreedyHead.argmax
+
+    def spy(self, x):
+        tokens, fallback = original(self, x)
+        seen.append((x.clone(), tokens.clone(), fallback.clone(), self.weight))
+        return tokens, fallback
+
+    monkeypatch.setattr(ExactGreedyHead, "argmax", spy)
+    path = make_tiny_checkpoint("gemma3")
+    prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(3 + 5 * i)] for i in range(4)]
+    outs, head = _generate(path, "auto", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), prompts,
+                           dtype="bfloat16")
+    assert head is not None and head.kind == "int8_vnni" and head.weight.dtype == torch.bfloat16
+    assert len(seen) == 8 and head.num_fallback_rows == 0
+    for x, tokens, fallback, w in seen:
+        assert x.dtype == torch.bfloat16 and not bool(fallback.any())
+        assert torch.equal(tokens, _exact(x, w).argmax(dim=1))
+    # Step i's tokens are the i-th generated token of each request (batch order).
+    assert [o.outputs[0].token_ids for o in outs] == [[int(seen[i][1][r]) for i in range(8)] for r in range(4)]

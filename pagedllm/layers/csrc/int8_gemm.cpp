@@ -37,6 +37,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <utility>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -175,9 +177,11 @@ inline void store_row(OutT* out, __m512 v, __mmask16 mask) {
 
 // MB rows x the block at w -> out[:, n0 : n0 + 16]. digits: this row block's [K / 4][MB][2] dwords
 // (d0 then d1 of 4 columns), so one pointer and constant offsets address every broadcast.
-template <int MB, typename OutT>
+// The float32 result of row m for outputs n0 .. n0 + 15 (lanes past n masked off) goes to
+// epilogue(m, v, mask).
+template <int MB, typename Epilogue>
 void micro_kernel(const uint32_t* digits, const float* inv_f, int64_t k4, const int8_t* w, const int32_t* row_sums,
-                  int64_t n0, int64_t n, const float* scales, const float* bias, OutT* out) {
+                  int64_t n0, int64_t n, const float* scales, const float* bias, Epilogue&& epilogue) {
   // Named accumulators (GCC 12 keeps an array of them on the stack inside the loop).
 #define PAGEDLLM_ACC(i) __m512i a0_##i = _mm512_setzero_si512(), a1_##i = _mm512_setzero_si512();
   PAGEDLLM_ACC(0) PAGEDLLM_ACC(1) PAGEDLLM_ACC(2) PAGEDLLM_ACC(3) PAGEDLLM_ACC(4) PAGEDLLM_ACC(5)
@@ -209,22 +213,28 @@ void micro_kernel(const uint32_t* digits, const float* inv_f, int64_t k4, const 
   for (int m = 0; m < MB; ++m) {
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(a1[m], r128));
     const __m512 dot = _mm512_fmadd_ps(hi, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(a0[m]));
-    store_row(out + m * n + n0, _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(inv_f[m])), b), mask);
+    epilogue(m, _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(inv_f[m])), b), mask);
   }
 }
 
-// Every row of the call x the block at w: row blocks of kMaxRows, then the rest.
-template <typename OutT>
+// Every row of the call x the block at w: row blocks of kMaxRows, then the rest; epilogue(m, v, mask)
+// with m the row's index in the call.
+template <typename Epilogue>
 void block_rows(const uint32_t* digits, const float* inv_f, int64_t rows, int64_t k4, const int8_t* w,
-                const int32_t* row_sums, int64_t n0, int64_t n, const float* scales, const float* bias, OutT* out) {
+                const int32_t* row_sums, int64_t n0, int64_t n, const float* scales, const float* bias,
+                Epilogue&& epilogue) {
   int64_t m = 0;
-  for (; m + kMaxRows <= rows; m += kMaxRows)
-    micro_kernel<kMaxRows>(digits + m * k4 * 2, inv_f + m, k4, w, row_sums, n0, n, scales, bias, out + m * n);
+  for (; m + kMaxRows <= rows; m += kMaxRows) {
+    const int64_t o = m;
+    micro_kernel<kMaxRows>(digits + m * k4 * 2, inv_f + m, k4, w, row_sums, n0, n, scales, bias,
+                           [&](int r, __m512 v, __mmask16 mask) { epilogue(o + r, v, mask); });
+  }
   const int64_t o = m;
+  auto shifted = [&](int r, __m512 v, __mmask16 mask) { epilogue(o + r, v, mask); };
   switch (rows - m) {
-#define PAGEDLLM_TAIL(R)                                                                                  \
-  case R:                                                                                                 \
-    micro_kernel<R>(digits + o * k4 * 2, inv_f + o, k4, w, row_sums, n0, n, scales, bias, out + o * n); \
+#define PAGEDLLM_TAIL(R)                                                                               \
+  case R:                                                                                              \
+    micro_kernel<R>(digits + o * k4 * 2, inv_f + o, k4, w, row_sums, n0, n, scales, bias, shifted); \
     break;
     PAGEDLLM_TAIL(1) PAGEDLLM_TAIL(2) PAGEDLLM_TAIL(3) PAGEDLLM_TAIL(4) PAGEDLLM_TAIL(5) PAGEDLLM_TAIL(6)
     PAGEDLLM_TAIL(7) PAGEDLLM_TAIL(8) PAGEDLLM_TAIL(9) PAGEDLLM_TAIL(10) PAGEDLLM_TAIL(11)
@@ -233,34 +243,172 @@ void block_rows(const uint32_t* digits, const float* inv_f, int64_t rows, int64_
   }
 }
 
-template <typename InT, typename OutT>
-void gemm(const InT* x, int64_t rows, int64_t k, const int8_t* packed, const int32_t* row_sums, int64_t n,
-          const float* scales, const float* bias, OutT* out) {
+// The rows' digits: ``blocked`` per row block of kMaxRows rows (the last one shorter) as [K / 4][rows in
+// block][2] dwords (block_rows' operand); ``single`` (if not null) each row alone as [K / 4][2] (a
+// one-row micro-kernel's operand). Returns 1 / f per row.
+template <typename InT>
+std::vector<float> activation_digits(const InT* x, int64_t rows, int64_t k, std::vector<uint32_t>& blocked,
+                                     std::vector<uint32_t>* single) {
   const int64_t k4 = k / kGroup;
-  // digits: per row block of kMaxRows rows (the last one shorter), [K / 4][rows in block][2] dwords.
-  std::vector<uint32_t> digits(rows * k4 * 2);
+  blocked.assign(rows * k4 * 2, 0);
+  if (single) single->assign(rows * k4 * 2, 0);
   std::vector<float> inv_f(rows);
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<uint32_t> d0(k4), d1(k4);
     for (int64_t r = r0; r < r1; ++r) {
       inv_f[r] = row_digits(x + r * k, k, reinterpret_cast<uint8_t*>(d0.data()), reinterpret_cast<uint8_t*>(d1.data()));
       const int64_t first = r - r % kMaxRows, in_block = std::min<int64_t>(kMaxRows, rows - first), i = r - first;
-      uint32_t* dst = digits.data() + first * k4 * 2;
+      uint32_t* dst = blocked.data() + first * k4 * 2;
       for (int64_t c = 0; c < k4; ++c) {
         dst[(c * in_block + i) * 2] = d0[c];
         dst[(c * in_block + i) * 2 + 1] = d1[c];
       }
+      if (single) {
+        uint32_t* one = single->data() + r * k4 * 2;
+        for (int64_t c = 0; c < k4; ++c) {
+          one[2 * c] = d0[c];
+          one[2 * c + 1] = d1[c];
+        }
+      }
     }
   });
-  const int64_t blocks = (n + kBlock - 1) / kBlock, block_bytes = k4 * kGroup * kBlock;
-  // A task streams at least ~64 KiB of weights per row block (a small layer at a decode step stays
-  // on one thread when splitting it costs more than it saves).
+  return inv_f;
+}
+
+// Output blocks per parallel task: at least ~64 KiB of weights streamed per row block (a small layer at
+// a decode step stays on one thread when splitting it costs more than it saves).
+inline int64_t block_grain(int64_t rows, int64_t block_bytes) {
   const int64_t row_blocks = (rows + kMaxRows - 1) / kMaxRows;
-  const int64_t grain = std::max<int64_t>(1, 65536 / block_bytes / row_blocks);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      block_rows(digits.data(), inv_f.data(), rows, k4, packed + b * block_bytes, row_sums, b * kBlock, n, scales, bias,
-                 out);
+  return std::max<int64_t>(1, 65536 / block_bytes / row_blocks);
+}
+
+template <typename InT, typename OutT>
+void gemm(const InT* x, int64_t rows, int64_t k, const int8_t* packed, const int32_t* row_sums, int64_t n,
+          const float* scales, const float* bias, OutT* out) {
+  const int64_t k4 = k / kGroup;
+  std::vector<uint32_t> digits;
+  const std::vector<float> inv_f = activation_digits(x, rows, k, digits, nullptr);
+  const int64_t blocks = (n + kBlock - 1) / kBlock, block_bytes = k4 * kGroup * kBlock;
+  at::parallel_for(0, blocks, block_grain(rows, block_bytes), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kBlock;
+      block_rows(digits.data(), inv_f.data(), rows, k4, packed + b * block_bytes, row_sums, n0, n, scales, bias,
+                 [&](int64_t m, __m512 v, __mmask16 mask) { store_row(out + m * n + n0, v, mask); });
+    }
+  });
+}
+
+// float32 or bfloat16 (as uint16_t bits) -> double, exact.
+inline double to_double(float v) { return v; }
+inline double to_double(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Eight weights from w -> float64 lanes, exact.
+inline __m512d load8_f64(const float* w) { return _mm512_cvtps_pd(_mm256_loadu_ps(w)); }
+inline __m512d load8_f64(const uint16_t* w) {
+  const __m256i b = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))), 16);
+  return _mm512_cvtps_pd(_mm256_castsi256_ps(b));
+}
+
+// sum_i x_i w_i and sum_i |x_i w_i| in float64, x already widened to float64 (K a multiple of 8).
+// Every product is exact (<= 48 significant bits), so each lane's fused multiply-add rounds once
+// and the sums err by at most gamma_K(2^-53) sum_i |x_i w_i| in any order (Higham 2002, eq. 3.4).
+template <typename WT>
+std::pair<double, double> dot_f64(const double* x, const WT* w, int64_t k) {
+  __m512d s = _mm512_setzero_pd(), a = _mm512_setzero_pd();
+  for (int64_t i = 0; i < k; i += 8) {
+    const __m512d p = _mm512_mul_pd(_mm512_loadu_pd(x + i), load8_f64(w + i));
+    s = _mm512_add_pd(s, p);
+    a = _mm512_add_pd(a, _mm512_abs_pd(p));
+  }
+  return {_mm512_reduce_add_pd(s), _mm512_reduce_add_pd(a)};
+}
+
+// See int8_greedy_argmax below.
+template <typename XT, typename WT>
+void greedy_argmax(const XT* x, int64_t rows, int64_t k, const int8_t* packed, const int32_t* row_sums, int64_t n,
+                   const float* scales, const WT* weight, const float* err2, const float* amax2, const float* row_n1,
+                   const float* row_term, int64_t max_candidates, double g64, int64_t* tokens, int8_t* status,
+                   int32_t* num_candidates) {
+  const int64_t k4 = k / kGroup;
+  std::vector<uint32_t> digits, single;
+  const std::vector<float> inv_f = activation_digits(x, rows, k, digits, &single);
+  const int64_t blocks = (n + kBlock - 1) / kBlock, block_bytes = k4 * kGroup * kBlock;
+  // Pass 1: per row and block of 16 tokens, the largest c_j + B_j and the largest c_j - B_j.
+  std::vector<float> plus(rows * blocks), minus(rows * blocks);
+  auto bound = [&](int64_t m, int64_t n0, __mmask16 mask) {
+    const __m512 e = _mm512_maskz_loadu_ps(mask, err2 + n0), a = _mm512_maskz_loadu_ps(mask, amax2 + n0);
+    return _mm512_fmadd_ps(_mm512_set1_ps(row_n1[m]), e, _mm512_mul_ps(_mm512_set1_ps(row_term[m]), a));
+  };
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  at::parallel_for(0, blocks, block_grain(rows, block_bytes), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kBlock;
+      block_rows(digits.data(), inv_f.data(), rows, k4, packed + b * block_bytes, row_sums, n0, n, scales, nullptr,
+                 [&](int64_t m, __m512 v, __mmask16 mask) {
+                   const __m512 bj = bound(m, n0, mask);
+                   plus[m * blocks + b] = _mm512_reduce_max_ps(_mm512_mask_add_ps(neg_inf, mask, v, bj));
+                   minus[m * blocks + b] = _mm512_reduce_max_ps(_mm512_mask_sub_ps(neg_inf, mask, v, bj));
+                 });
+    }
+  });
+  // Pass 2, per row: the candidates {j : c_j + B_j >= L}, L = max_k (c_k - B_k), from the blocks that
+  // reach L (their 16 scores computed again, by the same one-row arithmetic), re-scored in float64.
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> cands;
+    std::vector<double> xd(k);
+    alignas(64) float c16[kBlock];
+    for (int64_t m = r0; m < r1; ++m) {
+      const float* pm = plus.data() + m * blocks;
+      const float low = *std::max_element(minus.data() + m * blocks, minus.data() + (m + 1) * blocks);
+      cands.clear();
+      status[m] = 0;
+      for (int64_t b = 0; b < blocks && status[m] == 0; ++b) {
+        if (!(pm[b] >= low)) continue;
+        const int64_t n0 = b * kBlock;
+        micro_kernel<1>(single.data() + m * k4 * 2, inv_f.data() + m, k4, packed + b * block_bytes, row_sums, n0, n,
+                        scales, nullptr, [&](int, __m512 v, __mmask16 mask) {
+                          const __m512 cb = _mm512_add_ps(v, bound(m, n0, mask));
+                          _mm512_store_ps(c16, _mm512_mask_mov_ps(neg_inf, mask, cb));
+                        });
+        for (int64_t j = 0; j < kBlock; ++j) {
+          if (c16[j] >= low) cands.push_back(n0 + j);
+        }
+        if (static_cast<int64_t>(cands.size()) > max_candidates) status[m] = 1;
+      }
+      num_candidates[m] = static_cast<int32_t>(cands.size());
+      tokens[m] = -1;
+      if (status[m] != 0 || cands.empty()) {
+        status[m] = 1;
+        continue;
+      }
+      // Exact re-score: the best float64 score (lowest id among equals); a rival within both float64
+      // error bounds leaves the row to the caller's exact comparison (status 2).
+      double best = -INFINITY, best_err = 0.0;
+      int64_t best_j = -1;
+      std::vector<std::pair<double, double>> scored(cands.size());
+      for (int64_t i = 0; i < k; ++i) xd[i] = to_double(x[m * k + i]);
+      for (size_t q = 0; q < cands.size(); ++q) {
+        auto [sc, ab] = dot_f64(xd.data(), weight + cands[q] * k, k);
+        scored[q] = {sc, 2.0 * g64 * ab};
+        if (sc > best) {
+          best = sc;
+          best_err = scored[q].second;
+          best_j = cands[q];
+        }
+      }
+      tokens[m] = best_j;
+      for (size_t q = 0; q < cands.size(); ++q) {
+        if (cands[q] != best_j && scored[q].first + scored[q].second >= best - best_err) {
+          status[m] = 2;
+          break;
+        }
+      }
+    }
   });
 }
 
@@ -300,6 +448,57 @@ torch::Tensor int8_weight_only_mm(const torch::Tensor& x, const torch::Tensor& p
 #endif
 }
 
+// The exact greedy head's int8 pass (layers/greedy_head.py, kind "int8_vnni"; the bound and its
+// float32 evaluation are derived there): per row m of x [M, K] (float32 or bfloat16),
+//   c_j = this kernel's score of token j, B_j = row_n1[m] * err2[j] + row_term[m] * amax2[j] (float32),
+//   L = max_j (c_j - B_j), candidates {j : c_j + B_j >= L} (every exact maximum is one),
+// each candidate re-scored in float64 against weight [N, K] (float32 or bfloat16, the head as stored).
+// Returns (tokens [M] int64, status [M] int8, candidates [M] int32): status 0 = tokens[m] is the exact
+// argmax; 1 = more than max_candidates candidates (tokens[m] = -1: the caller runs the full head);
+// 2 = tokens[m] is the best float64 score but another candidate lies within both float64 error bounds
+// (2 g64 sum |x_i w_i| each): the caller decides exactly.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> int8_greedy_argmax(
+    const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& row_sums, const torch::Tensor& scales,
+    int64_t n, const torch::Tensor& weight, const torch::Tensor& err2, const torch::Tensor& amax2,
+    const torch::Tensor& row_n1, const torch::Tensor& row_term, int64_t max_candidates, double g64) {
+#if PAGEDLLM_INT8_VNNI
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t rows = x.size(0), k = x.size(1);
+  check_packed(packed, row_sums, scales, n, k);
+  TORCH_CHECK(k % 16 == 0, "K must be a multiple of 16, got ", k);
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(0) == n && weight.size(1) == k &&
+                  (weight.dtype() == torch::kFloat32 || weight.dtype() == torch::kBFloat16),
+              "weight must be a contiguous float32 or bfloat16 [N, K] tensor");
+  for (const auto* t : {&err2, &amax2})
+    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->numel() == n,
+                "err2 and amax2 must be contiguous float32 [N] tensors");
+  for (const auto* t : {&row_n1, &row_term})
+    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->numel() == rows,
+                "row_n1 and row_term must be contiguous float32 [M] tensors");
+  auto tokens = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  auto status = torch::empty({rows}, x.options().dtype(torch::kInt8));
+  auto counts = torch::empty({rows}, x.options().dtype(torch::kInt32));
+  if (rows == 0) return {tokens, status, counts};
+  auto run = [&](auto* xp, auto* wp) {
+    greedy_argmax(xp, rows, k, packed.data_ptr<int8_t>(), row_sums.data_ptr<int32_t>(), n, scales.data_ptr<float>(),
+                  wp, err2.data_ptr<float>(), amax2.data_ptr<float>(), row_n1.data_ptr<float>(),
+                  row_term.data_ptr<float>(), max_candidates, g64, tokens.data_ptr<int64_t>(),
+                  status.data_ptr<int8_t>(), counts.data_ptr<int32_t>());
+  };
+  auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>()); };
+  const bool xf = x.dtype() == torch::kFloat32, wf = weight.dtype() == torch::kFloat32;
+  if (xf && wf) run(x.data_ptr<float>(), weight.data_ptr<float>());
+  else if (xf) run(x.data_ptr<float>(), bits(weight));
+  else if (wf) run(bits(x), weight.data_ptr<float>());
+  else run(bits(x), bits(weight));
+  return {tokens, status, counts};
+#else
+  TORCH_CHECK(false, "int8_greedy_argmax was not compiled in: this CPU lacks avx512_vnni");
+  return {x, x, x};
+#endif
+}
+
 std::vector<std::string> compiled_isas() {
 #if PAGEDLLM_INT8_VNNI
   return {"avx512_vnni"};
@@ -315,5 +514,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_int8_weight", &unpack_int8_weight, "packed -> q [N, K] int8", py::arg("packed"), py::arg("n"));
   m.def("int8_weight_only_mm", &int8_weight_only_mm, "s * (x @ q^T) + bias", py::arg("x"), py::arg("packed"),
         py::arg("row_sums"), py::arg("scales"), py::arg("bias"), py::arg("n"));
+  m.def("int8_greedy_argmax", &int8_greedy_argmax,
+        "exact greedy head, int8 pass: (tokens, status, candidates) per row (layers/greedy_head.py)", py::arg("x"),
+        py::arg("packed"), py::arg("row_sums"), py::arg("scales"), py::arg("n"), py::arg("weight"), py::arg("err2"),
+        py::arg("amax2"), py::arg("row_n1"), py::arg("row_term"), py::arg("max_candidates"), py::arg("g64"));
   m.def("compiled_isas", &compiled_isas, "the code paths compiled in: avx512_vnni, or none");
 }
