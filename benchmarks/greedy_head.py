@@ -1,7 +1,8 @@
 """Single-thread CPU time of the full LM head + argmax vs the exact greedy head (cheap pass +
 bound + exact re-score), on the default model's head and real hidden rows.
 
-Usage (repo root): ``nice -n 19 python benchmarks/greedy_head.py [model folder] [--repeats 7]``;
+Usage (repo root): ``nice -n 19 python benchmarks/greedy_head.py [model folder] [--repeats 7] [--rows 1,4,16,64]
+[--kinds bf16,int8,int8_vnni]`` (``int8_vnni``'s two-pass time is its fused C++ call);
 ``--engine``: instead, the default model in float32 through ``LLM`` with ``exact_greedy_head``
 ``auto`` and ``off``: whether 5 prompts x 32 greedy tokens agree, and the CPU time of a batch-1
 generate of 48 tokens (3 interleaved repeats).
@@ -88,6 +89,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16,64")
     ap.add_argument("--engine", action="store_true", help="the engine check instead of the head timings")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes to time")
+    ap.add_argument("--kinds", default="bf16,int8,int8_vnni",
+                    help="cheap-pass kinds to time (int8_vnni only where the CPU has VNNI)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.engine:
@@ -105,7 +108,7 @@ def main() -> None:
         full = PackedLinear(w, None, 64)
         from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_kernel_for
 
-        kinds = ("bf16", "int8") + (("int8_vnni",) if int8_kernel_for()[0] == VNNI_KERNEL else ())
+        kinds = [k for k in args.kinds.split(",") if k != "int8_vnni" or int8_kernel_for()[0] == VNNI_KERNEL]
         heads = {kind: ExactGreedyHead(w, kind, 64) for kind in kinds}
         for kind, head in heads.items():   # a row's fallback does not depend on the other rows
             _, fb = head.argmax(hidden.to(dtype))
