@@ -22,8 +22,8 @@
 // visited in chunks of kKeyChunk positions: scores of 4 rows x 2 keys per micro-kernel call
 // (8 independent FMA chains, AVX2), then the online-softmax update per row (vector exp), then the
 // chunk's V rows accumulated into float32 accumulators held in registers across the chunk. The
-// next chunk's K/V rows are software-prefetched, since consecutive blocks of a sequence lie
-// anywhere in the pool. bfloat16 is widened to float32 on load; all accumulation is float32.
+// K/V rows kPrefetchKeys keys ahead are software-prefetched while keys are scored, since
+// consecutive blocks of a sequence lie anywhere in the pool (decode is bound by this memory traffic). bfloat16 is widened to float32 on load; all accumulation is float32.
 // Items are handed out dynamically to the at::parallel_for threads (an atomic counter, longest
 // first), since decode and prefill items differ in cost.
 //
@@ -65,7 +65,7 @@
 #endif
 
 #ifndef PAGEDLLM_PREFETCH
-#define PAGEDLLM_PREFETCH 1  // software prefetch of the next key chunk's K/V rows
+#define PAGEDLLM_PREFETCH 1  // software prefetch of the K/V rows kPrefetchKeys keys ahead
 #endif
 
 namespace {
@@ -82,6 +82,10 @@ enum Isa : int {
 constexpr int64_t kTileTokens = 16;  // query tokens per work item (prefill chunks)
 constexpr int64_t kKeyChunk = 32;    // key positions per online-softmax step
 constexpr int kRowGroup = 4;         // query rows per micro-kernel call
+// Software-prefetch distance in key rows (8, 16 and 32 measured alike on the decode benchmark,
+// benchmarks/paged_attention_kernel.py) and the cache line size.
+constexpr int64_t kPrefetchKeys = 16;
+constexpr int64_t kCacheLine = 64;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -296,21 +300,50 @@ inline void accumulate_rows(float* acc, int64_t d, const float* p, int64_t p_ld,
 
 // Scores of rows [r0, r0 + R) against keys [j0, j1) of the chunk, two keys at a time. qf holds the
 // rows pre-scaled in float32; qb the same rows unscaled in T (read by the bf16 dot-product path).
-template <int ISA, int R, typename T>
+// prefetch(j) is called before keys j, j + 1 are scored (software prefetch spread over the loop).
+template <int ISA, int R, typename T, typename Prefetch>
 inline void score_group(const float* q, const T* qb, int64_t d, float scale,
-                        const T* const* k_rows, int64_t j0, int64_t j1, float* s) {
+                        const T* const* k_rows, int64_t j0, int64_t j1, float* s, Prefetch&& prefetch) {
   int64_t j = j0;
 #if PAGEDLLM_AVX512_BF16
   if constexpr (ISA == kAvx512Bf16 && std::is_same_v<T, c10::BFloat16>) {
-    for (; j + 2 <= j1; j += 2) dot_rows_bf16<R, 2>(qb, d, k_rows + j, scale, s + j, kKeyChunk);
-    if (j < j1) dot_rows_bf16<R, 1>(qb, d, k_rows + j, scale, s + j, kKeyChunk);
+    for (; j + 2 <= j1; j += 2) {
+      prefetch(j);
+      dot_rows_bf16<R, 2>(qb, d, k_rows + j, scale, s + j, kKeyChunk);
+    }
+    if (j < j1) {
+      prefetch(j);
+      dot_rows_bf16<R, 1>(qb, d, k_rows + j, scale, s + j, kKeyChunk);
+    }
     return;
   }
 #endif
   (void)qb;
   (void)scale;
-  for (; j + 2 <= j1; j += 2) dot_rows<ISA, R, 2>(q, d, k_rows + j, s + j, kKeyChunk);
-  if (j < j1) dot_rows<ISA, R, 1>(q, d, k_rows + j, s + j, kKeyChunk);
+  for (; j + 2 <= j1; j += 2) {
+    prefetch(j);
+    dot_rows<ISA, R, 2>(q, d, k_rows + j, s + j, kKeyChunk);
+  }
+  if (j < j1) {
+    prefetch(j);
+    dot_rows<ISA, R, 1>(q, d, k_rows + j, s + j, kKeyChunk);
+  }
+}
+
+// Software prefetch of one cached K or V row (bytes from p) into L1.
+inline void prefetch_row(const void* p, int64_t bytes) {
+#if PAGEDLLM_PREFETCH && defined(__x86_64__)
+  // prefetcht0 by inline asm: GCC 12 dropped __builtin_prefetch here (no prefetch instruction in
+  // the binary; see docs/performance.md step 22).
+  for (int64_t b = 0; b < bytes; b += kCacheLine)
+    asm volatile("prefetcht0 (%0)" : : "r"(static_cast<const char*>(p) + b));
+#elif PAGEDLLM_PREFETCH
+  for (int64_t b = 0; b < bytes; b += kCacheLine)
+    __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+#else
+  (void)p;
+  (void)bytes;
+#endif
 }
 
 struct Item {
@@ -371,42 +404,43 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
   const int64_t key_hi = pos_last;  // inclusive
 
   const int64_t head_off = it.kv_head * g.c_stride_head;
-  // Row pointers of the keys [c0, c0 + n), one block-table lookup per block touched.
-  auto fill_rows = [&](int64_t c0, int64_t n, const T** kr, const T** vr) {
-    for (int64_t j = 0; j < n;) {
-      const int64_t pos = c0 + j;
-      const int64_t off = pos % g.block_size;
-      const int64_t base = static_cast<int64_t>(block_table[pos / g.block_size]) *
-                               g.c_stride_block + head_off;
-      const int64_t m = std::min(n - j, g.block_size - off);
-      for (int64_t t = 0; t < m; ++t, ++j) {
-        kr[j] = k_base + base + (off + t) * g.c_stride_tok;
-        vr[j] = v_base + base + (off + t) * g.c_stride_tok;
-      }
+  // Row pointers of every key the tile reads, one block-table lookup per block touched.
+  const int64_t num_keys = key_hi + 1 - key_lo;
+  if (static_cast<int64_t>(k_ptrs.size()) < num_keys) {
+    k_ptrs.resize(num_keys);
+    v_ptrs.resize(num_keys);
+  }
+  for (int64_t j = 0; j < num_keys;) {
+    const int64_t pos = key_lo + j;
+    const int64_t off = pos % g.block_size;
+    const int64_t base = static_cast<int64_t>(block_table[pos / g.block_size]) * g.c_stride_block + head_off;
+    const int64_t m = std::min(num_keys - j, g.block_size - off);
+    for (int64_t t = 0; t < m; ++t, ++j) {
+      k_ptrs[j] = k_base + base + (off + t) * g.c_stride_tok;
+      v_ptrs[j] = v_base + base + (off + t) * g.c_stride_tok;
     }
+  }
+  // Consecutive blocks of a sequence lie anywhere in the pool, where the hardware prefetcher cannot
+  // follow: the K/V rows kPrefetchKeys keys ahead are software-prefetched, two keys per key pair
+  // scored, so that the requests stay spread between the FMAs. The first kPrefetchKeys keys are
+  // asked for up front.
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  auto prefetch_key = [&](int64_t j) {  // j: index into k_ptrs / v_ptrs
+    if (j < num_keys) prefetch_row(k_ptrs[j], row_bytes), prefetch_row(v_ptrs[j], row_bytes);
   };
-  const T** k_rows = k_ptrs.data();
-  const T** v_rows = v_ptrs.data();
-  const T** k_next = k_ptrs.data() + kKeyChunk;
-  const T** v_next = v_ptrs.data() + kKeyChunk;
-  fill_rows(key_lo, std::min(kKeyChunk, key_hi + 1 - key_lo), k_rows, v_rows);
+  for (int64_t j = 0; j < std::min(num_keys, kPrefetchKeys); ++j) prefetch_key(j);
   for (int64_t c0 = key_lo; c0 <= key_hi; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, key_hi + 1 - c0);
-    // The next chunk's rows are scattered over blocks the hardware prefetcher cannot predict:
-    // ask for them now, while this chunk computes.
-    if (c0 + kKeyChunk <= key_hi) {
-      const int64_t n_next = std::min(kKeyChunk, key_hi + 1 - (c0 + kKeyChunk));
-      fill_rows(c0 + kKeyChunk, n_next, k_next, v_next);
-#if PAGEDLLM_PREFETCH
-      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
-      for (int64_t j = 0; j < n_next; ++j) {
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(k_next[j]) + b, 0, 3);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_next[j]) + b, 0, 3);
-        }
-      }
-#endif
-    }
+    const T* const* k_rows = k_ptrs.data() + (c0 - key_lo);
+    const T* const* v_rows = v_ptrs.data() + (c0 - key_lo);
+    // Keys of this chunk whose prefetch (kPrefetchKeys ahead) the first row group's scoring did
+    // not issue (it sees fewer keys on the diagonal) are asked for after it.
+    int64_t prefetched_to = 0;
+    auto prefetch_pair = [&](int64_t j) {
+      const int64_t base = c0 - key_lo + kPrefetchKeys;
+      for (; prefetched_to < std::min<int64_t>(j + 2, n); ++prefetched_to) prefetch_key(base + prefetched_to);
+    };
+    auto no_prefetch = [](int64_t) {};
     // Scores, kRowGroup rows at a time, over the keys some row of the group can see (rows of
     // a group are consecutive tokens' heads, so that range is [lo(first), last position]).
     for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
@@ -418,13 +452,23 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
       const float* q = qf.data() + r0 * d;
       const T* q_raw = qb.data() + r0 * d;
       float* s = scores.data() + r0 * kKeyChunk;
-      switch (nr) {
-        case 4: score_group<ISA, 4>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
-        case 3: score_group<ISA, 3>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
-        case 2: score_group<ISA, 2>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
-        default: score_group<ISA, 1>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
+      if (r0 == 0) {
+        switch (nr) {
+          case 4: score_group<ISA, 4>(q, q_raw, d, g.scale, k_rows, j0, j1, s, prefetch_pair); break;
+          case 3: score_group<ISA, 3>(q, q_raw, d, g.scale, k_rows, j0, j1, s, prefetch_pair); break;
+          case 2: score_group<ISA, 2>(q, q_raw, d, g.scale, k_rows, j0, j1, s, prefetch_pair); break;
+          default: score_group<ISA, 1>(q, q_raw, d, g.scale, k_rows, j0, j1, s, prefetch_pair); break;
+        }
+      } else {
+        switch (nr) {
+          case 4: score_group<ISA, 4>(q, q_raw, d, g.scale, k_rows, j0, j1, s, no_prefetch); break;
+          case 3: score_group<ISA, 3>(q, q_raw, d, g.scale, k_rows, j0, j1, s, no_prefetch); break;
+          case 2: score_group<ISA, 2>(q, q_raw, d, g.scale, k_rows, j0, j1, s, no_prefetch); break;
+          default: score_group<ISA, 1>(q, q_raw, d, g.scale, k_rows, j0, j1, s, no_prefetch); break;
+        }
       }
     }
+    prefetch_pair(n);
     // Online softmax per row: probabilities of this chunk (exactly 0 where masked), running
     // max and sum, and the accumulator rescaled when the max grows.
     for (int64_t r = 0; r < rows; ++r) {
@@ -487,8 +531,6 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
         default: accumulate_rows<ISA, 1>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
       }
     }
-    std::swap(k_rows, k_next);
-    std::swap(v_rows, v_next);
   }
 
   for (int64_t t = 0; t < num_tok; ++t) {
@@ -524,7 +566,7 @@ void run(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache,
       std::vector<float> qf(max_rows * g.head_dim), acc(max_rows * g.head_dim);
       std::vector<T> qb(ISA == kAvx512Bf16 ? max_rows * g.head_dim : 0);
       std::vector<float> scores(max_rows * kKeyChunk), row_max(max_rows), row_sum(max_rows);
-      std::vector<const T*> k_ptrs(2 * kKeyChunk), v_ptrs(2 * kKeyChunk);
+      std::vector<const T*> k_ptrs, v_ptrs;
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
         const Item& it = items[i];
         run_item<ISA, T>(it, g, q_base, o_base, k_base, v_base, block_tables + it.seq * g.bt_stride,
