@@ -334,6 +334,22 @@ inline void accumulate_rows(float* acc, int64_t d, const float* p, int64_t p_ld,
   int64_t i = 0;
 #if PAGEDLLM_AVX512
   if constexpr (ISA >= kAvx512) {
+    // 64 columns x R rows of accumulators (16 registers at R = 4): one broadcast of p serves 4 FMAs.
+    for (; i + 64 <= d; i += 64) {
+      __m512 a[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(acc + r * d + i + 16 * c);
+      for (int64_t j = j0; j < j1; ++j) {
+        __m512 vv[4];
+        for (int c = 0; c < 4; ++c) vv[c] = load16(v[j] + i + 16 * c);
+        for (int r = 0; r < R; ++r) {
+          const __m512 pr = _mm512_set1_ps(p[r * p_ld + j]);
+          for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * d + i + 16 * c, a[r][c]);
+    }
     for (; i + 32 <= d; i += 32) {
       __m512 a0[R], a1[R];
       for (int r = 0; r < R; ++r) {
