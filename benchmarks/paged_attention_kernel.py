@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--cases", help="comma-separated case names to run (default: all)")
+    parser.add_argument("--isa", choices=[i.value for i in CpuIsa], help="code path (default: the best this CPU runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     kernels = {"this": cpu_paged.load_kernel()}
@@ -89,7 +90,7 @@ def main() -> None:
         kernels["baseline"] = load_extension(CpuExtension("paged_attention_baseline", args.baseline.resolve(),
                                                           "baseline paged-attention kernel", "nothing"))
     dtypes = [torch.float32, torch.bfloat16] if args.dtype == "both" else [getattr(torch, args.dtype)]
-    best = [isa for isa in CpuIsa if not missing_flags(isa, cpu_flags())][-1]
+    best = CpuIsa(args.isa) if args.isa else [isa for isa in CpuIsa if not missing_flags(isa, cpu_flags())][-1]
     for dtype in dtypes:
         isa = cpu_paged.kernel_path(kernels["this"], best, dtype)
         print(f"# {dtype}, path {isa}; ms per call (median of {args.repeats}, single-thread CPU time)")
