@@ -20,10 +20,12 @@
 // num_kv_heads query heads of a kv head are processed together (rows = tokens x G), so each K/V row
 // loaded from the cache is used by every row of the tile (grouped-query attention). Keys are
 // visited in chunks of kKeyChunk positions: scores of 4 rows x 2 keys per micro-kernel call
-// (8 independent FMA chains, AVX2), then the online-softmax update per row (vector exp), then the
-// chunk's V rows accumulated into float32 accumulators held in registers across the chunk. The
-// K/V rows kPrefetchKeys keys ahead are software-prefetched while keys are scored, since
-// consecutive blocks of a sequence lie anywhere in the pool (decode is bound by this memory traffic). bfloat16 is widened to float32 on load; all accumulation is float32.
+// (8 independent FMA chains, AVX2; AVX-512: 4 rows x 4 keys, 16 chains and one transposing
+// reduction), then the online-softmax update per row (vector exp), then the chunk's V rows
+// accumulated into float32 accumulators held in registers across the chunk. The K/V rows
+// kPrefetchKeys keys ahead are software-prefetched while keys are scored, since consecutive blocks
+// of a sequence lie anywhere in the pool (decode is bound by this memory traffic). bfloat16 is
+// widened to float32 on load; all accumulation is float32.
 // Items are handed out dynamically to the at::parallel_for threads (an atomic counter, longest
 // first), since decode and prefill items differ in cost.
 //
