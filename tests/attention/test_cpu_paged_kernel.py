@@ -414,3 +414,87 @@ def test_kernel_rejects_path_not_compiled():
     with pytest.raises(RuntimeError, match="not compiled"):
         kernel.paged_attention(q, torch.empty_like(q), cache, cache, md.block_tables, md.query_start_loc,
                                md.seq_lens, md.context_lens, torch.zeros(1, dtype=torch.int32), 1.0, 0, 0.0, 9)
+
+
+def paged_case(q_lens, ctx_lens, *, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+    """One kernel call's inputs: sequence i has ctx_lens[i] cached tokens and q_lens[i] new ones (their
+    K/V written into the cache too), physical blocks a random permutation of a pool with spare blocks,
+    every slot no sequence owns NaN. Returns (kwargs for the kernel, per-sequence (q, k, v) of all
+    positions for the dense reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, h_kv, d, bs = num_heads, num_kv_heads, head_dim, block_size
+    needed = [math.ceil((c + q) / bs) for c, q in zip(ctx_lens, q_lens)]
+    num_blocks = sum(needed) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in needed:
+        tables.append(perm[used:used + n])
+        used += n
+    k_cache = torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype)
+    seqs = []
+    for c, ql, table in zip(ctx_lens, q_lens, tables):
+        n = c + ql
+        q, k, v = (torch.randn(n, hh, d, generator=gen).to(dtype) for hh in (h, h_kv, h_kv))
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)], dtype=torch.int64)
+        k_cache.view(-1, h_kv, d)[slots] = k
+        v_cache.view(-1, h_kv, d)[slots] = v
+        seqs.append((q[c:], k, v))
+    md = build_attention_metadata(q_lens, ctx_lens, tables, bs, "cpu")
+    query = torch.cat([s[0] for s in seqs])
+    args = (query, k_cache, v_cache, md.block_tables, md.query_start_loc, md.seq_lens, md.context_lens,
+            torch.arange(len(q_lens), dtype=torch.int32))
+    return args, seqs
+
+
+def dense_rows(q, k, v, scale, window):
+    """float64 attention of the last len(q) positions of a sequence over all its keys [n, H_kv, D]."""
+    n, new = k.shape[0], q.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("ihd,jhd->hij", q.double(), k) * scale
+    i = torch.arange(n - new, n)[:, None]
+    j = torch.arange(n)[None, :]
+    allowed = j <= i
+    if window:
+        allowed &= j > i - window
+    return torch.einsum("hij,jhd->ihd", torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1), v)
+
+
+# Decodes at contexts around the 4-key score blocks, the 16-key prefetch distance, the 32-key chunk
+# and the block size (not multiples of any), prefill chunks on cached context past one 16-token tile.
+EDGE_Q_LENS = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 17, 40, 5]
+EDGE_CTX_LENS = [0, 2, 3, 4, 15, 16, 17, 33, 66, 131, 0, 29, 47]
+
+
+@pytest.mark.parametrize("isa", list(CpuIsa)[1:], ids=lambda i: i.value)
+@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 2e-6, 1e-5), (torch.bfloat16, 8e-3, 8e-3)],
+                         ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 1, 256), (8, 1, 64), (4, 2, 80), (3, 3, 32)],
+                         ids=["gqa4-d256", "gqa8-d64", "gqa2-d80", "mha-d32"])
+@pytest.mark.parametrize("window, block_size", [(0, 16), (5, 16), (21, 7), (64, 1)],
+                         ids=["full-bs16", "window5-bs16", "window21-bs7", "window64-bs1"])
+def test_isa_path_edges_match_portable_and_dense(isa, dtype, atol, rtol, num_heads, num_kv_heads, head_dim,
+                                                 window, block_size):
+    """Each SIMD path (4 rows x 4 keys scores, 64-column P.V tiles, prefetches kPrefetchKeys ahead)
+    against the portable loops and float64 dense attention, in one call over decodes and prefill chunks
+    at hand-picked lengths: GQA groups of 8, 4, 2 and 1 (the 4-row kernels see 8 rows, 4 rows or
+    2 tokens x 2 heads, or fall back), head_dim 80 (AVX-512 float32 takes the 4x4 scores, bf16 the
+    2-key ones; P.V has a 16-column tail), windows starting mid-block, blocks of 7 and 1 tokens."""
+    require_isa(isa)
+    kernel = built_kernel()
+    args, seqs = paged_case(EDGE_Q_LENS, EDGE_CTX_LENS, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, block_size=block_size, dtype=dtype, seed=11)
+    scale = head_dim ** -0.5
+    outs = {}
+    for path in ("portable", cpu_paged.kernel_path(kernel, isa, dtype)):
+        out = torch.empty_like(args[0])
+        kernel.paged_attention(args[0], out, *args[1:], scale, window, 0.0, kernel.compiled_isas().index(path))
+        assert not out.isnan().any(), path
+        outs[path] = out
+    fast = outs[cpu_paged.kernel_path(kernel, isa, dtype)]
+    torch.testing.assert_close(fast.float(), outs["portable"].float(), atol=atol, rtol=rtol)
+    want = torch.cat([dense_rows(q, k, v, scale, window) for q, k, v in seqs])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast.double(), want, atol=tol, rtol=tol)

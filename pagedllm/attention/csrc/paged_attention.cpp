@@ -20,10 +20,12 @@
 // num_kv_heads query heads of a kv head are processed together (rows = tokens x G), so each K/V row
 // loaded from the cache is used by every row of the tile (grouped-query attention). Keys are
 // visited in chunks of kKeyChunk positions: scores of 4 rows x 2 keys per micro-kernel call
-// (8 independent FMA chains, AVX2), then the online-softmax update per row (vector exp), then the
-// chunk's V rows accumulated into float32 accumulators held in registers across the chunk. The
-// next chunk's K/V rows are software-prefetched, since consecutive blocks of a sequence lie
-// anywhere in the pool. bfloat16 is widened to float32 on load; all accumulation is float32.
+// (8 independent FMA chains, AVX2; AVX-512: 4 rows x 4 keys, 16 chains and one transposing
+// reduction), then the online-softmax update per row (vector exp), then the chunk's V rows
+// accumulated into float32 accumulators held in registers across the chunk. The K/V rows
+// kPrefetchKeys keys ahead are software-prefetched while keys are scored, since consecutive blocks
+// of a sequence lie anywhere in the pool (decode is bound by this memory traffic). bfloat16 is
+// widened to float32 on load; all accumulation is float32.
 // Items are handed out dynamically to the at::parallel_for threads (an atomic counter, longest
 // first), since decode and prefill items differ in cost.
 //
@@ -65,7 +67,7 @@
 #endif
 
 #ifndef PAGEDLLM_PREFETCH
-#define PAGEDLLM_PREFETCH 1  // software prefetch of the next key chunk's K/V rows
+#define PAGEDLLM_PREFETCH 1  // software prefetch of the K/V rows kPrefetchKeys keys ahead
 #endif
 
 namespace {
@@ -82,6 +84,49 @@ enum Isa : int {
 constexpr int64_t kTileTokens = 16;  // query tokens per work item (prefill chunks)
 constexpr int64_t kKeyChunk = 32;    // key positions per online-softmax step
 constexpr int kRowGroup = 4;         // query rows per micro-kernel call
+// Software-prefetch distance in key rows (8, 16 and 32 measured alike on the decode benchmark,
+// benchmarks/paged_attention_kernel.py) and the cache line size.
+constexpr int64_t kPrefetchKeys = 16;
+constexpr int64_t kCacheLine = 64;
+
+// Software prefetch of one cache line (prefetch_line) or one cached K or V row (prefetch_row, bytes
+// from p) into L1.
+inline void prefetch_line(const void* p) {
+#if PAGEDLLM_PREFETCH && defined(__x86_64__)
+  // prefetcht0 by inline asm: GCC 12 dropped __builtin_prefetch in this kernel's loops (no prefetch
+  // instruction in the binary; docs/performance.md step 22).
+  asm volatile("prefetcht0 (%0)" : : "r"(p));
+#elif PAGEDLLM_PREFETCH
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += kCacheLine) prefetch_line(static_cast<const char*>(p) + b);
+}
+
+// The K/V rows to prefetch while a chunk's keys are scored: k[j], v[j] (kPrefetchKeys keys past chunk
+// key j) for j < n; rows [0, done) were asked for. A 4-key micro-kernel that takes rows [j, j + 4)
+// spreads their lines over its loop; otherwise they are asked for whole, before their keys.
+template <typename T>
+struct ChunkPrefetch {
+  const T* const* k = nullptr;
+  const T* const* v = nullptr;
+  int64_t n = 0, done = 0, bytes = 0;
+  void upto(int64_t j) {
+    for (; done < std::min(j, n); ++done) {
+      prefetch_row(k[done], bytes);
+      prefetch_row(v[done], bytes);
+    }
+  }
+  bool take4(int64_t j) {
+    upto(j);
+    if (done != j || j + 4 > n) return false;
+    done = j + 4;
+    return true;
+  }
+};
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -130,6 +175,51 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The 16 horizontal sums of a[0..15] as one vector (lane i = sum of a[i]'s lanes): a transposing
+// add tree of 45 shuffles and adds instead of 16 separate reductions (~144).
+inline __m512 reduce16(const __m512* a) {
+  __m512 u[8], w[4], x[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a2i(0+2), a2i+1(0+2), a2i(1+3), a2i+1(1+3)]
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a4i, a4i+1, a4i+2, a4i+3] (partial sums)
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(u[2 * i]), _mm512_castps_pd(u[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(u[2 * i]), _mm512_castps_pd(u[2 * i + 1]));
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes [w2i.0+w2i.1, w2i.2+w2i.3, w2i+1.0+w2i+1.1, ...]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+}
+
+// Scores of 4 query rows (float32, row stride d) against 4 key rows: s[r * s_ld + k] = q[r] . key[k].
+// 16 independent FMA chains; each loaded key vector serves 4 rows, each query vector 4 keys; one
+// reduce16 for all 16 sums. d must be a multiple of 16.
+// PF: also prefetch one line (the one at element i) of each of the 4 K and 4 V rows pk, pv per step.
+template <bool PF, typename T>
+inline void dot_4x4(const float* q, int64_t d, const T* const* keys, float* s, int64_t s_ld,
+                    const T* const* pk, const T* const* pv) {
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    if constexpr (PF) {
+      if (i * static_cast<int64_t>(sizeof(T)) % kCacheLine == 0)
+        for (int m = 0; m < 4; ++m) prefetch_line(pk[m] + i), prefetch_line(pv[m] + i);
+    }
+    const __m512 k0 = load16(keys[0] + i), k1 = load16(keys[1] + i), k2 = load16(keys[2] + i),
+                 k3 = load16(keys[3] + i);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 qv = _mm512_loadu_ps(q + r * d + i);
+      a[4 * r] = _mm512_fmadd_ps(qv, k0, a[4 * r]);
+      a[4 * r + 1] = _mm512_fmadd_ps(qv, k1, a[4 * r + 1]);
+      a[4 * r + 2] = _mm512_fmadd_ps(qv, k2, a[4 * r + 2]);
+      a[4 * r + 3] = _mm512_fmadd_ps(qv, k3, a[4 * r + 3]);
+    }
+  }
+  const __m512 sums = reduce16(a);  // lane 4r + k
+  for (int r = 0; r < 4; ++r) _mm_storeu_ps(s + r * s_ld, _mm512_extractf32x4_ps(sums, r));
 }
 #endif
 
@@ -215,6 +305,29 @@ inline void dot_rows_bf16(const c10::BFloat16* qb, int64_t d, const c10::BFloat1
 }
 #endif
 
+#if PAGEDLLM_AVX512_BF16
+// dot_4x4 for bfloat16 caches and unscaled bfloat16 query rows (vdpbf16ps pairs, float32 sums), times
+// scale. d must be a multiple of 32.
+template <bool PF>
+inline void dot_4x4_bf16(const c10::BFloat16* qb, int64_t d, const c10::BFloat16* const* keys, float scale,
+                         float* s, int64_t s_ld, const c10::BFloat16* const* pk, const c10::BFloat16* const* pv) {
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 32) {  // 64 bytes of each row per step
+    if constexpr (PF)
+      for (int m = 0; m < 4; ++m) prefetch_line(pk[m] + i), prefetch_line(pv[m] + i);
+    __m512bh kv[4];
+    for (int k = 0; k < 4; ++k) kv[k] = (__m512bh)_mm512_loadu_si512(keys[k] + i);
+    for (int r = 0; r < 4; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + r * d + i);
+      for (int k = 0; k < 4; ++k) a[4 * r + k] = _mm512_dpbf16_ps(a[4 * r + k], qv, kv[k]);
+    }
+  }
+  const __m512 sums = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
+  for (int r = 0; r < 4; ++r) _mm_storeu_ps(s + r * s_ld, _mm512_extractf32x4_ps(sums, r));
+}
+#endif
+
 // acc[r] += sum_{j in [j0, j1)} p[r * p_ld + j] * v[j] for R rows (float32 accumulators, row
 // stride d). d outer, keys inner: the accumulators stay in registers across the chunk's keys.
 template <int ISA, int R, typename T>
@@ -223,6 +336,22 @@ inline void accumulate_rows(float* acc, int64_t d, const float* p, int64_t p_ld,
   int64_t i = 0;
 #if PAGEDLLM_AVX512
   if constexpr (ISA >= kAvx512) {
+    // 64 columns x R rows of accumulators (16 registers at R = 4): one broadcast of p serves 4 FMAs.
+    for (; i + 64 <= d; i += 64) {
+      __m512 a[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(acc + r * d + i + 16 * c);
+      for (int64_t j = j0; j < j1; ++j) {
+        __m512 vv[4];
+        for (int c = 0; c < 4; ++c) vv[c] = load16(v[j] + i + 16 * c);
+        for (int r = 0; r < R; ++r) {
+          const __m512 pr = _mm512_set1_ps(p[r * p_ld + j]);
+          for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * d + i + 16 * c, a[r][c]);
+    }
     for (; i + 32 <= d; i += 32) {
       __m512 a0[R], a1[R];
       for (int r = 0; r < R; ++r) {
@@ -296,21 +425,60 @@ inline void accumulate_rows(float* acc, int64_t d, const float* p, int64_t p_ld,
 
 // Scores of rows [r0, r0 + R) against keys [j0, j1) of the chunk, two keys at a time. qf holds the
 // rows pre-scaled in float32; qb the same rows unscaled in T (read by the bf16 dot-product path).
+// Scores of rows [r0, r0 + R) against keys [j0, j1) of the chunk, four (AVX-512, R = 4) or two keys at
+// a time. qf holds the rows pre-scaled in float32; qb the same rows unscaled in T (read by the bf16
+// dot-product path). pf (may be null): the rows to prefetch meanwhile.
 template <int ISA, int R, typename T>
-inline void score_group(const float* q, const T* qb, int64_t d, float scale,
-                        const T* const* k_rows, int64_t j0, int64_t j1, float* s) {
+inline void score_group(const float* q, const T* qb, int64_t d, float scale, const T* const* k_rows,
+                        int64_t j0, int64_t j1, float* s, ChunkPrefetch<T>* pf) {
   int64_t j = j0;
 #if PAGEDLLM_AVX512_BF16
   if constexpr (ISA == kAvx512Bf16 && std::is_same_v<T, c10::BFloat16>) {
-    for (; j + 2 <= j1; j += 2) dot_rows_bf16<R, 2>(qb, d, k_rows + j, scale, s + j, kKeyChunk);
-    if (j < j1) dot_rows_bf16<R, 1>(qb, d, k_rows + j, scale, s + j, kKeyChunk);
+    if (R == 4 && d % 32 == 0) {
+      for (; j + 4 <= j1; j += 4) {
+        if (pf && pf->take4(j)) {
+          dot_4x4_bf16<true>(qb, d, k_rows + j, scale, s + j, kKeyChunk, pf->k + j, pf->v + j);
+        } else {
+          if (pf) pf->upto(j + 4);
+          dot_4x4_bf16<false>(qb, d, k_rows + j, scale, s + j, kKeyChunk, nullptr, nullptr);
+        }
+      }
+    }
+    for (; j + 2 <= j1; j += 2) {
+      if (pf) pf->upto(j + 2);
+      dot_rows_bf16<R, 2>(qb, d, k_rows + j, scale, s + j, kKeyChunk);
+    }
+    if (j < j1) {
+      if (pf) pf->upto(j1);
+      dot_rows_bf16<R, 1>(qb, d, k_rows + j, scale, s + j, kKeyChunk);
+    }
     return;
   }
 #endif
   (void)qb;
   (void)scale;
-  for (; j + 2 <= j1; j += 2) dot_rows<ISA, R, 2>(q, d, k_rows + j, s + j, kKeyChunk);
-  if (j < j1) dot_rows<ISA, R, 1>(q, d, k_rows + j, s + j, kKeyChunk);
+#if PAGEDLLM_AVX512
+  if constexpr (ISA >= kAvx512 && R == 4) {
+    if (d % 16 == 0) {
+      for (; j + 4 <= j1; j += 4) {
+        if (pf && pf->take4(j)) {
+          dot_4x4<true>(q, d, k_rows + j, s + j, kKeyChunk, pf->k + j, pf->v + j);
+        } else {
+          if (pf) pf->upto(j + 4);
+          dot_4x4<false>(q, d, k_rows + j, s + j, kKeyChunk, k_rows, k_rows);
+        }
+      }
+    }
+  }
+#endif
+  for (; j + 2 <= j1; j += 2) {
+    if (pf) pf->upto(j + 2);
+    dot_rows<ISA, R, 2>(q, d, k_rows + j, s + j, kKeyChunk);
+  }
+  if (j < j1) {
+    if (pf) pf->upto(j1);
+    dot_rows<ISA, R, 1>(q, d, k_rows + j, s + j, kKeyChunk);
+  }
 }
 
 struct Item {
@@ -371,42 +539,44 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
   const int64_t key_hi = pos_last;  // inclusive
 
   const int64_t head_off = it.kv_head * g.c_stride_head;
-  // Row pointers of the keys [c0, c0 + n), one block-table lookup per block touched.
-  auto fill_rows = [&](int64_t c0, int64_t n, const T** kr, const T** vr) {
-    for (int64_t j = 0; j < n;) {
-      const int64_t pos = c0 + j;
-      const int64_t off = pos % g.block_size;
-      const int64_t base = static_cast<int64_t>(block_table[pos / g.block_size]) *
-                               g.c_stride_block + head_off;
-      const int64_t m = std::min(n - j, g.block_size - off);
-      for (int64_t t = 0; t < m; ++t, ++j) {
-        kr[j] = k_base + base + (off + t) * g.c_stride_tok;
-        vr[j] = v_base + base + (off + t) * g.c_stride_tok;
-      }
+  // Row pointers of every key the tile reads, one block-table lookup per block touched.
+  const int64_t num_keys = key_hi + 1 - key_lo;
+  if (static_cast<int64_t>(k_ptrs.size()) < num_keys) {
+    k_ptrs.resize(num_keys);
+    v_ptrs.resize(num_keys);
+  }
+  for (int64_t j = 0; j < num_keys;) {
+    const int64_t pos = key_lo + j;
+    const int64_t off = pos % g.block_size;
+    const int64_t base = static_cast<int64_t>(block_table[pos / g.block_size]) * g.c_stride_block + head_off;
+    const int64_t m = std::min(num_keys - j, g.block_size - off);
+    for (int64_t t = 0; t < m; ++t, ++j) {
+      k_ptrs[j] = k_base + base + (off + t) * g.c_stride_tok;
+      v_ptrs[j] = v_base + base + (off + t) * g.c_stride_tok;
     }
-  };
-  const T** k_rows = k_ptrs.data();
-  const T** v_rows = v_ptrs.data();
-  const T** k_next = k_ptrs.data() + kKeyChunk;
-  const T** v_next = v_ptrs.data() + kKeyChunk;
-  fill_rows(key_lo, std::min(kKeyChunk, key_hi + 1 - key_lo), k_rows, v_rows);
+  }
+  // Consecutive blocks of a sequence lie anywhere in the pool, where the hardware prefetcher cannot
+  // follow: the K/V rows kPrefetchKeys keys ahead are software-prefetched, two keys per key pair
+  // scored, so that the requests stay spread between the FMAs. The first kPrefetchKeys keys are
+  // asked for up front.
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < std::min(num_keys, kPrefetchKeys); ++j) {
+    prefetch_row(k_ptrs[j], row_bytes);
+    prefetch_row(v_ptrs[j], row_bytes);
+  }
   for (int64_t c0 = key_lo; c0 <= key_hi; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, key_hi + 1 - c0);
-    // The next chunk's rows are scattered over blocks the hardware prefetcher cannot predict:
-    // ask for them now, while this chunk computes.
-    if (c0 + kKeyChunk <= key_hi) {
-      const int64_t n_next = std::min(kKeyChunk, key_hi + 1 - (c0 + kKeyChunk));
-      fill_rows(c0 + kKeyChunk, n_next, k_next, v_next);
-#if PAGEDLLM_PREFETCH
-      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
-      for (int64_t j = 0; j < n_next; ++j) {
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(k_next[j]) + b, 0, 3);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_next[j]) + b, 0, 3);
-        }
-      }
-#endif
+    const T* const* k_rows = k_ptrs.data() + (c0 - key_lo);
+    const T* const* v_rows = v_ptrs.data() + (c0 - key_lo);
+    // Rows kPrefetchKeys ahead of this chunk's keys, asked for while the first row group is scored
+    // (and after it, those its range did not reach: it sees fewer keys on the diagonal).
+    ChunkPrefetch<T> pf;
+    pf.n = std::clamp<int64_t>(num_keys - (c0 - key_lo) - kPrefetchKeys, 0, n);
+    if (pf.n > 0) {
+      pf.k = k_rows + kPrefetchKeys;
+      pf.v = v_rows + kPrefetchKeys;
     }
+    pf.bytes = row_bytes;
     // Scores, kRowGroup rows at a time, over the keys some row of the group can see (rows of
     // a group are consecutive tokens' heads, so that range is [lo(first), last position]).
     for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
@@ -418,13 +588,15 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
       const float* q = qf.data() + r0 * d;
       const T* q_raw = qb.data() + r0 * d;
       float* s = scores.data() + r0 * kKeyChunk;
+      ChunkPrefetch<T>* p = r0 == 0 ? &pf : nullptr;
       switch (nr) {
-        case 4: score_group<ISA, 4>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
-        case 3: score_group<ISA, 3>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
-        case 2: score_group<ISA, 2>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
-        default: score_group<ISA, 1>(q, q_raw, d, g.scale, k_rows, j0, j1, s); break;
+        case 4: score_group<ISA, 4>(q, q_raw, d, g.scale, k_rows, j0, j1, s, p); break;
+        case 3: score_group<ISA, 3>(q, q_raw, d, g.scale, k_rows, j0, j1, s, p); break;
+        case 2: score_group<ISA, 2>(q, q_raw, d, g.scale, k_rows, j0, j1, s, p); break;
+        default: score_group<ISA, 1>(q, q_raw, d, g.scale, k_rows, j0, j1, s, p); break;
       }
     }
+    pf.upto(n);
     // Online softmax per row: probabilities of this chunk (exactly 0 where masked), running
     // max and sum, and the accumulator rescaled when the max grows.
     for (int64_t r = 0; r < rows; ++r) {
@@ -487,8 +659,6 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
         default: accumulate_rows<ISA, 1>(a, d, p, kKeyChunk, v_rows, j0, j1); break;
       }
     }
-    std::swap(k_rows, k_next);
-    std::swap(v_rows, v_next);
   }
 
   for (int64_t t = 0; t < num_tok; ++t) {
@@ -524,7 +694,7 @@ void run(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache,
       std::vector<float> qf(max_rows * g.head_dim), acc(max_rows * g.head_dim);
       std::vector<T> qb(ISA == kAvx512Bf16 ? max_rows * g.head_dim : 0);
       std::vector<float> scores(max_rows * kKeyChunk), row_max(max_rows), row_sum(max_rows);
-      std::vector<const T*> k_ptrs(2 * kKeyChunk), v_ptrs(2 * kKeyChunk);
+      std::vector<const T*> k_ptrs, v_ptrs;
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
         const Item& it = items[i];
         run_item<ISA, T>(it, g, q_base, o_base, k_base, v_base, block_tables + it.seq * g.bt_stride,
