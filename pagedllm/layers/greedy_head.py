@@ -190,47 +190,43 @@ class ExactGreedyHead:
         self.kind = kind
         self.max_rows = int(max_rows)
         self.vocab_size, self.hidden_size = int(weight.shape[0]), int(weight.shape[1])
-        w = self.weight.float()
         if kind == "bf16":
             from pagedllm.layers.linear import PackedLinear
 
+            w = self.weight.float()
             wq = self.weight.to(torch.bfloat16)
             self._layer = PackedLinear(wq, None, max(1, int(batch_hint)))
-            approx = wq.float()
             self.extra_bytes = wq.numel() * 2
-        elif kind in ("int8", "int8_vnni"):
+            self.weight_error, self.approx_max = self._error_constants(w, wq.float())
+        elif kind == "int8":
+            w = self.weight.float()
             scale = round_up_to_bf16(w.abs().amax(dim=1) / 127.0)
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             self.qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
             self.scales = scale.to(torch.bfloat16)                       # exact: bf16 values
-            approx = self.qweight.float() * scale[:, None]               # exact in float32 (15 bits)
             self.extra_bytes = self.qweight.numel() + 2 * self.scales.numel()
-            if kind == "int8_vnni":
-                from pagedllm.layers.int8_gemm import load_int8_gemm
+            # q s is exact in float32 (8 x 8 significant bits)
+            self.weight_error, self.approx_max = self._error_constants(w, self.qweight.float() * scale[:, None])
+        elif kind == "int8_vnni":
+            from pagedllm.layers.int8_gemm import load_int8_gemm
 
-                if self.hidden_size % 16:
-                    raise ValueError(f"kind 'int8_vnni' needs a hidden size that is a multiple of 16, got {self.hidden_size}")
-                self._ext = load_int8_gemm()
-                if self._ext is None:
-                    raise ValueError("kind 'int8_vnni' needs the int8 VNNI kernel, which did not build here")
-                self.packed, self.row_sums = self._ext.pack_int8_weight(self.qweight)
-                self.qweight = None
-                self.scales = scale.float().contiguous()                  # the same bf16 values, float32
-                self.extra_bytes = self.packed.numel() + 4 * self.row_sums.numel() + 4 * self.scales.numel()
+            if self.hidden_size % 16:
+                raise ValueError(f"kind 'int8_vnni' needs a hidden size that is a multiple of 16, got {self.hidden_size}")
+            self._ext = load_int8_gemm()
+            if self._ext is None:
+                raise ValueError("kind 'int8_vnni' needs the int8 VNNI kernel, which did not build here")
+            # The int8 kind's codes, scales and constants, in one C++ pass per row (no float copies).
+            qweight, self.scales, self.weight_error, self.approx_max = self._ext.quantize_int8_rows(self.weight)
+            self.packed, self.row_sums = self._ext.pack_int8_weight(qweight)
+            del qweight
+            self.qweight = None
+            self.extra_bytes = self.packed.numel() + 4 * self.row_sums.numel() + 4 * self.scales.numel()
         else:
             raise ValueError(f"kind must be 'bf16', 'int8' or 'int8_vnni', got {kind!r}")
         # int8_vnni's window is wider (its weight term) and its candidates are re-scored without a
         # second pass: it takes more of both before a row goes to the full head.
         self.max_candidates = MAX_CANDIDATES_VNNI if kind == "int8_vnni" else MAX_CANDIDATES
         self.max_hit_blocks = MAX_HIT_BLOCKS_VNNI if kind == "int8_vnni" else MAX_HIT_BLOCKS
-        # Per-token constants (float64): E_j = max |W~ - W|, A_j = max |W~|.
-        err = torch.empty(self.vocab_size, dtype=torch.float64)
-        for lo in range(0, self.vocab_size, 16384):   # chunks: float64 copies stay small
-            hi = min(lo + 16384, self.vocab_size)
-            err[lo:hi] = (approx[lo:hi].double() - w[lo:hi].double()).abs().amax(dim=1)
-        self.weight_error = err                                          # [V] E_j
-        self.approx_max = approx.abs().amax(dim=1).double()              # [V] A_j
-        del approx, w
         self.g32 = gamma(self.hidden_size, _U_F32)
         self.g64 = gamma(self.hidden_size, _U_F64)
         self.weight_error_max = float(self.weight_error.max())
@@ -248,6 +244,15 @@ class ExactGreedyHead:
             self._weight_c = self.weight.contiguous()
         self.num_rows = 0            # rows asked (counters for tests and logs)
         self.num_fallback_rows = 0
+
+    @staticmethod
+    def _error_constants(w: torch.Tensor, approx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token (float64 [V]): ``E_j = max_i |W~_ji - W_ji|`` and ``A_j = max_i |W~_ji|``."""
+        err = torch.empty(w.shape[0], dtype=torch.float64)
+        for lo in range(0, w.shape[0], 16384):   # chunks: float64 copies stay small
+            hi = min(lo + 16384, w.shape[0])
+            err[lo:hi] = (approx[lo:hi].double() - w[lo:hi].double()).abs().amax(dim=1)
+        return err, approx.abs().amax(dim=1).double()
 
     # -- the cheap pass and its bound --
 

@@ -370,3 +370,22 @@ def test_bfloat16_model_takes_the_exact_argmax_of_its_own_head(make_tiny_checkpo
         assert torch.equal(tokens, _exact(x, w).argmax(dim=1))
     # Step i's tokens are the i-th generated token of each request (batch order).
     assert [o.outputs[0].token_ids for o in outs] == [[int(seen[i][1][r]) for i in range(8)] for r in range(4)]
+
+
+@VNNI_ONLY
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_vnni_quantization_equals_the_int8_kinds(dtype):
+    """``quantize_int8_rows`` (one C++ pass per row) gives the torch int8 kind's codes, scales and
+    bound constants: rows with ties at half a step (round to even), a zero row, outlier columns."""
+    w = _weights(3000, 640, torch.float32, seed=12)
+    w[5] = 0.0
+    w[6, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])      # scale 1: codes 127, 0, 2, -2 (to even)
+    w[6, 4:] = 0.0
+    w = w.to(dtype)
+    torch_kind = ExactGreedyHead(w, "int8", 8)
+    vnni = ExactGreedyHead(w, "int8_vnni", 8)
+    assert torch.equal(vnni._ext.unpack_int8_weight(vnni.packed, 3000), torch_kind.qweight)
+    assert torch.equal(vnni.scales, torch_kind.scales.float())
+    assert torch.equal(vnni.weight_error, torch_kind.weight_error)
+    assert torch.equal(vnni.approx_max, torch_kind.approx_max)
+    assert torch_kind.qweight[6, :4].tolist() == [127, 0, 2, -2] and vnni.scales[5].item() == 1.0

@@ -114,6 +114,75 @@ std::tuple<torch::Tensor, torch::Tensor> pack_int8_weight(const torch::Tensor& q
   return {packed, row_sums};
 }
 
+namespace {
+
+// float32 -> the smallest bfloat16 value >= v (as float32), for finite v >= 0.
+float round_up_to_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  uint32_t b = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;  // to nearest even
+  float r;
+  std::memcpy(&r, &b, sizeof r);
+  if (r < v) {
+    b += 0x10000u;
+    std::memcpy(&r, &b, sizeof r);
+  }
+  return r;
+}
+
+template <typename WT>
+void quantize_rows(const WT* w, int64_t n, int64_t k, int8_t* q, float* scales, double* err, double* amax) {
+  at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      float m = 0.f;
+      for (int64_t i = 0; i < k; ++i) {
+        row[i] = static_cast<float>(w[r * k + i]);
+        m = std::max(m, std::fabs(row[i]));
+      }
+      float s = round_up_to_bf16(m / 127.0f);
+      if (!(s > 0.f)) s = 1.f;
+      double e = 0.0, a = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        const float code = std::min(127.f, std::max(-127.f, std::nearbyint(row[i] / s)));
+        q[r * k + i] = static_cast<int8_t>(code);
+        const float approx = code * s;  // exact: 8 x 8 significant bits
+        e = std::max(e, std::fabs(static_cast<double>(approx) - static_cast<double>(row[i])));
+        a = std::max(a, static_cast<double>(std::fabs(approx)));
+      }
+      scales[r] = s;
+      err[r] = e;
+      amax[r] = a;
+    }
+  });
+}
+
+}  // namespace
+
+// w [N, K] float32 or bfloat16 -> (q [N, K] int8, s [N] float32, E [N] float64, A [N] float64):
+// per row s = the smallest bfloat16 value >= max_i |w_i| / 127 (1 for a zero row), q_i =
+// round(w_i / s) to nearest even, clamped to [-127, 127], E = max_i |q_i s - w_i|, A = max_i |q_i s|
+// (each q_i s is exact in float32). The same numbers as layers/greedy_head.py's torch code, in one
+// pass per row (that code allocates several float32 copies of the whole head).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_int8_rows(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16),
+              "w must be a float32 or bfloat16 [N, K] tensor");
+  auto wc = w.contiguous();
+  const int64_t n = wc.size(0), k = wc.size(1);
+  auto q = torch::empty({n, k}, wc.options().dtype(torch::kInt8));
+  auto scales = torch::empty({n}, wc.options().dtype(torch::kFloat32));
+  auto err = torch::empty({n}, wc.options().dtype(torch::kFloat64));
+  auto amax = torch::empty({n}, wc.options().dtype(torch::kFloat64));
+  if (wc.dtype() == torch::kFloat32) {
+    quantize_rows(wc.data_ptr<float>(), n, k, q.data_ptr<int8_t>(), scales.data_ptr<float>(), err.data_ptr<double>(),
+                  amax.data_ptr<double>());
+  } else {
+    quantize_rows(wc.data_ptr<c10::BFloat16>(), n, k, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                  err.data_ptr<double>(), amax.data_ptr<double>());
+  }
+  return {q, scales, err, amax};
+}
+
 // packed -> [N, K] int8: the codes back in row-major order (for tests and dequantized references).
 torch::Tensor unpack_int8_weight(const torch::Tensor& packed, int64_t n) {
   TORCH_CHECK(packed.dtype() == torch::kInt8 && packed.dim() == 3 && packed.is_contiguous() &&
@@ -511,6 +580,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "int8 weight-only GEMM (AVX-512 VNNI, activations in 16-bit fixed point per row)";
   m.def("pack_int8_weight", &pack_int8_weight, "q [N, K] int8 -> (packed [ceil(N/16), K/4, 64], row sums)",
         py::arg("q"));
+  m.def("quantize_int8_rows", &quantize_int8_rows, "w [N, K] -> (q int8, scales, max |q s - w|, max |q s|) per row",
+        py::arg("w"));
   m.def("unpack_int8_weight", &unpack_int8_weight, "packed -> q [N, K] int8", py::arg("packed"), py::arg("n"));
   m.def("int8_weight_only_mm", &int8_weight_only_mm, "s * (x @ q^T) + bias", py::arg("x"), py::arg("packed"),
         py::arg("row_sums"), py::arg("scales"), py::arg("bias"), py::arg("n"));
