@@ -90,9 +90,13 @@ class LLMEngine:
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._batch_queue: deque = deque()
         self.load_time_s = time.perf_counter() - t0
+        # "auto" resolved (the in-process driver worker knows it; other executors' workers log it).
+        resolved = getattr(getattr(self.executor, "driver_worker", None), "dtype", None)
+        dtype_note = model_cfg.dtype if resolved is None or model_cfg.dtype != "auto" else \
+            f"auto ({str(resolved).replace('torch.', '')})"
         logger.info("Engine ready in %.2f s: model=%s dtype=%s quantization=%s device=%s executor=%s "
                     "batch_queue_size=%d max_model_len=%d block_size=%d num_blocks=%d max_num_seqs=%d max_num_batched_tokens=%d prefix_caching=%s",
-                    self.load_time_s, files.source, model_cfg.dtype, model_cfg.quantization,
+                    self.load_time_s, files.source, dtype_note, model_cfg.quantization,
                     model_cfg.device or "auto", executor_class.__name__, self.batch_queue_size, sched_cfg.max_model_len,
                     cache_cfg.block_size, self.num_blocks, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
                     cache_cfg.enable_prefix_caching)

@@ -534,7 +534,7 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
     if mode not in EXACT_GREEDY_HEAD_MODES:
         raise ValueError(f"exact_greedy_head must be one of {EXACT_GREEDY_HEAD_MODES}, got {mode!r}")
     if mode == "off":
-        return None, 0, "--exact-greedy-head off"
+        return None, 0, "exact_greedy_head='off' (--exact-greedy-head off)"
     if device.type != "cpu":
         return None, 0, "not on the CPU"
     if tp_size > 1:
