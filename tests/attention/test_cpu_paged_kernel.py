@@ -188,14 +188,9 @@ def test_agrees_with_torch_ref(dtype, tol):
         torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
-@pytest.mark.parametrize("window", [None, 100])
-def test_large_decode_batch_matches_torch_ref(dtype, tol, window):
-    """A 24-sequence decode batch at contexts 1..400 over a shared, NaN-padded pool."""
-    gen = torch.Generator().manual_seed(7)
-    h, h_kv, d, bs = 8, 2, 64, 16
-    ctx = torch.randint(0, 400, (24,), generator=gen).tolist()
-    needed = [c // bs + 1 for c in ctx]
+def _nan_pool(needed: list[int], bs: int, h_kv: int, d: int, dtype, gen):
+    """(num_blocks, block tables in a random permutation of the pool, K and V caches
+    [num_blocks, bs, h_kv, d] full of NaN): sequence i gets ``needed[i]`` blocks, 3 stay free."""
     num_blocks = sum(needed) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
@@ -204,6 +199,17 @@ def test_large_decode_batch_matches_torch_ref(dtype, tol, window):
         used += n
     k_cache = torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype)
     v_cache = torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype)
+    return num_blocks, tables, k_cache, v_cache
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_large_decode_batch_matches_torch_ref(dtype, tol, window):
+    """A 24-sequence decode batch at contexts 1..400 over a shared, NaN-padded pool."""
+    gen = torch.Generator().manual_seed(7)
+    h, h_kv, d, bs = 8, 2, 64, 16
+    ctx = torch.randint(0, 400, (24,), generator=gen).tolist()
+    num_blocks, tables, k_cache, v_cache = _nan_pool([c // bs + 1 for c in ctx], bs, h_kv, d, dtype, gen)
     # Cached context; every other slot stays NaN.
     slots = torch.tensor([table[p // bs] * bs + p % bs for c, table in zip(ctx, tables)
                           for p in range(c)], dtype=torch.int64)
@@ -424,14 +430,7 @@ def paged_case(q_lens, ctx_lens, *, num_heads, num_kv_heads, head_dim, block_siz
     gen = torch.Generator().manual_seed(seed)
     h, h_kv, d, bs = num_heads, num_kv_heads, head_dim, block_size
     needed = [math.ceil((c + q) / bs) for c, q in zip(ctx_lens, q_lens)]
-    num_blocks = sum(needed) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in needed:
-        tables.append(perm[used:used + n])
-        used += n
-    k_cache = torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype)
-    v_cache = torch.full((num_blocks, bs, h_kv, d), float("nan"), dtype=dtype)
+    num_blocks, tables, k_cache, v_cache = _nan_pool(needed, bs, h_kv, d, dtype, gen)
     seqs = []
     for c, ql, table in zip(ctx_lens, q_lens, tables):
         n = c + ql

@@ -80,6 +80,15 @@ void check_packed(const torch::Tensor& packed, const torch::Tensor& row_sums, co
               "scales must be a contiguous float32 [N] tensor");
 }
 
+// x: a contiguous float32 or bfloat16 [M, K] row block for the packed weight (K a multiple of 16).
+void check_input(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& row_sums,
+                 const torch::Tensor& scales, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16, "x must be float32 or bfloat16");
+  check_packed(packed, row_sums, scales, n, x.size(1));
+  TORCH_CHECK(x.size(1) % 16 == 0, "K must be a multiple of 16, got ", x.size(1));
+}
+
 }  // namespace
 
 // q [N, K] int8 (K a multiple of 4, <= 65536) -> (packed [ceil(N / 16), K / 4, 64] int8 in the layout
@@ -488,11 +497,8 @@ void greedy_argmax(const XT* x, int64_t rows, int64_t k, const int8_t* packed, c
 torch::Tensor int8_weight_only_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& row_sums,
                                   const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias, int64_t n) {
 #if PAGEDLLM_INT8_VNNI
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16, "x must be float32 or bfloat16");
+  check_input(x, packed, row_sums, scales, n);
   const int64_t rows = x.size(0), k = x.size(1);
-  check_packed(packed, row_sums, scales, n, k);
-  TORCH_CHECK(k % 16 == 0, "K must be a multiple of 16, got ", k);
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
@@ -531,11 +537,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> int8_greedy_argmax(
     int64_t n, const torch::Tensor& weight, const torch::Tensor& err2, const torch::Tensor& amax2,
     const torch::Tensor& row_n1, const torch::Tensor& row_term, int64_t max_candidates, double g64) {
 #if PAGEDLLM_INT8_VNNI
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16, "x must be float32 or bfloat16");
+  check_input(x, packed, row_sums, scales, n);
   const int64_t rows = x.size(0), k = x.size(1);
-  check_packed(packed, row_sums, scales, n, k);
-  TORCH_CHECK(k % 16 == 0, "K must be a multiple of 16, got ", k);
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(0) == n && weight.size(1) == k &&
                   (weight.dtype() == torch::kFloat32 || weight.dtype() == torch::kBFloat16),
               "weight must be a contiguous float32 or bfloat16 [N, K] tensor");
