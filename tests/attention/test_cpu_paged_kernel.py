@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import time
 
 import pytest
@@ -25,27 +24,19 @@ from pagedllm.attention.backends import (
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.platforms.cpu import CpuIsa, cpu_flags, missing_flags
 from pagedllm.platforms import cpu_extension
+from cpp_build import require_built_extension
 
-HAVE_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 
 
 def built_kernel():
-    """The compiled kernel; skips only where no C++ compiler is on PATH (where one is, a failed
-    build fails the test instead of hiding behind a skip)."""
-    if not HAVE_COMPILER:
-        pytest.skip("no C++ compiler on PATH")
-    kernel = cpu_paged.load_kernel()
-    assert kernel is not None, "a C++ compiler is on PATH but the kernel did not build (see the warning)"
-    return kernel
+    """The compiled kernel (``conftest.require_built_extension``: skips only without a compiler)."""
+    return require_built_extension(cpu_paged.load_kernel, "the paged-attention kernel")
 
 
 def test_kernel_builds_here():
     """Where a C++ compiler exists (this machine), the kernel must build: else every other test
     here would silently exercise the cpu_sdpa fallback."""
-    if not HAVE_COMPILER:
-        pytest.skip("no C++ compiler on PATH")
-    kernel = cpu_paged.load_kernel()
-    assert kernel is not None
+    kernel = built_kernel()
     assert isinstance(kernel.built_with_avx2(), bool)
     # Every path this CPU can run is compiled in (-march=native allows each of them).
     can_run = [isa.value for isa in CpuIsa if not missing_flags(isa, cpu_flags())]
@@ -376,8 +367,7 @@ def require_isa(isa: CpuIsa) -> None:
     missing = missing_flags(isa, cpu_flags())
     if missing:
         pytest.skip(f"the CPU lacks {', '.join(missing)} (needed by the {isa.value} path)")
-    if not HAVE_COMPILER:
-        pytest.skip("no C++ compiler on PATH")
+    built_kernel()
 
 
 # bfloat16 outputs are rounded to bfloat16 (8 bits of mantissa): paths that sum in another order

@@ -19,7 +19,6 @@ Tolerances, and why:
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ import torch.nn.functional as F
 
 from pagedllm.layers import fused_ops
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from cpp_build import require_built_extension
 
-HAVE_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 ROWS = (1, 7, 64, 300)
 DTYPES = (torch.float32, torch.bfloat16)
 EPS = 1e-6
@@ -36,11 +35,7 @@ EPS = 1e-6
 
 @pytest.fixture(scope="module")
 def ops():
-    if not HAVE_COMPILER:
-        pytest.skip("no C++ compiler on PATH: the fused ops cannot be built (the eager ops run instead)")
-    module = fused_ops.load_fused_ops()
-    assert module is not None, "a C++ compiler is on PATH but the fused ops did not build (see the warning)"
-    return module
+    return require_built_extension(fused_ops.load_fused_ops, "the fused ops (the eager ops would run instead)")
 
 
 def test_fused_ops_build_here(ops):

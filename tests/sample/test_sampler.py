@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from pagedllm.sample import (TOP_P_CANDIDATE_CAP, Sampler, SamplingMetadata,
                              compute_prompt_logprobs, make_generator)
 from pagedllm.sample.sampler import _apply_adjustments
 from pagedllm.sampling_params import SamplingParams
+from cpp_build import require_built_extension
 
 V = 64
 
@@ -76,9 +76,7 @@ def test_plain_greedy_rows_through_the_fused_argmax(dtype):
     answers None) falls back to torch."""
     from pagedllm.layers.fused_ops import greedy_argmax, load_fused_ops
 
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler on PATH: the fused ops cannot be built (nothing to compare)")
-    assert load_fused_ops() is not None, "a C++ compiler is on PATH but the fused ops did not build"
+    require_built_extension(load_fused_ops, "the fused ops (nothing to compare)")
     torch.manual_seed(1)
     logits = (torch.randn(6, 262144) * 4).to(dtype)
     logits[1, [7, 300, 200000]] = 100.0
