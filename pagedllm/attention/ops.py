@@ -123,10 +123,10 @@ def build_attention_metadata(
     ctx_lens = np.asarray(context_lens, dtype=np.int64).reshape(num_seqs)
     if num_seqs and q_lens.min() < 0:
         i = int(q_lens.argmin())
-        raise ValueError(f"query_lens[{i}] must be >= 0, got {int(q_lens[i])}")
+        raise _negative("query_lens", i, int(q_lens[i]))
     if num_seqs and ctx_lens.min() < 0:
         i = int(ctx_lens.argmin())
-        raise ValueError(f"context_lens[{i}] must be >= 0, got {int(ctx_lens[i])}")
+        raise _negative("context_lens", i, int(ctx_lens[i]))
     s_lens = ctx_lens + q_lens
 
     # Padded block table [num_seqs, max_num_blocks], filled with one masked assignment.
@@ -135,17 +135,14 @@ def build_attention_metadata(
     short = np.nonzero(table_lens < blocks_needed)[0]
     if short.size:
         i = int(short[0])
-        raise ValueError(
-            f"block_tables[{i}] has {int(table_lens[i])} blocks ({int(table_lens[i]) * block_size} "
-            f"tokens at block_size {block_size}), but sequence {i} needs {int(s_lens[i])} tokens "
-            f"({int(blocks_needed[i])} blocks)")
+        raise _short_table(i, int(table_lens[i]), int(s_lens[i]), int(blocks_needed[i]), block_size)
     width = int(table_lens.max()) if num_seqs else 0
     table = np.zeros((num_seqs, width), dtype=np.int64)
     if width:
         flat_ids = np.fromiter((b for t in block_tables for b in t), dtype=np.int64,
                                count=int(table_lens.sum()))
         if flat_ids.size and flat_ids.min() < 0:
-            raise ValueError(f"block ids must be >= 0, got {int(flat_ids.min())}")
+            raise _negative_block_id(int(flat_ids.min()))
         table[np.arange(width)[None, :] < table_lens[:, None]] = flat_ids  # row-major fill
 
     # slot_mapping: per token, its sequence and position, then one fancy-index into the table.
@@ -179,6 +176,21 @@ def build_attention_metadata(
     )
 
 
+# The builders' errors (one wording for both paths; tests/attention/test_ops.py compares them).
+def _negative(name: str, i: int, value: int) -> ValueError:
+    return ValueError(f"{name}[{i}] must be >= 0, got {value}")
+
+
+def _negative_block_id(value: int) -> ValueError:
+    return ValueError(f"block ids must be >= 0, got {value}")
+
+
+def _short_table(i: int, table_len: int, seq_len: int, needed: int, block_size: int) -> ValueError:
+    return ValueError(
+        f"block_tables[{i}] has {table_len} blocks ({table_len * block_size} tokens at block_size "
+        f"{block_size}), but sequence {i} needs {seq_len} tokens ({needed} blocks)")
+
+
 def _build_decode_metadata(context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,
                            device: torch.device | str) -> AttentionMetadata:
     """``build_attention_metadata`` for one query token per sequence, in plain Python (a few
@@ -188,19 +200,16 @@ def _build_decode_metadata(context_lens: Sequence[int], block_tables: Sequence[S
     ctx = [int(c) for c in context_lens]
     for i, c in enumerate(ctx):
         if c < 0:
-            raise ValueError(f"context_lens[{i}] must be >= 0, got {c}")
+            raise _negative("context_lens", i, c)
     width = 0
     for i, (c, table) in enumerate(zip(ctx, block_tables)):
         needed = c // block_size + 1          # blocks covering positions 0 .. c
         if len(table) < needed:
-            raise ValueError(
-                f"block_tables[{i}] has {len(table)} blocks ({len(table) * block_size} "
-                f"tokens at block_size {block_size}), but sequence {i} needs {c + 1} tokens "
-                f"({needed} blocks)")
+            raise _short_table(i, len(table), c + 1, needed, block_size)
         width = max(width, len(table))
     lowest = min((b for table in block_tables for b in table), default=0)
     if lowest < 0:
-        raise ValueError(f"block ids must be >= 0, got {int(lowest)}")
+        raise _negative_block_id(int(lowest))
     flat_table = [0] * (num_seqs * width)
     for i, table in enumerate(block_tables):
         flat_table[i * width: i * width + len(table)] = [int(b) for b in table]
