@@ -506,13 +506,11 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
 
     ``auto`` on the CPU, one tensor rank, no quantization, last pipeline stage:
 
-    - float32 or bfloat16 model on a CPU with AVX-512 VNNI (``layers.int8_gemm.int8_kernel_for(cpu_isa)``):
+    - float32 model on a CPU with AVX-512 VNNI (``layers.int8_gemm.int8_kernel_for(cpu_isa)``):
       ``"int8_vnni"``, fused in C++ (``_argmax_fused``), for steps with up to ``INT8_VNNI_MAX_ROWS``
-      plain greedy rows. Measured on the default model's head and real hidden rows (one thread,
-      CPU time, full head + argmax vs the fused pass): float32 2.2-3.1x less head time at M = 1-64,
-      bfloat16 1.1-1.7x (docs/performance.md, session 9 step 23). A bfloat16 model's greedy token is
-      then the exact argmax of its bf16 hidden row times its bf16 head, where the full head's argmax is
-      that of bf16-rounded logits (they differ only where the top two lie within bf16 rounding).
+      plain greedy rows. Measured on the default model's head and real hidden rows (full head +
+      argmax vs the fused pass): 1.9-3.3x less head time at M = 1-64 on one thread, 1.8-3.4x on two
+      (docs/performance.md, session 9 step 23).
     - float32 model, native bf16 (``onednn_linear_available(bfloat16)``), no VNNI: ``"bf16"`` for steps
       with up to ``BF16_MAX_ROWS`` plain greedy rows. Measured on Gemma 3 270M's head and real
       hidden rows (AVX-512 bf16, one thread): 1.55x less head time at M = 1, 1.31x at 8, 1.09x
@@ -521,8 +519,11 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
       (``s_j / 2 |x|_1`` per token) is ~4x bf16's, and on the same rows it won 1.29x at M = 1
       but lost from M = 4 on (rows with more than ``MAX_CANDIDATES`` candidates fall back).
       Not measured on a CPU without AVX-512, where its kernel is the AVX2 one.
-    - bfloat16 model without VNNI: off. Its head already is the bf16 pass (0.96-1.09x, noise), and
-      torch's int8 kernel is no faster at M = 1 and slower beyond.
+    - bfloat16 model: off. Its greedy token stays the argmax of its bf16 logits, as the full head
+      gives it (lowest id on their frequent exact ties; the exact head would take the exact best
+      there: in a trial, 4 of 8 prompts x 24 tokens parted that way). Speed would not pay for that:
+      the fused int8 pass ties oneDNN's bf16 head at 12-48 rows on two threads (1.6x at one row),
+      the bf16 pass is the bf16 head itself, and torch's int8 kernel is no faster.
 
     Numbers: docs/performance.md, session 7 step 14 and session 9 step 23.
 
@@ -543,16 +544,16 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
         return None, 0, "not the last pipeline stage"
     if quantization not in (None, "gguf"):  # "gguf": dequantized weights in the model dtype
         return None, 0, f"quantization={quantization} (the head itself is quantized)"
-    if model_dtype not in (torch.float32, torch.bfloat16):
+    if model_dtype == torch.bfloat16:
+        return None, 0, ("bfloat16 model: its greedy token stays the argmax of its bf16 logits (the exact head "
+                         "would pick differently at their ties; and it ties oneDNN's bf16 head at 12-48 rows, measured)")
+    if model_dtype != torch.float32:
         return None, 0, f"dtype {model_dtype}"
     from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_kernel_for
     from pagedllm.layers.linear import onednn_linear_available
 
-    name = "float32" if model_dtype == torch.float32 else "bfloat16"
     if int8_kernel_for(cpu_isa)[0] == VNNI_KERNEL:
-        return "int8_vnni", INT8_VNNI_MAX_ROWS, f"{name} model, AVX-512 VNNI: int8 cheap pass"
-    if model_dtype == torch.bfloat16:
-        return None, 0, "bfloat16 model without AVX-512 VNNI: no cheaper pass than its bf16 head (measured)"
+        return "int8_vnni", INT8_VNNI_MAX_ROWS, "float32 model, AVX-512 VNNI: int8 cheap pass"
     if onednn_linear_available(torch.bfloat16):
         return "bf16", BF16_MAX_ROWS, "float32 model, native bf16: bf16 cheap pass"
     return None, 0, "float32 model without native bf16 (the int8 pass's bound is too wide to pay; measured)"
@@ -561,5 +562,5 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
 # Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md, session 7 step 14).
 BF16_MAX_ROWS = 8
 # The same for the int8 VNNI pass, fused in C++ (docs/performance.md, session 9 step 23): it wins at
-# every row count measured (1-128), so the limit is only what its per-row scratch allows.
+# every row count measured (1-64), so the limit is only what its per-row scratch allows.
 INT8_VNNI_MAX_ROWS = 1024
