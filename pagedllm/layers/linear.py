@@ -181,10 +181,14 @@ class PackedLinear(KernelLinear):
 
 
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device,
-                       batch_hint: int, cpu_gemm: str = CpuGemm.ONEDNN.value) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` and, for a model with a tied
+                       batch_hint: int, cpu_gemm: str = CpuGemm.ONEDNN.value, cpu_isa: str = "auto") -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a packed layer and, for a model with a tied
     LM head, set ``model.packed_lm_head`` (read by ``compute_logits``). A no-op unless the device
     is the CPU, ``cpu_gemm`` is ``onednn`` and ``onednn_linear_available(dtype)``.
+
+    The packed layer is ``PackedLinear`` (oneDNN), or for bfloat16 on AVX-512 BF16 CPUs without
+    AMX ``layers.bf16_gemm.Bf16Linear`` (``bf16_kernel_for(cpu_isa)``; layers with an odd input
+    width stay on oneDNN).
 
     Returns:
         Bytes of packed copies added next to the weights the model keeps (the tied LM head), 0
@@ -195,11 +199,27 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
     if device.type != "cpu" or parse_cpu_gemm(cpu_gemm) is not CpuGemm.ONEDNN or not onednn_linear_available(dtype):
         return 0
     hint = max(1, int(batch_hint))
-    replaced, tied = replace_linear_layers(model, lambda weight, bias: PackedLinear(weight, bias, hint))
+    kernel, why = "onednn", ""
+    if dtype == torch.bfloat16:
+        from pagedllm.layers.bf16_gemm import BF16_KERNEL, Bf16Linear, bf16_kernel_for, load_bf16_gemm
+
+        kernel, why = bf16_kernel_for(cpu_isa)
+    if kernel == "onednn":
+        def make(weight, bias):
+            return PackedLinear(weight, bias, hint)
+    else:
+        module = load_bf16_gemm()
+
+        def make(weight, bias):
+            if weight.shape[1] % 2:
+                return PackedLinear(weight, bias, hint)
+            return Bf16Linear(weight, bias, module)
+    replaced, tied = replace_linear_layers(model, make)
     weight = model.get_input_embeddings().weight if tied else None
     extra = weight.numel() * weight.element_size() if tied else 0
-    logger.info("oneDNN packed %d linear layers%s (batch hint %d)", replaced,
-                f" and the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "", hint)
+    logger.info("%s packed %d linear layers%s (%s)", "oneDNN" if kernel == "onednn" else f"the {BF16_KERNEL} GEMM",
+                replaced, f" and the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "",
+                f"batch hint {hint}" + (f"; {why}" if why else "") if kernel == "onednn" else why)
     return extra
 
 

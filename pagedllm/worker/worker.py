@@ -194,7 +194,8 @@ class Worker:
                                                  self.model_config.cpu_isa)
         else:  # CPU float32 (and bfloat16 where native): linear layers move into oneDNN's packed layout (layers/linear.py).
             weight_bytes += pack_linear_layers(self.model, self.dtype, self.device,
-                                               self.scheduler_config.max_num_seqs, self.model_config.cpu_gemm)
+                                               self.scheduler_config.max_num_seqs, self.model_config.cpu_gemm,
+                                               self.model_config.cpu_isa)
         self._weight_bytes = weight_bytes
         self.weights_load_s = time.perf_counter() - t0
         quant = self.model_config.quantization

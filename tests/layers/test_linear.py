@@ -89,7 +89,8 @@ def test_pack_linear_layers_packs_bf16_and_tied_head(monkeypatch, tied_toy):
     model = tied_toy().to(torch.bfloat16)
     x = torch.randn(3, 16).bfloat16()
     want_logits = F.linear(x.float(), model.model.embed_tokens.weight.float())
-    extra = pack_linear_layers(model, torch.bfloat16, torch.device("cpu"), batch_hint=8)
+    # cpu_isa "avx512" keeps oneDNN (layers/bf16_gemm.py: its kernel needs the avx512_bf16 path)
+    extra = pack_linear_layers(model, torch.bfloat16, torch.device("cpu"), batch_hint=8, cpu_isa="avx512")
     assert isinstance(model.model.proj, PackedLinear) and isinstance(model.packed_lm_head, PackedLinear)
     assert extra == 50 * 16 * 2
     torch.testing.assert_close(lm_head_logits(model, x).float(), want_logits, rtol=1.6e-2, atol=2e-2)

@@ -1,0 +1,112 @@
+"""bfloat16 linear layers on AVX-512 BF16 CPUs through a kernel of our own (``csrc/bf16_gemm.cpp``).
+
+A bf16 model's linear layers and LM head run on one of two kernels, both with the weight packed
+once after loading (the plain weight is not kept, except the tied embedding the token lookup reads):
+
+- ``"onednn"``: oneDNN's packed inner product (``layers/linear.py``'s ``PackedLinear``; AVX-512
+  bf16 or AMX tiles).
+- ``"avx512_bf16"`` (CPUs with ``avx512f avx512bw avx512vl avx512_bf16`` and no AMX): ``Bf16Linear``,
+  ``vdpbf16ps`` on 8 rows x 32 outputs of float32 accumulators per call, the next weight tile
+  prefetched while the current one is used. At the 8-32 rows of a decode step oneDNN's kernel
+  used about half of the machine's ``vdpbf16ps`` rate with the weights streaming from memory;
+  this one takes 1.2-1.5x less time on the default model's 72 decoder layers there and ties
+  oneDNN from 128 rows up (docs/performance.md, session 10; ``benchmarks/bf16_gemm.py``).
+
+Both accumulate in float32 and round the result to bfloat16 to nearest even; they differ only in
+the order of the float32 additions (as oneDNN's own kernels do between row counts), so a bf16
+model's outputs can differ between them where a logit or activation lies at a bf16 rounding
+boundary. CPUs with AMX keep oneDNN (its tile kernels are not this kernel's league at prefill
+row counts; not measured on AMX here).
+
+``cpu_isa`` (``ModelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) below ``avx512_bf16`` forces oneDNN (how
+tests compare the two).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from pagedllm.layers.linear import KernelLinear
+from pagedllm.platforms.cpu import CpuIsa, cpu_flags, resolve_cpu_isa
+from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_gemm.cpp"
+EXTENSION = CpuExtension("bf16_gemm", SOURCE, "bfloat16 GEMM (AVX-512 BF16)", "oneDNN's bf16 inner product")
+# /proc/cpuinfo flags the kernel needs (the C++ guards on the same set).
+BF16_GEMM_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+ONEDNN_KERNEL = "onednn"
+BF16_KERNEL = "avx512_bf16"
+
+
+@functools.cache
+def load_bf16_gemm() -> ModuleType | None:
+    """The C++ kernel (``pack_bf16_weight``, ``bf16_linear``, ``compiled_isas``), compiled first on a
+    machine that has not yet; None (one WARNING) if that fails."""
+    return load_extension(EXTENSION)
+
+
+def bf16_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """Which kernel runs a bf16 model's linear layers here, and why.
+
+    Args:
+        cpu_isa: ``ModelConfig.cpu_isa``: "auto", or a ``CpuIsa`` name (below ``avx512_bf16`` forces oneDNN).
+        flags: the CPU's flags (default: this machine's).
+    Returns:
+        (``"avx512_bf16"`` or ``"onednn"``, the reason in words, for the log).
+    Raises:
+        ValueError: as ``platforms.cpu.resolve_cpu_isa`` for a path the CPU cannot run.
+    """
+    flags = cpu_flags() if flags is None else flags
+    isa = resolve_cpu_isa(cpu_isa, flags)
+    if isa is not CpuIsa.AVX512_BF16:
+        return ONEDNN_KERNEL, f"cpu_isa {isa.value!r} (the kernel needs the avx512_bf16 path)"
+    missing = [f for f in BF16_GEMM_FLAGS if f not in flags]
+    if missing:
+        return ONEDNN_KERNEL, f"the CPU lacks {', '.join(missing)}"
+    if "amx_bf16" in flags:
+        return ONEDNN_KERNEL, "the CPU has AMX (oneDNN's tile kernels)"
+    module = load_bf16_gemm()
+    if module is None or BF16_KERNEL not in module.compiled_isas():
+        return ONEDNN_KERNEL, "the extension could not be built (see the warning above)"
+    return BF16_KERNEL, "avx512_bf16 without AMX"
+
+
+class Bf16Linear(KernelLinear):
+    """``y = x @ W^T + b`` in bfloat16 through ``csrc/bf16_gemm.cpp`` (module docstring).
+
+    Args:
+        weight: [out_features, in_features] bfloat16 (or castable) on the CPU; ``in_features`` even.
+            Copied into the packed layout (``[ceil(N / 16), K / 2, 32]`` bfloat16, the same bytes
+            as the weight plus the padding of the last 16 outputs).
+        bias: [out_features] or None (kept in float32, added before the bf16 rounding).
+        module: the loaded extension (``load_bf16_gemm()``).
+    Shapes:
+        x: [..., in_features] bfloat16 -> [..., out_features] bfloat16.
+    Raises:
+        ValueError: for an odd ``in_features``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, module: ModuleType) -> None:
+        super().__init__()
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        if self.in_features % 2:
+            raise ValueError(f"Bf16Linear needs an even in_features, got {self.in_features}")
+        self._ext = module
+        self.packed_weight = module.pack_bf16_weight(weight.detach().to(torch.bfloat16).contiguous())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = self._ext.bf16_linear(x2, self.packed_weight, self.bias, self.out_features)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
