@@ -71,3 +71,21 @@ def test_bfloat16_matches_transformers_by_top5_rule(default_model_reference):
                 our_top5 = list(out.outputs[0].logprobs[step].keys())
                 assert a in ref["top5"][step] and b in our_top5, (ref["prompt"], step, a, b)
                 break
+
+
+def test_bfloat16_greedy_does_not_depend_on_the_batch(default_model_reference):
+    """With the bf16 GEMM (layers/bf16_gemm.py: a row's result does not depend on the other rows)
+    a prompt's bf16 greedy tokens are the same alone and in a batch (oneDNN's bf16 kernels round
+    differently at different row counts: 2 of 12 workload prompts x 32 tokens parted that way)."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.layers.bf16_gemm import BF16_KERNEL, bf16_kernel_for
+
+    kernel, why = bf16_kernel_for(EngineArgs().cpu_isa)   # the engine's path ($PAGEDLLM_CPU_ISA included)
+    if kernel != BF16_KERNEL:
+        pytest.skip(f"bf16 linear layers run oneDNN here: {why}")
+    prompts = [r["prompt"] for r in default_model_reference["greedy_bfloat16"]]
+    llm = LLM(None, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    together = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+    assert together == alone
