@@ -522,7 +522,8 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
     - bfloat16 model: off. Its greedy token stays the argmax of its bf16 logits, as the full head
       gives it (lowest id on their frequent exact ties; the exact head would take the exact best
       there: in a trial, 4 of 8 prompts x 24 tokens parted that way). Speed would not pay for that:
-      the fused int8 pass ties oneDNN's bf16 head at 12-48 rows on two threads (1.6x at one row),
+      the fused int8 pass ties oneDNN's bf16 head at 12-48 rows on two threads (1.6x at one row; the
+      bf16 GEMM of ``layers/bf16_gemm.py`` is faster still at 8-32 rows),
       the bf16 pass is the bf16 head itself, and torch's int8 kernel is no faster.
 
     Numbers: docs/performance.md, session 7 step 14 and session 9 step 23.
@@ -546,7 +547,7 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
         return None, 0, f"quantization={quantization} (the head itself is quantized)"
     if model_dtype == torch.bfloat16:
         return None, 0, ("bfloat16 model: its greedy token stays the argmax of its bf16 logits (the exact head "
-                         "would pick differently at their ties; and it ties oneDNN's bf16 head at 12-48 rows, measured)")
+                         "would pick differently at their ties; and it ties the bf16 head at 12-48 rows, measured)")
     if model_dtype != torch.float32:
         return None, 0, f"dtype {model_dtype}"
     from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_kernel_for

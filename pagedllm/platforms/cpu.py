@@ -126,7 +126,7 @@ def resolve_cpu_isa(name: str, flags: frozenset[str] | None = None) -> CpuIsa:
 def native_bf16(cpu_isa: str = "auto", flags: frozenset[str] | None = None) -> tuple[bool, str]:
     """Whether bfloat16 is this CPU's fast dtype, and why (for the log).
 
-    bfloat16 is native when the CPU has ``avx512_bf16`` or ``amx_bf16`` (oneDNN then runs bf16
+    bfloat16 is native when the CPU has ``avx512_bf16`` or ``amx_bf16`` (its linear layers then run bf16
     inner products on them) and ``cpu_isa`` does not force a path without bf16 (``avx2``,
     ``avx512``, ``portable``: there bf16 runs on emulation, several times slower than float32).
 
@@ -140,4 +140,4 @@ def native_bf16(cpu_isa: str = "auto", flags: frozenset[str] | None = None) -> t
         return False, f"cpu_isa={isa.value!r} ({CPU_ISA_ENV}) forces a path without bf16 instructions"
     if not present:
         return False, f"the CPU has none of {list(NATIVE_BF16_FLAGS)}, so bfloat16 matmuls would be emulated"
-    return True, f"the CPU has {present}: oneDNN runs bfloat16 matmuls natively"
+    return True, f"the CPU has {present}: bfloat16 matmuls run natively"
