@@ -201,7 +201,7 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
     hint = max(1, int(batch_hint))
     kernel, why = "onednn", ""
     if dtype == torch.bfloat16:
-        from pagedllm.layers.bf16_gemm import BF16_KERNEL, Bf16Linear, bf16_kernel_for, load_bf16_gemm
+        from pagedllm.layers.bf16_gemm import Bf16Linear, bf16_kernel_for, load_bf16_gemm
 
         kernel, why = bf16_kernel_for(cpu_isa)
     if kernel == "onednn":
@@ -217,9 +217,12 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
     replaced, tied = replace_linear_layers(model, make)
     weight = model.get_input_embeddings().weight if tied else None
     extra = weight.numel() * weight.element_size() if tied else 0
-    logger.info("%s packed %d linear layers%s (%s)", "oneDNN" if kernel == "onednn" else f"the {BF16_KERNEL} GEMM",
-                replaced, f" and the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "",
-                f"batch hint {hint}" + (f"; {why}" if why else "") if kernel == "onednn" else why)
+    if kernel == "onednn":
+        label, detail = "oneDNN", f"batch hint {hint}" + (f"; not the bf16 GEMM: {why}" if why else "")
+    else:
+        label, detail = f"the {kernel} GEMM", why
+    logger.info("%s packed %d linear layers%s (%s)", label, replaced,
+                f" and the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "", detail)
     return extra
 
 

@@ -192,7 +192,8 @@ class Worker:
         elif self.model_config.quantization in WEIGHT_ONLY_MODES:  # int8 / int4 weights (layers/weight_only.py)
             weight_bytes += quantize_weight_only(self.model, self.model_config.quantization,
                                                  self.model_config.cpu_isa)
-        else:  # CPU float32 (and bfloat16 where native): linear layers move into oneDNN's packed layout (layers/linear.py).
+        else:  # CPU float32 (and bfloat16 where native): linear layers move into a packed layout (layers/linear.py:
+            # oneDNN, or for bf16 without AMX the bf16 GEMM of layers/bf16_gemm.py).
             weight_bytes += pack_linear_layers(self.model, self.dtype, self.device,
                                                self.scheduler_config.max_num_seqs, self.model_config.cpu_gemm,
                                                self.model_config.cpu_isa)
