@@ -11,7 +11,9 @@ Sets (random bf16 weights of Gemma 3 270M's shapes, so that they stream from mem
 
 For each row count M it times one pass over the set with each kernel, interleaved A/B/A/B in one
 process (drift and other load on a shared machine hit both alike), on ``--threads`` threads, and
-prints the medians in milliseconds and oneDNN's time over ours. ``--baseline`` adds a second
+prints the medians in milliseconds and oneDNN's time over ours. Run it with nothing else on the
+machine: with as many threads as cores, another process's load stalls one OpenMP thread and the
+other waits for it, which swamps the difference (``--threads 1`` is steadier under load). ``--baseline`` adds a second
 build of our kernel from another source file (e.g. ``git show HEAD~1:pagedllm/layers/csrc/
 bf16_gemm.cpp > /tmp/old.cpp``) as a third column.
 

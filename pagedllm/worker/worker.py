@@ -66,11 +66,13 @@ def resolve_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.de
     if dtype == "auto" and not isinstance(model_config, dict) and model_config.quantization == "int8":
         return torch.float32  # int8 layers take float32 activations (layers/quantization.py)
     if dtype != "auto":
+        # The CPU's own flags: a forced cpu_isa below avx512_bf16 still leaves oneDNN's bf16
+        # kernels native (only the attention kernel's bf16 micro-kernels are not used).
         if device.type == "cpu" and _DTYPES[dtype] in (torch.bfloat16, torch.float16) \
-                and not native_bf16(cpu_isa)[0]:
+                and not native_bf16("auto")[0]:
             logger.warning("%s on a CPU without native bf16 (%s): its matmuls run several times slower "
                            "than float32 here (docs/performance.md); --dtype float32 is faster",
-                           dtype, native_bf16(cpu_isa)[1])
+                           dtype, native_bf16("auto")[1])
         return _DTYPES[dtype]
     if device.type == "cpu":
         bf16, why = native_bf16(cpu_isa)
