@@ -109,7 +109,7 @@ def init_stage_and_lm_head(lm: nn.Module, config: ModelConfig, ctx: ParallelCont
     if not lm.tie_word_embeddings:
         lm.lm_head = (nn.Linear(config.hidden_size, sizes.vocab_per_rank, bias=False) if ctx.is_last_stage
                       else PPMissingLayer())
-    lm.packed_lm_head = None  # set by pack_linear_layers (tied head, CPU float32)
+    lm.packed_lm_head = None  # set by pack_linear_layers (tied head on the CPU: oneDNN or the bf16 GEMM)
     lm.stage_layers = [layer for layer in lm.model.layers if not isinstance(layer, PPMissingLayer)]
     lm.num_kv_heads, lm.head_dim = sizes.num_kv_heads, config.head_dim   # per rank
     lm.num_layers = len(lm.stage_layers)                                  # this stage's
