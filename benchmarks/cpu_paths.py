@@ -1,6 +1,7 @@
 """Time this CPU's code paths against each other, interleaved, on the default model's shapes.
 
     PYTHONPATH=. python benchmarks/cpu_paths.py [--repeats 7] [--threads 1 --cpu-time]
+        [--parts attention,linear] [--rows 16,64]
 
 Two comparisons, each A/B/A/B... in one process so that drift and other load on a shared machine
 hit every variant alike; medians are printed:
@@ -8,9 +9,16 @@ hit every variant alike; medians are printed:
 1. the paged-attention kernel's code paths (``platforms.cpu.CpuIsa``) on a decode step of 64
    sequences x 256 cached tokens with Gemma 3 270M's heads (4 query heads, 1 KV head of 256), in
    float32 and bfloat16;
-2. the linear layers of one decode step (q/k/v, o, gate/up, down x 18 layers, and the tied LM head
-   262,144 x 640) at 16 and 64 rows: oneDNN packed float32 against oneDNN packed bfloat16 (where
-   the CPU has native bf16).
+2. the linear layers of one decode step (q/k/v, o, gate/up, down x 18 layers: 72 weights of their
+   own, so that they stream from memory as in the model; and the tied LM head 262,144 x 640) at
+   ``--rows`` rows (default 16 and 64): oneDNN packed float32, oneDNN packed bfloat16 (where the
+   CPU has native bf16) and our AVX-512 BF16 GEMM (``layers/bf16_gemm.py``, where it runs), with
+   oneDNN bf16's time over the GEMM's. (Before session 10 this part reused one weight per shape
+   18 times, which stays in L3 and hid the difference between the bf16 kernels.)
+
+``--parts attention`` or ``--parts linear`` runs one of the two. For the linear part on two cores,
+run it with nothing else on the machine and the default threads: another process's load stalls
+one OpenMP thread while the other waits for it (``--threads 1`` is steadier under load).
 
 On a machine shared with other work, ``--threads 1 --cpu-time`` times the process's CPU time
 (``time.process_time``) on one thread instead of the wall clock: time spent waiting for a core
@@ -80,23 +88,38 @@ def attention_paths(repeats: int) -> None:
             f"{name} {t * 1e3:.2f} ms ({kv_bytes / t / 1e9:.0f} GB/s)" for name, t in res.items()))
 
 
-def linear_dtypes(repeats: int) -> None:
-    dtypes = [torch.float32] + ([torch.bfloat16] if onednn_linear_available(torch.bfloat16) else [])
-    print(f"linear layers of one decode step, oneDNN packed (ms, median of {repeats}; "
-          f"{'bfloat16 not native here' if len(dtypes) == 1 else 'float32 vs bfloat16'})")
+def linear_kernels(repeats: int, rows_list: list[int]) -> None:
+    """The linear-layer comparison (part 2 of the module docstring): one line per row count."""
+    from pagedllm.layers.bf16_gemm import BF16_KERNEL, Bf16Linear, bf16_kernel_for, load_bf16_gemm
+
+    kernels = {"float32": lambda w: PackedLinear(w, None, 64)}
+    if onednn_linear_available(torch.bfloat16):
+        kernels["bfloat16 oneDNN"] = lambda w: PackedLinear(w.to(torch.bfloat16), None, 64)
+    gemm, why = bf16_kernel_for("auto")
+    if gemm == BF16_KERNEL:
+        module = load_bf16_gemm()
+        kernels["bfloat16 GEMM"] = lambda w: Bf16Linear(w.to(torch.bfloat16), None, module)
+    print(f"linear layers of one decode step, {LAYERS * len(SHAPES)} weights + the LM head (ms, median of "
+          f"{repeats}): {', '.join(kernels)}" + ("" if gemm == BF16_KERNEL else f" (no bf16 GEMM: {why})"))
     gen = torch.Generator().manual_seed(0)
-    weights = {s: torch.randn(*s, generator=gen) * 0.02 for s in SHAPES + [LM_HEAD]}
-    for rows in (16, 64):
+    shapes = SHAPES * LAYERS
+    sets = {"layers": shapes, "LM head": [LM_HEAD]}
+    layers = {}
+    for label, make in kernels.items():
+        for part, part_shapes in sets.items():
+            layers[label, part] = [make(torch.randn(*s, generator=gen) * 0.02) for s in part_shapes]
+    for rows in rows_list:
         fns = {}
-        for dtype in dtypes:
-            layers = {s: PackedLinear(w.to(dtype), None, 64) for s, w in weights.items()}
-            x_in = {s: torch.randn(rows, s[1], generator=gen).to(dtype) for s in weights}
-            name = str(dtype).replace("torch.", "")
-            fns[f"{name} layers"] = (lambda layers=layers, x_in=x_in: [layers[s](x_in[s]) for s in SHAPES])
-            fns[f"{name} LM head"] = (lambda layers=layers, x_in=x_in: layers[LM_HEAD](x_in[LM_HEAD]))
+        for (label, part), mods in layers.items():
+            dtype = torch.float32 if label == "float32" else torch.bfloat16
+            x_in = [torch.randn(rows, s[1], generator=gen).to(dtype) for s in sets[part]]
+            fns[f"{label} {part}"] = (lambda mods=mods, x_in=x_in: [m(x) for m, x in zip(mods, x_in)])
         res = _median_times(fns, repeats, 1)
-        print(f"  {rows} rows: " + "  ".join(
-            f"{name} {t * 1e3 * (LAYERS if name.endswith('layers') else 1):.1f}" for name, t in res.items()))
+        line = "  ".join(f"{name} {t * 1e3:.2f}" for name, t in res.items())
+        if gemm == BF16_KERNEL and "bfloat16 oneDNN" in kernels:
+            line += "  oneDNN bf16 / GEMM: " + ", ".join(
+                f"{part} {res[f'bfloat16 oneDNN {part}'] / res[f'bfloat16 GEMM {part}']:.2f}x" for part in sets)
+        print(f"  {rows} rows: {line}", flush=True)
 
 
 def main() -> None:
@@ -104,6 +127,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--cpu-time", action="store_true", help="time CPU time, not the wall clock")
+    parser.add_argument("--parts", default="attention,linear", help="attention, linear or both (comma-separated)")
+    parser.add_argument("--rows", default="16,64", help="row counts of the linear part (comma-separated)")
     ns = parser.parse_args()
     global CLOCK
     if ns.threads:
@@ -113,8 +138,11 @@ def main() -> None:
     print("clock:", "process CPU time" if ns.cpu_time else "wall")
     print("CPU flags:", " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")))) or "(no AVX-512)")
     print("torch threads:", torch.get_num_threads())
-    attention_paths(ns.repeats)
-    linear_dtypes(ns.repeats)
+    parts = ns.parts.split(",")
+    if "attention" in parts:
+        attention_paths(ns.repeats)
+    if "linear" in parts:
+        linear_kernels(ns.repeats, [int(r) for r in ns.rows.split(",")])
 
 
 if __name__ == "__main__":
