@@ -33,7 +33,7 @@ import torch
 
 from pagedllm.layers.linear import KernelLinear
 from pagedllm.platforms.cpu import CpuIsa, cpu_flags, resolve_cpu_isa
-from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
+from pagedllm.platforms.cpu_extension import CpuExtension, kernel_unavailable, load_extension
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +65,10 @@ def bf16_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None) 
     """
     flags = cpu_flags() if flags is None else flags
     isa = resolve_cpu_isa(cpu_isa, flags)
-    if isa is not CpuIsa.AVX512_BF16:
-        return ONEDNN_KERNEL, f"cpu_isa {isa.value!r} (the kernel needs the avx512_bf16 path)"
-    missing = [f for f in BF16_GEMM_FLAGS if f not in flags]
-    if missing:
-        return ONEDNN_KERNEL, f"the CPU lacks {', '.join(missing)}"
     if "amx_bf16" in flags:
         return ONEDNN_KERNEL, "the CPU has AMX (oneDNN's tile kernels)"
-    module = load_bf16_gemm()
-    if module is None or BF16_KERNEL not in module.compiled_isas():
-        return ONEDNN_KERNEL, "the extension could not be built (see the warning above)"
-    return BF16_KERNEL, "avx512_bf16 without AMX"
+    why = kernel_unavailable(EXTENSION, BF16_KERNEL, isa, (CpuIsa.AVX512_BF16,), BF16_GEMM_FLAGS, flags)
+    return (ONEDNN_KERNEL, why) if why else (BF16_KERNEL, "avx512_bf16 without AMX")
 
 
 class Bf16Linear(KernelLinear):

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import ModuleType
 
 from pagedllm.platforms.cpu import CpuIsa, cpu_flags, resolve_cpu_isa
-from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
+from pagedllm.platforms.cpu_extension import CpuExtension, kernel_unavailable, load_extension
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +70,6 @@ def int8_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None) 
         ValueError: as ``platforms.cpu.resolve_cpu_isa`` for a path the CPU cannot run.
     """
     flags = cpu_flags() if flags is None else flags
-    isa = resolve_cpu_isa(cpu_isa, flags)
-    if isa not in (CpuIsa.AVX512, CpuIsa.AVX512_BF16):
-        return TORCH_KERNEL, f"cpu_isa {isa.value!r} (the VNNI kernel needs the avx512 paths)"
-    missing = missing_vnni_flags(flags)
-    if missing:
-        return TORCH_KERNEL, f"the CPU lacks {', '.join(missing)}"
-    module = load_int8_gemm()
-    if module is None or "avx512_vnni" not in module.compiled_isas():
-        return TORCH_KERNEL, "the extension could not be built (see the warning above)"
-    return VNNI_KERNEL, "avx512_vnni"
+    why = kernel_unavailable(EXTENSION, "avx512_vnni", resolve_cpu_isa(cpu_isa, flags),
+                             (CpuIsa.AVX512, CpuIsa.AVX512_BF16), VNNI_FLAGS, flags)
+    return (TORCH_KERNEL, why) if why else (VNNI_KERNEL, "avx512_vnni")

@@ -152,3 +152,24 @@ def load_extension(ext: CpuExtension) -> ModuleType | None:
     logger.info("%s %s %s in %.2f s (%s, code paths: %s)", ext.description, name, action,
                 time.perf_counter() - start, build_dir, ", ".join(module.compiled_isas()))
     return module
+
+
+def kernel_unavailable(ext: CpuExtension, compiled_isa: str, isa, paths: tuple, required_flags: tuple[str, ...],
+                       flags: frozenset[str]) -> str | None:
+    """Why the ``compiled_isa`` code of ``ext`` cannot run here, in words for the log; None when it
+    can (then ``load_extension(ext)`` has loaded it). The checks, in order: the resolved code path
+    ``isa`` (``platforms.cpu.CpuIsa``) is one of ``paths``; the CPU has every flag of
+    ``required_flags``; the extension builds and compiled ``compiled_isa`` in.
+
+    Used by the kernel choosers of ``layers/int8_gemm.py`` and ``layers/bf16_gemm.py``.
+    """
+    if isa not in paths:
+        names = " / ".join(p.value for p in paths)
+        return f"cpu_isa {isa.value!r} (the {ext.description} needs the {names} path{'s' if len(paths) > 1 else ''})"
+    missing = [f for f in required_flags if f not in flags]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    module = load_extension(ext)
+    if module is None or compiled_isa not in module.compiled_isas():
+        return "the extension could not be built (see the warning above)"
+    return None
