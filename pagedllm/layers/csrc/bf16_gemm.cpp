@@ -180,7 +180,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
         if (two) {
           rows_kernel<kT>(rows, xp + row * k, k, wp, b, n, bptr, yp + row * n, n, g == 0);
         } else {
-          for (int64_t bb = b; bb < blocks; ++bb) rows_kernel<1>(rows, xp + row * k, k, wp, bb, n, bptr, yp + row * n, n, false);
+          rows_kernel<1>(rows, xp + row * k, k, wp, b, n, bptr, yp + row * n, n, false);  // the last, odd block
         }
         row += rows;
       }
