@@ -18,7 +18,9 @@ before a streamed response starts); the engine thread gets the processed request
 
 Failure isolation: if ``engine.step()`` raises, every request that was in the engine gets an
 ``EngineStepError`` on its stream and is aborted (its KV blocks are freed); the loop logs the
-traceback and keeps serving new requests. An abort (client disconnect, ``OutputStream.abort``,
+traceback and keeps serving new requests, unless the executor itself is broken
+(``LLMEngine.check_health`` raises: a worker process died): then the loop dies, every caller gets
+``EngineDeadError`` and ``dead_reason`` says why. An abort (client disconnect, ``OutputStream.abort``,
 leaving ``generate`` early) removes the request at the next iteration and frees its blocks.
 
 Usage::
@@ -329,8 +331,19 @@ class AsyncLLM(AsyncFrontEnd):
 
     @property
     def errored(self) -> bool:
-        """True when the engine loop crashed (outside a step) or was shut down."""
+        """True when the engine loop crashed (outside a step, or a step lost a worker) or was shut down."""
         return self._dead is not None or self._stopping
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine can serve nothing more (its loop died; a worker process of a
+        multi-rank executor died or failed), or None while it serves or is shutting down normally.
+        The server exits non-zero when this is set (``api_server.watch_engine``)."""
+        if self._dead is not None:
+            return f"the engine loop died: {self._dead}"
+        if self._thread is not None and not self._thread.is_alive() and not self._stopping:
+            return "the engine thread exited"
+        return None
 
     def check_health(self) -> None:
         """Raises:
@@ -493,7 +506,7 @@ class AsyncLLM(AsyncFrontEnd):
                         self._deliver(outputs)
                 if self._stats_log is not None:
                     self._stats_log.maybe_log()
-        except BaseException as e:  # a bug outside step(): the loop cannot continue
+        except BaseException as e:  # a bug outside step(), or a broken executor: the loop cannot continue
             logger.exception("the engine loop died")
             self._dead = e
             with self._cv:
@@ -537,6 +550,9 @@ class AsyncLLM(AsyncFrontEnd):
         if self.engine.has_unfinished_requests():
             logger.error("%d request(s) remain in the scheduler after a failed step",
                          self.engine.get_num_unfinished_requests())
+        # A multi-rank executor that lost a worker has stopped every rank: no later step can
+        # run, so the loop dies (``_run``) instead of failing every later request.
+        self.engine.check_health()
 
     def _stop_all(self) -> None:
         ids = sorted(self._in_engine)

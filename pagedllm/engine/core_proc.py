@@ -12,10 +12,15 @@ PULL socket at ``output_address``; every message is one pickled tuple (``send_py
 - out: ``("ready", index, SchedulerStats)`` once, then per step ``("outputs", index,
   [RequestOutput], [(SchedulerStats, IterationStats)], SchedulerStats)``, ``("failed", index,
   [request_id], message)`` when a step raised (those requests are aborted, the replica goes on),
-  ``("result", index, call_id, value)``; ``("dead", index, traceback)`` if it cannot go on.
+  ``("result", index, call_id, value)``; ``("dead", index, traceback)`` if it cannot go on
+  (also after a step that raised because its executor lost a worker: ``LLMEngine.check_health``).
 
-The replica exits on "shutdown", when its inbox says nothing and its parent is gone, or on a
-fatal error.
+No message is ever dropped: both directions use zmq's unlimited high-water mark (``SNDHWM`` /
+``RCVHWM`` 0, as vLLM's engine-core sockets), so a burst of requests queues in memory instead of
+meeting a full queue, and sends block only while no peer is connected.
+
+The replica exits on "shutdown", when its parent is gone (checked every ``IDLE_POLL_MS`` while
+idle and while busy; its workers then exit with it, their pipes closed), or on a fatal error.
 """
 
 from __future__ import annotations
@@ -23,12 +28,29 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 import traceback
 
 logger = logging.getLogger(__name__)
 
-# How long an idle replica waits for a message before checking that its parent still lives (ms).
+# How long an idle replica waits for a message before checking that its parent still lives (ms);
+# a busy one checks as often.
 IDLE_POLL_MS = 1000
+
+
+def make_socket(ctx, kind: int, address: str, bind: bool):
+    """A zmq socket that never drops a message: unlimited send and receive high-water marks (the
+    default 1000 makes a non-blocking send fail, and a burst of requests was lost that way)."""
+    import zmq
+
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
 
 
 class _StatsCollector:
@@ -56,10 +78,10 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
     torch.set_num_threads(num_threads)
     parent = os.getppid()
     ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_address)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(output_address)
+    inbox = make_socket(ctx, zmq.PULL, input_address, bind=False)
+    outbox = make_socket(ctx, zmq.PUSH, output_address, bind=False)
+    parent_checked = time.monotonic()
+    engine = None
     try:
         engine = LLMEngine(engine_args)
         collector = _StatsCollector()
@@ -68,9 +90,13 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
         in_engine: set[str] = set()
         while True:
             busy = engine.has_unfinished_requests()
+            now = time.monotonic()
+            if now - parent_checked >= IDLE_POLL_MS / 1000:
+                parent_checked = now
+                if os.getppid() != parent:
+                    logger.warning("replica %d: the front end (pid %d) is gone; exiting", index, parent)
+                    break
             if not inbox.poll(0 if busy else IDLE_POLL_MS):
-                if not busy and os.getppid() != parent:
-                    break   # the front end is gone
                 messages = []
             else:
                 messages = [inbox.recv_pyobj()]
@@ -105,22 +131,27 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
-                except Exception as e:   # fail this replica's requests, keep serving
+                except Exception as e:   # fail this replica's requests, keep serving if it can
                     ids = sorted(in_engine)
                     in_engine.clear()
                     logger.exception("replica %d: step failed; failing its %d request(s)", index, len(ids))
-                    engine.abort_request(ids)
                     outbox.send_pyobj(("failed", index, ids, f"the engine step failed: {type(e).__name__}: {e}"))
+                    engine.check_health()   # a lost worker: fatal (the "dead" message below)
+                    engine.abort_request(ids)
             for out in outputs:
                 if out.finished:
                     in_engine.discard(out.request_id)
             if outputs or collector.records:
                 outbox.send_pyobj(("outputs", index, outputs, collector.records, engine.scheduler.make_stats()))
                 collector.records = []
-        engine.shutdown()
     except Exception:
         outbox.send_pyobj(("dead", index, traceback.format_exc()))
     finally:
+        if engine is not None:
+            try:
+                engine.shutdown()   # its worker processes go with it
+            except Exception:
+                logger.exception("replica %d: shutting the engine down failed", index)
         outbox.close(linger=1000)
         inbox.close(linger=0)
         ctx.term()

@@ -20,6 +20,7 @@ outputs to each caller's ``asyncio.Queue``; ``health()`` reports "ok" / "degrade
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import dataclasses
 import itertools
@@ -29,8 +30,10 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any, Iterable, Sequence
 
+from pagedllm.core.sched_output import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_engine import (AsyncFrontEnd, EngineDeadError,
                                           EngineStepError, OutputStream, _Failure, _send_to_loops, _Sink)
@@ -38,6 +41,7 @@ from pagedllm.engine.beam_search import BeamSearchParams, check_beam_search_requ
 from pagedllm.engine.dp_coordinator import DPLoadBalancer
 from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
 from pagedllm.executor.multiproc import stop_processes
+from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -105,25 +109,28 @@ class DPEngineClient:
         replica_args = dataclasses.replace(engine_args, data_parallel_size=1,
                                            cpu_threads_per_rank=threads if parallel_cfg.world_size > 1 else None)
         self._tmpdir = tempfile.mkdtemp(prefix="pagedllm_dp_")
-        self._ctx = zmq.Context()
-        self._outputs = self._ctx.socket(zmq.PULL)
-        output_address = f"ipc://{self._tmpdir}/outputs"
-        self._outputs.bind(output_address)
-        self._inputs = []
-        self.processes = []
         import multiprocessing as mp
 
-        from pagedllm.engine.core_proc import run_engine_core
+        from pagedllm.engine.core_proc import make_socket, run_engine_core
 
+        self._ctx = zmq.Context()
+        output_address = f"ipc://{self._tmpdir}/outputs"
+        self._outputs = make_socket(self._ctx, zmq.PULL, output_address, bind=True)
+        self._inputs = []
+        self.processes = []
+        # Stop the replicas at interpreter exit if nobody called shutdown(): registered after
+        # multiprocessing's own exit hook, so it runs first (that hook joins non-daemon children).
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         ctx = mp.get_context("spawn")
         for i in range(self.num_replicas):
-            sock = self._ctx.socket(zmq.PUSH)
             address = f"ipc://{self._tmpdir}/input_{i}"
-            sock.bind(address)
-            self._inputs.append(sock)
+            self._inputs.append(make_socket(self._ctx, zmq.PUSH, address, bind=True))
+            # Not a daemon: a replica with several ranks starts worker processes of its own, which
+            # a daemonic process may not. It exits on "shutdown", with its parent, or is stopped
+            # by stop_processes.
             proc = ctx.Process(target=run_engine_core, args=(replica_args, i, address, output_address, threads,
                                                              logging.getLogger("pagedllm").getEffectiveLevel()),
-                               name=f"pagedllm-dp-{i}", daemon=True)
+                               name=f"pagedllm-dp-{i}", daemon=False)
             proc.start()
             self.processes.append(proc)
         if self.num_replicas == 1:
@@ -176,10 +183,12 @@ class DPEngineClient:
             except RuntimeError as e:
                 raise EngineDeadError(f"{e}: {self._deaths()}") from None
             self.balancer.assign(request_id, replica, processed.prompt_token_ids)
-            if beam is None:
-                self._send(replica, ("add", request_id, processed, arrival_time))
-            else:
-                self._send(replica, ("beam", request_id, processed, arrival_time, beam))
+            msg = (("add", request_id, processed, arrival_time) if beam is None
+                   else ("beam", request_id, processed, arrival_time, beam))
+            if not self._send(replica, msg):
+                self.balancer.finish(request_id)
+                raise EngineStepError(f"data-parallel replica {replica} cannot be reached (its process is gone); "
+                                      f"request {request_id!r} was not queued")
         return request_id
 
     def add_beam_search_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
@@ -330,20 +339,28 @@ class DPEngineClient:
         proc = self.processes[index]
         if proc.is_alive():
             proc.terminate()
+        # Its gauges (running / waiting requests, KV usage and blocks) go to 0: it holds nothing.
+        for stat_logger in self.stat_loggers[index]:
+            stat_logger.record(SchedulerStats(), IterationStats())
         alive = self.balancer.alive()
         logger.error("%s; %d in-flight request(s) failed; %d replica(s) still serving", reason, len(lost), len(alive))
         error = EngineStepError(f"{reason}; the request was aborted")
         return [_Failure(rid, error) for rid in lost]
 
-    def _send(self, replica: int, msg: tuple) -> None:
-        """Send without blocking (callers hold ``_send_lock``). A replica that cannot take it has
-        died: its process sentinel fails its requests at the next ``get_events``."""
+    def _send(self, replica: int, msg: tuple) -> bool:
+        """Send without blocking (callers hold ``_send_lock``); False when the replica cannot take
+        it. The socket's high-water mark is unlimited (``core_proc.make_socket``), so a send fails
+        only when no replica process is connected: it has died, and its process sentinel fails its
+        requests at the next ``get_events`` (a request that was not sent fails at once, in
+        ``_route``)."""
         import zmq
 
         try:
             self._inputs[replica].send_pyobj(msg, flags=zmq.NOBLOCK)
+            return True
         except zmq.Again:
-            logger.warning("data-parallel replica %d cannot take a %r message (gone?)", replica, msg[0])
+            logger.warning("data-parallel replica %d cannot take a %r message (its process is gone)", replica, msg[0])
+            return False
 
     def _deaths(self) -> str:
         return "; ".join(self.death_reasons.values()) or "no replica started"
@@ -403,6 +420,12 @@ class DPEngineClient:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
+def _shutdown_at_exit(ref: "weakref.ref[DPEngineClient]") -> None:
+    client = ref()
+    if client is not None:
+        client.shutdown()
+
+
 class DPAsyncLLM(AsyncFrontEnd):
     """``AsyncLLM``'s interface over ``DPEngineClient``: many asyncio callers, D replicas.
 
@@ -435,6 +458,14 @@ class DPAsyncLLM(AsyncFrontEnd):
     @property
     def errored(self) -> bool:
         return self._stopping or not self.client.balancer.alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why nothing more can be served (every replica is dead), or None (see
+        ``AsyncLLM.dead_reason``; one dead replica of several is "degraded", not dead)."""
+        if self._stopping or self.client.balancer.alive():
+            return None
+        return f"every data-parallel replica is dead: {self.client._deaths()}"
 
     def health(self) -> dict:
         """See ``DPEngineClient.health``."""

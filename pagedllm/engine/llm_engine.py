@@ -322,6 +322,12 @@ class LLMEngine:
         for stat_logger in self.stat_loggers:
             stat_logger.record(sched_stats, stats)
 
+    def check_health(self) -> None:
+        """Raises:
+            RuntimeError: if the executor cannot run another step (a worker died or failed: the
+                multiprocess and Ray executors stop every rank then, so the engine is done)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         """Stop the executor's workers and the grammar compile threads (idempotent)."""
         self.structured_output_manager.shutdown()

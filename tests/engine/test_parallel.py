@@ -311,10 +311,11 @@ def test_default_model_split_two_ways_equals_transformers(default_model_referenc
 @pytest.mark.timeout(120)
 def test_async_engine_fails_requests_when_a_worker_dies(llama_one_kv_head):
     """Through ``AsyncLLM`` (the server's engine): the request running when rank 1 dies gets an
-    ``EngineStepError`` naming the rank (HTTP 500), a later one fails the same way, no hang."""
+    ``EngineStepError`` naming the rank (HTTP 500); the engine is then dead (``dead_reason`` names
+    the rank, the server exits on it): a later request gets ``EngineDeadError`` (503), no hang."""
     import asyncio
 
-    from pagedllm.engine.async_engine import AsyncLLM, EngineStepError
+    from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError
     from pagedllm.entrypoints.openai.errors import error_from_exception
 
     llm = AsyncLLM.from_engine_args(EngineArgs(model=llama_one_kv_head, dtype="float32", max_model_len=128, block_size=8,
@@ -330,10 +331,14 @@ def test_async_engine_fails_requests_when_a_worker_dies(llama_one_kv_head):
                 kill = False
 
     try:
-        for rid, kill in (("a", True), ("b", False)):
-            with pytest.raises(EngineStepError, match="rank 1") as info:
-                asyncio.run(asyncio.wait_for(consume(rid, kill), timeout=60))
-            assert error_from_exception(info.value).status_code == 500
+        assert llm.dead_reason is None
+        with pytest.raises(EngineStepError, match="rank 1") as info:
+            asyncio.run(asyncio.wait_for(consume("a", True), timeout=60))
+        assert error_from_exception(info.value).status_code == 500
+        assert "rank 1" in llm.dead_reason
+        with pytest.raises(EngineDeadError, match="rank 1") as info:
+            asyncio.run(asyncio.wait_for(consume("b", False), timeout=60))
+        assert error_from_exception(info.value).status_code == 503
     finally:
         llm.shutdown()
     for p in processes:

@@ -1,0 +1,164 @@
+"""`pagedllm serve` with several ranks (issue 26): every documented parallel form starts as a real
+server process and answers like one rank; every exit path leaves no process behind; a dead worker
+makes the server exit non-zero instead of answering 500 forever.
+
+Each case starts the real server on a tiny float32 Llama (two shared cores: ~10-20 s per start), so
+the module is in the slow tier."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [7, 11, 13, 200, 17, 3, 40, 41, 42, 50]
+# One thread per rank: four ranks (tp 2 x pp 2, dp 2 x tp 2) on two cores.
+ENV = {"PAGEDLLM_CPU_THREADS_PER_RANK": "1"}
+
+
+def _args(folder: str, *flags: str) -> list[str]:
+    return ["serve", folder, "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "128",
+            "--block-size", "8", "--kv-cache-memory-bytes", "4MiB", *flags]
+
+
+def _greedy(server) -> list[str]:
+    r = httpx.post(server.url + "/v1/completions", timeout=120,
+                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                         "logprobs": 1})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def _descendants(server) -> list[psutil.Process]:
+    return psutil.Process(server.proc.pid).children(recursive=True)
+
+
+def _assert_all_gone(procs: list[psutil.Process], timeout: float = 30.0) -> None:
+    gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+
+
+@pytest.fixture(scope="module")
+def reference(make_tiny_checkpoint, launch_server):
+    """One rank's greedy tokens."""
+    folder = make_tiny_checkpoint("llama")
+    server = launch_server(_args(folder), "tp1", module="pagedllm.entrypoints.cli", env=ENV)
+    tokens = _greedy(server)
+    assert server.terminate() == 0
+    return folder, tokens
+
+
+# Every documented multi-rank form of `serve` (README "Parallelism").
+FORMS = {
+    "tp2": ["--tensor-parallel-size", "2"],
+    "pp2": ["--pipeline-parallel-size", "2"],
+    "tp2xpp2": ["-tp", "2", "-pp", "2"],
+    "dp2xtp2": ["-dp", "2", "-tp", "2"],
+    "tp2-mp-in-process": ["-tp", "2", "--distributed-executor-backend", "mp", "--engine-in-process"],
+    "tp2-ray": ["-tp", "2", "--distributed-executor-backend", "ray"],
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_serve_multi_rank_starts_answers_and_leaves_nothing(form, reference, launch_server):
+    if form.endswith("ray"):
+        pytest.importorskip("ray", reason="ray is not installed (the [ray] extra)")
+    folder, want = reference
+    server = launch_server(_args(folder, *FORMS[form]), form, module="pagedllm.entrypoints.cli", env=ENV)
+    assert _greedy(server) == want
+    procs = _descendants(server)
+    # Engine process(es) and one worker per rank at least (Ray adds its own daemons).
+    min_procs = {"tp2": 3, "pp2": 3, "tp2xpp2": 5, "dp2xtp2": 6, "tp2-mp-in-process": 2, "tp2-ray": 2}[form]
+    assert len(procs) >= min_procs, [p.cmdline() for p in procs]
+    assert server.terminate(signal.SIGTERM) == 0, server.log_tail()
+    _assert_all_gone(procs)
+
+
+def _ranks(server) -> list[psutil.Process]:
+    """The worker processes (``spawn_main`` grandchildren below the engine process, or children with
+    --engine-in-process), by pid."""
+    return sorted((p for p in _descendants(server) if "spawn_main" in " ".join(p.cmdline())
+                   and not p.children()), key=lambda p: p.pid)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("in_process", [True, False], ids=["engine-in-process", "engine-process"])
+def test_dead_worker_fails_requests_then_server_exits_1(in_process, reference, launch_server):
+    folder, want = reference
+    flags = ["-tp", "2"] + (["--engine-in-process"] if in_process else [])
+    server = launch_server(_args(folder, *flags), "dead-rank", module="pagedllm.entrypoints.cli", env=ENV)
+    assert _greedy(server) == want
+    procs = _descendants(server)
+    ranks = _ranks(server)
+    assert len(ranks) == 2, [p.cmdline() for p in procs]
+    ranks[1].kill()   # (a zombie until its parent reaps it: nothing to wait for here)
+    # The next request fails with an error body (not a hang); then the server stops by itself.
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": PROMPT,
+                                                                     "max_tokens": 4})
+    assert r.status_code in (500, 503), r.text
+    assert "rank 1" in r.json()["error"]["message"]
+    try:
+        code = server.proc.wait(60)
+    except Exception:
+        pytest.fail("the server kept running after its worker died:\n" + server.log_tail())
+    assert code == 1, server.log_tail()
+    assert "the engine is dead" in server.log_tail(200)
+    _assert_all_gone(procs)
+
+
+@pytest.mark.timeout(300)
+def test_killed_server_leaves_no_replica_or_worker(reference, launch_server):
+    """SIGKILL on the front end: the engine process sees its parent gone and stops its ranks."""
+    folder, want = reference
+    server = launch_server(_args(folder, "-tp", "2"), "sigkill", module="pagedllm.entrypoints.cli", env=ENV)
+    assert _greedy(server) == want
+    procs = _descendants(server)
+    server.proc.kill()
+    server.proc.wait(10)
+    _assert_all_gone(procs, timeout=60)
+
+
+@pytest.mark.timeout(300)
+def test_dead_replica_metrics_stop_reporting_running_requests(reference, launch_server):
+    """A replica killed with requests running: its gauges go to 0 (the other replica serves on)."""
+    import threading
+
+    folder, _ = reference
+    server = launch_server(_args(folder, "-dp", "2", "--max-num-seqs", "1"), "dp-dead",
+                           module="pagedllm.entrypoints.cli", env=ENV)
+    replicas = sorted((p for p in psutil.Process(server.proc.pid).children()
+                       if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())),
+                      key=lambda p: p.pid)
+    assert len(replicas) == 2
+    results: list[int] = []
+
+    def one(i: int) -> None:
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": [5 + i, 9, 11], "max_tokens": 120, "ignore_eos": True})
+        results.append(r.status_code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while server.metric("pagedllm:num_requests_running", engine="1") == 0:
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.05)
+    replicas[1].suspend()   # one request at a time: its others wait, so it still reports one running
+    assert server.metric("pagedllm:num_requests_running", engine="1") == 1
+    replicas[1].kill()
+    for t in threads:
+        t.join(120)
+    # Replica 1's requests failed (500 naming it), replica 0's were served.
+    assert len(results) == 16 and set(results) == {200, 500}, results
+    assert server.metric("pagedllm:num_requests_running", engine="1") == 0
+    assert server.metric("pagedllm:num_requests_waiting", engine="1") == 0
+    assert server.metric("pagedllm:kv_cache_usage_perc", engine="1") == 0
+    assert server.metric("pagedllm:num_requests_running", engine="0") == 0
+    assert httpx.get(server.url + "/health").json()["status"] == "degraded"
