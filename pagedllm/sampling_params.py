@@ -110,9 +110,9 @@ class SamplingParams:
             ``include_stop_str_in_output``.
         stop_token_ids: extra token ids that end generation (kept in ``token_ids``).
         ignore_eos: keep generating past the model's EOS ids.
-        max_tokens: most tokens to generate; ``None`` means up to ``max_model_len``; 0 asks for the
-            prompt only (its ``prompt_logprobs``): the engine computes the prompt, samples one token
-            and drops it, and the output has no tokens, finish reason "length".
+        max_tokens: most tokens to generate, at least 1 (vLLM's rule); ``None`` means up to
+            ``max_model_len``. For the prompt only (its ``prompt_logprobs``), ask for 1 and ignore
+            it, as with vLLM; the server's ``echo`` with ``max_tokens: 0`` does this for you.
         min_tokens: EOS ids and ``stop_token_ids`` are masked until this many tokens exist.
         logprobs: number of top log-probabilities returned per generated token (plus the sampled one).
         prompt_logprobs: number of top log-probabilities returned per prompt token.
@@ -159,6 +159,10 @@ class SamplingParams:
     # <end_of_turn>). Not part of the public API.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Set by the server for a completion with ``echo`` and ``max_tokens: 0`` (vLLM's
+    # "echo without generation"): max_tokens is 1 and the output processor drops that token, so
+    # the output has no tokens, finish reason "length". Not part of the public API.
+    _prompt_only: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -219,8 +223,10 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
-            raise ValueError(f"max_tokens must be an int >= 0, got {self.max_tokens!r}")
+        if self.max_tokens is not None and not _is_int(self.max_tokens):
+            raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
+        if self.max_tokens is not None and self.max_tokens < 1:   # vLLM's check and message
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

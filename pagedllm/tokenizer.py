@@ -37,6 +37,52 @@ _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pa
                          "cls_token", "mask_token")
 _END_OF_TURN_TOKENS = ("<end_of_turn>",)
 _BYTE_FALLBACK_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+# ``tokenizers``' single-text ``encode`` / ``decode`` hold the GIL for their whole run (a 2 MB text:
+# ~2 s in which no other Python thread, e.g. the server's event loop, runs); the batch calls
+# release it. Inputs from these sizes on (about a millisecond of work) go through the batch call
+# (same result); shorter ones keep the plain call (no trip through the Rust thread pool).
+_GIL_FREE_MIN_CHARS = 4096
+_GIL_FREE_MIN_IDS = 8192
+
+
+def find_lone_surrogate(value: Any, path: str) -> str | None:
+    """Where ``value`` (a str, or dicts / lists / tuples of them, walked keys and values) holds a
+    lone UTF-16 surrogate (U+D800..U+DFFF): such a ``str`` is not Unicode text, cannot be
+    encoded as UTF-8, and the tokenizer rejects it (``TypeError: TextInputSequence must be
+    str``). JSON lets a body carry one (``"\\ud800"``), so request text is checked first.
+
+    Args:
+        value: the value to walk.
+        path: how messages name ``value`` (``"prompt"``, ``"messages[0].content"``).
+    Returns:
+        A message naming the path, the code point and its character index, or None if clean.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (f"{path} holds a lone UTF-16 surrogate (U+{ord(value[e.start]):04X} at character {e.start}), "
+                    "which is not valid Unicode text")
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = find_lone_surrogate(key, f"{path} key") or find_lone_surrogate(item, f"{path}.{key}")
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = find_lone_surrogate(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def check_text(value: Any, path: str) -> None:
+    """Raises:
+        ValueError: naming ``path``, when ``value`` holds a lone surrogate (``find_lone_surrogate``)."""
+    found = find_lone_surrogate(value, path)
+    if found:
+        raise ValueError(found)
 
 
 def _byte_level_decoding_table() -> dict[str, int]:
@@ -230,7 +276,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the post-processor adds BOS/EOS
-        (equal to ``transformers.AutoTokenizer.from_pretrained(folder).encode(text)``)."""
+        (equal to ``transformers.AutoTokenizer.from_pretrained(folder).encode(text)``). A long
+        text is encoded without holding the GIL, so other threads keep running meanwhile."""
+        if len(text) >= _GIL_FREE_MIN_CHARS:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
@@ -238,8 +287,12 @@ class Tokenizer:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids`` (equal to transformers' ``decode`` with the same flag)."""
-        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of ``ids`` (equal to transformers' ``decode`` with the same flag); many ids are
+        decoded without holding the GIL."""
+        if len(ids) >= _GIL_FREE_MIN_IDS:
+            text = self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+        else:
+            text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -540,6 +540,14 @@ class AsyncLLM(AsyncFrontEnd):
         ids = sorted(self._in_engine)
         logger.exception("engine step failed; failing its %d request(s) and continuing", len(ids))
         self._in_engine.clear()
+        # A multi-rank executor that lost a worker has stopped every rank: no later step can run,
+        # so the loop dies (``_run``) instead of failing every later request. The engine is marked
+        # dead before the step's callers hear of the failure, so ``dead_reason`` is set when they do.
+        try:
+            self.engine.check_health()
+            dead = None
+        except Exception as e:
+            dead = self._dead = e
         step_error = EngineStepError(f"the engine step failed: {type(error).__name__}: {error}")
         step_error.__cause__ = error
         self._fail(ids, step_error)
@@ -550,9 +558,8 @@ class AsyncLLM(AsyncFrontEnd):
         if self.engine.has_unfinished_requests():
             logger.error("%d request(s) remain in the scheduler after a failed step",
                          self.engine.get_num_unfinished_requests())
-        # A multi-rank executor that lost a worker has stopped every rank: no later step can
-        # run, so the loop dies (``_run``) instead of failing every later request.
-        self.engine.check_health()
+        if dead is not None:
+            raise dead
 
     def _stop_all(self) -> None:
         ids = sorted(self._in_engine)

@@ -23,6 +23,7 @@ end not counted).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -43,7 +44,7 @@ class BeamSearchParams:
         max_tokens: most generated tokens (>= 1).
         ignore_eos: keep extending beams past EOS (an EOS candidate is then an ordinary one).
         temperature: must be 0 (scores are raw log-probabilities).
-        length_penalty: exponent of the length in the final score.
+        length_penalty: exponent of the length in the final score (finite).
     Raises:
         ValueError: naming the field, for a value outside those ranges.
     """
@@ -61,6 +62,9 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if self.temperature != 0.0:
             raise ValueError(f"temperature must be 0 for beam search, got {self.temperature}")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) \
+                or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
 
 @dataclass

@@ -187,7 +187,7 @@ class DPEngineClient:
                    else ("beam", request_id, processed, arrival_time, beam))
             if not self._send(replica, msg):
                 self.balancer.finish(request_id)
-                raise EngineStepError(f"data-parallel replica {replica} cannot be reached (its process is gone); "
+                raise EngineStepError(f"{self.replica_name(replica)} cannot be reached (its process is gone); "
                                       f"request {request_id!r} was not queued")
         return request_id
 
@@ -297,7 +297,7 @@ class DPEngineClient:
             if fd in ready and self.balancer.replicas[i].alive:
                 proc = self.processes[i]
                 proc.join(timeout=1.0)
-                events.extend(self._replica_died(i, f"data-parallel replica {i} (pid {proc.pid}) died "
+                events.extend(self._replica_died(i, f"{self.replica_name(i)} (pid {proc.pid}) died "
                                                     f"(exit code {proc.exitcode})"))
         return events
 
@@ -320,16 +320,16 @@ class DPEngineClient:
             with self._send_lock:
                 for rid in ids:
                     self.balancer.finish(rid)
-            error = EngineStepError(f"data-parallel replica {index}: {message}")
+            error = EngineStepError(f"{self.replica_name(index)}: {message}")
             return [_Failure(rid, error) for rid in ids]
         if kind == "result":
             _, _, call_id, value = msg
             self._results.setdefault(call_id, {})[index] = value
             return []
         if kind == "dead":
-            logger.error("data-parallel replica %d failed:\n%s", index, msg[2])
+            logger.error("%s failed:\n%s", self.replica_name(index), msg[2])
             last = msg[2].strip().splitlines()[-1] if msg[2].strip() else "unknown error"
-            return self._replica_died(index, f"data-parallel replica {index} failed: {last}")
+            return self._replica_died(index, f"{self.replica_name(index)} failed: {last}")
         raise RuntimeError(f"unknown message {kind!r} from replica {index}")
 
     def _replica_died(self, index: int, reason: str) -> list:
@@ -359,8 +359,13 @@ class DPEngineClient:
             self._inputs[replica].send_pyobj(msg, flags=zmq.NOBLOCK)
             return True
         except zmq.Again:
-            logger.warning("data-parallel replica %d cannot take a %r message (its process is gone)", replica, msg[0])
+            logger.warning("%s cannot take a %r message (its process is gone)", self.replica_name(replica), msg[0])
             return False
+
+    def replica_name(self, index: int) -> str:
+        """How messages name replica ``index``: "the engine process" when there is one (a plain
+        ``pagedllm serve``), else "data-parallel replica <index>"."""
+        return "the engine process" if self.num_replicas == 1 else f"data-parallel replica {index}"
 
     def _deaths(self) -> str:
         return "; ".join(self.death_reasons.values()) or "no replica started"
@@ -387,12 +392,12 @@ class DPEngineClient:
                     self.initial_stats[msg[1]] = msg[2]
                     pending.discard(msg[1])
                 elif msg[0] == "dead":
-                    raise RuntimeError(f"data-parallel replica {msg[1]} failed while starting:\n{msg[2]}")
+                    raise RuntimeError(f"{self.replica_name(msg[1])} failed while starting:\n{msg[2]}")
             for fd, i in sentinels.items():
                 if fd in ready and i in pending:
                     proc = self.processes[i]
                     proc.join(timeout=1.0)
-                    raise RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) died while starting "
+                    raise RuntimeError(f"{self.replica_name(i)} (pid {proc.pid}) died while starting "
                                        f"(exit code {proc.exitcode})")
 
     def health(self) -> dict:
@@ -465,7 +470,8 @@ class DPAsyncLLM(AsyncFrontEnd):
         ``AsyncLLM.dead_reason``; one dead replica of several is "degraded", not dead)."""
         if self._stopping or self.client.balancer.alive():
             return None
-        return f"every data-parallel replica is dead: {self.client._deaths()}"
+        return (f"every data-parallel replica is dead: {self.client._deaths()}" if self.client.num_replicas > 1
+                else self.client._deaths())
 
     def health(self) -> dict:
         """See ``DPEngineClient.health``."""
@@ -478,7 +484,7 @@ class DPAsyncLLM(AsyncFrontEnd):
         if self._stopping:
             raise EngineDeadError("the engine is shutting down")
         if not self.client.balancer.alive():
-            raise EngineDeadError(f"every data-parallel replica is dead: {self.client._deaths()}")
+            raise EngineDeadError(self.dead_reason or "the engine is dead")
 
     def start(self) -> None:
         with self._lock:

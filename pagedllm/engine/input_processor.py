@@ -7,7 +7,7 @@ from typing import Any, Union
 
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.tokenizer import Tokenizer, check_text
 
 # A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -37,8 +37,8 @@ class ProcessedInput:
         prompt_token_ids: the tokens.
         params: a copy of the caller's params, with the model's EOS ids recorded.
         max_tokens: tokens this request may generate (max_tokens, or what fits in max_model_len);
-            at least 1: a ``max_tokens=0`` (prompt-only) request samples one token, which the
-            output processor drops.
+            at least 1 (a prompt-only request, ``SamplingParams._prompt_only``, samples one token,
+            which the output processor drops).
     """
 
     prompt: str | None
@@ -70,7 +70,8 @@ class InputProcessor:
         """Validate and tokenize.
 
         Raises:
-            ValueError: empty prompt; token ids outside [0, vocab_size); prompt longer than
+            ValueError: empty prompt; prompt text with a lone UTF-16 surrogate (naming
+                ``prompt``); token ids outside [0, vocab_size); prompt longer than
                 max_model_len (``PromptTooLongError``, both lengths in the message); logprobs / prompt_logprobs above
                 max_logprobs; logit_bias / allowed_token_ids / stop_token_ids outside the vocabulary;
                 a prompt of an unknown type; a ``structured_outputs`` constraint xgrammar
@@ -108,7 +109,10 @@ class InputProcessor:
         return ProcessedInput(text, token_ids, params, max_tokens)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            check_text(prompt["prompt"], "prompt")
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

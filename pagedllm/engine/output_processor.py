@@ -160,8 +160,8 @@ class OutputProcessor:
                 parent.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs[:max(room, 0)]))
             if out.new_token_ids and parent.num_cached_tokens is None and sample.index == 0:
                 parent.num_cached_tokens = out.num_cached_tokens
-            # max_tokens=0 (prompt only): the one token the engine sampled is dropped.
-            if out.new_token_ids and sample.params.max_tokens != 0:
+            # A prompt-only request (the server's echo with max_tokens 0): its one token is dropped.
+            if out.new_token_ids and not sample.params._prompt_only:
                 record_new_tokens(parent.request_id, parent.metrics, len(out.new_token_ids), now,
                                   iteration_stats, prev_times)
                 sample.changed = True

@@ -16,12 +16,16 @@ pagedllm ships ``pagedllm/data/gemma_chat_template.jinja`` (Gemma 3's turn forma
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.tokenizer import Tokenizer, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +39,100 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatTemplateError(ValueError):
-    """The conversation cannot be rendered: no template, or the template rejected it."""
+    """The conversation cannot be rendered: no template, or the template rejected it.
+
+    Attributes:
+        param: the request field at fault: ``"messages"`` (the template rejected the
+            conversation, e.g. roles that do not alternate) or ``"chat_template"`` (the template
+            itself: it does not parse, its code failed, it ran past its ``RenderBudget``).
+    """
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class NoChatTemplateError(ChatTemplateError):
     """Neither the request, the server nor the tokenizer has a chat template (a base model)."""
+
+
+class ChatTemplateBudgetError(ChatTemplateError):
+    """The template ran past its ``RenderBudget`` (steps, seconds or output characters), or uses
+    a tag that needs other template files (``{% include %}``, ``{% import %}``, ``{% extends %}``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="chat_template")
+
+
+@dataclass(frozen=True)
+class RenderBudget:
+    """Bounds on one chat-template render, so that a template (a request's, under
+    ``--trust-request-chat-template``, or a model's) cannot hold a server thread without limit:
+    a nested ``{% for %}`` over ``range(99999)`` twice runs ~10^10 steps (minutes to hours).
+
+    Steps are lines of the compiled template executed (``sys.settrace`` on the template's own
+    frames in the rendering thread; ~20 per message with the bundled Gemma template). Output is
+    counted as the template yields it; one expression that builds a huge string at once
+    (``'x' * 10**9``) is only seen when it is yielded.
+
+    Attributes:
+        max_steps: template lines executed (default 10^7: ~10 s of Python, ~10^5 messages).
+        max_seconds: wall time of the render (seconds).
+        max_output_chars: characters rendered (default 64 Mi: far above a max_model_len prompt).
+    """
+
+    max_steps: int = 10_000_000
+    max_seconds: float = 30.0
+    max_output_chars: int = 64 << 20
+
+
+class _RenderMeter:
+    """The trace functions that enforce a ``RenderBudget`` (only frames of compiled Jinja code,
+    whose file name is ``<template>``, are traced line by line; every other call returns None)."""
+
+    def __init__(self, budget: RenderBudget) -> None:
+        self.budget = budget
+        self.steps = 0
+        self.chars = 0
+        self.deadline = time.monotonic() + budget.max_seconds
+
+    def on_call(self, frame, event, arg):
+        return self.on_event if frame.f_code.co_filename == "<template>" else None
+
+    def on_event(self, frame, event, arg):
+        if event == "line":
+            self.steps += 1
+            if self.steps > self.budget.max_steps:
+                raise ChatTemplateBudgetError(f"the chat template ran more than {self.budget.max_steps} steps")
+            if not self.steps & 1023 and time.monotonic() > self.deadline:
+                raise ChatTemplateBudgetError(f"the chat template ran longer than {self.budget.max_seconds} s")
+        elif event == "return" and isinstance(arg, str):   # a piece of output yielded
+            self.chars += len(arg)
+            if self.chars > self.budget.max_output_chars:
+                raise ChatTemplateBudgetError(f"the chat template rendered more than {self.budget.max_output_chars} "
+                                              "characters")
+        return self.on_event
+
+
+@functools.lru_cache(maxsize=64)
+def check_self_contained(template: str) -> None:
+    """Raises:
+        ChatTemplateBudgetError: the template loads other templates (``{% include %}``,
+            ``{% import %}``, ``{% from ... import %}``, ``{% extends %}``): a chat template is one
+            self-contained text, and the renderer has no loader (files are never read).
+        ChatTemplateError: the template does not parse."""
+    import jinja2
+    import jinja2.nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the chat template does not parse: {e}", param="chat_template") from e
+    for kind, tag in ((jinja2.nodes.Include, "include"), (jinja2.nodes.Import, "import"),
+                      (jinja2.nodes.FromImport, "from ... import"), (jinja2.nodes.Extends, "extends")):
+        if tree.find(kind) is not None:
+            raise ChatTemplateBudgetError(f"the chat template uses {{% {tag} %}}, which loads another template file; "
+                                          "a chat template must be self-contained")
 
 
 def load_chat_template(chat_template: str | os.PathLike | None) -> str | None:
@@ -111,7 +204,8 @@ def parse_chat_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
     same). Pydantic models are dumped to dicts.
 
     Raises:
-        ValueError: empty messages, a message without a known ``role``, or non-text content.
+        ValueError: empty messages, a message without a known ``role``, non-text content, or a
+            lone UTF-16 surrogate anywhere in a message (naming ``messages[i]...``).
     """
     if isinstance(messages, (str, bytes)) or isinstance(messages, Mapping):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
@@ -121,6 +215,7 @@ def parse_chat_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
             message = message.model_dump(exclude_none=True)
         if not isinstance(message, Mapping):
             raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}")
+        check_text(dict(message), f"messages[{i}]")
         role = message.get("role")
         if role not in _ROLES:
             raise ValueError(f"messages[{i}].role must be one of {list(_ROLES)}, got {role!r}")
@@ -138,7 +233,8 @@ def parse_chat_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
 
 def apply_chat_template(tokenizer: Tokenizer, messages: Iterable[Any], chat_template: str | None = None,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
-                        tools: list[dict] | None = None, **template_kwargs: Any) -> str:
+                        tools: list[dict] | None = None, budget: RenderBudget | None = None,
+                        **template_kwargs: Any) -> str:
     """Render a conversation to the prompt text.
 
     Args:
@@ -148,9 +244,14 @@ def apply_chat_template(tokenizer: Tokenizer, messages: Iterable[Any], chat_temp
         add_generation_prompt: end with the header of an assistant turn.
         continue_final_message: leave the final (assistant) message open, to be continued.
         tools: JSON schemas handed to the template.
+        budget: the bounds on the render (``RenderBudget``), for a template from an untrusted
+            source (a request's); None: unbounded (metering slows a render ~50x, so a trusted
+            template, the model's or the server's, runs without it).
         **template_kwargs: extra template variables (``chat_template_kwargs``).
     Raises:
-        ChatTemplateError: no template, or the template raised (e.g. roles that do not alternate).
+        ChatTemplateError: no template, or the template raised (e.g. roles that do not alternate,
+            any error of its code); ``ChatTemplateBudgetError``: it ran past ``budget`` or loads
+            other templates.
         ValueError: bad messages, or both ``add_generation_prompt`` and ``continue_final_message``.
     """
     import jinja2
@@ -163,23 +264,37 @@ def apply_chat_template(tokenizer: Tokenizer, messages: Iterable[Any], chat_temp
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise ValueError("continue_final_message needs the last message to be from the assistant")
     variables = {**tokenizer.special_tokens, **template_kwargs}
+    check_self_contained(template)
+    previous = sys.gettrace()
+    if budget is not None:
+        sys.settrace(_RenderMeter(budget).on_call)   # this thread only
     try:
         rendered, _ = render_jinja_template(conversations=[conversation], tools=tools, chat_template=template,
                                             add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message, **variables)
+    except ChatTemplateError:
+        raise
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"the chat template rejected the messages: {e}") from e
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        # The template's own code failed (1/0, a sandbox limit such as range() over 100,000, a
+        # call on the wrong type): the template's error, not the server's.
+        raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}", param="chat_template") from e
+    finally:
+        if budget is not None:
+            sys.settrace(previous)
     return rendered[0]
 
 
 def render_chat_prompt(tokenizer: Tokenizer, messages: Iterable[Any], chat_template: str | None = None,
                        add_generation_prompt: bool = True, continue_final_message: bool = False,
-                       tools: list[dict] | None = None, **template_kwargs: Any) -> dict[str, Any]:
+                       tools: list[dict] | None = None, budget: RenderBudget | None = None,
+                       **template_kwargs: Any) -> dict[str, Any]:
     """:func:`apply_chat_template`, tokenized without adding special tokens.
 
     Returns:
         ``{"prompt": text, "prompt_token_ids": ids}``, a prompt the engine accepts.
     """
     text = apply_chat_template(tokenizer, messages, chat_template, add_generation_prompt,
-                               continue_final_message, tools, **template_kwargs)
+                               continue_final_message, tools, budget, **template_kwargs)
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -34,7 +34,63 @@ def _schema_of(params: StructuredOutputsParams) -> dict | bool:
             raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+    check_schema_refs(schema)
     return schema
+
+
+def _pointer_target(root: Any, pointer: str) -> bool:
+    """Whether the JSON pointer ``pointer`` (RFC 6901, the part after ``#``; ``""`` is the root)
+    names a value inside ``root``."""
+    from urllib.parse import unquote
+
+    node = root
+    for token in pointer.split("/")[1:] if pointer else []:
+        token = unquote(token).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return False
+    return True
+
+
+def walk_schema(node: Any, path: str = "#"):
+    """(path, dict) for every object in a schema, depth first; ``path`` is a JSON pointer."""
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.items():
+            yield from walk_schema(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from walk_schema(value, f"{path}/{i}")
+
+
+def check_schema_refs(schema: Any, field: str = "structured_outputs.json") -> None:
+    """Every ``$ref`` of ``schema`` resolves inside ``schema`` itself: a JSON pointer (``#``,
+    ``#/$defs/Name``, ``#/definitions/Name``, ``#/properties/a``) to a value that exists, or a
+    ``#name`` fragment that some subschema declares as its ``$anchor``. A reference that does not
+    (a missing definition, a URL, a file) would otherwise leave that part of the output
+    unconstrained (xgrammar warns and accepts it); nothing is fetched.
+
+    Raises:
+        ValueError: naming ``field``, the ``$ref`` and where it is (a JSON pointer).
+    """
+    nodes = list(walk_schema(schema, "#"))
+    anchors = {n["$anchor"] for _, n in nodes if isinstance(n.get("$anchor"), str)}
+    for path, node in nodes:
+        if "$ref" not in node or path.endswith(("/properties", "/$defs", "/definitions")):
+            continue   # (a property or definition named "$ref" is not a reference)
+        ref = node["$ref"]
+        if not isinstance(ref, str):
+            raise ValueError(f"{field}: the $ref at {path} must be a string, got {type(ref).__name__}")
+        if not ref.startswith("#"):
+            raise ValueError(f"{field}: the $ref {ref!r} at {path} is not a reference inside this schema "
+                             "('#', '#/$defs/...'); remote and file references are not fetched")
+        fragment = ref[1:]
+        ok = _pointer_target(schema, fragment) if fragment == "" or fragment.startswith("/") else fragment in anchors
+        if not ok:
+            raise ValueError(f"{field}: the $ref {ref!r} at {path} cannot be resolved: this schema has nothing there")
 
 
 # One JSON string character without escapes: U+0020-U+10FFFF less '"', '\\' and the surrogates.

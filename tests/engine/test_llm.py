@@ -237,15 +237,36 @@ def test_prompt_ending_inside_a_character_gives_only_generated_text(llm):
         assert out.token_ids == other and out.text == tok.decode(other)
 
 
-def test_max_tokens_zero_returns_the_prompt_only(llm):
-    params = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=2, logprobs=1)
+def test_max_tokens_zero_is_refused_and_one_scores_the_prompt(llm):
+    """vLLM's rule (``SamplingParams._verify_args``): max_tokens must be at least 1, same message;
+    the prompt's logprobs come with max_tokens=1 (the server's echo with max_tokens 0 drops that token)."""
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=f"max_tokens must be at least 1, got {bad}"):
+            SamplingParams(max_tokens=bad)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2, logprobs=1)
     out = llm.generate(["The quick brown fox", [5, 6, 7]], params, use_tqdm=False)
     for o, n_prompt in zip(out, (len(llm.get_tokenizer().encode("The quick brown fox")), 3)):
         assert o.finished and len(o.prompt_token_ids) == n_prompt
-        assert o.outputs[0].token_ids == [] and o.outputs[0].text == "" and o.outputs[0].logprobs == []
+        assert len(o.outputs[0].token_ids) == 1 and len(o.outputs[0].logprobs) == 1
         assert o.outputs[0].finish_reason == "length"
         assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == n_prompt
         assert all(entry is not None for entry in o.prompt_logprobs[1:])
+    assert _free_all(llm)
+
+
+def test_lone_surrogate_is_a_value_error_naming_the_field(llm):
+    """A str with a lone UTF-16 surrogate is not text the tokenizer takes (it raised a TypeError):
+    a ValueError naming the prompt (or the message), nothing queued, the engine serves on."""
+    with pytest.raises(ValueError, match=r"prompt holds a lone UTF-16 surrogate \(U\+D800 at character 3\)"):
+        llm.generate(["abc\ud800def"], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt holds a lone UTF-16 surrogate \(U\+DFFF"):
+        llm.generate([{"prompt": "\udfff"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content holds a lone UTF-16 surrogate"):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x\udc00"}],
+                 SamplingParams(max_tokens=2), chat_template="{{ messages[0]['content'] }}", use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
     assert _free_all(llm)
 
 

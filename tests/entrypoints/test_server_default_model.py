@@ -68,7 +68,8 @@ def offline_expected(free_memory):
 @pytest.fixture(scope="module")
 def server(launch_server, offline_expected):
     args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "256MiB",
-            "--chat-template", GEMMA_TEMPLATE, "--disable-log-requests"]
+            "--chat-template", GEMMA_TEMPLATE, "--disable-log-requests",
+            "--trust-request-chat-template"]   # the tools test sends the gemma-tools template
     # The API key comes from the environment here (PAGEDLLM_API_KEY).
     return launch_server(args, "default_server", env={"PAGEDLLM_API_KEY": KEY})
 

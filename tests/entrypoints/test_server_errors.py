@@ -1,13 +1,17 @@
 """The real server (``pagedllm serve``, subprocess) on a tiny checkpoint: every 400/401/404 case with
-OpenAI's error body, API keys, served names, tokenize/detokenize, graceful shutdown."""
+OpenAI's error body (lone surrogates, n over max_num_seqs, chat templates that load files or run past
+their budget, unresolvable schema $refs, non-finite floats, the max_tokens rules), API keys, served
+names, tokenize/detokenize, graceful shutdown."""
 
 from __future__ import annotations
 
+import json
 import signal
 
 import httpx
 import openai
 import pytest
+from error_utils import assert_error
 
 KEY = "test-key"
 MAX_MODEL_LEN = 64
@@ -23,7 +27,8 @@ def tiny_path(make_tiny_checkpoint):
 def server(launch_server, tiny_path):
     args = ["serve", tiny_path, "--served-model-name", "tiny", "tiny-alias",
             "--api-key", KEY, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "4MiB",
-            "--dtype", "float32", "--max-logprobs", "5", "--block-size", "4"]
+            "--dtype", "float32", "--max-logprobs", "5", "--block-size", "4",
+            "--trust-request-chat-template"]   # test_chat_errors sends its own templates
     return launch_server(args, "tiny_server", module="pagedllm.entrypoints.cli")
 
 
@@ -31,22 +36,6 @@ def server(launch_server, tiny_path):
 def http(server):
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as client:
         yield client
-
-
-def assert_error(response: httpx.Response, status: int, *fragments: str, param="any", code="any") -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert list(body) == ["error"]
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and isinstance(error["type"], str)
-    for fragment in fragments:
-        assert fragment in error["message"], error["message"]
-    if param != "any":
-        assert error["param"] == param, error
-    if code != "any":
-        assert error["code"] == code, error
-    return error
 
 
 def completion(http: httpx.Client, **fields) -> httpx.Response:
@@ -228,6 +217,144 @@ def test_tokenize_and_detokenize(http):
     assert_error(http.post("/detokenize", json={"tokens": [1, 100000]}), 400, "100000", param="tokens")
     assert_error(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404)
     assert_error(http.post("/tokenize", json={}), 400)
+
+
+def raw(http: httpx.Client, path: str, body: str) -> httpx.Response:
+    """POST a JSON text as is (NaN, Infinity and lone-surrogate escapes that json.dumps of a
+    client would refuse or re-encode)."""
+    return http.post(path, content=body.encode(), headers={"Content-Type": "application/json"})
+
+
+CHAT_TEMPLATE = "{{ messages[0]['content'] }}"
+
+
+@pytest.mark.parametrize("path, body, param, where", [
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab\\ud800c", "max_tokens": 2}', "prompt", "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt", "prompt[1]"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ok", "stop": ["\\ud800"], "max_tokens": 2}', "stop", "stop[0]"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "ab\\ud800c"}]}',
+     "messages", "messages[0].content"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                             '"text": "\\ud800"}]}]}', "messages", "messages[0].content[0].text"),
+    ("/tokenize", '{"prompt": "ab\\ud800c"}', "prompt", "prompt"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "\\udc00"}]}', "messages", "messages[0].content"),
+])
+def test_lone_surrogate_is_400_naming_the_field(http, path, body, param, where):
+    """JSON can carry a lone UTF-16 surrogate (an escape a client can send); it is no Unicode text
+    and the tokenizer refused it with a TypeError (a 500)."""
+    assert_error(raw(http, path, body), 400, f"{where} holds a lone UTF-16 surrogate", param=param)
+    assert completion(http).status_code == 200   # the server serves on
+
+
+def test_n_and_best_of_above_max_num_seqs_are_400(http):
+    """--max-n defaults to min(128, --max-num-seqs) (64 here): a request's samples run as one
+    group in one step, so more than max_num_seqs could never be scheduled (it was a 500)."""
+    for fields, param, fragments in (({"n": 65, "temperature": 1}, "n", ("must be <= 64", "--max-num-seqs")),
+                                     ({"best_of": 65, "temperature": 1}, "best_of", ("must be <= 64",)),
+                                     ({"n": 65, "use_beam_search": True}, "n", ("beam width", "max_num_seqs (64)"))):
+        assert_error(completion(http, **fields), 400, *fragments, param=param)
+    chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                   "chat_template": CHAT_TEMPLATE, "n": 65, "temperature": 1})
+    assert_error(chat, 400, "must be <= 64", param="n")
+    ok = completion(http, n=3, best_of=4, temperature=1, seed=1)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 3
+
+
+@pytest.mark.parametrize("template, fragments", [
+    ("{% include 'other.jinja' %}", ["{% include %}", "self-contained"]),
+    ("{% import 'macros.jinja' as m %}{{ m.x() }}", ["{% import %}"]),
+    ("{% from 'macros.jinja' import x %}{{ x() }}", ["{% from ... import %}"]),
+    ("{% extends 'base.jinja' %}", ["{% extends %}"]),
+    ("{% for %}", ["does not parse"]),
+    ("{% for i in range(1000000) %}x{% endfor %}", ["OverflowError", "MAX_RANGE"]),
+    ("{{ 1 // 0 }}", ["ZeroDivisionError"]),
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", ["more than 10000000 steps"]),
+    ("{% for i in range(9999) %}{{ 'x' * 99999 }}{% endfor %}", ["more than 67108864 characters"]),
+])
+def test_bad_or_unbounded_chat_template_is_400_naming_chat_template(http, template, fragments):
+    """A request's template (served here with --trust-request-chat-template) that loads other
+    files, fails, or runs past the render budget (steps, output) is a 400 naming chat_template;
+    the nested loop (~10^10 steps unbounded) stops at the step budget."""
+    messages = [{"role": "user", "content": "hi"}]
+    for path, extra in (("/v1/chat/completions", {"model": "tiny", "max_tokens": 2}), ("/tokenize", {})):
+        response = http.post(path, json={"messages": messages, "chat_template": template, **extra})
+        assert_error(response, 400, *fragments, param="chat_template")
+    assert completion(http).status_code == 200
+
+
+SCHEMA_MISSING_DEF = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}
+
+
+@pytest.mark.parametrize("path, fields, param, fragment", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": SCHEMA_MISSING_DEF}}}, "response_format", "'#/$defs/Missing' at #/properties/a cannot"),
+    ("/v1/completions", {"guided_json": {"$ref": "https://example.com/schema.json"}}, "guided_json",
+     "remote and file references are not fetched"),
+    ("/v1/completions", {"structured_outputs": {"json": {"items": {"$ref": "#/definitions/Gone"}}}},
+     "structured_outputs", "'#/definitions/Gone' at #/items cannot"),
+    ("/v1/chat/completions", {"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": SCHEMA_MISSING_DEF}}]}, "tools", "tools[0].function.parameters: the $ref"),
+    ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": [{
+        "type": "function", "function": {"name": "f", "parameters": SCHEMA_MISSING_DEF}}]}, "tools", "'#/$defs/Missing'"),
+])
+def test_unresolvable_schema_ref_is_400(http, path, fields, param, fragment):
+    """A $ref that does not resolve inside the schema was accepted and left that part of the
+    output unconstrained (xgrammar warns and goes on): now a 400 naming the field."""
+    body = {"model": "tiny", "max_tokens": 4, **fields}
+    body.update({"messages": [{"role": "user", "content": "hi"}], "chat_template": CHAT_TEMPLATE}
+                if path.startswith("/v1/chat") else {"prompt": "hi"})
+    assert_error(http.post(path, json=body), 400, fragment, param=param)
+
+
+def test_tool_parameters_with_their_own_defs_are_constrained(http):
+    """A tool whose parameters use ``$defs`` (e.g. from pydantic's model_json_schema) keeps its
+    references under tool_choice "required" (they are re-rooted in the combined schema): the reply
+    is a call of that tool whose argument follows the referenced definition."""
+    params = {"type": "object", "$defs": {"Small": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "properties": {"x": {"$ref": "#/$defs/Small"}}, "required": ["x"], "additionalProperties": False}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template": CHAT_TEMPLATE,
+            "max_tokens": 40, "temperature": 0, "tool_choice": "required", "parallel_tool_calls": False,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    content = choice["message"].get("content") or ""
+    calls = choice["message"].get("tool_calls") or []
+    assert choice["finish_reason"] == "tool_calls" and len(calls) == 1, choice
+    assert calls[0]["function"]["name"] == "f"
+    assert json.loads(calls[0]["function"]["arguments"])["x"] in range(10)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty", "length_penalty"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_sampling_floats_are_400(http, field, value):
+    beam = ', "use_beam_search": true, "n": 2' if field == "length_penalty" else ""
+    body = f'{{"model": "tiny", "prompt": "hi", "max_tokens": 2, "{field}": {value}{beam}}}'
+    assert_error(raw(http, "/v1/completions", body), 400, param=field)
+
+
+def test_max_tokens_rules_follow_vllm_and_name_the_field(http):
+    """max_tokens / max_completion_tokens below 1 is a 400 with vLLM's message, naming the field
+    the request used; 0 with echo is the prompt only (vLLM's echo without generation)."""
+    assert_error(completion(http, max_tokens=0), 400, "max_tokens must be at least 1, got 0", param="max_tokens")
+    assert_error(completion(http, max_tokens=None, max_completion_tokens=-2), 400,
+                 "max_completion_tokens must be at least 1, got -2", param="max_completion_tokens")
+    assert_error(completion(http, max_tokens=None, max_completion_tokens=MAX_MODEL_LEN), 400,
+                 f"maximum context length is {MAX_MODEL_LEN}", param="max_completion_tokens",
+                 code="context_length_exceeded")
+    messages = [{"role": "user", "content": "hi"}]
+    chat = lambda **f: http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages,
+                                                               "chat_template": CHAT_TEMPLATE, **f})
+    assert_error(chat(max_completion_tokens=0), 400, "max_completion_tokens must be at least 1",
+                 param="max_completion_tokens")
+    assert_error(chat(max_tokens=0), 400, "max_tokens must be at least 1", param="max_tokens")
+    assert_error(chat(max_completion_tokens=10 * MAX_MODEL_LEN), 400, param="max_completion_tokens",
+                 code="context_length_exceeded")
+    echo = completion(http, max_tokens=0, echo=True, logprobs=1).json()
+    assert echo["choices"][0]["text"] == "The quick brown fox"
+    assert echo["usage"]["completion_tokens"] == 0 and echo["choices"][0]["finish_reason"] == "length"
+    assert echo["choices"][0]["logprobs"]["token_logprobs"][0] is None
 
 
 def test_sigterm_exits_cleanly(server):

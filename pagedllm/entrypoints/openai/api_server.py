@@ -6,9 +6,15 @@ Run it as ``pagedllm serve [MODEL] [flags]`` or, as vLLM users know it,
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
 (Prometheus). Every error is answered with OpenAI's body
-``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (including malformed JSON),
-401 for a missing or wrong API key on ``/v1`` routes, 404 for an unknown model or route, 500 when
-an engine step fails, 503 when the engine is shutting down.
+``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (including malformed JSON,
+and a request ``chat_template`` without ``--trust-request-chat-template``), 401 for a missing or
+wrong API key (with ``--api-key``: every route but ``/health``, ``/version``, ``/metrics`` and the
+API docs), 404 for an unknown model or route, 413 for a body over ``--max-request-body-bytes``,
+500 when an engine step fails, 503 when the engine is shutting down.
+
+No one client stalls the others: tokenizing and chat-template rendering run in a thread pool
+(``ServerState.pool``), never on the event loop, so ``/health`` and every stream keep answering
+while a long prompt is tokenized.
 
 One ``AsyncLLM`` (one engine thread) serves every connection; requests from all clients join the
 running batch at the next iteration. On SIGINT/SIGTERM uvicorn stops accepting connections and
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import concurrent.futures
 import logging
 import os
 import secrets
@@ -29,6 +37,7 @@ import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,7 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_cli_args, engine_args_from_cli
 from pagedllm.engine.async_engine import AsyncLLM
-from pagedllm.entrypoints.chat_utils import GEMMA_CHAT_TEMPLATE_PATH, load_chat_template
+from pagedllm.entrypoints.chat_utils import GEMMA_CHAT_TEMPLATE_PATH, check_self_contained, load_chat_template
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest, VersionResponse)
@@ -57,6 +66,21 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
+# Routes open without the API key (those of vLLM's PUBLIC_ENDPOINTS this server has): the health
+# probe, the version, metrics scraping, the API docs. With --api-key every other route needs it.
+PUBLIC_PATHS = ("/health", "/version", "/metrics", "/docs", "/redoc", "/openapi.json")
+
+# --max-request-body-bytes (bytes). A prompt of max_model_len tokens is far smaller: ~4 bytes of
+# text per token (at worst ~12 with every character JSON-escaped as \uXXXX), or <= 8 per token as
+# token ids, so 128k tokens are ~0.5-1.5 MB; 32 MiB leaves room for lists of prompts, long chat
+# histories and million-token contexts, and still bounds what one body can make the server
+# buffer, parse and tokenize (~30 s of tokenizer time).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+
+# Threads of the pool that tokenizes and renders chat templates (ServerState.pool): a few, so a
+# slow template render does not queue every other request's tokenizing behind it.
+TOKENIZER_POOL_WORKERS = 4
+
 
 @dataclass
 class ServerState:
@@ -67,7 +91,12 @@ class ServerState:
         models: served names.
         completion, chat, tokenization: endpoint handlers.
         registry: the Prometheus registry behind ``/metrics``.
-        api_key: required as ``Authorization: Bearer <key>`` on ``/v1`` routes when set.
+        api_key: required as ``Authorization: Bearer <key>`` on every route but ``PUBLIC_PATHS``
+            when set.
+        pool: the thread pool where the handlers tokenize and render (shut down with the app).
+        max_request_body_bytes: the largest request body accepted (413 above); None: no limit.
+        request_exit: stops the HTTP server (``run_server`` sets it; None in-process, e.g. tests).
+        exit_code: the process's exit status once the server stops (1 after the engine died).
     """
 
     engine: AsyncLLM
@@ -77,6 +106,32 @@ class ServerState:
     tokenization: OpenAIServingTokenization
     registry: CollectorRegistry
     api_key: str | None = None
+    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES
+    request_exit: Callable[[], None] | None = None
+    exit_code: int = 0
+
+
+# Seconds between two looks at whether the engine died (``watch_engine``).
+ENGINE_WATCH_INTERVAL_S = 0.5
+
+
+async def watch_engine(state: ServerState, interval_s: float = ENGINE_WATCH_INTERVAL_S) -> None:
+    """Until cancelled: once the engine can serve nothing more (``engine.dead_reason``: its loop
+    died, a worker of a multi-rank executor died, every data-parallel replica is dead), log why,
+    set ``state.exit_code`` to 1 and stop the server (``state.request_exit``), so that a
+    supervisor (systemd, Kubernetes) restarts it. In-flight requests have already failed with
+    ``EngineDeadError`` (503; a stream ends with an error event and ``[DONE]``), and ``/health``
+    answers 503 meanwhile. A dead replica of several is not fatal (``/health`` says "degraded")."""
+    while True:
+        reason = state.engine.dead_reason
+        if reason is not None:
+            logger.error("the engine is dead (%s); the server stops and exits with status 1", reason)
+            state.exit_code = 1
+            if state.request_exit is not None:
+                state.request_exit()
+            return
+        await asyncio.sleep(interval_s)
 
 
 def default_served_model_name(args: EngineArgs, model_files) -> str:
@@ -88,9 +143,11 @@ def default_served_model_name(args: EngineArgs, model_files) -> str:
 
 def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = None,
                 chat_template: str | None = None, api_key: str | None = None, log_requests: bool = True,
-                log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S, max_n: int = DEFAULT_MAX_N,
+                log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S, max_n: int | None = None,
                 enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
-                tool_call_parser: str | None = None, engine_process: bool = False) -> ServerState:
+                tool_call_parser: str | None = None, engine_process: bool = False,
+                trust_request_chat_template: bool = False,
+                max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> ServerState:
     """Load the model and wire the handlers.
 
     Args:
@@ -100,7 +157,9 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
         api_key: see ``ServerState``.
         log_requests: log each request at INFO.
         log_stats_interval_s: seconds between periodic stats lines; None disables them.
-        max_n: the most samples (``n``, ``best_of``) one request may ask for.
+        max_n: the most samples (``n``, ``best_of``) one request may ask for; None: OpenAI's
+            limit (``DEFAULT_MAX_N``) or ``max_num_seqs`` if smaller (a request's samples run as
+            one group in one step, so more could never be scheduled).
         enable_prompt_tokens_details: send ``usage.prompt_tokens_details.cached_tokens``.
         enable_auto_tool_choice: accept ``tool_choice: "auto"`` (calls found by ``tool_call_parser``).
         tool_call_parser: a ``tool_parsers.TOOL_PARSERS`` name ("hermes", "pythonic").
@@ -108,14 +167,19 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
             ``EngineCoreProc``; ``pagedllm serve``'s default): the server's Python (HTTP, JSON,
             streaming) then never holds the GIL the engine loop needs between its ops. False: the
             engine loop runs in a thread of this process (``AsyncLLM``).
+        trust_request_chat_template: render a ``chat_template`` a request carries (False: 400).
+        max_request_body_bytes: the largest request body (bytes; 413 above); None or 0: no limit.
     Raises:
         ValueError: bad engine arguments, an unparsable chat template, ``max_n < 1``, an unknown
-            tool-call parser, or ``enable_auto_tool_choice`` without one.
+            tool-call parser, ``enable_auto_tool_choice`` without one, or a negative body limit.
     """
     from pagedllm.engine.llm_engine import LLMEngine
 
-    if not isinstance(max_n, int) or max_n < 1:
+    if max_n is not None and (not isinstance(max_n, int) or max_n < 1):
         raise ValueError(f"max_n must be an int >= 1, got {max_n!r}")
+    if max_request_body_bytes is not None and (not isinstance(max_request_body_bytes, int)
+                                               or max_request_body_bytes < 0):
+        raise ValueError(f"--max-request-body-bytes must be an int >= 0 (0: no limit), got {max_request_body_bytes!r}")
     tool_parser = None
     if enable_auto_tool_choice:
         if tool_call_parser is None:
@@ -125,11 +189,7 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
         get_tool_parser(tool_call_parser)  # a bad name is still an error
         logger.warning("--tool-call-parser %s has no effect without --enable-auto-tool-choice", tool_call_parser)
     if chat_template is not None:
-        import jinja2
-        try:
-            jinja2.Environment().parse(chat_template)
-        except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"the chat template does not parse: {e}") from e
+        check_self_contained(chat_template)   # a ValueError: it does not parse, or loads other files
     registry = CollectorRegistry()
     if engine_args.data_parallel_size > 1 or engine_process:
         # D replica processes behind this server (engine/dp_client.py); metrics carry engine="i".
@@ -155,19 +215,36 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
     root = engine_args.model if engine_args.model not in (None, "default") else \
         (engine.model_files.gguf_path or engine.model_files.folder)
     models = OpenAIServingModels(names, root, engine.max_model_len)
+    max_num_seqs = engine.scheduler_config.max_num_seqs
+    if max_n is None:
+        max_n = min(DEFAULT_MAX_N, max_num_seqs)
+    elif max_n > max_num_seqs:
+        raise ValueError(f"--max-n ({max_n}) must be <= --max-num-seqs ({max_num_seqs}): a request's n (or best_of) "
+                         "samples run together in one step")
+    pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_POOL_WORKERS, thread_name_prefix="pagedllm-tokenize")
     chat = OpenAIServingChat(async_engine, models, chat_template, engine_args.max_logprobs, log_requests, max_n,
-                             tool_parser)
+                             tool_parser, pool=pool, trust_request_chat_template=trust_request_chat_template)
     if chat_template is None and engine.tokenizer.chat_template is None:
         logger.warning("the model has no chat template: /v1/chat/completions will answer 400; start with "
                        "--chat-template (e.g. %s for Gemma models)", GEMMA_CHAT_TEMPLATE_PATH)
-    completion = OpenAIServingCompletion(async_engine, models, log_requests, max_n)
+    completion = OpenAIServingCompletion(async_engine, models, log_requests, max_n, pool=pool)
     completion.enable_prompt_tokens_details = chat.enable_prompt_tokens_details = enable_prompt_tokens_details
     return ServerState(engine=async_engine, models=models, completion=completion, chat=chat,
-                       tokenization=OpenAIServingTokenization(chat), registry=registry, api_key=api_key)
+                       tokenization=OpenAIServingTokenization(chat), registry=registry, api_key=api_key,
+                       pool=pool, max_request_body_bytes=max_request_body_bytes or None)
+
+
+def is_public_path(path: str) -> bool:
+    """``path`` is one of ``PUBLIC_PATHS`` or below one (on a segment boundary: ``/healthz`` is not)."""
+    return any(path == p or path.startswith(p + "/") for p in PUBLIC_PATHS)
 
 
 class APIKeyMiddleware:
-    """Pure ASGI middleware: ``/v1`` routes need ``Authorization: Bearer <api_key>`` (401 otherwise).
+    """Pure ASGI middleware: every route but ``PUBLIC_PATHS`` needs ``Authorization: Bearer
+    <api_key>`` (401 otherwise): the ``/v1`` API, the routes that cost compute or change state
+    (``/tokenize``, ``/detokenize``, ``/reset_prefix_cache``), and unknown paths (fail closed).
+    This is vLLM's current rule (``AuthenticationMiddleware``: every route unless public); its
+    older releases guarded only the ``/v1`` prefix.
 
     (A pure ASGI middleware, unlike ``BaseHTTPMiddleware``, leaves streaming and disconnect
     detection untouched.)
@@ -178,7 +255,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or is_public_path(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("authorization", "").encode()
@@ -191,6 +268,57 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class RequestBodyLimitMiddleware:
+    """Pure ASGI middleware: a request body over ``max_bytes`` is answered 413 with OpenAI's error
+    body (naming the limit and ``--max-request-body-bytes``) before any route sees it.
+
+    A declared ``Content-Length`` over the limit is refused before the body is read. Otherwise
+    (a chunked upload, or a declared length within the limit) the body is read here, its bytes
+    counted, and handed to the app unchanged once complete; a byte past the limit is a 413. So
+    no route buffers, parses or tokenizes more than ``max_bytes``. Later ``receive`` calls (the
+    disconnect watch) go to the server as before.
+
+    Args:
+        app: the ASGI app.
+        max_bytes: the largest body accepted (bytes, >= 1).
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self, size: str) -> OpenAIError:
+        return OpenAIError(413, f"the request body is {size}, over this server's limit of {self.max_bytes} bytes "
+                                "(--max-request-body-bytes)", "invalid_request_error", code="request_too_large")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self.too_large(f"{int(declared)} bytes").to_response()(scope, receive, send)
+            return
+        messages: collections.deque = collections.deque()
+        received = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":   # the client left: the app sees the disconnect
+                break
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                await self.too_large(f"more than {self.max_bytes} bytes").to_response()(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            return messages.popleft() if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     parts, param = [], None
     for err in exc.errors():
@@ -200,7 +328,10 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if param is None and loc:
             param = loc[0]
-        text = f"{'.'.join(loc)}: {err.get('msg')}" if loc else str(err.get("msg"))
+        msg = str(err.get("msg"))
+        if msg.startswith("Value error, "):   # a validator's ValueError: its own message names the field
+            msg = msg[len("Value error, "):]
+        text = f"{'.'.join(loc)}: {msg}" if loc else msg
         if text not in parts:
             parts.append(text)
     message = "; ".join(parts[:6]) or "invalid request body"
@@ -212,12 +343,18 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
+        watcher = asyncio.create_task(watch_engine(state))
         yield
+        watcher.cancel()
         await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
+        if state.pool is not None:
+            state.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.server = state
-    if state.api_key:
+    if state.max_request_body_bytes:
+        app.add_middleware(RequestBodyLimitMiddleware, max_bytes=state.max_request_body_bytes)
+    if state.api_key:   # added last, so outermost: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
 
     @app.exception_handler(OpenAIError)
@@ -278,11 +415,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
-        return JSONResponse(state.tokenization.tokenize(request).model_dump(exclude_none=True))
+        return await state.tokenization.create_tokenize(request)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):
-        return JSONResponse(state.tokenization.detokenize(request).model_dump())
+        return await state.tokenization.create_detokenize(request)
 
     return app
 
@@ -302,12 +439,21 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"Jinja chat template: a file, the template text, or 'gemma' ({GEMMA_CHAT_TEMPLATE_PATH.name}, "
                         "shipped for the default base model, which has none; 'gemma-tools' adds the request's tools "
                         "and tool turns, for --tool-call-parser hermes)")
-    g.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1 routes "
-                                                   f"(default: ${API_KEY_ENV})")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route (/v1/*, /tokenize, /detokenize, "
+                        f"/reset_prefix_cache, ...) but {', '.join(PUBLIC_PATHS[:3])} and the API docs "
+                        f"(default: ${API_KEY_ENV}; unset: no key)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat_template sent in a request (/v1/chat/completions, /tokenize); by default "
+                        "(vLLM's) such a request is a 400, since a template is code the server runs")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help=f"largest request body accepted, in bytes; a larger one is a 413 (default: "
+                        f"{DEFAULT_MAX_REQUEST_BODY_BYTES} = {DEFAULT_MAX_REQUEST_BODY_BYTES >> 20} MiB, far above a "
+                        "max_model_len prompt; 0: no limit)")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
-    g.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
-                   help=f"most samples one request may ask for with n or best_of (default: {DEFAULT_MAX_N}, "
-                        "OpenAI's limit); more is a 400")
+    g.add_argument("--max-n", type=int, default=None,
+                   help=f"most samples one request may ask for with n or best_of, at most --max-num-seqs "
+                        f"(default: {DEFAULT_MAX_N}, OpenAI's limit, or --max-num-seqs if smaller); more is a 400")
     g.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_INTERVAL_S,
                    help="seconds between stats log lines (--disable-log-stats turns them off)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -379,7 +525,8 @@ def run_server(ns: argparse.Namespace) -> int:
     """Load the model, serve until SIGINT/SIGTERM, shut down gracefully.
 
     Returns:
-        0 after a graceful shutdown.
+        0 after a graceful shutdown; 1 when the server stopped because the engine died
+        (``watch_engine``).
     Raises:
         ValueError: bad flags (the CLI prints them and exits with status 2).
     """
@@ -395,12 +542,15 @@ def run_server(ns: argparse.Namespace) -> int:
                         log_stats_interval_s=None if ns.disable_log_stats else ns.log_stats_interval,
                         max_n=ns.max_n, enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
                         enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-                        engine_process=not ns.engine_in_process)
+                        engine_process=not ns.engine_in_process,
+                        trust_request_chat_template=ns.trust_request_chat_template,
+                        max_request_body_bytes=ns.max_request_body_bytes)
     app = build_app(state)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             access_log=not ns.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=ns.shutdown_timeout + SHUTDOWN_FLUSH_S)
     server = _make_server(config, state.engine, ns.shutdown_timeout)
+    state.request_exit = lambda: setattr(server, "should_exit", True)
     logger.info("serving %s as %s on http://%s:%d (api key %s)", state.models.root, state.models.served_model_names,
                 ns.host, ns.port, "required" if api_key else "off")
     try:
@@ -411,8 +561,8 @@ def run_server(ns: argparse.Namespace) -> int:
         if server.engine_stopper is not None:
             server.engine_stopper.join()
         state.engine.shutdown()
-    logger.info("server stopped")
-    return 0
+    logger.info("server stopped" + (" (the engine died: exit status 1)" if state.exit_code else ""))
+    return state.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,11 +16,23 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from pagedllm.tokenizer import check_text
 
 
 class OpenAIBaseModel(BaseModel):
+    """A request body: unknown fields are kept (``model_extra``); every field's text is checked
+    for lone UTF-16 surrogates (JSON can carry ``"\\ud800"``; no tokenizer takes it): a 400
+    naming the field, not a 500 from the tokenizer."""
+
     model_config = ConfigDict(extra="allow")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text_is_unicode(cls, value: Any, info) -> Any:
+        check_text(value, info.field_name)
+        return value
 
 
 class ErrorInfo(BaseModel):

@@ -9,6 +9,7 @@ token the text leaves out has none, so the entries' ``bytes`` joined give the co
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import time
@@ -19,8 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, OutputStream
-from pagedllm.entrypoints.chat_utils import (ChatTemplateError, NoChatTemplateError, parse_chat_messages,
-                                             render_chat_prompt)
+from pagedllm.entrypoints.chat_utils import (ChatTemplateError, NoChatTemplateError, RenderBudget,
+                                             parse_chat_messages, render_chat_prompt)
 from pagedllm.entrypoints.openai.errors import bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                   ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -48,38 +49,68 @@ class OpenAIServingChat(OpenAIServing):
         max_n: the most choices (``n``) a request may ask for.
         tool_parser: the ``--tool-call-parser`` when the server runs with
             ``--enable-auto-tool-choice`` (``tool_choice: "auto"``), else None.
+        pool: as ``OpenAIServing`` (rendering and tokenizing run there).
+        trust_request_chat_template: render a ``chat_template`` the request carries
+            (``--trust-request-chat-template``); False (vLLM's default): such a request is a 400.
+        render_budget: the bounds on rendering a request's template (``RenderBudget``).
     """
 
     fields = set(ChatCompletionRequest.model_fields)
 
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, chat_template: str | None,
                  max_logprobs: int, log_requests: bool = True, max_n: int = DEFAULT_MAX_N,
-                 tool_parser: ToolParser | None = None) -> None:
-        super().__init__(engine, models, log_requests, max_n)
+                 tool_parser: ToolParser | None = None, pool: concurrent.futures.Executor | None = None,
+                 trust_request_chat_template: bool = False, render_budget: RenderBudget = RenderBudget()) -> None:
+        super().__init__(engine, models, log_requests, max_n, pool)
         self.chat_template = chat_template
         self.max_logprobs = max_logprobs
         self.tool_parser = tool_parser
+        self.trust_request_chat_template = trust_request_chat_template
+        self.render_budget = render_budget
 
-    def render(self, request) -> dict:
-        """Render ``request.messages`` with the request's or the server's template.
+    def check_request_chat_template(self, request) -> None:
+        """A template in the request (``chat_template``, or ``chat_template_kwargs.chat_template``)
+        is Jinja code the server would run: refused unless ``--trust-request-chat-template``
+        (vLLM's rule and message, ``OpenAIServing._validate_chat_template``).
 
         Raises:
-            OpenAIError: 400 for empty or malformed messages, a model without a template, or a
-                template that rejects the conversation.
+            OpenAIError: 400 naming ``chat_template``.
         """
+        if self.trust_request_chat_template:
+            return
+        if request.chat_template is not None or (request.chat_template_kwargs or {}).get("chat_template") is not None:
+            raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                              "Refused request with untrusted chat template.", param="chat_template")
+
+    def render(self, request) -> dict:
+        """Render ``request.messages`` with the request's (when trusted) or the server's template,
+        and tokenize it (seconds for a long conversation or a slow template: the handlers call
+        it in their pool).
+
+        Raises:
+            OpenAIError: 400 for empty or malformed messages, an untrusted request template, a
+                model without a template, or a template that rejects the conversation.
+        """
+        self.check_request_chat_template(request)
         if not request.messages:
             raise bad_request("messages must not be empty", param="messages")
-        template = request.chat_template if request.chat_template is not None else self.chat_template
+        kwargs = dict(request.chat_template_kwargs or {})
+        template = request.chat_template if request.chat_template is not None else kwargs.get("chat_template")
+        kwargs.pop("chat_template", None)
+        # A request's own template is metered (RenderBudget); the server's or model's runs free.
+        budget = None if template is None else self.render_budget
+        if template is None:
+            template = self.chat_template
         try:
             prompt = render_chat_prompt(self.tokenizer, request.messages, template,
                                         add_generation_prompt=bool(request.add_generation_prompt),
                                         continue_final_message=bool(request.continue_final_message),
-                                        tools=getattr(request, "tools", None) or None,
-                                        **(request.chat_template_kwargs or {}))
+                                        tools=getattr(request, "tools", None) or None, budget=budget,
+                                        **kwargs)
         except NoChatTemplateError as e:
             raise bad_request(str(e)) from e
-        except ChatTemplateError as e:   # the template rejected the conversation (a role, an order)
-            raise bad_request(str(e), param="messages") from e
+        except ChatTemplateError as e:   # the template rejected the conversation, or failed itself
+            raise bad_request(str(e), param=e.param) from e
         except ValueError as e:
             raise bad_request(str(e), param="messages") from e
         if request.add_special_tokens:
@@ -118,9 +149,9 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         if num_top is not None and not 0 <= num_top <= self.max_logprobs:
             raise bad_request(f"top_logprobs must be in [0, {self.max_logprobs}], got {num_top}", param="top_logprobs")
-        prompt = self.render(request)
+        prompt = await self.run_in_pool(self.render, request)   # off the event loop
         echo = self.echo_content(request)
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        max_tokens, max_tokens_field = self.requested_max_tokens(request)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
@@ -130,10 +161,11 @@ class OpenAIServingChat(OpenAIServing):
             # Beam search: the prompt is processed as a plain greedy request, then runs as beams.
             base = SamplingParams(max_tokens=max_tokens, temperature=0.0) if beam_search else \
                 self.sampling_params(request, max_tokens, num_top, kind, structured_outputs=structured_outputs)
-            processed = self.engine.process_inputs(prompt, base)
+            processed = await self.run_in_pool(self.engine.process_inputs, prompt, base)
             ids = processed.prompt_token_ids
             # The processed request owns its params copy: record the effective limit there.
-            processed.params.max_tokens = self.check_max_tokens(len(ids), max_tokens, what="messages")
+            processed.params.max_tokens = self.check_max_tokens(len(ids), max_tokens, what="messages",
+                                                                field=max_tokens_field)
             self.log_request(request_id, processed.prompt, len(ids), processed.params)
             beam = self.beam_search_params(request, processed.params.max_tokens) if beam_search else None
             outputs = self.engine.add_request(request_id, processed, beam, arrival_time=arrival_time)

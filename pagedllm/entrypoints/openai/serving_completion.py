@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import EngineDeadError, EngineStepError, OutputStream
 from pagedllm.engine.detokenizer import incomplete_tail_length
+from pagedllm.engine.input_processor import ProcessedInput
 from pagedllm.entrypoints.openai.errors import bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                   CompletionResponseChoice, CompletionStreamResponse, UsageInfo)
@@ -108,9 +109,11 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         prompts = _parse_prompts(request.prompt)
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        # max_tokens 0 with echo: the prompt only (vLLM's "echo without generation"); without echo a 400.
+        max_tokens, max_tokens_field = self.requested_max_tokens(request, allow_zero=bool(request.echo))
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+        prompt_only = max_tokens == 0
         num_top = request.logprobs
         prompt_logprobs = request.prompt_logprobs
         if request.echo and num_top is not None:
@@ -123,26 +126,23 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise ValueError("use_beam_search cannot be combined with a structured output constraint "
                                  "(response_format, structured_outputs, guided_*)")
             # Beam search: the prompt is processed as a plain greedy request, then runs as beams.
-            base = SamplingParams(max_tokens=max_tokens, temperature=0.0) if beam_search else \
-                self.sampling_params(request, max_tokens, num_top, kind, best_of, prompt_logprobs,
+            generate = max(max_tokens, 1)
+            base = SamplingParams(max_tokens=generate, temperature=0.0) if beam_search else \
+                self.sampling_params(request, generate, num_top, kind, best_of, prompt_logprobs,
                                      structured_outputs=structured_outputs)
+            base._prompt_only = prompt_only
             cmpl_id = f"cmpl-{uuid.uuid4().hex}"
+            # Tokenizing is the slow part (a long prompt: seconds): off the event loop.
+            processed_prompts = await self.run_in_pool(self.process_prompts, prompts, base, max_tokens,
+                                                       add_special_tokens=request.add_special_tokens is not False,
+                                                       max_tokens_field=max_tokens_field)
             engine_requests, infos = [], []
-            for i, prompt in enumerate(prompts):
-                if isinstance(prompt, str) and request.add_special_tokens is False:
-                    prompt = {"prompt": prompt,
-                              "prompt_token_ids": self.tokenizer.encode(prompt, add_special_tokens=False)}
-                processed = self.engine.process_inputs(prompt, base)
-                ids = processed.prompt_token_ids
-                # The processed request owns its params copy: record the effective limit there.
-                processed.params.max_tokens = self.check_max_tokens(len(ids), max_tokens)
-                tail = 0 if processed.prompt is not None else \
-                    incomplete_tail_length(self.tokenizer.backend, ids, skip_special_tokens=False)
+            for i, (processed, info) in enumerate(processed_prompts):
                 request_id = f"{cmpl_id}-{i}"
                 beam = self.beam_search_params(request, processed.params.max_tokens) if beam_search else None
                 engine_requests.append((request_id, processed, beam))
-                infos.append(_Prompt(processed.prompt, ids, tail))
-                self.log_request(request_id, processed.prompt, len(ids), processed.params)
+                infos.append(info)
+                self.log_request(request_id, processed.prompt, len(info.token_ids), processed.params)
             outputs = self.engine.add_requests(engine_requests, arrival_time=arrival_time)
         except Exception as e:
             raise error_from_exception(e, self.fields) from e
@@ -183,6 +183,34 @@ class OpenAIServingCompletion(OpenAIServing):
                                       usage=self.usage(num_prompt, num_completion,
                                                        sum(finals[r].num_cached_tokens or 0 for r in finals)))
         return JSONResponse(response.model_dump())
+
+    def process_prompts(self, prompts: list[str | list[int]], base: SamplingParams, max_tokens: int | None,
+                        add_special_tokens: bool = True,
+                        max_tokens_field: str = "max_tokens") -> list[tuple[ProcessedInput, _Prompt]]:
+        """Tokenize and check each prompt (pure; any thread: the handler runs it in its pool).
+
+        ``max_tokens`` 0 is a prompt-only request (``base._prompt_only``): it must fit
+        ``max_model_len`` alone, and generates the one token that is dropped.
+
+        Returns:
+            Per prompt, the engine's ``ProcessedInput`` (its params copy holds the effective
+            ``max_tokens``) and what the response needs of it.
+        Raises:
+            ValueError: as ``InputProcessor.process`` (empty, out of vocabulary, too long, ...).
+            OpenAIError: 400 when the prompt leaves no room for ``max_tokens``.
+        """
+        result = []
+        for prompt in prompts:
+            if isinstance(prompt, str) and not add_special_tokens:
+                prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt, add_special_tokens=False)}
+            processed = self.engine.process_inputs(prompt, base)
+            ids = processed.prompt_token_ids
+            # The processed request owns its params copy: record the effective limit there.
+            processed.params.max_tokens = max(1, self.check_max_tokens(len(ids), max_tokens, field=max_tokens_field))
+            tail = 0 if processed.prompt is not None else \
+                incomplete_tail_length(self.tokenizer.backend, ids, skip_special_tokens=False)
+            result.append((processed, _Prompt(processed.prompt, ids, tail)))
+        return result
 
     async def _stream(self, request: CompletionRequest, outputs: OutputStream, cmpl_id: str, created: int,
                       model_name: str, infos: list[_Prompt], n: int, skip_special: bool) -> AsyncIterator[str]:

@@ -1,11 +1,14 @@
 """What the completion and chat handlers share: request -> ``SamplingParams``, the limits on ``n``
 and the context length, the fields that are refused until implemented, logprob token formatting,
-character offsets, and disconnect handling."""
+character offsets, disconnect handling, and the thread pool that tokenizes and renders off the
+event loop."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import logging
 from typing import Any, Awaitable, Callable
 
@@ -124,17 +127,30 @@ class OpenAIServing:
         models: the served model names.
         log_requests: log each request (id, prompt length, params) at INFO.
         max_n: the most samples (``n``, ``best_of``) one request may ask for (``--max-n``).
+        pool: where tokenizing and chat-template rendering run (``run_in_pool``), so that a long
+            prompt or a slow template never stalls the event loop (every other client); owned by
+            the server (``api_server.build_state``). None: asyncio's default executor.
     """
 
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, log_requests: bool = True,
-                 max_n: int = DEFAULT_MAX_N) -> None:
+                 max_n: int = DEFAULT_MAX_N, pool: concurrent.futures.Executor | None = None) -> None:
         self.engine = engine
         self.models = models
         self.tokenizer = engine.tokenizer
         self.log_requests = log_requests
         self.max_n = max_n
+        self.pool = pool
         # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (prefix cache).
         self.enable_prompt_tokens_details = False
+
+    async def run_in_pool(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` in ``self.pool``, awaited (vLLM runs its tokenizer in an executor
+        too). The tokenizer releases the GIL on long inputs (``Tokenizer.encode``), so the loop
+        keeps answering (``/health``, other streams) meanwhile. Exceptions (``ValueError``,
+        ``OpenAIError``) come back unchanged. Cancelling the await (a client disconnect) does not
+        stop a call already running; its result is dropped."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
 
     def usage(self, num_prompt: int, num_completion: int, num_cached: int | None) -> UsageInfo:
         """The ``usage`` object; ``prompt_tokens_details`` only with ``--enable-prompt-tokens-details``."""
@@ -149,8 +165,8 @@ class OpenAIServing:
             OpenAIError: 400 when ``n`` or ``best_of`` exceeds the server's ``--max-n``."""
         for name, value in (("n", n), ("best_of", best_of)):
             if isinstance(value, int) and value > self.max_n:
-                raise bad_request(f"{name} must be <= {self.max_n} (this server's --max-n; OpenAI's limit is "
-                                  f"{DEFAULT_MAX_N}), got {value}", param=name)
+                raise bad_request(f"{name} must be <= {self.max_n} (this server's --max-n, at most --max-num-seqs; "
+                                  f"OpenAI's limit is {DEFAULT_MAX_N}), got {value}", param=name)
 
     @staticmethod
     def check_unsupported_fields(request, table: dict[str, Callable[[Any], bool]]) -> None:
@@ -215,13 +231,37 @@ class OpenAIServing:
                                 ignore_eos=bool(request.ignore_eos),
                                 length_penalty=1.0 if request.length_penalty is None else request.length_penalty)
 
-    def check_max_tokens(self, prompt_len: int, max_tokens: int | None, what: str = "prompt") -> int:
+    @staticmethod
+    def requested_max_tokens(request, allow_zero: bool = False) -> tuple[int | None, str]:
+        """The completion length the request asks for and the field that says so:
+        ``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``.
+
+        Args:
+            allow_zero: 0 is accepted (a completion with ``echo``: the prompt only).
+        Returns:
+            (the value or None when neither is set, the field's name).
+        Raises:
+            OpenAIError: 400 naming that field when the value is below 1 (0 without
+                ``allow_zero``), with vLLM's message.
+        """
+        field = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None \
+            else "max_tokens"
+        value = getattr(request, field, None)
+        if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+            raise bad_request(f"{field} must be at least 1, got {value}.", param=field)
+        return value, field
+
+    def check_max_tokens(self, prompt_len: int, max_tokens: int | None, what: str = "prompt",
+                         field: str = "max_tokens") -> int:
         """The strict length check (the engine itself only caps).
 
+        Args:
+            field: the request field ``max_tokens`` came from (named in the error).
         Returns:
             The effective max_tokens: as given, or ``max_model_len - prompt_len`` when omitted.
         Raises:
-            OpenAIError: 400 when prompt + max_tokens exceeds max_model_len (both numbers named).
+            OpenAIError: 400 naming ``field`` when prompt + max_tokens exceeds max_model_len (both
+                numbers named).
         """
         limit = self.engine.max_model_len
         if max_tokens is None:
@@ -229,14 +269,14 @@ class OpenAIServing:
                 raise bad_request(
                     f"This model's maximum context length is {limit} tokens. However, your {what} has "
                     f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length "
-                    f"of the {what}.", param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
+                    f"of the {what}.", param=field, code=CONTEXT_LENGTH_EXCEEDED)
             return limit - prompt_len
         if prompt_len + max_tokens > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the completion). "
                 f"Please reduce the length of the {what} or completion.",
-                param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
+                param=field, code=CONTEXT_LENGTH_EXCEEDED)
         return max_tokens
 
     @staticmethod

@@ -1,6 +1,9 @@
-"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's extra endpoints)."""
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's extra endpoints), computed in the handlers'
+thread pool (a long prompt takes seconds; the event loop keeps serving meanwhile)."""
 
 from __future__ import annotations
+
+from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                                   TokenizeResponse)
@@ -17,12 +20,26 @@ class OpenAIServingTokenization(OpenAIServing):
     """
 
     def __init__(self, chat: OpenAIServingChat) -> None:
-        super().__init__(chat.engine, chat.models, chat.log_requests, chat.max_n)
+        super().__init__(chat.engine, chat.models, chat.log_requests, chat.max_n, chat.pool)
         self.chat = chat
 
+    async def create_tokenize(self, request: TokenizeRequest) -> Response:
+        """``/tokenize``: :meth:`tokenize` and its JSON body (millions of ids for a long prompt)
+        built in the pool."""
+        body = await self.run_in_pool(lambda: self.tokenize(request).model_dump_json(exclude_none=True))
+        return Response(body, media_type="application/json")
+
+    async def create_detokenize(self, request: DetokenizeRequest) -> Response:
+        """``/detokenize``: :meth:`detokenize` and its JSON body built in the pool."""
+        body = await self.run_in_pool(lambda: self.detokenize(request).model_dump_json())
+        return Response(body, media_type="application/json")
+
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
-        """Raises:
-            OpenAIError: 404 unknown model; 400 neither or both of prompt/messages, or bad messages."""
+        """Tokenize (blocking: seconds for a long prompt or a slow template; any thread).
+
+        Raises:
+            OpenAIError: 404 unknown model; 400 neither or both of prompt/messages, bad messages,
+                or an untrusted request ``chat_template``."""
         self.models.resolve(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
@@ -35,7 +52,9 @@ class OpenAIServingTokenization(OpenAIServing):
         return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
 
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
-        """Raises:
+        """Decode (blocking; any thread).
+
+        Raises:
             OpenAIError: 404 unknown model; 400 token ids outside the vocabulary."""
         self.models.resolve(request.model)
         limit = min(self.engine.vocab_size, self.tokenizer.vocab_size)

@@ -19,7 +19,7 @@ from typing import Any
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, make_tool_call
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.grammar import validate_structured_outputs
+from pagedllm.structured_output.grammar import check_schema_refs, validate_structured_outputs, walk_schema
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -65,6 +65,36 @@ def _functions(tools: list[Any]) -> dict[str, dict]:
     return out
 
 
+def _embedded(params: dict, index: int, defs: dict[str, Any]) -> dict:
+    """A tool's parameters schema as a part of the "required" schema. Its ``$ref``s point into
+    the tool's own schema (``#/$defs/X``), which is no longer the root there: a schema with
+    references is moved to ``defs["tool<index>"]`` (the combined schema's ``$defs``) with each
+    local reference re-rooted (``#/$defs/X`` -> ``#/$defs/tool<index>/$defs/X``), and a ``$ref``
+    to it takes its place. A schema without references is used as is.
+
+    Raises:
+        OpenAIError: 400 naming ``tools`` for a ``$ref`` that does not resolve in the tool's schema.
+    """
+    try:
+        check_schema_refs(params, f"tools[{index}].function.parameters")
+    except ValueError as e:
+        raise bad_request(f"tools: {e}", param="tools") from None
+    if not any("$ref" in node for _, node in walk_schema(params, "#")):
+        return params
+    key = f"tool{index}"
+
+    def reroot(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (f"#/$defs/{key}{v[1:]}" if k == "$ref" and isinstance(v, str) and v.startswith("#/")
+                        else f"#/$defs/{key}" if k == "$ref" and v == "#" else reroot(v)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [reroot(v) for v in node]
+        return node
+
+    defs[key] = reroot(params)
+    return {"$ref": f"#/$defs/{key}"}
+
+
 def _checked(params: StructuredOutputsParams, name: str | None = None) -> StructuredOutputsParams:
     """``params`` once xgrammar can build its grammar.
 
@@ -108,10 +138,13 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
                           "--enable-auto-tool-choice and --tool-call-parser; use tool_choice 'required', a named "
                           "function, or 'none'", param="tools" if tool_choice is None else "tool_choice")
     if tool_choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
+        defs: dict[str, Any] = {}
+        calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": _embedded(params, i, defs)},
                   "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, params in functions.items()]
+                 for i, (name, params) in enumerate(functions.items())]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if defs:
+            schema["$defs"] = defs
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan("required", _checked(StructuredOutputsParams(json=schema)))
