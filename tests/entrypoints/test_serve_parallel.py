@@ -2,8 +2,9 @@
 server process and answers like one rank; every exit path leaves no process behind; a dead worker
 makes the server exit non-zero instead of answering 500 forever.
 
-Each case starts the real server on a tiny float32 Llama (two shared cores: ~10-20 s per start), so
-the module is in the slow tier."""
+Each case starts the real server on a tiny float32 Llama (two shared cores: ~10-20 s per start),
+and one serves the default model with two ranks against transformers' recorded tokens, so the
+module is in the slow tier."""
 
 from __future__ import annotations
 
@@ -162,3 +163,27 @@ def test_dead_replica_metrics_stop_reporting_running_requests(reference, launch_
     assert server.metric("pagedllm:kv_cache_usage_perc", engine="1") == 0
     assert server.metric("pagedllm:num_requests_running", engine="0") == 0
     assert httpx.get(server.url + "/health").json()["status"] == "degraded"
+
+
+@pytest.mark.timeout(900)
+def test_serve_tp2_on_the_default_model_equals_transformers(default_model_reference, launch_server):
+    """`pagedllm serve --tensor-parallel-size 2` on the default model (Gemma 3 270M, float32):
+    each recorded prompt's 32 greedy tokens are transformers' (tests/golden/default_model.json),
+    compared as text through the server's own /detokenize; SIGTERM leaves no process."""
+    refs = default_model_reference["greedy_float32"]
+    server = launch_server(["serve", "--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "256",
+                            "--kv-cache-memory-bytes", "64MiB", "--served-model-name", "gemma"], "default-tp2",
+                           module="pagedllm.entrypoints.cli")
+    procs = _descendants(server)
+    assert len(_ranks(server)) == 2, [p.cmdline() for p in procs]
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        r = client.post("/v1/completions", json={
+            "model": "gemma", "prompt": [ref["prompt_token_ids"] for ref in refs], "temperature": 0,
+            "max_tokens": len(refs[0]["token_ids"]), "ignore_eos": True, "skip_special_tokens": False})
+        assert r.status_code == 200, r.text
+        texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+        want = [client.post("/detokenize", json={"model": "gemma", "tokens": ref["token_ids"]}).json()["prompt"]
+                for ref in refs]
+    assert texts == want
+    assert server.terminate(signal.SIGTERM) == 0, server.log_tail()
+    _assert_all_gone(procs)
