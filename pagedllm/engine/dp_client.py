@@ -343,7 +343,8 @@ class DPEngineClient:
         for stat_logger in self.stat_loggers[index]:
             stat_logger.record(SchedulerStats(), IterationStats())
         alive = self.balancer.alive()
-        logger.error("%s; %d in-flight request(s) failed; %d replica(s) still serving", reason, len(lost), len(alive))
+        logger.error("%s; %d request(s) it still held failed now (a failed step fails its own at once); "
+                     "%d replica(s) still serving", reason, len(lost), len(alive))
         error = EngineStepError(f"{reason}; the request was aborted")
         return [_Failure(rid, error) for rid in lost]
 

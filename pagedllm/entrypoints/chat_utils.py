@@ -171,7 +171,8 @@ def resolve_chat_template(tokenizer: Tokenizer, chat_template: str | None) -> st
         raise NoChatTemplateError(
             "this model has no chat template (it is probably a base model); start the server with "
             f"--chat-template <file> (pagedllm ships {GEMMA_CHAT_TEMPLATE_PATH.relative_to(DATA_DIR.parent.parent)} "
-            "for Gemma models) or pass chat_template=, or use /v1/completions with a plain prompt")
+            "for Gemma models), pass chat_template= (offline; a request's needs a server started with "
+            "--trust-request-chat-template), or use /v1/completions with a plain prompt")
     return template
 
 

@@ -287,11 +287,12 @@ SCHEMA_MISSING_DEF = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Mi
 
 @pytest.mark.parametrize("path, fields, param, fragment", [
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": SCHEMA_MISSING_DEF}}}, "response_format", "'#/$defs/Missing' at #/properties/a cannot"),
+        "name": "x", "schema": SCHEMA_MISSING_DEF}}}, "response_format",
+     "response_format: the $ref '#/$defs/Missing' at #/properties/a cannot"),
     ("/v1/completions", {"guided_json": {"$ref": "https://example.com/schema.json"}}, "guided_json",
      "remote and file references are not fetched"),
     ("/v1/completions", {"structured_outputs": {"json": {"items": {"$ref": "#/definitions/Gone"}}}},
-     "structured_outputs", "'#/definitions/Gone' at #/items cannot"),
+     "structured_outputs", "structured_outputs.json: the $ref '#/definitions/Gone' at #/items cannot"),
     ("/v1/chat/completions", {"tool_choice": "required", "tools": [{"type": "function", "function": {
         "name": "f", "parameters": SCHEMA_MISSING_DEF}}]}, "tools", "tools[0].function.parameters: the $ref"),
     ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": [{

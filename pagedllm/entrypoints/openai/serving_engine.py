@@ -334,7 +334,14 @@ class OpenAIServing:
         try:
             validate_structured_outputs(params)
         except ValueError as e:
-            raise bad_request(f"{field}: {e}", param=field) from None
+            # The message names the engine's field ("structured_outputs.json: ..."): name the
+            # request's instead, unless it is that very field.
+            message = str(e)
+            if message.startswith("structured_outputs."):
+                if field == "structured_outputs":
+                    raise bad_request(message, param=field) from None
+                message = message.split(": ", 1)[-1]
+            raise bad_request(f"{field}: {message}", param=field) from None
         return params
 
     @staticmethod
