@@ -302,3 +302,35 @@ class SamplingParams:
         """A shallow copy (logits processors are shared)."""
         import copy
         return copy.copy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams`` (``LLM.beam_search``, ``engine/beam_search.py``).
+
+    Attributes:
+        beam_width: beams kept per step (>= 1).
+        max_tokens: most generated tokens (>= 1).
+        ignore_eos: keep extending beams past EOS (an EOS candidate is then an ordinary one).
+        temperature: must be 0 (scores are raw log-probabilities).
+        length_penalty: exponent of the length in the final score (finite).
+    Raises:
+        ValueError: naming the field, for a value outside those ranges.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an int >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature must be 0 for beam search, got {self.temperature}")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) \
+                or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")

