@@ -569,6 +569,33 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         return True
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block (vLLM's ``Scheduler.reset_prefix_cache``).
+
+        Args:
+            reset_running_requests: first preempt every running request by recomputation (last
+                admitted first, so they resume in their order); their tokens are kept and their
+                KV is computed again when they are scheduled next.
+        Returns:
+            True when the cache was cleared; False (nothing changed) while requests hold blocks.
+        Raises:
+            RuntimeError: with ``reset_running_requests``, when blocks are still held after the
+                preemption (requests in a batch still in flight: pipeline parallelism).
+        """
+        if reset_running_requests:
+            for index in range(len(self.running) - 1, -1, -1):
+                request = self.running[index]
+                if request.request_id not in self._in_flight:
+                    del self.running[index]
+                    self._preempt(request)   # no SchedulerOutput: recompute, never swap
+        cleared = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not cleared:
+            raise RuntimeError(f"the prefix cache could not be reset after preempting the running requests: "
+                               f"{len(self._in_flight)} request(s) are in a batch in flight, "
+                               f"{self.kv_cache_manager.num_blocks - self.kv_cache_manager.num_free_blocks} "
+                               f"block(s) in use")
+        return cleared
+
     def _preempt(self, request: Request, output: SchedulerOutput | None = None) -> None:
         """Preempt a running request and requeue it at the front.
 

@@ -84,6 +84,9 @@ class EngineArgs:
             or None (even split).
         cpu_threads_per_rank: torch threads per worker process; default
             ``$PAGEDLLM_CPU_THREADS_PER_RANK`` or None (``os.cpu_count() // world_size``).
+        generation_config: where ``LLM.get_default_sampling_params`` reads sampling defaults:
+            "auto" (the model's generation_config.json), "vllm" (none) or a folder (vLLM's).
+        override_generation_config: generation-config keys laid over the file's (dict).
         structured_outputs_backend: "auto" | "xgrammar" (grammar engine of constrained decoding).
         max_structured_output_grammar_cache: [entries] compiled grammars kept (LRU).
     """
@@ -129,6 +132,8 @@ class EngineArgs:
     cpu_threads_per_rank: int | str | None = field(default_factory=lambda: _env(CPU_THREADS_PER_RANK_ENV))
     structured_outputs_backend: str = "auto"
     max_structured_output_grammar_cache: int = 64
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -199,6 +204,11 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if not isinstance(self.generation_config, str) or not (
+                self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config)):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config must be a dict, got {self.override_generation_config!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         max_model_len = self.max_model_len or model_max_len
@@ -298,6 +308,16 @@ def _parse_bytes(text: str) -> int:
     return int(float(s))
 
 
+def _json_dict(text: str) -> dict[str, Any]:
+    """A flag's JSON object text -> dict (argparse reports the ValueError as a usage error)."""
+    import json
+
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
     """Add every ``EngineArgs`` field as a ``--kebab-case`` flag with vLLM's names.
 
@@ -356,6 +376,11 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "model, CPU with native bf16, small decode batches; +V x hidden x 2 bytes); "
                         "off: the full head's argmax (default: auto)")
     g.add_argument("--disable-log-stats", action="store_true")
+    g.add_argument("--generation-config", default="auto",
+                   help="sampling defaults of LLM.generate without params: 'auto' (the model's "
+                        "generation_config.json), 'vllm' (none) or a folder with one (default: auto)")
+    g.add_argument("--override-generation-config", type=_json_dict, default=None,
+                   help="JSON object laid over the generation config, e.g. '{\"temperature\": 0.5}'")
     g.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar"],
                    help="grammar engine for response_format / structured_outputs / tools (default: auto)")
     g.add_argument("--max-structured-output-grammar-cache", type=int, default=64,

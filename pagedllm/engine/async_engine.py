@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
@@ -418,9 +419,11 @@ class AsyncLLM(AsyncFrontEnd):
                 self._aborts.extend(removed)
                 self._cv.notify()
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached KV block, in the engine thread between steps.
 
+        Args:
+            reset_running_requests: preempt the running requests first (``LLMEngine.reset_prefix_cache``).
         Returns:
             True when cleared; False while requests hold blocks (vLLM's semantics).
         Raises:
@@ -429,10 +432,10 @@ class AsyncLLM(AsyncFrontEnd):
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         if self._thread is None or not self._thread.is_alive():
-            return self.engine.reset_prefix_cache()  # no engine thread: nothing else touches the engine
+            return self.engine.reset_prefix_cache(reset_running_requests)  # no engine thread: nothing else touches it
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
-            self._calls.append((self.engine.reset_prefix_cache, future))
+            self._calls.append((functools.partial(self.engine.reset_prefix_cache, reset_running_requests), future))
             self._cv.notify()
         return await asyncio.wrap_future(future)
 

@@ -7,7 +7,7 @@ PULL socket at ``output_address``; every message is one pickled tuple (``send_py
 - in: ``("add", request_id, ProcessedInput, arrival_time)``, ``("beam", request_id, ProcessedInput,
   arrival_time, BeamSearchParams)`` (a beam search: all its beams in this replica, one final
   output), ``("abort", [request_id, ...])``,
-  ``("call", call_id, method)`` (an ``LLMEngine`` method without arguments, e.g.
+  ``("call", call_id, method, kwargs)`` (an ``LLMEngine`` method with keyword arguments, e.g.
   ``reset_prefix_cache``), ``("shutdown",)``;
 - out: ``("ready", index, SchedulerStats)`` once, then per step ``("outputs", index,
   [RequestOutput], [(SchedulerStats, IterationStats)], SchedulerStats)``, ``("failed", index,
@@ -121,8 +121,8 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
                     if known:
                         engine.abort_request(known)
                 elif kind == "call":
-                    _, call_id, method = msg
-                    outbox.send_pyobj(("result", index, call_id, getattr(engine, method)()))
+                    _, call_id, method, kwargs = msg
+                    outbox.send_pyobj(("result", index, call_id, getattr(engine, method)(**kwargs)))
                 elif kind == "shutdown":
                     stop = True
             if stop:

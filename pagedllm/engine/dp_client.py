@@ -244,23 +244,24 @@ class DPEngineClient:
             outputs.append(event)
         return outputs
 
-    def reset_prefix_cache(self) -> bool:
-        """Reset every live replica's prefix cache; True when all were cleared."""
-        call_id = self.send_call("reset_prefix_cache")
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Reset every live replica's prefix cache (``LLMEngine.reset_prefix_cache``); True when
+        all were cleared."""
+        call_id = self.send_call("reset_prefix_cache", reset_running_requests=reset_running_requests)
         while len(self._results.get(call_id, {})) < len(self.balancer.alive()):
             self._buffered.extend(self.get_events(timeout_s=None))
         return all(self._results.pop(call_id, {}).values())
 
     # -- events ---------------------------------------------------------------------------
 
-    def send_call(self, method: str) -> int:
-        """Ask every live replica to run ``LLMEngine.<method>()``; the answers arrive as results
-        (``call_results``). Returns the call id."""
+    def send_call(self, method: str, **kwargs) -> int:
+        """Ask every live replica to run ``LLMEngine.<method>(**kwargs)`` (picklable keyword
+        arguments); the answers arrive as results (``call_results``). Returns the call id."""
         call_id = next(self._call_ids)
         self._results[call_id] = {}
         with self._send_lock:
             for i in self.balancer.alive():
-                self._send(i, ("call", call_id, method))
+                self._send(i, ("call", call_id, method, kwargs))
         return call_id
 
     def call_results(self, call_id: int) -> dict[int, Any] | None:
@@ -543,11 +544,11 @@ class DPAsyncLLM(AsyncFrontEnd):
         if removed and not self._stopping:
             self.client.abort_request(removed)
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Reset every live replica's prefix cache; True when all were cleared."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            call_id = self.client.send_call("reset_prefix_cache")
+            call_id = self.client.send_call("reset_prefix_cache", reset_running_requests=reset_running_requests)
             self._calls[call_id] = future
         self.start()
         return all((await asyncio.wrap_future(future)).values())

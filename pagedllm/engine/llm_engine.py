@@ -210,13 +210,18 @@ class LLMEngine:
             self._record_stats(stats)
         return outputs + beam_outputs
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached block (vLLM's ``reset_prefix_cache``).
 
+        Args:
+            reset_running_requests: preempt the running requests first (they recompute their KV
+                when scheduled next; their outputs are unchanged), so the reset succeeds.
         Returns:
             True when cleared; False (nothing changed) while requests hold blocks.
+        Raises:
+            RuntimeError: with ``reset_running_requests``, when batches in flight still hold blocks.
         """
-        return self.kv_cache_manager.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

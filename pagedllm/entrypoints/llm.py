@@ -43,17 +43,39 @@ class LLM:
         else:
             self.llm_engine = LLMEngine(self.engine_args)
         self._counter = 0
+        self._default_sampling_kwargs: dict[str, Any] | None = None
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def reset_prefix_cache(self) -> bool:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling defaults the model's creator recommends (vLLM's rule): ``SamplingParams``
+        with the ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and
+        ``max_tokens`` (its ``max_new_tokens``) of the model's ``generation_config.json``
+        (``generation_config`` / ``override_generation_config`` engine args); plain
+        ``SamplingParams()`` when it sets none of them or ``generation_config="vllm"``. What
+        ``generate`` and ``chat`` use when given no params. Returns a new object each call.
+
+        Raises:
+            ValueError: a malformed generation_config.json, or a value ``SamplingParams`` rejects.
+        """
+        if self._default_sampling_kwargs is None:
+            from pagedllm.loaders.generation_config import diff_sampling_params
+
+            self._default_sampling_kwargs = diff_sampling_params(
+                self.llm_engine.model_files.folder, self.engine_args.generation_config,
+                self.engine_args.override_generation_config)
+        return SamplingParams(**self._default_sampling_kwargs)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached KV block (vLLM's ``LLM.reset_prefix_cache``).
 
+        Args:
+            reset_running_requests: preempt running requests first (``LLMEngine.reset_prefix_cache``).
         Returns:
             True when cleared; False (nothing changed) while requests hold blocks, as in vLLM.
         """
-        return self.llm_engine.reset_prefix_cache()
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -63,7 +85,8 @@ class LLM:
         Args:
             prompts: one prompt or a list; a prompt is a string, a list of token ids, or
                 ``{"prompt_token_ids": [...]}``.
-            sampling_params: one for all prompts, or one per prompt; None = ``SamplingParams()``.
+            sampling_params: one for all prompts, or one per prompt; None =
+                ``get_default_sampling_params()`` (the model's generation config, else ``SamplingParams()``).
             use_tqdm: show a progress bar with output tokens/s.
         Returns:
             One finished ``RequestOutput`` per prompt, in input order.
@@ -75,7 +98,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
             else list(sampling_params)
         if len(params_list) != len(prompts):
@@ -127,7 +150,7 @@ class LLM:
 
         Args:
             messages: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them.
-            sampling_params: one for all conversations, or one per conversation.
+            sampling_params: one for all conversations, or one per conversation; None = ``get_default_sampling_params()``.
             use_tqdm: show a progress bar.
             chat_template: template text or a path to one (e.g.
                 ``pagedllm/data/gemma_chat_template.jinja``, or ``"gemma"``); None = the model's.

@@ -135,3 +135,108 @@ def test_vllm_example_script_forms_build_the_same_engine(make_tiny_checkpoint, l
                              use_tqdm=False)
     assert got[0].outputs[0].token_ids == want
     from_dict.llm_engine.shutdown()
+
+
+# -- 3. get_default_sampling_params: the model's generation_config.json ---------------------
+
+def _checkpoint_with_generation_config(make_tiny_checkpoint, tmp_path, generation_config: dict | None) -> str:
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(make_tiny_checkpoint("llama"), folder)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    return str(folder)
+
+
+def test_default_sampling_params_come_from_generation_config(make_tiny_checkpoint, tmp_path):
+    from pagedllm.loaders.generation_config import diff_sampling_params
+
+    folder = _checkpoint_with_generation_config(make_tiny_checkpoint, tmp_path, {
+        "bos_token_id": 2, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20,
+        "min_p": 0.05, "repetition_penalty": 1.1, "max_new_tokens": 6, "min_length": 3})
+    assert diff_sampling_params(folder) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                                            "repetition_penalty": 1.1, "max_tokens": 6}
+    assert diff_sampling_params(folder, "vllm") == {}
+    assert diff_sampling_params(folder, "auto", {"temperature": 0.0, "top_k": None}) == {
+        "temperature": 0.0, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1, "max_tokens": 6}
+    with pytest.raises(ValueError, match="generation_config"):
+        diff_sampling_params(folder, "not-a-folder")
+
+    llm = LLM(folder, **ENGINE_KW)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
+            params.max_tokens) == (0.6, 0.9, 20, 0.05, 1.1, 6)
+    assert params is not llm.get_default_sampling_params()          # a fresh object each call
+    outs = llm.generate(["The quick brown fox", "blocks"], use_tqdm=False)   # no params: the defaults
+    assert all(o.outputs[0].finish_reason in ("length", "stop") for o in outs)
+    assert all(len(o.outputs[0].token_ids) <= 6 for o in outs)
+    assert any(len(o.outputs[0].token_ids) == 6 for o in outs)
+    llm.llm_engine.shutdown()
+
+    ignored = LLM(folder, **ENGINE_KW, generation_config="vllm")
+    assert ignored.get_default_sampling_params() == SamplingParams()
+    ignored.llm_engine.shutdown()
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(folder, **ENGINE_KW, generation_config="nowhere/at/all")
+
+
+def test_default_sampling_params_without_generation_config(make_tiny_checkpoint, tmp_path, llm):
+    # save_pretrained writes only token ids: no sampling key, so plain SamplingParams().
+    assert llm.get_default_sampling_params() == SamplingParams()
+    folder = _checkpoint_with_generation_config(make_tiny_checkpoint, tmp_path, None)
+    bare = LLM(folder, **ENGINE_KW)
+    assert bare.get_default_sampling_params() == SamplingParams()
+    out = bare.generate("The quick brown fox", use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) <= SamplingParams().max_tokens
+    bare.llm_engine.shutdown()
+
+
+# -- 7. reset_prefix_cache(reset_running_requests=...) --------------------------------------
+
+def test_reset_prefix_cache_with_running_requests(make_tiny_checkpoint):
+    from pagedllm import EngineArgs, LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(make_tiny_checkpoint("llama"), block_size=4, **ENGINE_KW))
+    tok = engine.tokenizer
+    prompt = tok.encode("The quick brown fox jumps over the lazy dog. A paged KV cache")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(request_id, reset_after=None):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        steps, final = 0, None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final = out
+            steps += 1
+            if steps == reset_after:
+                assert engine.reset_prefix_cache() is False            # a running request holds blocks
+                assert engine.kv_cache_manager.block_pool.cached_block_hash_to_block
+                assert engine.reset_prefix_cache(reset_running_requests=True) is True
+                assert not engine.kv_cache_manager.block_pool.cached_block_hash_to_block
+                request = engine.scheduler.get_request(request_id)
+                assert request.num_computed_tokens == 0 and request in engine.scheduler.waiting
+                assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+        return final
+
+    plain = run("plain")
+    assert engine.reset_prefix_cache() is True          # idle engine: cleared, as before
+    reset = run("reset", reset_after=4)
+    assert reset.outputs[0].token_ids == plain.outputs[0].token_ids   # recomputed, same tokens
+    assert reset.num_cached_tokens == 0
+    assert engine.scheduler.num_preemptions_total == 1
+    again = run("again")                                 # the reset request's blocks are cached again
+    assert again.num_cached_tokens == (len(prompt) // 4) * 4 and again.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert engine.reset_prefix_cache(reset_running_requests=True) is True
+    assert run("fresh").num_cached_tokens == 0
+    engine.shutdown()
+
+
+def test_llm_reset_prefix_cache_keyword(llm):
+    llm.generate("The quick brown fox", GREEDY, use_tqdm=False)
+    assert llm.reset_prefix_cache(reset_running_requests=False) is True
+    assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    assert not llm.llm_engine.kv_cache_manager.block_pool.cached_block_hash_to_block
