@@ -145,3 +145,25 @@ def destroy_parallel_context() -> None:
     """Leave the process group, if this process joined one."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """vLLM's ``cleanup_dist_env_and_memory``: destroy this process's torch.distributed process
+    group (if any), collect garbage and give cached accelerator memory back; a no-op for the
+    group when none exists. Between two engines in one script (``del llm`` first).
+
+    Args:
+        shutdown_ray: also ``ray.shutdown()`` when Ray is imported and initialized.
+    """
+    import gc
+
+    destroy_parallel_context()
+    if shutdown_ray:
+        import sys
+
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -20,6 +20,7 @@ from pagedllm.layers.quantization import quantize_linear_layers
 from pagedllm.layers.weight_only import WEIGHT_ONLY_MODES, quantize_weight_only
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.registry import get_model_class
+from pagedllm.utils.torch_utils import set_random_seed
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.memory import (KVCacheShape, default_cpu_kv_cache_bytes, kv_bytes_from_utilization,
                                     num_blocks_for_budget)
@@ -152,13 +153,15 @@ class Worker:
         self.greedy_head: ExactGreedyHead | None = None
 
     def init_device(self) -> None:
-        """Pick the device and dtype; with more than one rank, join the process group (gloo on the
-        CPU, NCCL on CUDA, where rank ``r`` takes ``cuda:r``).
+        """Pick the device and dtype, seed the global RNGs with the engine's seed
+        (``utils.torch_utils.set_random_seed``); with more than one rank, join the process group
+        (gloo on the CPU, NCCL on CUDA, where rank ``r`` takes ``cuda:r``).
 
         Raises:
             ValueError: if cuda is asked for and not available.
         """
         self.device = resolve_device(self.model_config.device)
+        set_random_seed(self.model_config.seed)   # as vLLM's workers: random, numpy and torch global RNGs
         world = self.parallel_config.world_size
         if world > 1 and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", self.rank % torch.cuda.device_count())

@@ -240,3 +240,68 @@ def test_llm_reset_prefix_cache_keyword(llm):
     assert llm.reset_prefix_cache(reset_running_requests=False) is True
     assert llm.reset_prefix_cache(reset_running_requests=True) is True
     assert not llm.llm_engine.kv_cache_manager.block_pool.cached_block_hash_to_block
+
+
+# -- 8. the engine seed seeds random / numpy / torch's global RNGs at engine start -----------
+
+def test_engine_seed_seeds_the_global_rngs(make_tiny_checkpoint):
+    import random
+
+    import numpy as np
+    import torch
+
+    from pagedllm.utils.torch_utils import set_random_seed
+
+    def draws():
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    expected = draws()
+    for _ in range(2):
+        random.seed(123)           # disturb them
+        np.random.seed(123)
+        torch.manual_seed(123)
+        llm = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, seed=5)
+        assert draws() == expected
+        llm.llm_engine.shutdown()
+    set_random_seed(None)           # None: left alone
+    with pytest.raises(ValueError, match="seed"):
+        set_random_seed("5")
+    with pytest.raises(ValueError, match="seed must be an int"):
+        LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, seed=1.5)
+
+
+# -- 9. cleanup_dist_env_and_memory ---------------------------------------------------------
+
+def test_cleanup_dist_env_and_memory_destroys_the_group_and_is_safe_without_one(tmp_path):
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from pagedllm.distributed import cleanup_dist_env_and_memory
+    from pagedllm.distributed.parallel_state import cleanup_dist_env_and_memory as from_parallel_state
+
+    assert cleanup_dist_env_and_memory is from_parallel_state
+    assert not dist.is_initialized()
+    cleanup_dist_env_and_memory()                     # none: nothing to do, no error
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    assert dist.is_initialized()
+
+    class Cycle:
+        pass
+
+    c = Cycle()
+    c.self = c                                        # only the collector frees a cycle
+    ref = weakref.ref(c)
+    del c
+    gc.disable()
+    try:
+        cleanup_dist_env_and_memory(shutdown_ray=True)
+    finally:
+        gc.enable()
+    assert not dist.is_initialized()
+    assert ref() is None
+    cleanup_dist_env_and_memory()                     # twice: still fine
