@@ -141,7 +141,8 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the chat template (vLLM's ``LLM.chat``).
 
         Uses the same rendering as the server's ``/v1/chat/completions``
@@ -157,14 +158,22 @@ class LLM:
             add_generation_prompt: end the prompt with the assistant turn header.
             continue_final_message: continue the last (assistant) message instead.
             chat_template_kwargs: extra template variables.
+            tools: OpenAI tool definitions (``{"type": "function", "function": {"name", "description",
+                "parameters"}}`` dicts) handed to the template as ``tools``, as the server's
+                ``/v1/chat/completions`` does; the template decides how they appear (e.g. ``"gemma-tools"``).
+                The reply is plain text: parse tool calls from it yourself (the server's
+                ``--tool-call-parser`` does that for its clients).
         Returns:
             One finished ``RequestOutput`` per conversation, in order.
         Raises:
-            ValueError: empty or malformed messages, no chat template (the default model is a base
-                model without one), or a template that rejects the conversation.
+            ValueError: empty or malformed messages, ``tools`` not a list of dicts, no chat
+                template (the default model is a base model without one), or a template that
+                rejects the conversation.
         """
         from pagedllm.entrypoints.chat_utils import load_chat_template, render_chat_prompt
 
+        if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"tools must be a list of tool definitions (dicts), got {tools!r}")
         messages = list(messages)
         if not messages:
             raise ValueError("messages must not be empty")
@@ -173,7 +182,8 @@ class LLM:
         template = load_chat_template(chat_template)
         tokenizer = self.llm_engine.tokenizer
         prompts = [render_chat_prompt(tokenizer, conv, template, add_generation_prompt, continue_final_message,
-                                      **(chat_template_kwargs or {})) for conv in conversations]
+                                      tools=list(tools) if tools else None, **(chat_template_kwargs or {}))
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

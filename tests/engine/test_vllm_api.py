@@ -13,7 +13,7 @@ import pytest
 import pagedllm
 from pagedllm import LLM, SamplingParams
 
-ENGINE_KW = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20)
+ENGINE_KW = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
@@ -305,3 +305,33 @@ def test_cleanup_dist_env_and_memory_destroys_the_group_and_is_safe_without_one(
     assert not dist.is_initialized()
     assert ref() is None
     cleanup_dist_env_and_memory()                     # twice: still fine
+
+
+# -- 4. LLM.chat(..., tools=[...]) ----------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_chat_hands_tools_to_the_template(llm):
+    import json
+
+    from pagedllm.entrypoints.chat_utils import render_chat_prompt
+
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with_tools = llm.chat(messages, params, use_tqdm=False, chat_template="gemma-tools", tools=[WEATHER_TOOL])[0]
+    without = llm.chat(messages, params, use_tqdm=False, chat_template="gemma-tools")[0]
+    assert json.dumps(WEATHER_TOOL["function"]) in with_tools.prompt
+    assert "You can call these functions" in with_tools.prompt and "get_weather" not in without.prompt
+    # The same rendering and tokens as the server's (chat_utils), and the prompt the engine ran.
+    from pagedllm.entrypoints.chat_utils import load_chat_template
+    rendered = render_chat_prompt(llm.get_tokenizer(), messages, load_chat_template("gemma-tools"),
+                                  tools=[WEATHER_TOOL])
+    assert with_tools.prompt == rendered["prompt"] and with_tools.prompt_token_ids == rendered["prompt_token_ids"]
+    assert len(with_tools.outputs[0].token_ids) == 4
+    batch = llm.chat([messages, messages], params, use_tqdm=False, chat_template="gemma-tools", tools=[WEATHER_TOOL])
+    assert [o.prompt for o in batch] == [with_tools.prompt] * 2
+    with pytest.raises(ValueError, match="tools"):
+        llm.chat(messages, params, use_tqdm=False, chat_template="gemma-tools", tools="get_weather")
