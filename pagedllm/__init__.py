@@ -6,6 +6,7 @@ the scheduler tests) stay torch-light.
 """
 
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedllm.inputs import TextPrompt, TokensPrompt
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.version import __version__
 
@@ -20,6 +21,7 @@ _LAZY = {
 }
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "TextPrompt", "TokensPrompt",
            "EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLM", "AsyncLLMEngine", "__version__"]
 
 

@@ -235,15 +235,32 @@ class AsyncFrontEnd:
         """:meth:`add_requests` for one request."""
         return self.add_requests([(request_id, prompt, params)], arrival_time)
 
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes; leaving the loop early aborts it.
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, lora_request=None, tokenization_kwargs=None,
+                       trace_headers=None, priority: int = 0,
+                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes; leaving the loop early aborts it (vLLM V1's
+        ``AsyncLLM.generate``, same argument names).
 
-        ``params.output_kind`` decides what each output holds (``DELTA`` for streaming).
-        Validation errors surface at the first ``__anext__`` (use :meth:`add_request` to get them
-        synchronously).
+        Args:
+            prompt: a string, token ids, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``.
+            sampling_params: the request's params (None: ``SamplingParams()``);
+                ``output_kind`` decides what each output holds (``DELTA`` for streaming).
+            request_id: the caller's id (None: a fresh one).
+            lora_request, tokenization_kwargs, trace_headers: vLLM's; only None is supported.
+            priority: vLLM's priority scheduling; only 0 (first come, first served).
+            data_parallel_rank: vLLM's; only None (the balancer picks the replica).
+        Raises:
+            ValueError: at the first ``__anext__``, for a bad prompt or params, or an unsupported
+                keyword (naming it; use :meth:`add_request` to get errors synchronously).
         """
-        stream = self.add_request(request_id, prompt, params)
+        for name, value, default in (("lora_request", lora_request, None), ("tokenization_kwargs", tokenization_kwargs, None),
+                                     ("trace_headers", trace_headers, None), ("priority", priority, 0),
+                                     ("data_parallel_rank", data_parallel_rank, None)):
+            if value != default and not (name == "tokenization_kwargs" and value == {}):
+                raise ValueError(f"{name}={value!r} is not supported by pagedllm (only {default!r})")
+        stream = self.add_request(request_id, prompt,
+                                  SamplingParams() if sampling_params is None else sampling_params)
         try:
             async for out in stream:
                 yield out
@@ -292,11 +309,14 @@ class AsyncLLM(AsyncFrontEnd):
             thread after every step and abort.
         log_stats_interval_s: seconds between periodic log lines (throughput, queues, KV usage);
             None disables them.
+        log_requests: log each request's id, prompt length and params at INFO when it is added
+            (``AsyncEngineArgs.enable_log_requests``).
     """
 
     def __init__(self, engine: LLMEngine, stat_loggers: Iterable[StatLogger] = (),
-                 log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S) -> None:
+                 log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S, log_requests: bool = False) -> None:
         self.engine = engine
+        self.log_requests = log_requests
         self._stats_log = LoggingStatLogger(log_stats_interval_s) if log_stats_interval_s else None
         engine.stat_loggers.extend(stat_loggers)
         if self._stats_log is not None:
@@ -315,9 +335,34 @@ class AsyncLLM(AsyncFrontEnd):
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs) -> "AsyncLLM":
-        """Build the engine (loads the model) and wrap it; kwargs go to ``AsyncLLM``."""
-        return cls(LLMEngine(args), **kwargs)
+    def from_engine_args(cls, args: EngineArgs, start_engine_loop: bool = True, usage_context=None,
+                         stat_loggers: Iterable[StatLogger] | None = None, enable_log_requests: bool | None = None,
+                         disable_log_stats: bool | None = None, **kwargs) -> "AsyncLLM | DPAsyncLLM":
+        """Build the engine (loads the model) and wrap it (vLLM's ``AsyncLLM.from_engine_args``).
+
+        Args:
+            args: ``AsyncEngineArgs`` (or ``EngineArgs``); ``data_parallel_size`` > 1 gives a
+                ``DPAsyncLLM`` over that many replicas (``engine/dp_client.py``).
+            start_engine_loop: start the engine thread now (else at the first request).
+            usage_context: vLLM's; ignored.
+            stat_loggers: extra ``StatLogger``s.
+            enable_log_requests: log each added request; None = ``args.enable_log_requests``.
+            disable_log_stats: no periodic stats lines; None = ``args.disable_log_stats``.
+            **kwargs: other ``AsyncLLM`` arguments (``log_stats_interval_s``).
+        Raises:
+            ValueError: bad engine arguments.
+        """
+        if args.data_parallel_size > 1:
+            from pagedllm.engine.dp_client import DPAsyncLLM
+            return DPAsyncLLM.from_engine_args(args)
+        if enable_log_requests is None:
+            enable_log_requests = bool(getattr(args, "enable_log_requests", False))
+        if disable_log_stats if disable_log_stats is not None else args.disable_log_stats:
+            kwargs["log_stats_interval_s"] = None
+        llm = cls(LLMEngine(args), stat_loggers=stat_loggers or (), log_requests=enable_log_requests, **kwargs)
+        if start_engine_loop:
+            llm.start()
+        return llm
 
     @property
     def _core(self) -> LLMEngine:
@@ -391,6 +436,10 @@ class AsyncLLM(AsyncFrontEnd):
         loop = asyncio.get_running_loop()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         prepared = self._prepare_requests(requests, arrival_time)
+        if self.log_requests:
+            for r in prepared:
+                logger.info("Added request %s: %d prompt tokens, params: %s", r.request_id,
+                            len(r.processed.prompt_token_ids), r.beam_params or r.processed.params)
         queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
             in_use = [r.request_id for r in prepared if r.request_id in self._sinks]

@@ -335,3 +335,58 @@ def test_chat_hands_tools_to_the_template(llm):
     assert [o.prompt for o in batch] == [with_tools.prompt] * 2
     with pytest.raises(ValueError, match="tools"):
         llm.chat(messages, params, use_tqdm=False, chat_template="gemma-tools", tools="get_weather")
+
+
+# -- 5. AsyncLLM.generate with vLLM's keywords; AsyncLLM.from_engine_args(AsyncEngineArgs) ---
+
+def test_async_llm_generate_with_vllms_names(make_tiny_checkpoint, llm, caplog):
+    import asyncio
+    import logging
+
+    from pagedllm import AsyncEngineArgs, AsyncLLMEngine, TextPrompt, TokensPrompt
+    from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.sampling_params import RequestOutputKind
+
+    text = "The quick brown fox"
+    ids = llm.get_tokenizer().encode(text)
+    want = llm.generate(text, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=make_tiny_checkpoint("llama"), **ENGINE_KW,
+                                                             enable_log_requests=True, disable_log_stats=True))
+    assert isinstance(engine, AsyncLLM) and engine.is_running          # start_engine_loop=True
+    assert engine.log_requests and engine._stats_log is None
+    delta = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def collect(prompt, request_id, **kw):
+        tokens, last = [], None
+        async for out in engine.generate(prompt, sampling_params=delta, request_id=request_id, **kw):
+            tokens += out.outputs[0].token_ids
+            last = out
+        return tokens, last
+
+    async def main():
+        return await asyncio.gather(collect(text, "as-str"), collect(TextPrompt(prompt=text), "as-text"),
+                                    collect(TokensPrompt(prompt_token_ids=ids), "as-ids", lora_request=None,
+                                            priority=0, trace_headers=None, data_parallel_rank=None))
+
+    try:
+        with caplog.at_level(logging.INFO, logger="pagedllm.engine.async_engine"):
+            results = asyncio.run(main())
+        for tokens, last in results:
+            assert tokens == want and last.finished and last.prompt_token_ids == ids
+        assert [last.request_id for _, last in results] == ["as-str", "as-text", "as-ids"]
+        assert results[0][1].prompt == text and results[2][1].prompt is None
+        assert "Added request as-text" in caplog.text
+
+        async def positional():     # vLLM's positional order: prompt, sampling_params, request_id
+            return [o async for o in engine.generate(text, GREEDY, "positional")]
+        final = asyncio.run(positional())[-1]
+        assert final.request_id == "positional" and final.outputs[0].token_ids == want
+
+        async def unsupported(**kw):
+            async for _ in engine.generate(text, GREEDY, "bad", **kw):
+                pass
+        for kw, name in (({"lora_request": object()}, "lora_request"), ({"priority": 1}, "priority")):
+            with pytest.raises(ValueError, match=name):
+                asyncio.run(unsupported(**kw))
+    finally:
+        engine.shutdown()
