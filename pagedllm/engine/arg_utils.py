@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                              PREEMPTION_MODES, SUPPORTED_QUANTIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
@@ -87,6 +87,9 @@ class EngineArgs:
         generation_config: where ``LLM.get_default_sampling_params`` reads sampling defaults:
             "auto" (the model's generation_config.json), "vllm" (none) or a folder (vLLM's).
         override_generation_config: generation-config keys laid over the file's (dict).
+        hf_overrides: changes to the model's config.json before the model is built: a dict
+            (merged; nested dicts key by key) or a callable taking and returning the config
+            (attribute access), as vLLM's (``loaders/hf_overrides.py``).
         structured_outputs_backend: "auto" | "xgrammar" (grammar engine of constrained decoding).
         max_structured_output_grammar_cache: [entries] compiled grammars kept (LRU).
     """
@@ -134,6 +137,7 @@ class EngineArgs:
     max_structured_output_grammar_cache: int = 64
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -178,14 +182,20 @@ class EngineArgs:
         Args:
             model_max_len: the model's context length in tokens; None = ``hf_config``'s
                 ``max_position_embeddings``.
-            hf_config: the checkpoint's config.json; fills ``ModelConfig``'s architecture fields.
+            hf_config: the checkpoint's config.json; fills ``ModelConfig``'s architecture fields,
+                after ``hf_overrides``.
             model_folder: the resolved folder of the weights (``ModelConfig.model_folder``).
         Raises:
             ValueError: for unsupported values (naming the argument, and the environment
                 variable it came from) or out-of-range numbers.
         """
         from pagedllm.config import hf_architecture_fields
+        from pagedllm.loaders.hf_overrides import apply_hf_overrides
 
+        if hf_config is not None:
+            hf_config = apply_hf_overrides(hf_config, self.hf_overrides)
+        elif self.hf_overrides is not None:
+            raise ValueError("hf_overrides needs the model's config.json (hf_config)")
         arch = hf_architecture_fields(hf_config) if hf_config is not None else {}
         if model_max_len is None:
             if not arch:
@@ -383,6 +393,9 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "generation_config.json), 'vllm' (none) or a folder with one (default: auto)")
     g.add_argument("--override-generation-config", type=_json_dict, default=None,
                    help="JSON object laid over the generation config, e.g. '{\"temperature\": 0.5}'")
+    g.add_argument("--hf-overrides", type=_json_dict, default=None,
+                   help="JSON object merged into the model's config.json before the model is built, "
+                        "e.g. '{\"rope_parameters\": {\"rope_theta\": 1000000}}'")
     g.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar"],
                    help="grammar engine for response_format / structured_outputs / tools (default: auto)")
     g.add_argument("--max-structured-output-grammar-cache", type=int, default=64,

@@ -390,3 +390,43 @@ def test_async_llm_generate_with_vllms_names(make_tiny_checkpoint, llm, caplog):
                 asyncio.run(unsupported(**kw))
     finally:
         engine.shutdown()
+
+
+# -- 6. hf_overrides -------------------------------------------------------------------------
+
+def test_hf_overrides_dict_and_callable_change_the_model_built(make_tiny_checkpoint, tmp_path, hf_greedy, llm):
+    import json
+    import shutil
+
+    from pagedllm.loaders.hf_overrides import apply_hf_overrides
+
+    path = make_tiny_checkpoint("llama")
+    overrides = {"rope_parameters": {"rope_theta": 50.0}, "rms_norm_eps": 0.5}
+    config = json.load(open(f"{path}/config.json"))
+    merged = apply_hf_overrides(config, overrides)
+    assert merged["rope_parameters"] == {"rope_theta": 50.0, "rope_type": "default"}   # nested: key by key
+    assert merged["rms_norm_eps"] == 0.5 and config["rms_norm_eps"] == 1e-6           # input untouched
+    # The reference: transformers on a copy whose config.json has the same changes.
+    ref = tmp_path / "overridden"
+    shutil.copytree(path, ref)
+    (ref / "config.json").write_text(json.dumps(merged))
+    ids = llm.get_tokenizer().encode("The quick brown fox")
+    want = hf_greedy(str(ref), [ids], 8)[0]
+    plain = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert want != plain                                                               # the overrides matter
+
+    def shrink_eps(cfg):
+        cfg.rms_norm_eps = 0.5
+        cfg.rope_parameters["rope_theta"] = 50.0
+        return cfg
+
+    for hf_overrides in (overrides, shrink_eps):
+        overridden = LLM(path, **ENGINE_KW, hf_overrides=hf_overrides)
+        assert overridden.llm_engine.model_config.rms_norm_eps == 0.5
+        got = overridden.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == want
+        overridden.llm_engine.shutdown()
+    with pytest.raises(ValueError, match="hf_overrides"):
+        LLM(path, **ENGINE_KW, hf_overrides="rms_norm_eps=0.5")
+    with pytest.raises(ValueError, match="hf_overrides must return"):
+        LLM(path, **ENGINE_KW, hf_overrides=lambda cfg: None)
