@@ -21,11 +21,20 @@ CPU_ISA_ENV = "PAGEDLLM_CPU_ISA"                       # -> cpu_isa ("auto", "po
 CPU_KVCACHE_SPACE_ENV = "PAGEDLLM_CPU_KVCACHE_SPACE"   # -> cpu_kvcache_space (GiB)
 PP_LAYER_PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"  # -> pp_layer_partition ("10,8": layers per stage)
 CPU_THREADS_PER_RANK_ENV = "PAGEDLLM_CPU_THREADS_PER_RANK"  # -> cpu_threads_per_rank
+# -> profiler_config {"profiler": "torch", "torch_profiler_dir": ...}; vLLM's older name read too.
+TORCH_PROFILER_DIR_ENVS = ("PAGEDLLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR")
 
 
 def _env(name: str) -> str | None:
     value = os.environ.get(name, "").strip()
     return value or None
+
+
+def _profiler_config_from_env() -> dict[str, Any] | None:
+    for name in TORCH_PROFILER_DIR_ENVS:
+        if _env(name):
+            return {"profiler": "torch", "torch_profiler_dir": _env(name)}
+    return None
 
 
 @dataclass
@@ -87,6 +96,10 @@ class EngineArgs:
         generation_config: where ``LLM.get_default_sampling_params`` reads sampling defaults:
             "auto" (the model's generation_config.json), "vllm" (none) or a folder (vLLM's).
         override_generation_config: generation-config keys laid over the file's (dict).
+        profiler_config: ``LLM.start_profile`` / ``stop_profile``'s torch profiler: a dict of
+            ``profiler.ProfilerConfig`` fields (``{"profiler": "torch", "torch_profiler_dir":
+            "./traces"}``) or a ``ProfilerConfig``; default from ``$PAGEDLLM_TORCH_PROFILER_DIR`` or
+            ``$VLLM_TORCH_PROFILER_DIR``, else None (off).
         hf_overrides: changes to the model's config.json before the model is built: a dict
             (merged; nested dicts key by key) or a callable taking and returning the config
             (attribute access), as vLLM's (``loaders/hf_overrides.py``).
@@ -138,6 +151,7 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
     hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
+    profiler_config: Any = field(default_factory=_profiler_config_from_env)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -253,6 +267,16 @@ class EngineArgs:
             parallel.check_model(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size,
                                  model.num_hidden_layers)
         return model, cache, sched, parallel
+
+    def create_profiler_config(self):
+        """The ``profiler.ProfilerConfig`` of ``profiler_config`` (disabled when None).
+
+        Raises:
+            ValueError: an unknown key or bad value, naming ``profiler_config``.
+        """
+        from pagedllm.profiler import ProfilerConfig
+
+        return ProfilerConfig.from_any(self.profiler_config)
 
     def create_structured_outputs_config(self):
         """The ``StructuredOutputsConfig`` of these arguments.
@@ -393,6 +417,10 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "generation_config.json), 'vllm' (none) or a folder with one (default: auto)")
     g.add_argument("--override-generation-config", type=_json_dict, default=None,
                    help="JSON object laid over the generation config, e.g. '{\"temperature\": 0.5}'")
+    g.add_argument("--profiler-config", type=_json_dict, default=argparse.SUPPRESS,
+                   help="torch profiler of start_profile / stop_profile, e.g. "
+                        "'{\"profiler\": \"torch\", \"torch_profiler_dir\": \"./traces\"}' "
+                        "(default: $PAGEDLLM_TORCH_PROFILER_DIR or $VLLM_TORCH_PROFILER_DIR, else off)")
     g.add_argument("--hf-overrides", type=_json_dict, default=None,
                    help="JSON object merged into the model's config.json before the model is built, "
                         "e.g. '{\"rope_parameters\": {\"rope_theta\": 1000000}}'")

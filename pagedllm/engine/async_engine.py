@@ -478,13 +478,34 @@ class AsyncLLM(AsyncFrontEnd):
         Raises:
             EngineDeadError: if the engine loop has died.
         """
+        return await self._call_in_engine_thread(
+            functools.partial(self.engine.reset_prefix_cache, reset_running_requests))
+
+    async def start_profile(self) -> None:
+        """``LLMEngine.start_profile`` in the engine thread between steps.
+
+        Raises:
+            RuntimeError: if no profiler is configured (``profiler_config``).
+        """
+        await self._call_in_engine_thread(self.engine.start_profile)
+
+    async def stop_profile(self) -> None:
+        """``LLMEngine.stop_profile`` in the engine thread between steps (writes the traces)."""
+        await self._call_in_engine_thread(self.engine.stop_profile)
+
+    async def _call_in_engine_thread(self, fn: Callable[[], object]) -> object:
+        """``fn()`` in the engine thread between steps (here when there is no engine thread).
+
+        Raises:
+            EngineDeadError: if the engine loop has died; whatever ``fn`` raises.
+        """
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         if self._thread is None or not self._thread.is_alive():
-            return self.engine.reset_prefix_cache(reset_running_requests)  # no engine thread: nothing else touches it
+            return fn()   # no engine thread: nothing else touches the engine
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
-            self._calls.append((functools.partial(self.engine.reset_prefix_cache, reset_running_requests), future))
+            self._calls.append((fn, future))
             self._cv.notify()
         return await asyncio.wrap_future(future)
 

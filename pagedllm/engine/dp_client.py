@@ -244,13 +244,30 @@ class DPEngineClient:
             outputs.append(event)
         return outputs
 
+    def call_replicas(self, method: str, **kwargs) -> dict[int, Any]:
+        """Run ``LLMEngine.<method>(**kwargs)`` on every live replica and wait for the answers
+        (outputs that arrive meanwhile are kept for ``step``). Returns the answers by replica."""
+        call_id = self.send_call(method, **kwargs)
+        while len(self._results.get(call_id, {})) < len(self.balancer.alive()):
+            self._buffered.extend(self.get_events(timeout_s=None))
+        return self._results.pop(call_id, {})
+
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Reset every live replica's prefix cache (``LLMEngine.reset_prefix_cache``); True when
         all were cleared."""
-        call_id = self.send_call("reset_prefix_cache", reset_running_requests=reset_running_requests)
-        while len(self._results.get(call_id, {})) < len(self.balancer.alive()):
-            self._buffered.extend(self.get_events(timeout_s=None))
-        return all(self._results.pop(call_id, {}).values())
+        return all(self.call_replicas("reset_prefix_cache", reset_running_requests=reset_running_requests).values())
+
+    def start_profile(self) -> None:
+        """``LLMEngine.start_profile`` on every replica (each checks its ``profiler_config``)."""
+        if not self.args.create_profiler_config().enabled:
+            raise RuntimeError("the profiler is not configured (profiler_config)")
+        self.call_replicas("start_profile")
+
+    def stop_profile(self) -> None:
+        """``LLMEngine.stop_profile`` on every replica: each writes its workers' traces."""
+        if not self.args.create_profiler_config().enabled:
+            raise RuntimeError("the profiler is not configured (profiler_config)")
+        self.call_replicas("stop_profile")
 
     # -- events ---------------------------------------------------------------------------
 

@@ -74,6 +74,7 @@ class LLMEngine:
                                                num_cpu_blocks=self.num_cpu_blocks)
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager,
                                    max_concurrent_batches=self.executor.max_concurrent_batches)
+        self.profiler_config = args.create_profiler_config()
         self.structured_outputs_config = args.create_structured_outputs_config()
         self.structured_output_manager = StructuredOutputManager(
             self.structured_outputs_config, self.tokenizer, self.vocab_size, sched_cfg.max_num_seqs)
@@ -222,6 +223,29 @@ class LLMEngine:
             RuntimeError: with ``reset_running_requests``, when batches in flight still hold blocks.
         """
         return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    def start_profile(self) -> None:
+        """Start the torch profiler on every worker (vLLM's ``start_profile``); the steps until
+        ``stop_profile`` are recorded (``profiler.py``).
+
+        Raises:
+            RuntimeError: if no profiler is configured (``profiler_config``).
+        """
+        if not self.profiler_config.enabled:
+            raise RuntimeError("the profiler is not configured: pass profiler_config={'profiler': 'torch', "
+                               "'torch_profiler_dir': './traces'} (or set $PAGEDLLM_TORCH_PROFILER_DIR / "
+                               "$VLLM_TORCH_PROFILER_DIR) when creating the engine")
+        self.executor.collective_rpc("start_profile", (self.profiler_config,))
+
+    def stop_profile(self) -> None:
+        """Stop the profiler on every worker; each writes its trace to ``torch_profiler_dir``.
+
+        Raises:
+            RuntimeError: if no profiler is configured (``profiler_config``).
+        """
+        if not self.profiler_config.enabled:
+            raise RuntimeError("the profiler is not configured (profiler_config); nothing to stop")
+        self.executor.collective_rpc("stop_profile")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -77,6 +77,24 @@ class LLM:
         """
         return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
+    def start_profile(self) -> None:
+        """Start the torch profiler on every worker (vLLM's ``LLM.start_profile``): the engine's
+        steps until ``stop_profile`` go into a trace per worker in
+        ``profiler_config["torch_profiler_dir"]``.
+
+        Raises:
+            RuntimeError: if the engine was built without ``profiler_config``.
+        """
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop the profiler; each worker writes its trace (``rank<r>.<time>.pt.trace.json.gz``).
+
+        Raises:
+            RuntimeError: if the engine was built without ``profiler_config``.
+        """
+        self.llm_engine.stop_profile()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

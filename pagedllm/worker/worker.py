@@ -20,6 +20,7 @@ from pagedllm.layers.quantization import quantize_linear_layers
 from pagedllm.layers.weight_only import WEIGHT_ONLY_MODES, quantize_weight_only
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.registry import get_model_class
+from pagedllm.profiler import ProfilerConfig, WorkerProfiler
 from pagedllm.utils.torch_utils import set_random_seed
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.memory import (KVCacheShape, default_cpu_kv_cache_bytes, kv_bytes_from_utilization,
@@ -151,6 +152,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.parallel: ParallelContext | None = None
         self.greedy_head: ExactGreedyHead | None = None
+        self.profiler: WorkerProfiler | None = None
 
     def init_device(self) -> None:
         """Pick the device and dtype, seed the global RNGs with the engine's seed
@@ -297,9 +299,13 @@ class Worker:
                                         greedy_head=self.greedy_head)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step (``ModelRunner.execute_model``), timed into ``parallel.step_times``."""
+        """Run one step (``ModelRunner.execute_model``), timed into ``parallel.step_times``; while
+        profiling, inside a ``pagedllm::execute_model`` range of the trace."""
         t0 = time.perf_counter()
         try:
+            if self.profiler is not None and self.profiler.running:
+                with torch.profiler.record_function("pagedllm::execute_model"):
+                    return self.model_runner.execute_model(scheduler_output)
             return self.model_runner.execute_model(scheduler_output)
         finally:
             times = self.parallel.step_times
@@ -317,6 +323,17 @@ class Worker:
             times.reset()
         return out
 
+    def start_profile(self, config: ProfilerConfig) -> None:
+        """Start recording this rank's steps with ``torch.profiler`` (``profiler.py``)."""
+        if self.profiler is None:
+            self.profiler = WorkerProfiler(config, self.rank, self.device.type)
+        self.profiler.start()
+
+    def stop_profile(self) -> None:
+        """Stop recording and write this rank's trace (nothing if not recording)."""
+        if self.profiler is not None:
+            self.profiler.stop()
+
     def add_logits_processors(self, req_id: str, processors) -> None:
         """In-process only: attach a request's logits processors (``ModelRunner.add_logits_processors``)."""
         self.model_runner.add_logits_processors(req_id, processors)
@@ -328,7 +345,9 @@ class Worker:
             raise RuntimeError("the worker has no model runner: initialize_cache was not called")
 
     def shutdown(self) -> None:
-        """Drop the model runner, the KV cache and the model; leave the process group."""
+        """Stop a running profile (writing its trace), drop the model runner, the KV cache and
+        the model; leave the process group."""
+        self.stop_profile()
         self.model_runner = None
         self.kv_caches = []
         self.host_kv_caches = []

@@ -4,7 +4,7 @@ its imports. Tiny random Llama checkpoints; every check asserts values, not only
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import os
 import subprocess
 import sys
 
@@ -430,3 +430,77 @@ def test_hf_overrides_dict_and_callable_change_the_model_built(make_tiny_checkpo
         LLM(path, **ENGINE_KW, hf_overrides="rms_norm_eps=0.5")
     with pytest.raises(ValueError, match="hf_overrides must return"):
         LLM(path, **ENGINE_KW, hf_overrides=lambda cfg: None)
+
+
+# -- 10. start_profile / stop_profile with profiler_config ------------------------------------
+
+def test_profiler_writes_a_trace_of_the_workers_steps(make_tiny_checkpoint, tmp_path, llm):
+    import gzip
+    import json
+    import os
+
+    trace_dir = tmp_path / "traces"
+    profiled = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW,
+                   profiler_config={"profiler": "torch", "torch_profiler_dir": str(trace_dir)})
+    profiled.generate("warm up", GREEDY, use_tqdm=False)       # not profiled
+    assert not trace_dir.exists()
+    profiled.start_profile()
+    out = profiled.generate("The quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0]
+    profiled.stop_profile()
+    assert len(out.token_ids) == 8
+    files = os.listdir(trace_dir)
+    assert len(files) == 1 and files[0].startswith("rank0.") and files[0].endswith(".pt.trace.json.gz")
+    trace = json.loads(gzip.open(trace_dir / files[0]).read())
+    names = [e.get("name", "") for e in trace["traceEvents"]]
+    steps = [n for n in names if n == "pagedllm::execute_model"]
+    assert len(steps) == 8                                     # one per step: 1 prefill + 7 decodes
+    assert "aten::embedding" in names                           # the model's ops are in it
+    assert {"mkldnn::_linear_pointwise", "aten::linear", "aten::mm", "aten::addmm"} & set(names)  # the GEMMs
+    assert any("models/llama.py" in n and "forward" in n for n in names)   # Python stacks (with_stack)
+    profiled.llm_engine.shutdown()
+
+    with pytest.raises(RuntimeError, match="profiler_config"):
+        llm.start_profile()
+    with pytest.raises(RuntimeError, match="profiler_config"):
+        llm.stop_profile()
+    with pytest.raises(ValueError, match="torch_profiler_dir"):
+        LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, profiler_config={"profiler": "torch"})
+    with pytest.raises(ValueError, match="unknown key"):
+        LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, profiler_config={"profiler": "torch", "dir": "x"})
+
+
+def test_profiler_dir_from_the_environment_at_the_edge(monkeypatch, tmp_path):
+    from pagedllm import EngineArgs
+    from pagedllm.utils import FlexibleArgumentParser
+
+    assert EngineArgs().create_profiler_config().enabled is False
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "v"))
+    assert EngineArgs().profiler_config == {"profiler": "torch", "torch_profiler_dir": str(tmp_path / "v")}
+    monkeypatch.setenv("PAGEDLLM_TORCH_PROFILER_DIR", str(tmp_path / "p"))
+    config = EngineArgs().create_profiler_config()
+    assert config.enabled and config.torch_profiler_dir == str(tmp_path / "p")
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args([])).profiler_config["torch_profiler_dir"] == str(tmp_path / "p")
+    flag = parser.parse_args(["--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "t"}'])
+    assert EngineArgs.from_cli_args(flag).create_profiler_config().torch_profiler_dir == os.path.abspath("t")
+
+
+def test_profiler_in_worker_processes(make_tiny_checkpoint, tmp_path):
+    """The multiprocess executor: each rank process records its own steps and writes its trace."""
+    import json
+
+    trace_dir = tmp_path / "mp_traces"
+    llm = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, distributed_executor_backend="mp", tensor_parallel_size=2,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(trace_dir),
+                               "torch_profiler_use_gzip": False, "torch_profiler_with_stack": False})
+    try:
+        llm.start_profile()
+        llm.generate("The quick brown fox", GREEDY, use_tqdm=False)
+        llm.stop_profile()
+    finally:
+        llm.llm_engine.shutdown()
+    files = sorted(os.listdir(trace_dir))
+    assert [f.split(".")[0] for f in files] == ["rank0", "rank1"] and all(f.endswith(".pt.trace.json") for f in files)
+    for f in files:
+        names = [e.get("name", "") for e in json.load(open(trace_dir / f))["traceEvents"]]
+        assert names.count("pagedllm::execute_model") == 8 and "aten::embedding" in names
