@@ -125,6 +125,8 @@ class SamplingParams:
         logits_processors: per-step logits hooks (see ``LogitsProcessor``).
         structured_outputs: a grammar constraint (``StructuredOutputsParams``), or None.
         output_kind: cumulative or delta outputs when streaming.
+        extra_args: free-form per-request arguments for the engine's class-based logits
+            processors (vLLM's ``extra_args``; a dict, picklable for worker processes).
     Raises:
         ValueError: from ``__post_init__``, naming the field and its value, for any invalid value.
     """
@@ -155,6 +157,7 @@ class SamplingParams:
     logits_processors: list[LogitsProcessor] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict | None = None
     # Filled by the engine from the model: EOS ids (tokenizer EOS + model extras such as Gemma's
     # <end_of_turn>). Not part of the public API.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -262,6 +265,8 @@ class SamplingParams:
                                                                   StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         if self.logits_processors is not None and any(
                 not callable(f) for f in self.logits_processors):
             raise ValueError(

@@ -100,6 +100,10 @@ class EngineArgs:
             ``profiler.ProfilerConfig`` fields (``{"profiler": "torch", "torch_profiler_dir":
             "./traces"}``) or a ``ProfilerConfig``; default from ``$PAGEDLLM_TORCH_PROFILER_DIR`` or
             ``$VLLM_TORCH_PROFILER_DIR``, else None (off).
+        logits_processors: class-based logits processors (vLLM V1's interface,
+            ``pagedllm.v1.sample.logits_processor.LogitsProcessor`` subclasses, or their
+            ``"module:Class"`` names), built on the sampling worker; requests pass arguments in
+            ``SamplingParams.extra_args``.
         hf_overrides: changes to the model's config.json before the model is built: a dict
             (merged; nested dicts key by key) or a callable taking and returning the config
             (attribute access), as vLLM's (``loaders/hf_overrides.py``).
@@ -152,6 +156,7 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
     hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
     profiler_config: Any = field(default_factory=_profiler_config_from_env)
+    logits_processors: list[Any] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -277,6 +282,17 @@ class EngineArgs:
         from pagedllm.profiler import ProfilerConfig
 
         return ProfilerConfig.from_any(self.profiler_config)
+
+    def create_logits_processor_classes(self) -> list[type]:
+        """The ``logits_processors`` classes (names imported).
+
+        Raises:
+            ValueError: naming ``logits_processors``, for an entry that is not a
+                ``LogitsProcessor`` subclass or a name that does not import.
+        """
+        from pagedllm.sample.logits_processor import resolve_logits_processor_classes
+
+        return resolve_logits_processor_classes(self.logits_processors)
 
     def create_structured_outputs_config(self):
         """The ``StructuredOutputsConfig`` of these arguments.
@@ -421,6 +437,8 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                    help="torch profiler of start_profile / stop_profile, e.g. "
                         "'{\"profiler\": \"torch\", \"torch_profiler_dir\": \"./traces\"}' "
                         "(default: $PAGEDLLM_TORCH_PROFILER_DIR or $VLLM_TORCH_PROFILER_DIR, else off)")
+    g.add_argument("--logits-processors", nargs="+", default=None, metavar="MODULE:CLASS",
+                   help="class-based logits processors (vLLM V1's LogitsProcessor interface) by name")
     g.add_argument("--hf-overrides", type=_json_dict, default=None,
                    help="JSON object merged into the model's config.json before the model is built, "
                         "e.g. '{\"rope_parameters\": {\"rope_theta\": 1000000}}'")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import SamplingParams
@@ -56,11 +56,15 @@ class InputProcessor:
         vocab_size: logits width; every token id must be below it.
         max_logprobs: most top logprobs a request may ask for.
         structured_outputs_config: grammar settings (the JSON whitespace default).
+        logits_processor_classes: the engine's class-based logits processors; each one's
+            ``validate_params`` checks every request.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20,
-                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
+                 structured_outputs_config: StructuredOutputsConfig | None = None,
+                 logits_processor_classes: Sequence[type] = ()) -> None:
         self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
+        self.logits_processor_classes = list(logits_processor_classes)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -102,6 +106,8 @@ class InputProcessor:
 
             validate_structured_outputs(params.structured_outputs,
                                         self.structured_outputs_config.disable_any_whitespace)
+        for cls in self.logits_processor_classes:
+            cls.validate_params(params)   # ValueError: the processor refuses the request's extra_args
         params = params.clone()
         params.update_from_model(self.tokenizer.eos_token_ids)
         room = self.max_model_len - len(token_ids)

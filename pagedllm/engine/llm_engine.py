@@ -68,6 +68,10 @@ class LLMEngine:
         self.num_blocks = self.executor.determine_num_blocks()
         self.num_cpu_blocks = self.executor.determine_num_cpu_blocks()
         self.executor.initialize_cache(self.num_blocks, self.num_cpu_blocks)
+        # Class-based logits processors: built where the sampling happens (the driver worker).
+        self.logits_processor_classes = args.create_logits_processor_classes()
+        if self.logits_processor_classes:
+            self.executor.collective_rpc("init_batch_logits_processors", (self.logits_processor_classes,))
         self.vocab_size = model_cfg.vocab_size
         self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
                                                enable_caching=cache_cfg.enable_prefix_caching,
@@ -79,7 +83,8 @@ class LLMEngine:
         self.structured_output_manager = StructuredOutputManager(
             self.structured_outputs_config, self.tokenizer, self.vocab_size, sched_cfg.max_num_seqs)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
-                                              args.max_logprobs, self.structured_outputs_config)
+                                              args.max_logprobs, self.structured_outputs_config,
+                                              self.logits_processor_classes)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self.stat_loggers: list[StatLogger] = []

@@ -21,12 +21,17 @@ distribution.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.sample.metadata import LogitsAdjustments, RandomSampling, SamplingMetadata
+
+if TYPE_CHECKING:
+    from pagedllm.sample.batch_logits_processors import BatchLogitsProcessors
 
 _NEG_INF = float("-inf")
 # top_p candidates grow by this factor (TOP_P_CANDIDATE_CAP, x16, ..., then the whole row) while
@@ -81,13 +86,18 @@ class Sampler:
         self.greedy_argmax = greedy_argmax
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                 processors: BatchLogitsProcessors | None = None) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
             logits: [N, vocab_size] logits of each row's last position, float32 or the model dtype
                 (widened to float32 unless every row is a plain greedy row); not modified.
             metadata: built by ``SamplingMetadata.build`` for the same N rows.
+            processors: the class-based logits processors, already told this step's batch (row
+                ``i`` = batch index ``i``), or None: those that can change an argmax run after the
+                per-request processors, before the penalties; the argmax-invariant ones after
+                temperature, for the random rows only (vLLM's order).
         Returns:
             ``SamplerOutput``; logprobs and ranks are from the raw logits.
         Raises:
@@ -98,8 +108,9 @@ class Sampler:
                 f"logits must be [{metadata.num_reqs}, {metadata.vocab_size}], "
                 f"got {list(logits.shape)}")
         rows = metadata.logprob_rows
+        early = processors.non_argmax_invariant if processors is not None else []
         if metadata.all_greedy and metadata.adjustments is None and metadata.max_num_logprobs is None \
-                and rows is not None and rows.numel() == 0:
+                and rows is not None and rows.numel() == 0 and not early:
             # Plain greedy rows, no logprobs: the argmax of the logits in their own dtype. ``max``'s
             # indices are the first maximum, as ``argmax``'s; a bfloat16 row widened to float32 has
             # the same order, so this is the float32 path's answer without the [N, V] conversion
@@ -112,8 +123,10 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()
         raw = logits
-        x = _apply_adjustments(raw, metadata.adjustments)
-        sampled = self._sample(x, metadata)
+        x = _apply_adjustments(raw, metadata.adjustments, processors)
+        late = processors.argmax_invariant if processors is not None else []
+        sampled = self._sample_with_late_processors(x, metadata, processors) if late and not metadata.all_greedy \
+            else self._sample(x, metadata)
 
         sampled_logit = raw.gather(1, sampled.unsqueeze(1)).squeeze(1)  # [N]
         k = metadata.max_num_logprobs
@@ -147,6 +160,30 @@ class Sampler:
         return out
 
 
+    @staticmethod
+    def _sample_with_late_processors(x: torch.Tensor, md: SamplingMetadata,
+                                     processors: BatchLogitsProcessors) -> torch.Tensor:
+        """[N] int64 tokens when argmax-invariant processors run (vLLM's order): greedy rows take
+        the argmax of ``x``; then the whole batch divided by its temperatures (greedy rows by 1)
+        goes through the processors, and the random rows sample from the result."""
+        out = torch.empty(md.num_reqs, dtype=torch.int64, device=x.device)
+        if not md.all_random:
+            out[md.greedy_rows] = x.index_select(0, md.greedy_rows).argmax(dim=-1)
+        rs = md.random
+        scaled = x.clone()                                  # x may be the raw logits
+        if rs.temperature is not None:
+            temps = rs.temperature if md.all_random else torch.ones(md.num_reqs, device=x.device).index_copy_(
+                0, md.random_rows, rs.temperature)
+            scaled.div_(temps.unsqueeze(1))
+        scaled = processors.apply_argmax_invariant(scaled)
+        rows = scaled if md.all_random else scaled.index_select(0, md.random_rows)
+        tokens = _sample_random(rows, dataclasses.replace(rs, temperature=None), owned=True)
+        if md.all_random:
+            return tokens
+        out[md.random_rows] = tokens
+        return out
+
+
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
                             num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                         torch.Tensor]:
@@ -177,16 +214,22 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
         return (target_logit - lse).squeeze(1), ranks, top_ids, top_vals - lse
 
 
-def _apply_adjustments(logits: torch.Tensor, adj: LogitsAdjustments | None) -> torch.Tensor:
-    """The logits after masks, bias, processors and penalties; a new tensor unless ``adj`` is None.
+def _apply_adjustments(logits: torch.Tensor, adj: LogitsAdjustments | None,
+                       processors: BatchLogitsProcessors | None = None) -> torch.Tensor:
+    """The logits after masks, bias, per-request processors, the class-based processors that can
+    change an argmax, and penalties; a new tensor unless there is nothing to do.
 
     Args:
         logits: [N, V] float32 raw logits (not modified).
         adj: the step's adjustments, None for none.
+        processors: the class-based processors (their non-argmax-invariant ones run here).
     """
-    if adj is None:
+    early = processors is not None and processors.non_argmax_invariant
+    if adj is None and not early:
         return logits
     x = logits.clone()  # [N, V], contiguous
+    if adj is None:
+        return processors.apply_non_argmax_invariant(x)
     flat = x.view(-1)  # [N * V]; keys are row * V + token
     if adj.allowed_rows is not None:
         rows = x.index_select(0, adj.allowed_rows).masked_fill_(~adj.allowed_mask, _NEG_INF)
@@ -195,11 +238,14 @@ def _apply_adjustments(logits: torch.Tensor, adj: LogitsAdjustments | None) -> t
         flat.index_fill_(0, adj.mask_keys, _NEG_INF)
     if adj.bias_keys is not None:
         flat.index_add_(0, adj.bias_keys, adj.bias_values)
-    for row, processors, output_ids in adj.logits_processors:
+    for row, row_processors, output_ids in adj.logits_processors:
         values = x[row]
-        for proc in processors:
+        for proc in row_processors:
             values = proc(output_ids, values)
         x[row] = values
+    if early:
+        x = processors.apply_non_argmax_invariant(x).contiguous()
+        flat = x.view(-1)
     if adj.repetition_keys is not None:
         vals = flat[adj.repetition_keys]
         pen = adj.repetition_penalties

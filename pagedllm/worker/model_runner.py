@@ -17,6 +17,7 @@ from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.fused_ops import greedy_argmax
 from pagedllm.layers.greedy_head import ExactGreedyHead
 from pagedllm.outputs import Logprob
+from pagedllm.sample.batch_logits_processors import BatchLogitsProcessors
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from pagedllm.sampling_params import LogitsProcessor
@@ -77,6 +78,13 @@ class ModelRunner:
         self.hidden_size, self.dtype = hidden_size, dtype
         # Exact greedy head (issue 18 item 4): plain greedy rows skip the full head.
         self.greedy_head = greedy_head
+        # Class-based logits processors (vLLM V1's interface; ``set_batch_logits_processors``).
+        self.batch_logits_processors: BatchLogitsProcessors | None = None
+
+    def set_batch_logits_processors(self, processors: BatchLogitsProcessors | None) -> None:
+        """Run these class-based processors on every step's sampled rows (driver rank only);
+        with any that can change an argmax, no row takes the exact greedy head."""
+        self.batch_logits_processors = processors
 
     def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
         """Attach the logits processors of a request that the next ``execute_model`` sends as
@@ -191,7 +199,11 @@ class ModelRunner:
             [st.prompt_token_ids for st in states],
             [self._generator_for(st) for st in states],
             logits.shape[-1], self.device, default_generator=self.default_generator)
-        sampled = self.sampler(logits, metadata)
+        processors = self.batch_logits_processors
+        if processors is not None:   # the batch they see: these rows, in this order
+            processors.update([(st.req_id, st.sampling_params, st.prompt_token_ids, st.output_token_ids)
+                               for st in states])
+        sampled = self.sampler(logits, metadata, processors)
         output.req_ids = [st.req_id for st in states]
         output.sampled_token_ids = sampled.sampled_token_ids.tolist()
         output.sampled_logprobs = sampled.sampled_logprobs.tolist()
@@ -231,7 +243,8 @@ class ModelRunner:
                 states.append(st)
                 src.append(row_of[parent])
         h = self._sampled_hidden(hidden, [ends[i] for i in sample_rows])      # [N, H]
-        plain = [k for k, st in enumerate(states) if self.is_plain_greedy(st, sched.structured_output_request_ids)]
+        plain = [] if self.batch_logits_processors is not None and self.batch_logits_processors.non_argmax_invariant \
+            else [k for k, st in enumerate(states) if self.is_plain_greedy(st, sched.structured_output_request_ids)]
         plain_rows = sorted({src[k] for k in plain})
         tokens: dict[int, int] = {}
         if plain and len(plain_rows) <= self.greedy_head.max_rows:

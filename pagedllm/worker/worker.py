@@ -334,6 +334,19 @@ class Worker:
         if self.profiler is not None:
             self.profiler.stop()
 
+    def init_batch_logits_processors(self, classes: list) -> None:
+        """Build the class-based logits processors (vLLM V1's ``cls(vllm_config, device,
+        is_pin_memory)``) on the rank that samples and hand them to the model runner (after
+        ``initialize_cache``); other ranks build none."""
+        from pagedllm.sample.batch_logits_processors import BatchLogitsProcessors
+        from pagedllm.sample.logits_processor import VllmConfig
+
+        if not classes or not self.model_runner.is_driver:
+            return
+        config = VllmConfig(self.model_config, self.cache_config, self.scheduler_config, self.parallel_config)
+        self.model_runner.set_batch_logits_processors(BatchLogitsProcessors.build(classes, config, self.device))
+        logger.info("logits processors: %s", ", ".join(c.__name__ for c in classes))
+
     def add_logits_processors(self, req_id: str, processors) -> None:
         """In-process only: attach a request's logits processors (``ModelRunner.add_logits_processors``)."""
         self.model_runner.add_logits_processors(req_id, processors)

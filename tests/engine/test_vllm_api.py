@@ -485,18 +485,24 @@ def test_profiler_dir_from_the_environment_at_the_edge(monkeypatch, tmp_path):
     assert EngineArgs.from_cli_args(flag).create_profiler_config().torch_profiler_dir == os.path.abspath("t")
 
 
-def test_profiler_in_worker_processes(make_tiny_checkpoint, tmp_path):
-    """The multiprocess executor: each rank process records its own steps and writes its trace."""
+def test_profiler_and_logits_processors_in_worker_processes(make_tiny_checkpoint, tmp_path):
+    """The multiprocess executor: each rank process records its own steps and writes its trace;
+    class-based logits processors (item 11) travel by name to the sampling rank and run there."""
     import json
 
     trace_dir = tmp_path / "mp_traces"
     llm = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, distributed_executor_backend="mp", tensor_parallel_size=2,
               profiler_config={"profiler": "torch", "torch_profiler_dir": str(trace_dir),
-                               "torch_profiler_use_gzip": False, "torch_profiler_with_stack": False})
+                               "torch_profiler_use_gzip": False, "torch_profiler_with_stack": False},
+              logits_processors=[DummyLogitsProcessor])
     try:
         llm.start_profile()
         llm.generate("The quick brown fox", GREEDY, use_tqdm=False)
         llm.stop_profile()
+        forced = llm.generate(["The quick brown fox", "blocks"],
+                              [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, extra_args={"target_token": 9}),
+                               GREEDY], use_tqdm=False)
+        assert forced[0].outputs[0].token_ids == [9] * 4 and forced[1].outputs[0].token_ids != [9] * 8
     finally:
         llm.llm_engine.shutdown()
     files = sorted(os.listdir(trace_dir))
@@ -504,3 +510,132 @@ def test_profiler_in_worker_processes(make_tiny_checkpoint, tmp_path):
     for f in files:
         names = [e.get("name", "") for e in json.load(open(trace_dir / f))["traceEvents"]]
         assert names.count("pagedllm::execute_model") == 8 and "aten::embedding" in names
+
+
+# -- 11. class-based logits processors (vLLM V1's interface) ---------------------------------
+
+import torch  # noqa: E402
+
+from pagedllm.v1.sample.logits_processor import (AdapterLogitsProcessor, BatchUpdate,  # noqa: E402
+                                                 LogitsProcessor)
+from pagedllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa: E402
+
+
+class DummyLogitsProcessor(LogitsProcessor):
+    """The logic of vLLM's examples/offline_inference/logits_processor/custom.py: a request whose
+    ``extra_args`` name a ``target_token`` can only produce that token."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self.req_info: dict[int, int] = {}
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.device = device
+
+    @classmethod
+    def validate_params(cls, params):
+        target = (params.extra_args or {}).get("target_token")
+        if target is not None and (not isinstance(target, int) or target < 0):
+            raise ValueError(f"extra_args.target_token must be a token id, got {target!r}")
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None):
+        process_dict_updates(self.req_info, batch_update,
+                             lambda params, _prompt, _out: (params.extra_args or {}).get("target_token"))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.req_info:
+            return logits
+        rows = torch.tensor(list(self.req_info), dtype=torch.long, device=logits.device)
+        cols = torch.tensor(list(self.req_info.values()), dtype=torch.long, device=logits.device)
+        keep = logits[rows, cols].clone()
+        logits[rows] = float("-inf")
+        logits[rows, cols] = keep
+        return logits
+
+
+class KeepTopOneForRandomRows(LogitsProcessor):
+    """Argmax-invariant: keeps each row's best token only; counts the rows it was given."""
+
+    calls: list[int] = []
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update):
+        pass
+
+    def apply(self, logits):
+        type(self).calls.append(logits.shape[0])
+        best = logits.argmax(dim=-1, keepdim=True)
+        return torch.full_like(logits, float("-inf")).scatter_(1, best, logits.gather(1, best))
+
+
+class BanTokenAdapter(AdapterLogitsProcessor):
+    """vLLM's adapter style: a per-request function from ``extra_args["ban"]``."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params):
+        ban = (params.extra_args or {}).get("ban")
+        if ban is None:
+            return None
+
+        def fn(output_ids, row):
+            row[ban] = float("-inf")
+            return row
+        return fn
+
+
+PROMPTS = ["Hello, my name is", "The quick brown fox", "A paged KV cache", "Numbers 0123456789"]
+
+
+def test_dummy_logits_processor_forces_the_target_token_of_its_requests_only(make_tiny_checkpoint, llm):
+    target = 77
+    plain = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert all(target not in o.outputs[0].token_ids for o in plain)
+    # max_num_seqs=2: the batch changes as requests finish and join (removed / added / moved).
+    forced = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, max_num_seqs=2, logits_processors=[DummyLogitsProcessor])
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True,
+                             extra_args={"target_token": target} if i % 2 == 0 else None) for i in range(4)]
+    params.append(SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True,
+                                 extra_args={"target_token": target}))    # a random row is forced too
+    outs = forced.generate(PROMPTS + ["blocks"], params, use_tqdm=False)
+    for i, out in enumerate(outs[:4]):
+        if i % 2 == 0:
+            assert out.outputs[0].token_ids == [target] * (6 + i)
+        else:   # untouched requests: exactly what the engine gives without the processor
+            assert out.outputs[0].token_ids[:6] == plain[i].outputs[0].token_ids
+    assert outs[4].outputs[0].token_ids == [target] * 5
+    with pytest.raises(ValueError, match="target_token"):    # validate_params, before anything runs
+        forced.generate("x", SamplingParams(extra_args={"target_token": "seventy"}), use_tqdm=False)
+    forced.llm_engine.shutdown()
+    # By name, as --logits-processors takes them; and the adapter style.
+    by_name = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW,
+                  logits_processors=[f"{__name__}:DummyLogitsProcessor", BanTokenAdapter])
+    first = plain[1].outputs[0].token_ids[0]
+    outs = by_name.generate(PROMPTS[1], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                        extra_args={"ban": first})], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids[0] != first
+    by_name.llm_engine.shutdown()
+    with pytest.raises(ValueError, match="logits_processors"):
+        LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, logits_processors=[object])
+    with pytest.raises(ValueError, match="logits_processors"):
+        LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, logits_processors=["no.such.module:Proc"])
+
+
+def test_argmax_invariant_processors_run_after_temperature_on_random_rows_only(make_tiny_checkpoint, llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    top1 = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, logits_processors=[KeepTopOneForRandomRows])
+    KeepTopOneForRandomRows.calls.clear()
+    top1.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert KeepTopOneForRandomRows.calls == []                        # all greedy: never applied
+    hot = top1.generate(PROMPTS, SamplingParams(temperature=5.0, seed=0, max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in hot] == [o.outputs[0].token_ids for o in greedy]
+    assert KeepTopOneForRandomRows.calls and max(KeepTopOneForRandomRows.calls) == 4   # the whole batch
+    top1.llm_engine.shutdown()
