@@ -639,3 +639,21 @@ def test_argmax_invariant_processors_run_after_temperature_on_random_rows_only(m
     assert [o.outputs[0].token_ids for o in hot] == [o.outputs[0].token_ids for o in greedy]
     assert KeepTopOneForRandomRows.calls and max(KeepTopOneForRandomRows.calls) == 4   # the whole batch
     top1.llm_engine.shutdown()
+
+
+@pytest.mark.slow   # spawns two replica processes
+@pytest.mark.timeout(300)
+def test_data_parallel_reset_and_profile_reach_every_replica(make_tiny_checkpoint, tmp_path):
+    trace_dir = tmp_path / "dp_traces"
+    llm = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, data_parallel_size=2,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(trace_dir)})
+    try:
+        llm.start_profile()
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.stop_profile()
+        assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 4
+        assert len(os.listdir(trace_dir)) == 2                      # one trace per replica's worker
+        assert llm.reset_prefix_cache(reset_running_requests=True) is True
+        assert llm.reset_prefix_cache() is True
+    finally:
+        llm.llm_engine.shutdown()
