@@ -9,7 +9,7 @@ carry their settings over.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # CPU defaults: a step of the default model (Gemma 3 270M) over 1024 tokens takes about 3 s on two
@@ -125,9 +125,9 @@ class SchedulerConfig:
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
 
 
-# ``StructuredOutputsConfig.backend`` values (vLLM's ``--structured-outputs-backend``): "auto" picks per
-# request, and xgrammar is the only grammar engine here, so both mean xgrammar.
-SUPPORTED_STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
+# ``StructuredOutputsConfig.backend`` values (vLLM's ``--structured-outputs-backend`` names): "auto" is
+# "guidance" (llguidance, a dependency); "xgrammar" needs the extra (structured_output/backend.py).
+SUPPORTED_STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "xgrammar")
 DEFAULT_MAX_STRUCTURED_OUTPUT_GRAMMAR_CACHE = 64
 
 
@@ -136,18 +136,43 @@ class StructuredOutputsConfig:
     """Grammar-constrained decoding (``pagedllm/structured_output``).
 
     Attributes:
-        backend: "auto" or "xgrammar" (the grammar engine; "auto" picks one per request).
+        backend: "auto", "guidance" or "xgrammar" (the grammar engine; "auto" is "guidance").
         max_grammar_cache: compiled grammars kept (entries, LRU by canonical schema text).
         disable_any_whitespace: JSON constraints allow no free whitespace between tokens
             (compact ``,`` / ``:`` separators). On by default: a small model given free
             whitespace can spend its whole ``max_tokens`` on newlines.
         compile_threads: threads that compile grammars off the engine loop.
+        disable_additional_properties: JSON object schemas that declare ``properties`` admit no
+            other members unless they say so (``additionalProperties``): what xgrammar does
+            by default, applied for every backend (``grammar.declared_properties_only``). vLLM's
+            option of that name is off by default; on here, so that the default backend
+            (llguidance) writes what xgrammar, vLLM's default, writes.
     """
 
     backend: str = "auto"
     max_grammar_cache: int = DEFAULT_MAX_STRUCTURED_OUTPUT_GRAMMAR_CACHE
     disable_any_whitespace: bool = True
     compile_threads: int = 2
+    disable_additional_properties: bool = True
+
+    @classmethod
+    def from_any(cls, value: "StructuredOutputsConfig | dict | None", **defaults) -> "StructuredOutputsConfig":
+        """vLLM's ``structured_outputs_config`` engine argument: a ``StructuredOutputsConfig``, a dict
+        of its fields (``{"backend": "guidance"}``) laid over ``defaults``, or None (``defaults``).
+
+        Raises:
+            ValueError: an unknown key (naming it) or a bad value.
+        """
+        if isinstance(value, cls):
+            return value
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a dict or StructuredOutputsConfig, "
+                             f"got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value or {}) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown key(s) {unknown}; supported: {sorted(known)}")
+        return cls(**{**defaults, **(value or {})})
 
     def __post_init__(self) -> None:
         if self.backend not in SUPPORTED_STRUCTURED_OUTPUTS_BACKENDS:

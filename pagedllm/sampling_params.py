@@ -23,7 +23,7 @@ class RequestOutputKind(enum.Enum):
 class StructuredOutputsParams:
     """A constraint on the generated text (vLLM's ``StructuredOutputsParams``), plain data.
 
-    Exactly one of the fields below is set. The engine compiles it with xgrammar
+    Exactly one of the fields below is set. The engine compiles it with its backend (llguidance or xgrammar)
     (``pagedllm/structured_output``) and masks every step's logits to the tokens the grammar allows;
     EOS is allowed only where the grammar may end, and a grammar that allows nothing more ends the
     request (finish reason "stop").
@@ -32,7 +32,7 @@ class StructuredOutputsParams:
         json: a JSON schema (dict, or its JSON text); the output is JSON that validates against it.
         regex: a regular expression the whole output matches.
         choice: the output is exactly one of these strings.
-        grammar: an EBNF grammar (xgrammar's GBNF dialect, root rule ``root``).
+        grammar: an EBNF grammar (llama.cpp's GBNF, which both backends read, root rule ``root``; llguidance also reads Lark).
         json_object: any JSON object (``response_format: {"type": "json_object"}``).
         disable_any_whitespace: JSON without free whitespace between tokens (compact separators);
             None takes the engine's default (``StructuredOutputsConfig.disable_any_whitespace``).

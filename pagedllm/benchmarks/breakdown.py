@@ -18,7 +18,7 @@ forward), so the table reports the exclusive part of each:
 - ``model runner, other``: ``execute_model`` minus forward, LM head, sampler and mask apply
   (input tensors, attention and sampling metadata, copying results to Python);
 - ``grammar bitmask fill``: [structured output] ``StructuredOutputManager.grammar_bitmask`` in
-  the engine (xgrammar fills one row per constrained request that samples);
+  the engine (the backend fills one row per constrained request that samples);
 - ``grammar accept``: [structured output] the matchers advancing by the sampled tokens (inside
   ``update_from_output``);
 - ``scheduler``: ``schedule`` + ``update_from_output`` minus grammar accept;

@@ -48,7 +48,7 @@ def compile_schemas(engine) -> dict:
     holds them for the timed run) and time each compile.
 
     Returns:
-        ``tokenizer_info_s`` (the one-off xgrammar vocabulary build, s), ``compile_mean_s``,
+        ``tokenizer_info_s`` (the one-off vocabulary build of the backend, s), ``compile_mean_s``,
         ``compile_p99_s``, ``compile_max_s`` (per distinct schema, s), ``num_schemas``.
     """
     from pagedllm.sampling_params import StructuredOutputsParams

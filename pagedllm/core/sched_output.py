@@ -94,7 +94,7 @@ class SchedulerOutput:
         structured_output_request_ids: request id -> row of ``grammar_bitmask``, for the
             constrained requests that sample this step (vLLM V1's name).
         grammar_bitmask: [len(structured_output_request_ids), ceil(vocab_size / 32)] int32 numpy
-            array filled by the engine after ``schedule()`` (xgrammar's layout: bit ``t % 32`` of
+            array filled by the engine after ``schedule()`` (xgrammar's and llguidance's layout: bit ``t % 32`` of
             word ``t // 32`` set = token ``t`` allowed), or None when no row is constrained.
 
     The worker applies them in this order: swap-out, copy, swap-in, then the forward.

@@ -107,7 +107,11 @@ class EngineArgs:
         hf_overrides: changes to the model's config.json before the model is built: a dict
             (merged; nested dicts key by key) or a callable taking and returning the config
             (attribute access), as vLLM's (``loaders/hf_overrides.py``).
-        structured_outputs_backend: "auto" | "xgrammar" (grammar engine of constrained decoding).
+        structured_outputs_backend: "auto" | "guidance" | "xgrammar" (grammar engine of constrained
+            decoding; "auto" is "guidance", llguidance; xgrammar needs ``pagedllm[xgrammar]``).
+        structured_outputs_config: vLLM's form of the same settings: a dict of
+            ``StructuredOutputsConfig`` fields (``{"backend": "xgrammar"}``) laid over the two
+            arguments here, or a ``StructuredOutputsConfig``.
         max_structured_output_grammar_cache: [entries] compiled grammars kept (LRU).
     """
 
@@ -152,6 +156,7 @@ class EngineArgs:
     cpu_threads_per_rank: int | str | None = field(default_factory=lambda: _env(CPU_THREADS_PER_RANK_ENV))
     structured_outputs_backend: str = "auto"
     max_structured_output_grammar_cache: int = 64
+    structured_outputs_config: Any = None
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
     hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
@@ -298,12 +303,12 @@ class EngineArgs:
         """The ``StructuredOutputsConfig`` of these arguments.
 
         Raises:
-            ValueError: for an unknown backend or a cache size < 1 (naming the argument).
+            ValueError: for an unknown backend or key, or a cache size < 1 (naming the argument).
         """
         from pagedllm.config import StructuredOutputsConfig
 
-        return StructuredOutputsConfig(backend=self.structured_outputs_backend,
-                                       max_grammar_cache=self.max_structured_output_grammar_cache)
+        return StructuredOutputsConfig.from_any(self.structured_outputs_config, backend=self.structured_outputs_backend,
+                                                max_grammar_cache=self.max_structured_output_grammar_cache)
 
     def _pp_partition(self) -> tuple[int, ...] | None:
         if self.pp_layer_partition is None or self.pp_layer_partition == "":
@@ -442,10 +447,14 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
     g.add_argument("--hf-overrides", type=_json_dict, default=None,
                    help="JSON object merged into the model's config.json before the model is built, "
                         "e.g. '{\"rope_parameters\": {\"rope_theta\": 1000000}}'")
-    g.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar"],
-                   help="grammar engine for response_format / structured_outputs / tools (default: auto)")
+    g.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "guidance", "xgrammar"],
+                   help="grammar engine for response_format / structured_outputs / tools: guidance "
+                        "(llguidance) or xgrammar (pip install 'pagedllm[xgrammar]'); auto = guidance")
     g.add_argument("--max-structured-output-grammar-cache", type=int, default=64,
                    help="compiled grammars kept, one per distinct schema (LRU; default: 64)")
+    g.add_argument("--structured-outputs-config", type=_json_dict, default=None,
+                   help="vLLM's JSON form of the structured-output settings, laid over the two flags "
+                        "above, e.g. '{\"backend\": \"xgrammar\", \"disable_additional_properties\": false}'")
 
 
 def engine_args_from_cli(ns, positional_model: str | None = None, cls: type[EngineArgs] | None = None) -> EngineArgs:

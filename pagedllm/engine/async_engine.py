@@ -202,6 +202,11 @@ class AsyncFrontEnd:
         return self._core.vocab_size
 
     @property
+    def structured_outputs_config(self):
+        """The engine's ``StructuredOutputsConfig`` (backend, JSON whitespace default)."""
+        return self._core.input_processor.structured_outputs_config
+
+    @property
     def data_parallel_size(self) -> int:
         raise NotImplementedError
 

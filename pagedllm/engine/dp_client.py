@@ -93,7 +93,8 @@ class DPEngineClient:
         self.tokenizer = Tokenizer.from_pretrained(engine_args.tokenizer or files.folder)
         self.vocab_size = model_cfg.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
-                                              engine_args.max_logprobs)
+                                              engine_args.max_logprobs,
+                                              engine_args.create_structured_outputs_config())
         self.balancer = DPLoadBalancer(self.num_replicas, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.stat_loggers: list[list] = [[] for _ in range(self.num_replicas)]
         self.initial_stats: list = [None] * self.num_replicas

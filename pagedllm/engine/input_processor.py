@@ -55,7 +55,7 @@ class InputProcessor:
         max_model_len: tokens per request.
         vocab_size: logits width; every token id must be below it.
         max_logprobs: most top logprobs a request may ask for.
-        structured_outputs_config: grammar settings (the JSON whitespace default).
+        structured_outputs_config: grammar settings (the JSON whitespace default, the backend).
         logits_processor_classes: the engine's class-based logits processors; each one's
             ``validate_params`` checks every request.
     """
@@ -78,7 +78,7 @@ class InputProcessor:
                 ``prompt``); token ids outside [0, vocab_size); prompt longer than
                 max_model_len (``PromptTooLongError``, both lengths in the message); logprobs / prompt_logprobs above
                 max_logprobs; logit_bias / allowed_token_ids / stop_token_ids outside the vocabulary;
-                a prompt of an unknown type; a ``structured_outputs`` constraint xgrammar
+                a prompt of an unknown type; a ``structured_outputs`` constraint the backend
                 cannot build (naming ``structured_outputs.json`` / ``.regex`` / ``.grammar``).
         """
         if not isinstance(params, SamplingParams):
@@ -104,8 +104,7 @@ class InputProcessor:
         if params.structured_outputs is not None:
             from pagedllm.structured_output.grammar import validate_structured_outputs
 
-            validate_structured_outputs(params.structured_outputs,
-                                        self.structured_outputs_config.disable_any_whitespace)
+            validate_structured_outputs(params.structured_outputs, self.structured_outputs_config)
         for cls in self.logits_processor_classes:
             cls.validate_params(params)   # ValueError: the processor refuses the request's extra_args
         params = params.clone()

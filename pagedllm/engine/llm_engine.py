@@ -20,6 +20,7 @@ from pagedllm.loaders import load_config, resolve_model
 from pagedllm.metrics.stats import IterationStats, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.backend import get_backend_class
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import Tokenizer
 
@@ -47,6 +48,10 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, executor_class: type[Executor] | None = None) -> None:
         t0 = time.perf_counter()
         self.args = args
+        # Bad structured-output settings, or a backend whose package is missing, fail before any
+        # weight loads (ValueError naming structured_outputs_backend / _config).
+        self.structured_outputs_config = args.create_structured_outputs_config()
+        get_backend_class(self.structured_outputs_config.backend)
         files = resolve_model(args.model)
         self.model_files = files
         model_cfg, cache_cfg, sched_cfg, parallel_cfg = args.create_engine_config(
@@ -79,7 +84,6 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager,
                                    max_concurrent_batches=self.executor.max_concurrent_batches)
         self.profiler_config = args.create_profiler_config()
-        self.structured_outputs_config = args.create_structured_outputs_config()
         self.structured_output_manager = StructuredOutputManager(
             self.structured_outputs_config, self.tokenizer, self.vocab_size, sched_cfg.max_num_seqs)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,

@@ -17,7 +17,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[
 
     Args:
         logits: [N, vocab_size] float32 or the model dtype, one row per sampling request (modified in place).
-        bitmask: [len(rows), ceil(vocab_size / 32)] int32, xgrammar's layout (bit ``t % 32`` of
+        bitmask: [len(rows), ceil(vocab_size / 32)] int32, xgrammar's and llguidance's layout (bit ``t % 32`` of
             word ``t // 32`` set = token ``t`` allowed); row ``i`` applies to ``logits[rows[i]]``.
         rows: distinct indices into ``logits``.
     Raises:

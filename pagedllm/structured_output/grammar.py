@@ -1,8 +1,9 @@
-"""``StructuredOutputsParams`` -> ``xgrammar.Grammar`` (no vocabulary needed: cheap, done at the edge).
+"""``StructuredOutputsParams`` -> a grammar key, the backend-neutral form of a constraint.
 
 The grammar of a request is built twice: once by the input processor, to refuse an invalid
-schema, regex or grammar with a ``ValueError`` before anything is queued, and again in the compile
-thread (then compiled against the vocabulary). ``grammar_key`` is the canonical text used as the
+schema, regex or grammar with a ``ValueError`` before anything is queued
+(``validate_structured_outputs``), and again in the compile thread (then compiled against the
+vocabulary by the engine's backend, ``backend.py``). ``grammar_key`` is the canonical text used as the
 compile cache's key: two requests with the same schema, whatever its key order or spacing, share
 one compiled grammar.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 
 # ``json_object``: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
@@ -71,7 +73,7 @@ def check_schema_refs(schema: Any, field: str = "structured_outputs.json") -> No
     ``#/$defs/Name``, ``#/definitions/Name``, ``#/properties/a``) to a value that exists, or a
     ``#name`` fragment that some subschema declares as its ``$anchor``. A reference that does not
     (a missing definition, a URL, a file) would otherwise leave that part of the output
-    unconstrained (xgrammar warns and accepts it); nothing is fetched.
+    unconstrained (xgrammar warns and accepts it) or fail inside the backend; nothing is fetched.
 
     Raises:
         ValueError: naming ``field``, the ``$ref`` and where it is (a JSON pointer).
@@ -93,49 +95,10 @@ def check_schema_refs(schema: Any, field: str = "structured_outputs.json") -> No
             raise ValueError(f"{field}: the $ref {ref!r} at {path} cannot be resolved: this schema has nothing there")
 
 
-# One JSON string character without escapes: U+0020-U+10FFFF less '"', '\\' and the surrogates.
-# The range ends are the characters themselves: xgrammar's regex knows no "\U" escape (it warned
-# and took "U" literally, which left out U+E000-U+10FFFF, emoji included).
-_BOUNDED_STRING_PATTERN = "^[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]{%d,%s}$"
-
-
-def _bounded_strings_as_patterns(node):
-    """A copy of a schema in which every length-bounded plain string (``type: string`` with
-    ``minLength`` / ``maxLength``, no ``pattern`` / ``format`` / ``enum`` / ``const``) is the
-    equivalent ``pattern`` of unescaped JSON characters, and a string with both a pattern and
-    lengths keeps only the pattern.
-
-    xgrammar 0.2.8 turns a length-bounded string into ``[^"\\\r\n]{m,n}``, which admits raw
-    control characters (U+0000-U+001F other than CR, LF): invalid JSON that ``json.loads`` and
-    pydantic refuse; and a negated class takes any continuation bytes after a UTF-8 lead byte
-    (``F0 80 80 80``), which decodes to U+FFFD and breaks the length. The pattern here lists the
-    allowed code points as ranges (no ``"``, ``\\``, control characters or surrogates), which
-    xgrammar turns into exact UTF-8 byte ranges. Strings so bounded carry no escape sequences.
-    xgrammar ignores lengths next to a pattern anyway (and warns on stderr each time).
-    """
-    if isinstance(node, list):
-        return [_bounded_strings_as_patterns(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _bounded_strings_as_patterns(v) for k, v in node.items()}
-    if out.get("type") == "string" and ("minLength" in out or "maxLength" in out) \
-            and not any(k in out for k in ("format", "enum", "const")):
-        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
-        if "pattern" not in out and isinstance(lo, int) and (hi == "" or isinstance(hi, int)):
-            out["pattern"] = _BOUNDED_STRING_PATTERN % (lo, hi)
-    return out
-
-
-def _choice_ebnf(choices: list[str]) -> str:
-    """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes, which
-    xgrammar's EBNF string literals accept)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
 def _canonical(schema: Any, ordered: bool = False) -> Any:
     """``schema`` with the keys of every object sorted, except the members of a ``properties``
-    object: their order is the order in which the constrained JSON writes them (xgrammar follows
-    it), so it is part of what the grammar means and stays as given."""
+    object: their order is the order in which the constrained JSON writes them (both backends
+    follow it), so it is part of what the grammar means and stays as given."""
     if isinstance(schema, dict):
         items = schema.items() if ordered else sorted(schema.items())
         return {k: _canonical(v, ordered=not ordered and k == "properties") for k, v in items}
@@ -144,76 +107,80 @@ def _canonical(schema: Any, ordered: bool = False) -> Any:
     return schema
 
 
-def grammar_key(params: StructuredOutputsParams, disable_any_whitespace: bool) -> tuple[str, str]:
+# Keywords whose values are data, not schemas; keywords whose values map names to schemas.
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def declared_properties_only(node: Any) -> Any:
+    """A copy of a schema in which every object schema that declares ``properties`` and says
+    nothing of others (no ``additionalProperties``, ``patternProperties`` or
+    ``unevaluatedProperties``) gets ``additionalProperties: false``: the output holds only the
+    properties the schema names. xgrammar does this itself (its ``strict_mode``, on by default);
+    llguidance follows JSON Schema, where undeclared properties are allowed, and a small model
+    then writes made-up members until ``max_tokens``. vLLM offers the same rewrite for its
+    guidance backend (``disable_additional_properties``)."""
+    if isinstance(node, list):
+        return [declared_properties_only(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):   # name -> schema (a name is no keyword)
+            out[key] = {name: declared_properties_only(schema) for name, schema in value.items()}
+        else:
+            out[key] = declared_properties_only(value)
+    if isinstance(out.get("properties"), dict) and not any(
+            k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out
+
+
+def grammar_key(params: StructuredOutputsParams, disable_any_whitespace: bool,
+                disable_additional_properties: bool = True) -> tuple[str, str]:
     """(kind, canonical text) identifying the compiled grammar of ``params``.
 
     Args:
         params: the constraint.
         disable_any_whitespace: the engine's default, used when ``params`` leaves it None.
+        disable_additional_properties: object schemas with ``properties`` admit no others
+            (``declared_properties_only``).
     Raises:
         ValueError: as ``_schema_of``.
     """
     kind = params.kind
     if kind in ("json", "json_object"):
         compact = disable_any_whitespace if params.disable_any_whitespace is None else params.disable_any_whitespace
-        text = json.dumps(_canonical(_bounded_strings_as_patterns(_schema_of(params))), separators=(",", ":"),
-                          ensure_ascii=False)
+        schema = _schema_of(params)
+        if disable_additional_properties:
+            schema = declared_properties_only(schema)
+        text = json.dumps(_canonical(schema), separators=(",", ":"), ensure_ascii=False)
         return ("json-compact" if compact else "json", text)
     if kind == "regex":
         return ("regex", params.regex)
     if kind == "choice":
-        return ("grammar", _choice_ebnf(params.choice))
+        return ("choice", json.dumps(list(params.choice), ensure_ascii=False))
     return ("grammar", params.grammar)
 
 
-# How xgrammar is installed (README Quickstart): without its dependencies, because its metadata
-# asks for triton on Linux x86_64, which only its CUDA kernels use (docs/structured_output.md).
-XGRAMMAR_INSTALL = "pip install --no-deps xgrammar==0.2.8"
+def config_key(params: StructuredOutputsParams, config: StructuredOutputsConfig) -> tuple[str, str]:
+    """``grammar_key`` with the engine's defaults (``config``)."""
+    return grammar_key(params, config.disable_any_whitespace, config.disable_additional_properties)
 
 
-def import_xgrammar():
-    """``import xgrammar``, or an ImportError that says how to install it.
+def validate_structured_outputs(params: StructuredOutputsParams, config: StructuredOutputsConfig | None = None) -> None:
+    """Check that the backend can build the constraint's grammar (the edge check; no vocabulary).
 
+    Args:
+        params: the constraint.
+        config: the engine's settings (its backend, JSON defaults); None: the defaults.
     Raises:
-        ImportError: when xgrammar is not installed.
+        ValueError: naming the field (``structured_outputs.json`` / ``.regex`` / ``.choice`` /
+            ``.grammar``), or ``structured_outputs_backend`` when its package is missing.
     """
-    try:
-        import xgrammar
-    except ImportError as e:
-        raise ImportError(f"structured outputs and tools need xgrammar, which is not installed: "
-                          f"{XGRAMMAR_INSTALL} (see the README's Quickstart)") from e
-    return xgrammar
+    from pagedllm.structured_output.backend import get_backend_class
 
-
-def build_grammar(key: tuple[str, str]):
-    """The ``xgrammar.Grammar`` of a key from ``grammar_key``.
-
-    Raises:
-        ValueError: naming the field, with xgrammar's message, when xgrammar cannot build it.
-        ImportError: when xgrammar is not installed.
-    """
-    xgr = import_xgrammar()
-
-    kind, text = key
-    try:
-        if kind in ("json", "json-compact"):
-            if kind == "json-compact":
-                return xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=(",", ":"))
-            return xgr.Grammar.from_json_schema(text, any_whitespace=True)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(text)
-        return xgr.Grammar.from_ebnf(text)
-    except Exception as e:  # xgrammar raises RuntimeError / its own errors with the parser's message
-        field = {"json": "json", "json-compact": "json", "regex": "regex", "grammar": "grammar"}[kind]
-        what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar"}[field]
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"structured_outputs.{field}: xgrammar cannot compile this {what}: {message}") from None
-
-
-def validate_structured_outputs(params: StructuredOutputsParams, disable_any_whitespace: bool = True) -> None:
-    """Check that xgrammar can build the constraint's grammar (the edge check; no vocabulary).
-
-    Raises:
-        ValueError: naming the field (``structured_outputs.json`` / ``.regex`` / ``.grammar``).
-    """
-    build_grammar(grammar_key(params, disable_any_whitespace))
+    config = config or StructuredOutputsConfig()
+    get_backend_class(config.backend).validate(config_key(params, config))

@@ -20,7 +20,8 @@ import numpy as np
 
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.grammar import build_grammar, grammar_key, import_xgrammar
+from pagedllm.structured_output.backend import get_backend_class, resolve_backend_name
+from pagedllm.structured_output.grammar import config_key
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 logger = logging.getLogger(__name__)
@@ -29,19 +30,23 @@ logger = logging.getLogger(__name__)
 class StructuredOutputManager:
     """The grammar compiler, its LRU cache and the step's token bitmask.
 
-    The tokenizer info (every token's bytes, needed by xgrammar; 262,144 tokens for the default
-    model) and the ``GrammarCompiler`` are built once, in the compile pool, on the first
-    constrained request. Each distinct grammar (``grammar_key``) compiles once; its future sits in
+    The backend (``config.backend``: llguidance or xgrammar, ``backend.py``) and its view of the
+    vocabulary (every token's bytes; 262,144 tokens for the default model) are built once, in the
+    compile pool, on the first constrained request. Each distinct grammar (``grammar_key``) compiles once; its future sits in
     an LRU of ``config.max_grammar_cache`` entries, so concurrent requests with the same schema
     wait on one compile.
 
     Args:
         config: the structured-output settings.
-        tokenizer: the engine's ``Tokenizer`` (its ``get_hf_tokenizer()`` feeds xgrammar).
+        tokenizer: the engine's ``Tokenizer`` (its ``get_hf_tokenizer()`` feeds the backend).
         vocab_size: the logits width (tokens; may exceed the tokenizer's vocabulary).
         max_num_seqs: rows of the preallocated bitmask (the most requests in one step).
     Attributes:
+        backend_name: the backend that runs ("guidance" or "xgrammar"; "auto" resolved).
         compile_times_s: seconds each grammar compile took, in completion order.
+    Raises:
+        ValueError: naming ``structured_outputs_backend`` when its package is not installed
+            (at engine start, not at the first constrained request).
     """
 
     def __init__(self, config: StructuredOutputsConfig, tokenizer, vocab_size: int, max_num_seqs: int) -> None:
@@ -49,31 +54,24 @@ class StructuredOutputManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
+        self.backend_name = resolve_backend_name(config.backend)
+        self._backend_class = get_backend_class(self.backend_name)
         self._pool = ThreadPoolExecutor(max_workers=config.compile_threads, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
-        self._compiler: Future | None = None
+        self._backend: Future | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._bitmask = None  # [max_num_seqs, ceil(vocab/32)] int32 torch tensor, made on first use
+        self._bitmask: np.ndarray | None = None  # [max_num_seqs, ceil(vocab/32)] int32, made on first use
         self.compile_times_s: list[float] = []
 
     # -- compiling ----------------------------------------------------------------------------
 
-    def _build_compiler(self):
-        xgr = import_xgrammar()
-
-        t0 = time.perf_counter()
-        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer.get_hf_tokenizer(), vocab_size=self.vocab_size,
-                                                  stop_token_ids=list(self.tokenizer.eos_token_ids))
-        # Our LRU bounds the cache by entries; xgrammar's own cache would keep a second copy.
-        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        logger.info("structured output: xgrammar tokenizer info over %d tokens built in %.2f s",
-                    self.vocab_size, time.perf_counter() - t0)
-        return compiler
+    def _build_backend(self):
+        return self._backend_class(self.tokenizer, self.vocab_size)
 
     def _compile(self, key: tuple[str, str]):
-        compiler = self._compiler.result()
+        backend = self._backend.result()
         t0 = time.perf_counter()
-        compiled = compiler.compile_grammar(build_grammar(key))
+        compiled = backend.compile(key)
         elapsed = time.perf_counter() - t0
         with self._lock:
             self.compile_times_s.append(elapsed)
@@ -86,10 +84,10 @@ class StructuredOutputManager:
         Raises:
             ValueError: for a schema that is not JSON (the input processor checks it earlier).
         """
-        key = grammar_key(params, self.config.disable_any_whitespace)
+        key = config_key(params, self.config)
         with self._lock:
-            if self._compiler is None:
-                self._compiler = self._pool.submit(self._build_compiler)
+            if self._backend is None:
+                self._backend = self._pool.submit(self._build_backend)
             future = self._cache.get(key)
             if future is not None and not (future.done() and future.exception() is not None):
                 self._cache.move_to_end(key)
@@ -102,7 +100,8 @@ class StructuredOutputManager:
 
     def make_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A new handle (own matcher) over the shared compiled grammar of ``params``."""
-        return StructuredOutputRequest(self.compiled_grammar(params))
+        compiled = self.compiled_grammar(params)   # (starts the backend's build on first use)
+        return StructuredOutputRequest(compiled, self._backend)
 
     @property
     def num_cached_grammars(self) -> int:
@@ -125,18 +124,16 @@ class StructuredOutputManager:
         """
         if not rows:
             return None
-        import xgrammar as xgr
-
         if len(rows) > self.max_num_seqs:
             raise RuntimeError(f"{len(rows)} constrained rows in one step, more than max_num_seqs={self.max_num_seqs}")
         if self._bitmask is None:
-            self._bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
+            self._bitmask = np.full((self.max_num_seqs, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         # Row by row in this thread: xgrammar's ``BatchGrammarMatcher`` (a C++ thread pool) was
         # tried and made the next forward ~4x slower on 2 cores, its threads contending with
-        # torch's OpenMP threads; the serial fill is ~0.1 ms a row (docs/benchmarks.md).
+        # torch's OpenMP threads (docs/benchmarks.md).
         for req_id, row in rows.items():
             requests[req_id].structured_output_request.fill_bitmask(self._bitmask, row)
-        return self._bitmask[:len(rows)].numpy().copy()
+        return self._bitmask[:len(rows)].copy()
 
     def shutdown(self) -> None:
         """Stop the compile threads (running compiles finish; queued ones are cancelled)."""

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # imported where used: the engine imports this module with or without xgrammar
-    import xgrammar as xgr
+import numpy as np
+
+from pagedllm.structured_output.backend import GrammarMatcher, StructuredOutputBackend
 
 
 class StructuredOutputRequest:
@@ -18,11 +18,13 @@ class StructuredOutputRequest:
 
     Args:
         compiled: the compile job's future (``StructuredOutputManager``).
+        backend: the future of the engine's backend (built in the same pool, before the compile).
     """
 
-    def __init__(self, compiled: "Future[xgr.CompiledGrammar]") -> None:
+    def __init__(self, compiled: Future, backend: Future[StructuredOutputBackend]) -> None:
         self._compiled = compiled
-        self._matcher: xgr.GrammarMatcher | None = None
+        self._backend = backend
+        self._matcher: GrammarMatcher | None = None
         self._error: str | None = None
 
     def is_ready(self) -> bool:
@@ -33,9 +35,7 @@ class StructuredOutputRequest:
         if not self._compiled.done():
             return False
         try:
-            import xgrammar as xgr
-
-            self._matcher = xgr.GrammarMatcher(self._compiled.result())
+            self._matcher = self._backend.result().new_matcher(self._compiled.result())
         except Exception as e:  # noqa: BLE001 - reported through ``error``
             self._error = f"{type(e).__name__}: {e}"
         return True
@@ -46,7 +46,7 @@ class StructuredOutputRequest:
         return self._error
 
     @property
-    def matcher(self) -> xgr.GrammarMatcher:
+    def matcher(self) -> GrammarMatcher:
         """The matcher.
 
         Raises:
@@ -57,7 +57,7 @@ class StructuredOutputRequest:
         return self._matcher
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
-        """Advance the matcher by the sampled tokens; False (matcher unchanged from that token
+        """Advance the matcher by the sampled tokens; False (matcher unusable from that token
         on) when the grammar rejects one."""
         matcher = self.matcher
         return all(matcher.accept_token(t) for t in token_ids)
@@ -66,13 +66,14 @@ class StructuredOutputRequest:
         """True when the grammar has ended (it accepted a stop token, or allows nothing more)."""
         return self.matcher.is_terminated()
 
-    def fill_bitmask(self, bitmask, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` ([rows, ceil(vocab/32)] int32)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` ([rows, ceil(vocab/32)] int32,
+        C-contiguous numpy)."""
+        self.matcher.fill_bitmask(bitmask, row)
 
     def fork(self) -> "StructuredOutputRequest":
         """A copy whose matcher continues from this one's state independently (for forked
         sequences, e.g. beam search); shares the compiled grammar."""
-        other = StructuredOutputRequest(self._compiled)
+        other = StructuredOutputRequest(self._compiled, self._backend)
         other._matcher = self.matcher.fork()
         return other

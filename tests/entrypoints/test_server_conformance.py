@@ -304,8 +304,9 @@ def test_chat_echo_with_continue_final_message(state, stream):
 @pytest.mark.parametrize("route", ["completions", "chat"])
 @pytest.mark.parametrize("field, value", [
     # (structured output fields work now: tests/entrypoints/test_structured_output_server.py;
-    # use_beam_search: tests/entrypoints/test_server_beam_search.py)
-    ("guided_whitespace_pattern", r"\s*"), ("guided_decoding_backend", "outlines"),
+    # use_beam_search: tests/entrypoints/test_server_beam_search.py; guided_decoding_backend:
+    # test_structured_output_server.py)
+    ("guided_whitespace_pattern", r"\s*"),
     ("length_penalty", 0.5), ("priority", 1),
     ("truncate_prompt_tokens", 3), ("return_tokens_as_token_ids", True), ("logits_processors", ["x"]),
 ])

@@ -16,6 +16,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.api_server import build_state
 from asgi_utils import run_with_clients
+from tests.structured_output.backends import BACKENDS
 
 pytestmark = pytest.mark.timeout(600)
 MESSAGES = [{"role": "user", "content": "Describe a person."}]
@@ -48,10 +49,10 @@ def long_checkpoint(make_tiny_checkpoint, tmp_path_factory):
     return str(folder)
 
 
-@pytest.fixture(scope="module")
-def state(long_checkpoint):
+@pytest.fixture(scope="module", params=BACKENDS)
+def state(request, long_checkpoint):
     args = EngineArgs(model=long_checkpoint, dtype="float32", max_model_len=4096, block_size=4,
-                      kv_cache_memory_bytes=64 << 20, seed=0)
+                      kv_cache_memory_bytes=64 << 20, seed=0, structured_outputs_backend=request.param)
     st = build_state(args, ["tiny"], chat_template=load_chat_template("gemma"), log_requests=False,
                      log_stats_interval_s=None)
     yield st
@@ -198,7 +199,7 @@ def test_instructor_returns_a_validated_object(state, mode):
 
 @pytest.mark.parametrize("route, body, param, fragment", [
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}}, "response_format", "xgrammar"),
+        "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}}, "response_format", "cannot compile"),
     ("completions", {"guided_regex": "(unclosed"}, "guided_regex", "regular expression"),
     ("completions", {"guided_json": {"type": "string"}, "guided_regex": "a"}, "guided_regex", "only one"),
     ("completions", {"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}},
@@ -212,7 +213,7 @@ def test_instructor_returns_a_validated_object(state, mode):
     ("chat", {"tools": [WEATHER_TOOL]}, "tools", "--enable-auto-tool-choice"),   # omitted: "auto", as vLLM
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}], "tool_choice": "required"},
-     "tools", "xgrammar"),
+     "tools", "cannot compile"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}],
         "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools", "'f'"),
@@ -232,6 +233,28 @@ def test_bad_input_is_400_naming_the_field(state, route, body, param, fragment):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
+    assert state.engine.engine.get_num_unfinished_requests() == 0
+
+
+def test_guided_decoding_backend_is_the_engines_or_a_400(state):
+    """vLLM V1 selects the backend per engine: a request may name the engine's backend (or
+    "auto"); another is a 400 naming ``guided_decoding_backend``, and nothing reaches the engine."""
+    running = state.engine.engine.structured_output_manager.backend_name
+    other = {"guidance": "xgrammar", "xgrammar": "guidance"}[running]
+
+    def post(backend):
+        return run(state, lambda client, http: http.post("/v1/completions", json={
+            "model": "tiny", "prompt": "x", "max_tokens": 8, "guided_choice": ["yes", "no"],
+            "guided_decoding_backend": backend}))
+
+    for backend in (running, "auto"):
+        response = post(backend)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] in ("yes", "no"), response.text
+    for backend in (other, "outlines"):
+        response = post(backend)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "guided_decoding_backend" and repr(running) in error["message"], error
     assert state.engine.engine.get_num_unfinished_requests() == 0
 
 

@@ -1,4 +1,5 @@
-"""The CPU structured-output path never imports triton (the README installs xgrammar without it):
+"""The CPU structured-output path never imports triton, with either backend (xgrammar's metadata
+requires it, but only its CUDA kernels import it):
 a fresh interpreter whose import system refuses every ``triton`` import builds an engine (torch's
 own ``has_triton_package`` probe tries once and copes), then records the attempts while it runs
 constrained generations: none."""
@@ -11,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.structured_output.backends import BACKENDS
 
 SCRIPT = r"""
 import importlib.abc, json, sys
@@ -30,7 +33,8 @@ sys.meta_path.insert(0, RefuseTriton())
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-llm = LLM(sys.argv[1], max_model_len=256, kv_cache_memory_bytes=16 << 20, seed=0, block_size=4)
+llm = LLM(sys.argv[1], max_model_len=256, kv_cache_memory_bytes=16 << 20, seed=0, block_size=4,
+          structured_outputs_backend=sys.argv[2])
 llm.generate(["warm"], SamplingParams(max_tokens=2), use_tqdm=False)
 recording = True
 schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
@@ -43,10 +47,11 @@ print(json.dumps({"attempts": attempts, "texts": [o.outputs[0].text for o in out
 """
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.timeout(600)
-def test_constrained_generation_imports_no_triton(make_tiny_checkpoint):
+def test_constrained_generation_imports_no_triton(make_tiny_checkpoint, backend):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, make_tiny_checkpoint("llama")], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, make_tiny_checkpoint("llama"), backend], capture_output=True,
                           text=True, env=env, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,7 +1,8 @@
 """Constrained decoding on a tiny random Llama (nothing downloaded): a random model never writes
 valid JSON by chance, so every valid output here is the grammar's doing. Outputs are checked with
 ``jsonschema`` / ``re.fullmatch`` / membership; greedy constrained ids equal a reference that masks
-transformers' logits with xgrammar's own matcher, step by step."""
+transformers' logits with the backend library's own matcher, step by step. Every test that runs
+an engine runs once per backend (llguidance, the default, and xgrammar, the extra)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,18 @@ import pytest
 
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from tests.structured_output.backends import BACKENDS, ReferenceMatcher
 
 SCHEMAS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())
 MAX_TOKENS = 400
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def llm(make_tiny_checkpoint):
+@pytest.fixture(scope="module", params=BACKENDS)
+def llm(request, make_tiny_checkpoint):
     engine = LLM(make_tiny_checkpoint("llama"), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20, seed=0,
-                 block_size=4, max_num_seqs=16)
+                 block_size=4, max_num_seqs=16, structured_outputs_backend=request.param)
+    assert engine.llm_engine.structured_output_manager.backend_name == request.param
     yield engine
     engine.llm_engine.shutdown()
 
@@ -71,29 +74,22 @@ def test_grammar_and_json_object(llm):
     assert GuidedDecodingParams is StructuredOutputsParams
 
 
-def _reference_greedy(model_dir: str, prompt_ids: list[int], schema: dict, eos_ids: list[int],
+def _reference_greedy(backend: str, model_dir: str, prompt_ids: list[int], schema: dict, eos_ids: list[int],
                       max_tokens: int) -> list[int]:
-    """transformers' logits, masked by a fresh xgrammar matcher each step, argmax."""
+    """transformers' logits, masked by a fresh matcher of the backend's library each step, argmax."""
     import torch
-    import xgrammar as xgr
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    vocab = model.config.vocab_size
-    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab,
-                                              stop_token_ids=eos_ids)
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False,
-                                                             separators=(",", ":"))
-    matcher = xgr.GrammarMatcher(compiled)
-    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    matcher = ReferenceMatcher(backend, AutoTokenizer.from_pretrained(model_dir), model.config.vocab_size, eos_ids,
+                               schema)
     ids, out = list(prompt_ids), []
     with torch.inference_mode():
         for _ in range(max_tokens):
-            logits = model(torch.tensor([ids])).logits[:, -1, :].float()
-            matcher.fill_next_token_bitmask(bitmask)
-            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            logits = model(torch.tensor([ids])).logits[0, -1, :].float()
+            logits[~matcher.allowed()] = float("-inf")
             tok = int(logits.argmax(-1))
-            assert matcher.accept_token(tok)
+            assert matcher.accept(tok)
             out.append(tok)
             ids.append(tok)
             if matcher.is_terminated():
@@ -101,9 +97,9 @@ def _reference_greedy(model_dir: str, prompt_ids: list[int], schema: dict, eos_i
     return out
 
 
-def test_greedy_equals_xgrammar_reference_over_transformers(llm, make_tiny_checkpoint):
-    # No length-bounded strings: the engine hands this schema to xgrammar unchanged
-    # (structured_output/grammar.py rewrites those), so the reference compiles the same grammar.
+def test_greedy_equals_backend_reference_over_transformers(llm, make_tiny_checkpoint):
+    # No length-bounded strings: the engine hands this schema to the backend unchanged (the
+    # xgrammar backend rewrites those), so the reference compiles the same grammar.
     schema = {"type": "object", "properties": {
         "code": {"type": "string", "pattern": "^[a-f0-9]{4}$"}, "level": {"enum": ["low", "mid", "high"]},
         "n": {"type": "integer", "minimum": 0, "maximum": 500}, "ok": {"type": "boolean"},
@@ -112,7 +108,9 @@ def test_greedy_equals_xgrammar_reference_over_transformers(llm, make_tiny_check
     tok = llm.get_tokenizer()
     prompt_ids = tok.encode("Fill in the user:")
     out = llm.generate([prompt_ids], _params(temperature=0.0, json=schema), use_tqdm=False)[0].outputs[0]
-    ref = _reference_greedy(make_tiny_checkpoint("llama"), prompt_ids, schema, list(tok.eos_token_ids), MAX_TOKENS)
+    backend = llm.llm_engine.structured_output_manager.backend_name
+    ref = _reference_greedy(backend, make_tiny_checkpoint("llama"), prompt_ids, schema, list(tok.eos_token_ids),
+                            MAX_TOKENS)
     assert out.token_ids == ref
     jsonschema.validate(json.loads(out.text), schema)
 
@@ -127,16 +125,17 @@ def test_batched_constrained_rows_equal_alone_and_unconstrained_rows_unaffected(
     assert both[1].outputs[0].token_ids == alone_json.token_ids
 
 
-def test_max_tokens_cut_gives_length_and_a_valid_prefix(llm):
-    import xgrammar as xgr
+def test_max_tokens_cut_gives_length_and_a_valid_prefix(llm, make_tiny_checkpoint):
+    from transformers import AutoTokenizer
 
     schema = SCHEMAS[18]
     out = llm.generate(["x"], _params(5, max_tokens=6, json=schema), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 6
-    compiled = llm.llm_engine.structured_output_manager.compiled_grammar(
-        StructuredOutputsParams(json=schema)).result()
-    matcher = xgr.GrammarMatcher(compiled)
-    assert matcher.accept_string(out.text)
+    tok = llm.get_tokenizer()
+    reference = ReferenceMatcher(llm.llm_engine.structured_output_manager.backend_name,
+                                 AutoTokenizer.from_pretrained(make_tiny_checkpoint("llama")),
+                                 llm.llm_engine.vocab_size, list(tok.eos_token_ids), schema)
+    assert all(reference.accept(t) for t in out.token_ids) and not reference.is_terminated()
 
 
 def test_logprobs_stop_strings_and_seeds(llm):
@@ -159,8 +158,9 @@ def test_logprobs_stop_strings_and_seeds(llm):
     assert stopped.finish_reason == "stop" and stopped.text in {c.split(" ")[0] for c in choices}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_chunked_prefill_and_prefix_caching(make_tiny_checkpoint, mode):
+def test_preemption_chunked_prefill_and_prefix_caching(make_tiny_checkpoint, mode, backend):
     """A KV pool too small for the batch preempts constrained requests (recompute, or swap to the
     host pool); long shared prompts hit the prefix cache and are chunked: outputs stay valid and
     equal the unpressured run (each matcher keeps its state across the preemption)."""
@@ -168,11 +168,12 @@ def test_preemption_chunked_prefill_and_prefix_caching(make_tiny_checkpoint, mod
     path = make_tiny_checkpoint("llama")
     prompt = "shared prefix " * 4
     params = [_params(seed, json=schema, max_tokens=100) for seed in range(6)]
-    roomy = LLM(path, dtype="float32", max_model_len=160, kv_cache_memory_bytes=64 << 20, seed=0, block_size=4)
+    roomy = LLM(path, dtype="float32", max_model_len=160, kv_cache_memory_bytes=64 << 20, seed=0, block_size=4,
+                structured_outputs_backend=backend)
     want = [o.outputs[0].text for o in roomy.generate([prompt] * 6, params, use_tqdm=False)]
     roomy.llm_engine.shutdown()
     tight = LLM(path, dtype="float32", max_model_len=160, num_gpu_blocks_override=40, seed=0, block_size=4,
-                max_num_batched_tokens=64, preemption_mode=mode, swap_space=0.01)
+                max_num_batched_tokens=64, preemption_mode=mode, swap_space=0.01, structured_outputs_backend=backend)
     got = [o.outputs[0].text for o in tight.generate([prompt] * 6, params, use_tqdm=False)]
     assert tight.llm_engine.scheduler.num_preemptions_by_mode[mode] > 0
     tight.llm_engine.shutdown()
@@ -250,12 +251,11 @@ def test_compile_cache_is_keyed_by_canonical_schema_and_bounded(make_tiny_checkp
 
 
 def test_batched_bitmask_fill_and_apply_equal_per_row_reference(llm):
-    """The manager's step bitmask holds each matcher's own ``fill_next_token_bitmask`` in its
+    """The manager's step bitmask holds each matcher's own fill (alone, in a fresh array) in its
     row, and the worker's apply (unpacked bits, ``masked_fill_``), on rows out of order and on
     rows ``0..k-1``, equals setting the forbidden logits of each row to -inf by hand."""
     import numpy as np
     import torch
-    import xgrammar as xgr
 
     from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 
@@ -265,9 +265,10 @@ def test_batched_bitmask_fill_and_apply_equal_per_row_reference(llm):
     for h in handles:
         h._compiled.result()
         assert h.is_ready() and h.error is None
-    first = xgr.allocate_token_bitmask(1, manager.vocab_size)  # move one matcher past its start state
-    handles[1].matcher.fill_next_token_bitmask(first)
-    first_allowed = int(np.flatnonzero(np.unpackbits(first.numpy().view(np.uint8), bitorder="little"))[0])
+    words = (manager.vocab_size + 31) // 32
+    first = np.zeros((1, words), dtype=np.int32)  # move one matcher past its start state
+    handles[1].matcher.fill_bitmask(first, 0)
+    first_allowed = int(np.flatnonzero(np.unpackbits(first.view(np.uint8), bitorder="little"))[0])
     assert handles[1].accept_tokens([first_allowed])
 
     class _Req:  # what the manager reads of a core.Request
@@ -277,10 +278,12 @@ def test_batched_bitmask_fill_and_apply_equal_per_row_reference(llm):
     rows = {f"r{i}": i for i in range(len(handles))}
     got = manager.grammar_bitmask({f"r{i}": _Req(h) for i, h in enumerate(handles)}, rows)
     vocab = manager.vocab_size
-    want = xgr.allocate_token_bitmask(len(handles), vocab)
+    want = np.zeros((len(handles), words), dtype=np.int32)
     for i, h in enumerate(handles):
-        h.matcher.fill_next_token_bitmask(want, i)
-    assert got.shape == (len(handles), (vocab + 31) // 32) and np.array_equal(got, want.numpy())
+        alone = np.zeros((1, words), dtype=np.int32)
+        h.matcher.fill_bitmask(alone, 0)
+        want[i] = alone[0]
+    assert got.shape == (len(handles), words) and np.array_equal(got, want)
 
     allowed = (torch.from_numpy(got).to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1  # [4, W, 32]
     allowed = allowed.reshape(len(handles), -1)[:, :vocab].bool()
@@ -296,24 +299,49 @@ def test_batched_bitmask_fill_and_apply_equal_per_row_reference(llm):
             assert torch.isfinite(logits[p]).all()
 
 
-def test_json_whitespace_is_what_the_readme_says():
+def _accepts(backend: str, key: tuple[str, str], text: str, hf_tokenizer) -> bool:
+    """Whether the backend's grammar of ``key`` accepts exactly ``text`` (the library's own check)."""
+    if backend == "xgrammar":
+        from xgrammar.testing import _is_grammar_accept_string
+
+        from pagedllm.structured_output.backend_xgrammar import build_grammar
+
+        return _is_grammar_accept_string(build_grammar(key), text)
+    import llguidance
+    import llguidance.hf
+
+    from pagedllm.structured_output.backend_guidance import grammar_text
+
+    tok = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=len(hf_tokenizer))
+    matcher = llguidance.LLMatcher(tok, grammar_text(key), log_level=0)
+    return matcher.consume_tokens(hf_tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_json_whitespace_is_what_the_readme_says(backend, make_tiny_checkpoint):
     """No free whitespace in JSON constraints: a schema's declared members and items are joined by
     "," and ":" alone; the parts a schema leaves untyped (all of ``json_object``, extra
-    properties) get xgrammar 0.2.8's fixed ", " between members and items, never newlines."""
-    from xgrammar.testing import _is_grammar_accept_string as accepts
+    properties) get the same with llguidance, and xgrammar 0.2.8's fixed ", " between members
+    and items; never newlines."""
+    from transformers import AutoTokenizer
 
-    from pagedllm.structured_output.grammar import build_grammar, grammar_key
+    from pagedllm.structured_output.grammar import grammar_key
 
-    def grammar(**constraint):
-        return build_grammar(grammar_key(StructuredOutputsParams(**constraint), disable_any_whitespace=True))
+    hf_tokenizer = AutoTokenizer.from_pretrained(make_tiny_checkpoint("llama"))
 
-    any_object = grammar(json_object=True)
-    assert accepts(any_object, '{"a":1}') and accepts(any_object, '{"a":"x", "b":[1, {"c":null}]}')
-    for text in ('{ "a":1}', '{"a": 1}', '{"a":1,\n"b":2}', '{"a":1,"b":2}', '{"a":[1,2]}'):
-        assert not accepts(any_object, text), text
-    typed = grammar(json={"type": "object", "properties": {"l": {"type": "array", "items": {"type": "integer"}},
-                                                           "n": {"type": "integer"}},
-                          "required": ["l", "n"], "additionalProperties": False})
+    def accepts(constraint, text):
+        key = grammar_key(StructuredOutputsParams(**constraint), disable_any_whitespace=True)
+        return _accepts(backend, key, text, hf_tokenizer)
+
+    untyped = '{"a":"x", "b":[1, {"c":null}]}' if backend == "xgrammar" else '{"a":"x","b":[1,{"c":null}]}'
+    assert accepts(dict(json_object=True), '{"a":1}') and accepts(dict(json_object=True), untyped)
+    refused = ['{ "a":1}', '{"a": 1}', '{"a":1,\n"b":2}']
+    refused += ['{"a":1,"b":2}', '{"a":[1,2]}'] if backend == "xgrammar" else ['{"a":1, "b":2}', '{"a":[1, 2]}']
+    for text in refused:
+        assert not accepts(dict(json_object=True), text), text
+    typed = dict(json={"type": "object", "properties": {"l": {"type": "array", "items": {"type": "integer"}},
+                                                        "n": {"type": "integer"}},
+                       "required": ["l", "n"], "additionalProperties": False})
     assert accepts(typed, '{"l":[1,2],"n":1}')
     for text in ('{"l":[1,2], "n":1}', '{"l":[1, 2],"n":1}', '{"l": [],"n":1}'):
         assert not accepts(typed, text), text

@@ -135,7 +135,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_n(n)
         if request.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        tool_plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser)
+        tool_plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser,
+                               self.structured_outputs_config)
         structured_outputs = self.structured_outputs(request)
         if tool_plan.structured_outputs is not None:
             if structured_outputs is not None:

@@ -22,6 +22,8 @@ from pagedllm.entrypoints.openai.errors import CONTEXT_LENGTH_EXCEEDED, bad_requ
 from pagedllm.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagedllm.config import StructuredOutputsConfig
+from pagedllm.structured_output.backend import resolve_backend_name
 from pagedllm.structured_output.grammar import validate_structured_outputs
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ def _unset(value: Any) -> bool:
 # Fields vLLM or OpenAI define that this server does not implement yet: field -> "this value asks
 # for nothing" (such values pass; any other is a 400 naming the field).
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"), "guided_whitespace_pattern": _unset,
+    "guided_whitespace_pattern": _unset,
     "logits_processors": _unset, "return_tokens_as_token_ids": _unset, "return_token_ids": _unset,
     "truncate_prompt_tokens": lambda v: v is None, "priority": lambda v: v in (None, 0),
     "kv_transfer_params": _unset, "vllm_xargs": _unset, "mm_processor_kwargs": _unset, "prompt_embeds": _unset,
@@ -279,17 +281,35 @@ class OpenAIServing:
                 param=field, code=CONTEXT_LENGTH_EXCEEDED)
         return max_tokens
 
-    @staticmethod
-    def structured_outputs(request) -> StructuredOutputsParams | None:
+    @property
+    def structured_outputs_config(self) -> StructuredOutputsConfig:
+        """The engine's grammar settings (its backend), or the defaults for an engine without."""
+        return getattr(self.engine, "structured_outputs_config", None) or StructuredOutputsConfig()
+
+    def check_guided_decoding_backend(self, request) -> None:
+        """Raises:
+            OpenAIError: 400 naming ``guided_decoding_backend`` when the request asks for a
+                backend other than the engine's (vLLM V1 no longer selects one per request either)."""
+        asked = getattr(request, "guided_decoding_backend", None)
+        backend = self.structured_outputs_config.backend
+        running = resolve_backend_name(backend)
+        if asked not in (None, "auto", backend, running):
+            raise bad_request(f"guided_decoding_backend {asked!r}: this server runs the structured-output backend "
+                              f"{running!r} (--structured-outputs-backend) and a request cannot choose another; "
+                              f"leave the field out", param="guided_decoding_backend")
+
+    def structured_outputs(self, request) -> StructuredOutputsParams | None:
         """The request's constraint, from ``response_format``, ``structured_outputs`` or the
         older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``;
-        checked here with xgrammar (nothing reaches the engine when it fails).
+        checked here with the engine's backend (nothing reaches the engine when it fails).
 
         Raises:
             OpenAIError: 400 naming the field: an unknown ``response_format`` type, a
-                ``json_schema`` without ``schema``, two constraints at once, or a schema, regex
-                or grammar xgrammar cannot compile (its message included).
+                ``json_schema`` without ``schema``, two constraints at once, a schema, regex
+                or grammar the backend cannot compile (its message included), or a
+                ``guided_decoding_backend`` that is not the engine's.
         """
+        self.check_guided_decoding_backend(request)
         found: list[tuple[str, StructuredOutputsParams]] = []
 
         def make(field: str, **kwargs) -> StructuredOutputsParams:
@@ -332,7 +352,7 @@ class OpenAIServing:
             return None
         field, params = found[0]
         try:
-            validate_structured_outputs(params)
+            validate_structured_outputs(params, self.structured_outputs_config)
         except ValueError as e:
             # The message names the engine's field ("structured_outputs.json: ..."): name the
             # request's instead, unless it is that very field.

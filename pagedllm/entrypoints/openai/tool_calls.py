@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, make_tool_call
+from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.grammar import check_schema_refs, validate_structured_outputs, walk_schema
 
@@ -95,14 +96,15 @@ def _embedded(params: dict, index: int, defs: dict[str, Any]) -> dict:
     return {"$ref": f"#/$defs/{key}"}
 
 
-def _checked(params: StructuredOutputsParams, name: str | None = None) -> StructuredOutputsParams:
-    """``params`` once xgrammar can build its grammar.
+def _checked(params: StructuredOutputsParams, config: StructuredOutputsConfig | None,
+             name: str | None = None) -> StructuredOutputsParams:
+    """``params`` once the engine's backend (``config``; None: the default) can build its grammar.
 
     Raises:
-        OpenAIError: 400 naming ``tools`` (with xgrammar's message) when it cannot.
+        OpenAIError: 400 naming ``tools`` (with the backend's message) when it cannot.
     """
     try:
-        validate_structured_outputs(params)
+        validate_structured_outputs(params, config)
     except ValueError as e:
         message = str(e).split(": ", 1)[-1]   # drop the "structured_outputs.json" prefix
         what = f"the parameters of function {name!r}" if name else "the tools' parameters schemas"
@@ -111,15 +113,18 @@ def _checked(params: StructuredOutputsParams, name: str | None = None) -> Struct
 
 
 def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None = None,
-               auto_tool_parser: ToolParser | None = None) -> ToolPlan:
+               auto_tool_parser: ToolParser | None = None,
+               structured_outputs_config: StructuredOutputsConfig | None = None) -> ToolPlan:
     """The ``ToolPlan`` of a request (``parallel_tool_calls: false``: at most one call).
 
     Args:
         auto_tool_parser: the server's parser when it runs with ``--enable-auto-tool-choice``,
             else None (then ``"auto"`` is refused).
+        structured_outputs_config: the engine's grammar settings (its backend checks the
+            schemas); None: the defaults.
     Raises:
         OpenAIError: 400 naming ``tools`` or ``tool_choice``: malformed tools, a ``parameters``
-            schema xgrammar cannot compile (``tools``, under ``"required"`` or a named function),
+            schema the backend cannot compile (``tools``, under ``"required"`` or a named function),
             a ``tool_choice`` without tools, a named function not in ``tools``, ``"auto"``
             without ``--enable-auto-tool-choice``, or an unknown value.
     """
@@ -147,7 +152,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
             schema["$defs"] = defs
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan("required", _checked(StructuredOutputsParams(json=schema)))
+        return ToolPlan("required", _checked(StructuredOutputsParams(json=schema), structured_outputs_config))
     if isinstance(tool_choice, dict):
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -157,7 +162,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
         if name not in functions:
             raise bad_request(f"tool_choice names the function {name!r}, which is not in tools "
                               f"({sorted(functions)})", param="tool_choice")
-        return ToolPlan("named", _checked(StructuredOutputsParams(json=functions[name]), name), name)
+        return ToolPlan("named", _checked(StructuredOutputsParams(json=functions[name]), structured_outputs_config, name), name)
     raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}",
                       param="tool_choice")
 

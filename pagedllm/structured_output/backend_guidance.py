@@ -1,0 +1,113 @@
+"""The llguidance backend (``structured_outputs_backend="guidance"``, the default; a dependency).
+
+Grammar keys become llguidance grammar texts (``LLMatcher.grammar_from_json_schema``,
+``llguidance.grammar_from`` for regex / choice / GBNF or Lark); "compiling" one is checking it
+(``LLMatcher.validate_grammar``) and building a matcher at its start, which each request copies;
+llguidance computes each mask from the token trie (https://github.com/guidance-ai/llguidance). Matchers never raise
+on a bad token: they enter an error state, which ``accept_token`` reports as False.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import numpy as np
+
+from pagedllm.structured_output.backend import GrammarMatcher, StructuredOutputBackend, compile_error
+
+logger = logging.getLogger(__name__)
+
+# JSON compile options (llguidance docs/json_schema.md): compact separators, or free whitespace.
+_COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+_FLEXIBLE = {"whitespace_flexible": True}
+
+
+def grammar_text(key: tuple[str, str]) -> str:
+    """The llguidance grammar (its serialized form) of a key from ``grammar.grammar_key``.
+
+    Raises:
+        ValueError: naming the field, with llguidance's message, when the constraint is invalid;
+            naming ``structured_outputs_backend`` when llguidance is not installed.
+    """
+    llg = GuidanceBackend.import_engine()
+    kind, text = key
+    try:
+        if kind in ("json", "json-compact"):
+            schema = json.loads(text)
+            if schema is True:      # the schema that admits every JSON value
+                schema = {}
+            elif schema is False:
+                raise ValueError("the schema false admits no value")
+            grammar = llg.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema, ensure_ascii=False), defaults=_COMPACT if kind == "json-compact" else _FLEXIBLE)
+        elif kind == "regex":
+            grammar = llg.LLMatcher.grammar_from_regex(text)
+        elif kind == "choice":
+            grammar = llg.grammar_from("choice", text)
+        else:
+            grammar = llg.grammar_from("grammar", text)   # GBNF (xgrammar's / llama.cpp's EBNF) or Lark
+        error = llg.LLMatcher.validate_grammar(grammar)
+    except Exception as e:  # ValueError from the GBNF converter or a malformed schema
+        raise compile_error(kind, "llguidance", e) from None
+    if error:
+        raise compile_error(kind, "llguidance", error)
+    return grammar
+
+
+class GuidanceMatcher(GrammarMatcher):
+    """An ``llguidance.LLMatcher``."""
+
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._matcher.consume_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_stopped()
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        view = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
+
+    def fork(self) -> "GuidanceMatcher":
+        return GuidanceMatcher(self._matcher.deep_copy())
+
+
+class GuidanceBackend(StructuredOutputBackend):
+    """llguidance's tokenizer (``LLTokenizer``: the token trie) and matchers."""
+
+    name = "guidance"
+    modules = ("llguidance", "llguidance.hf")
+    install = "pip install llguidance (a dependency of pagedllm: pip install -e .)"
+
+    @classmethod
+    def validate(cls, key: tuple[str, str]) -> None:
+        grammar_text(key)
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        llg = self.import_engine()
+        t0 = time.perf_counter()
+        self._tokenizer = llg.hf.from_tokenizer(tokenizer.get_hf_tokenizer(), n_vocab=vocab_size,
+                                                eos_token=list(tokenizer.eos_token_ids))
+        self._llg = llg
+        logger.info("structured output: llguidance tokenizer over %d tokens built in %.2f s",
+                    vocab_size, time.perf_counter() - t0)
+
+    def compile(self, key: tuple[str, str]):
+        """A matcher at the grammar's start (llguidance builds its parser here, in the compile
+        pool); each request gets a deep copy.
+
+        Raises:
+            ValueError: as ``grammar_text``, or naming the field when the matcher fails.
+        """
+        # log_level 0: a rejected token is logged by the scheduler, not printed on stderr.
+        matcher = self._llg.LLMatcher(self._tokenizer, grammar_text(key), log_level=0)
+        if matcher.is_error():
+            raise compile_error(key[0], "llguidance", matcher.get_error())
+        return matcher
+
+    def new_matcher(self, compiled) -> GuidanceMatcher:
+        return GuidanceMatcher(compiled.deep_copy())
