@@ -339,17 +339,24 @@ class ExactGreedyHead:
     # -- the two-pass argmax --
 
     @torch.inference_mode()
-    def argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The exact argmax of ``x @ W^T`` per row (module docstring).
+    def argmax(self, x: torch.Tensor, forbidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact argmax of ``x @ W^T`` per row (module docstring), over the tokens
+        ``forbidden`` leaves (a grammar's mask): the proof holds with every max and candidate
+        taken over the allowed tokens only, which is what setting their cheap scores to -inf
+        before the window does (``_argmax_two_pass``).
 
         Args:
             x: [M, K] hidden rows (float32 or bfloat16).
+            forbidden: None, or [M, V] bool, True for tokens the row may not take.
         Returns:
             (token ids [M] int64, fallback [M] bool): rows marked fallback hold -1 and need the
-            full head (non-finite row, or more than ``MAX_CANDIDATES`` candidates).
+            full head (non-finite row, no allowed token, or more than ``MAX_CANDIDATES``
+            candidates).
         """
         self.num_rows += x.shape[0]
-        if self.kind == "int8_vnni":
+        if forbidden is not None:
+            tokens, fallback = self._argmax_two_pass(x, forbidden)
+        elif self.kind == "int8_vnni":
             tokens, fallback = self._argmax_fused(x)
         else:
             tokens, fallback = self._argmax_two_pass(x)
@@ -390,12 +397,17 @@ class ExactGreedyHead:
             fallback[close] = f2
         return tokens, fallback
 
-    def _argmax_two_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _argmax_two_pass(self, x: torch.Tensor, forbidden: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """``argmax`` in torch ops: the cheap pass's [M, V] scores, block maxima, the bound on the
-        tokens of the blocks that reach the window, the exact re-score (module docstring)."""
+        tokens of the blocks that reach the window, the exact re-score (module docstring).
+        ``forbidden`` ([M, V] bool): those tokens' cheap scores are -inf, so they are never the
+        top, never in the window and never candidates."""
         m, v = x.shape[0], self.vocab_size
         c_hi, c_lo, norms = self.cheap_pass(x)
         c = self.combine(c_hi, c_lo)                                           # [M, V] float32
+        if forbidden is not None:
+            c = c.masked_fill(forbidden, -math.inf)
         # Block maxima of c: a candidate's block reaches the window, so only those blocks are read again.
         nfull = v // _BLOCK
         bmax = c[:, : nfull * _BLOCK].view(m, nfull, _BLOCK).amax(dim=-1)    # [M, nb]

@@ -16,8 +16,21 @@ import time
 import numpy as np
 
 from pagedllm.structured_output.backend import GrammarMatcher, StructuredOutputBackend, compile_error
+from pagedllm.structured_output.grammar import map_subschemas
 
 logger = logging.getLogger(__name__)
+
+def _bounded_number_decimals(schema: dict) -> dict:
+    """A ``number`` with a bound (``minimum`` / ``maximum`` / exclusive ones) and no
+    ``multipleOf`` gets ``multipleOf: 1e-6``: at most 6 decimals, what xgrammar 0.2.8 allows
+    there. llguidance allows any number of digits, and the default model, asked for a number in
+    [-10, 10], wrote 320-token decimals (tests/structured_output/test_structured_default_model.py:
+    4 of 80 samples ended by max_tokens, all of that schema)."""
+    if schema.get("type") == "number" and "multipleOf" not in schema and any(
+            k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+        schema["multipleOf"] = 1e-6
+    return schema
+
 
 # JSON compile options (llguidance docs/json_schema.md): compact separators, or free whitespace.
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -40,6 +53,7 @@ def grammar_text(key: tuple[str, str]) -> str:
                 schema = {}
             elif schema is False:
                 raise ValueError("the schema false admits no value")
+            schema = map_subschemas(schema, _bounded_number_decimals)
             grammar = llg.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema, ensure_ascii=False), defaults=_COMPACT if kind == "json-compact" else _FLEXIBLE)
         elif kind == "regex":

@@ -6,6 +6,22 @@ import numpy as np
 import torch
 
 
+def forbidden_tokens(bitmask: np.ndarray, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The tokens a grammar bitmask forbids.
+
+    Args:
+        bitmask: [k, >= ceil(vocab_size / 32)] int32 (bit ``t % 32`` of word ``t // 32`` set =
+            token ``t`` allowed).
+        vocab_size: tokens to unpack (the logits width).
+    Returns:
+        [k, vocab_size] bool on ``device``, True where the token is forbidden.
+    """
+    # Little-endian words: byte b of word w holds tokens 32w + 8b .. 32w + 8b + 7, low bit first.
+    words = np.invert(np.ascontiguousarray(bitmask, dtype="<i4"))
+    forbidden = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]  # [k, V] 0/1
+    return torch.from_numpy(forbidden).view(torch.bool).to(device)
+
+
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
     """Set the logits of tokens the grammar forbids to -inf, in place.
 
@@ -25,11 +41,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[
     """
     if bitmask.shape[0] != len(rows) or bitmask.shape[1] * 32 < logits.shape[1]:
         raise ValueError(f"bitmask must be [{len(rows)}, >= {logits.shape[1]} / 32], got {list(bitmask.shape)}")
-    vocab_size = logits.shape[1]
-    # Little-endian words: byte b of word w holds tokens 32w + 8b .. 32w + 8b + 7, low bit first.
-    words = np.invert(np.ascontiguousarray(bitmask, dtype="<i4"))
-    forbidden = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]  # [k, V] 0/1
-    forbidden = torch.from_numpy(forbidden).view(torch.bool).to(logits.device)
+    forbidden = forbidden_tokens(bitmask, logits.shape[1], logits.device)
     if rows == list(range(len(rows))):
         logits[:len(rows)].masked_fill_(forbidden, float("-inf"))
     else:

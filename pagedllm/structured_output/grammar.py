@@ -112,7 +112,34 @@ _DATA_KEYWORDS = ("enum", "const", "default", "examples")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
-def declared_properties_only(node: Any) -> Any:
+def map_subschemas(node: Any, fn) -> Any:
+    """A copy of a schema with ``fn`` (dict -> dict) applied to every subschema, innermost first.
+    Values of data keywords (``enum``, ``const``, ``default``, ``examples``) are kept as they are;
+    the values of name -> schema maps (``properties``, ``$defs``, ...) are subschemas, the maps
+    themselves are not (a property may be named like a keyword)."""
+    if isinstance(node, list):
+        return [map_subschemas(v, fn) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: map_subschemas(schema, fn) for name, schema in value.items()}
+        else:
+            out[key] = map_subschemas(value, fn)
+    return fn(out)
+
+
+def _closed_object(schema: dict) -> dict:
+    if isinstance(schema.get("properties"), dict) and not any(
+            k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+        schema["additionalProperties"] = False
+    return schema
+
+
+def declared_properties_only(schema: Any) -> Any:
     """A copy of a schema in which every object schema that declares ``properties`` and says
     nothing of others (no ``additionalProperties``, ``patternProperties`` or
     ``unevaluatedProperties``) gets ``additionalProperties: false``: the output holds only the
@@ -120,22 +147,7 @@ def declared_properties_only(node: Any) -> Any:
     llguidance follows JSON Schema, where undeclared properties are allowed, and a small model
     then writes made-up members until ``max_tokens``. vLLM offers the same rewrite for its
     guidance backend (``disable_additional_properties``)."""
-    if isinstance(node, list):
-        return [declared_properties_only(v) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for key, value in node.items():
-        if key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):   # name -> schema (a name is no keyword)
-            out[key] = {name: declared_properties_only(schema) for name, schema in value.items()}
-        else:
-            out[key] = declared_properties_only(value)
-    if isinstance(out.get("properties"), dict) and not any(
-            k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
-        out["additionalProperties"] = False
-    return out
+    return map_subschemas(schema, _closed_object)
 
 
 def grammar_key(params: StructuredOutputsParams, disable_any_whitespace: bool,

@@ -21,7 +21,7 @@ from pagedllm.sample.batch_logits_processors import BatchLogitsProcessors
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from pagedllm.sampling_params import LogitsProcessor
-from pagedllm.structured_output.bitmask import apply_step_bitmask
+from pagedllm.structured_output.bitmask import apply_step_bitmask, forbidden_tokens
 from pagedllm.worker.request_states import RequestStates, ScheduledRequest
 
 logger = logging.getLogger(__name__)
@@ -186,13 +186,14 @@ class ModelRunner:
         return hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
 
     def _sample_logits(self, sched: SchedulerOutput, states: list, logits: torch.Tensor,
-                       output: ModelRunnerOutput) -> None:
+                       output: ModelRunnerOutput, grammar_rows: dict[str, int] | None = None) -> None:
         """Grammar masks, then the sampler, on ``logits`` [len(states), V] in the model dtype (one
         row per state, batch order; the sampler widens them to float32 unless every row is plain
-        greedy); fills the output's per-request lists."""
-        if sched.grammar_bitmask is not None:  # [structured output] grammar masks (forks: own rows), one call
-            apply_step_bitmask(logits, [st.req_id for st in states],
-                               sched.structured_output_request_ids, sched.grammar_bitmask)
+        greedy); fills the output's per-request lists. ``grammar_rows``: the constrained requests
+        among ``states`` (request id -> bitmask row); None: all of the message's."""
+        rows = sched.structured_output_request_ids if grammar_rows is None else grammar_rows
+        if sched.grammar_bitmask is not None and rows:  # [structured output] grammar masks (forks: own rows), one call
+            apply_step_bitmask(logits, [st.req_id for st in states], rows, sched.grammar_bitmask)
         metadata = SamplingMetadata.build(
             [st.sampling_params for st in states],
             [st.output_token_ids for st in states],
@@ -210,12 +211,13 @@ class ModelRunner:
         output.top_logprobs = self._top_logprobs(states, sampled)
 
     @staticmethod
-    def is_plain_greedy(state, structured_ids: dict[str, int]) -> bool:
+    def is_plain_greedy(state, structured_ids: dict[str, int], grammar_ok: bool = False) -> bool:
         """Whether the state's next token is the plain argmax of the raw logits and nothing else
         is read from its logits this step: greedy, no logprobs (nor ``best_of`` > ``n``), no
-        penalties, ``logit_bias``, ``allowed_token_ids``, bad words, logits processors, grammar,
-        and no ``min_tokens`` EOS / stop masking in effect (``SamplingMetadata`` applies exactly
-        these to a greedy row)."""
+        penalties, ``logit_bias``, ``allowed_token_ids``, bad words, logits processors, grammar
+        (unless ``grammar_ok``: then the argmax over the tokens its grammar allows), and no
+        ``min_tokens`` EOS / stop masking in effect (``SamplingMetadata`` applies exactly these
+        to a greedy row)."""
         p = state.sampling_params
         if not p.sampling_type_greedy or p.logprobs is not None or p.needs_sampled_logprobs:
             return False
@@ -223,7 +225,7 @@ class ModelRunner:
             return False
         if p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids or p.logits_processors:
             return False
-        if p.structured_outputs is not None or state.req_id in structured_ids:
+        if not grammar_ok and (p.structured_outputs is not None or state.req_id in structured_ids):
             return False
         return not (len(state.output_token_ids) < p.min_tokens and (p.eos_token_ids or p.stop_token_ids))
 
@@ -251,11 +253,26 @@ class ModelRunner:
             ids, fallback = self.greedy_head.argmax(h[torch.as_tensor(plain_rows, device=self.device)])
             got = {r: int(t) for r, t, fb in zip(plain_rows, ids.tolist(), fallback.tolist()) if not fb}
             tokens = {k: got[src[k]] for k in plain if src[k] in got}
+        # [structured output] greedy rows whose only edit is their grammar's mask: the exact
+        # argmax over the allowed tokens (one row per state: forks have their own masks).
+        grammar_rows = sched.structured_output_request_ids
+        masked = [] if sched.grammar_bitmask is None or (self.batch_logits_processors is not None
+                                                          and self.batch_logits_processors.non_argmax_invariant) \
+            else [k for k, st in enumerate(states) if st.req_id in grammar_rows
+                  and self.is_plain_greedy(st, grammar_rows, grammar_ok=True)]
+        if masked and len(masked) <= self.greedy_head.max_rows:
+            forbidden = forbidden_tokens(sched.grammar_bitmask[[grammar_rows[states[k].req_id] for k in masked]],
+                                         self.greedy_head.vocab_size, self.device)
+            ids, fallback = self.greedy_head.argmax(h[torch.as_tensor([src[k] for k in masked], device=self.device)],
+                                                    forbidden)
+            tokens.update({k: int(t) for k, t, fb in zip(masked, ids.tolist(), fallback.tolist()) if not fb})
         rest = [k for k in range(len(states)) if k not in tokens]
         sub = ModelRunnerOutput()
         if rest:
             logits = self.model.compute_logits(h[torch.as_tensor([src[k] for k in rest], device=self.device)])
-            self._sample_logits(sched, [states[k] for k in rest], logits, sub)
+            rest_ids = {states[k].req_id for k in rest}
+            self._sample_logits(sched, [states[k] for k in rest], logits, sub,
+                                {rid: row for rid, row in grammar_rows.items() if rid in rest_ids})
         pos = {k: j for j, k in enumerate(rest)}
         order = range(len(states))
         output.req_ids = [st.req_id for st in states]

@@ -360,3 +360,57 @@ def test_int8_vnni_quantization_equals_the_int8_kinds(dtype):
     assert torch.equal(vnni.weight_error, torch_kind.weight_error)
     assert torch.equal(vnni.approx_max, torch_kind.approx_max)
     assert torch_kind.qweight[6, :4].tolist() == [127, 0, 2, -2] and vnni.scales[5].item() == 1.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_rows_equal_float64_argmax_over_the_allowed_tokens(kind, dtype):
+    """A grammar's mask (``forbidden``): the answer is the float64 argmax over the allowed tokens,
+    also when the unmasked winner is forbidden (each row's top token here) or a single token is
+    allowed; a row with nothing allowed falls back."""
+    w = _weights(6000, 640, dtype, seed=5)
+    head = ExactGreedyHead(w, kind, 64)
+    m = 12
+    x = _planted(w, m, seed=3, noise=0.05 if kind == "bf16" else 0.01)
+    r = _exact(x, w)
+    g = torch.Generator().manual_seed(9)
+    forbidden = torch.rand(m, w.shape[0], generator=g) < 0.7
+    forbidden[torch.arange(m), r.argmax(dim=1)] = True           # the unmasked winner is never allowed
+    forbidden[0] = True
+    forbidden[0, 4321] = False                                    # one allowed token
+    forbidden[1] = True                                           # none allowed
+    tokens, fallback = head.argmax(x, forbidden)
+    want = r.masked_fill(forbidden, -float("inf")).argmax(dim=1)
+    assert bool(fallback[1]) and int(tokens[1]) == -1
+    ok = ~fallback
+    ok[1] = False
+    assert int(tokens[0]) == 4321 and not bool(fallback[0])
+    assert torch.equal(tokens[ok], want[ok])
+    if kind == "bf16":
+        assert int(fallback.sum()) == 1
+
+
+def test_constrained_greedy_rows_use_the_exact_head_and_keep_their_tokens(make_tiny_checkpoint):
+    """JSON / regex / choice constrained greedy rows, next to plain ones, go through the exact
+    greedy head (its masked argmax) and give the tokens of the full head (switch off)."""
+    from pagedllm import SamplingParams
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    path = make_tiny_checkpoint("llama")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "s": {"type": "string", "maxLength": 8}}, "required": ["n", "s"]}
+    prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(3 + 5 * i)] for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(
+                  regex=r"[a-f]{3,9}")),
+              SamplingParams(n=2, temperature=0.0, max_tokens=6, structured_outputs=StructuredOutputsParams(
+                  choice=["alpha", "beta"]))]
+    on, head = _generate(path, "auto", params, prompts, max_num_seqs=8)
+    off, none = _generate(path, "off", params, prompts, max_num_seqs=8)
+    if head is None:
+        pytest.skip("the exact greedy head does not run on this CPU (choose_greedy_head)")
+    # Every sampled token, constrained or not, was one row of the exact head (none fell back).
+    assert none is None and head.num_fallback_rows == 0
+    assert head.num_rows == sum(len(c.token_ids) for o in on for c in o.outputs)
+    assert [[c.token_ids for c in o.outputs] for o in on] == [[c.token_ids for c in o.outputs] for o in off]

@@ -1,7 +1,8 @@
 """Constrained decoding with the real default model (Gemma 3 270M, a base model): the 20 schemas
 of tests/data x 4 samples at temperature 1.0, then regex and choice. At least 95% of the samples
 finish with "stop" and every one that does parses and validates (``jsonschema``). All requests
-go in one ``generate`` call (the engine batches them) with a small ``max_tokens``."""
+go in one ``generate`` call (the engine batches them) with a small ``max_tokens``. Once per
+backend."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
+from tests.structured_output.backends import BACKENDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 SCHEMAS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())
@@ -22,13 +24,13 @@ REGEX = r"(\+|-)?[0-9]{1,3}\.[0-9]{2} [A-Z][a-z]{2,5}"
 CHOICES = ["positive", "negative", "neutral"]
 
 
-@pytest.fixture(scope="module")
-def llm(free_memory):
+@pytest.fixture(scope="module", params=BACKENDS)
+def llm(request, free_memory):
     # cpu_gemm="torch": no packed copy of the tied 262,144 x 640 head next to the embedding
     # (0.67 GB in float32), so this single-process test stays under CI's 4 GB with pytest's own
     # memory; what it tests (the constraint, not the kernel) is the same with either kernel.
     engine = LLM(None, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 << 20, max_num_seqs=48,
-                 seed=0, cpu_gemm="torch")
+                 seed=0, cpu_gemm="torch", structured_outputs_backend=request.param)
     yield engine
     engine.llm_engine.shutdown()
     del engine
