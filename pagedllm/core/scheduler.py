@@ -726,7 +726,11 @@ class Scheduler:
         last = request.output_token_ids[-1]
         if request.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
+            # vLLM's rule (v1/core/sched/utils.py check_stop): the tokenizer's EOS ends the
+            # request with stop_reason None; any other stop id (stop_token_ids, and the
+            # generation config's extra EOS ids, which vLLM adds to stop_token_ids) is the reason.
+            eos = params.eos_token_ids
+            request.stop_reason = None if (not params.ignore_eos and eos and last == eos[0]) else last
             return True
         if request.structured_output_request is not None and request.structured_output_request.is_terminated():
             request.status = RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more

@@ -288,8 +288,25 @@ def _finish_with(tokens: list[int], **kw) -> Request:
 def test_eos_stops():
     r = _finish_with([5, 6, EOS, 9], max_tokens=8)
     assert r.output_token_ids == [5, 6, EOS]
-    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == EOS
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason is None   # the EOS: None, as vLLM
     assert r.get_finished_reason() == "stop"
+
+
+def test_stop_reason_is_none_for_the_tokenizer_eos_only():
+    """vLLM's rule: the tokenizer's EOS (the first EOS id) gives stop_reason None; the generation
+    config's extra EOS ids and stop_token_ids give their id (vLLM adds the extras to
+    stop_token_ids)."""
+    for last, want in ((EOS, None), (13, 13), (11, 11)):
+        sched, _ = make_scheduler()
+        sp = SamplingParams(max_tokens=8, stop_token_ids=[11])
+        sp.update_from_model([EOS, 13])
+        r = Request("a", [100, 101, 102], sp, max_tokens=8)
+        sched.add_request(r)
+        tokens = iter([5, last, 9])
+        while sched.has_unfinished_requests():
+            step(sched, token=lambda _rid: next(tokens))
+        assert r.output_token_ids == [5, last] and r.get_finished_reason() == "stop"
+        assert r.stop_reason == want
 
 
 def test_ignore_eos():

@@ -161,7 +161,9 @@ def soak(seed: int) -> None:
             assert not (i + 1 >= min_tokens and tok in stops)
         if r.status == RequestStatus.FINISHED_STOPPED:
             assert r.output_token_ids[-1] in stops and r.num_output_tokens >= min_tokens
-            assert r.stop_reason == r.output_token_ids[-1]
+            eos = r.sampling_params.eos_token_ids
+            primary_eos = not r.sampling_params.ignore_eos and eos and r.output_token_ids[-1] == eos[0]
+            assert r.stop_reason == (None if primary_eos else r.output_token_ids[-1])
         else:
             assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
             # A prompt of max_model_len tokens still gets one token (whose K/V is never needed).
