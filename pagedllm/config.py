@@ -8,7 +8,6 @@ carry their settings over.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -492,10 +491,6 @@ class ModelConfig:
             ValueError: as ``hf_architecture_fields`` and ``__post_init__``.
         """
         return cls(**{**hf_architecture_fields(hf_config), **kwargs})
-
-    def with_hf_config(self, hf_config: dict[str, Any]) -> "ModelConfig":
-        """This config with the architecture fields of ``hf_config``."""
-        return dataclasses.replace(self, **hf_architecture_fields(hf_config))
 
     def __post_init__(self) -> None:
         if self.quantization not in SUPPORTED_QUANTIZATION:

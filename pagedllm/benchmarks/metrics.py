@@ -20,8 +20,6 @@ from typing import Iterable, Sequence
 # The flat keys every throughput result has (``--output-json``), in table order.
 RESULT_KEYS = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "mean_ttft_s", "p99_ttft_s",
                "mean_tpot_s", "p99_tpot_s", "kv_utilization", "num_preemptions", "prefix_cache_hit_rate")
-# Keys where smaller is better (latencies); the rest are rates.
-LATENCY_KEYS = frozenset(k for k in RESULT_KEYS if k.endswith("_s") and not k.endswith("per_s"))
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -105,10 +105,6 @@ class KVCacheManager:
         """Fraction of blocks in use, in [0, 1]."""
         return self.block_pool.get_usage()
 
-    def num_blocks_for_tokens(self, num_tokens: int) -> int:
-        """Blocks needed to hold ``num_tokens`` tokens."""
-        return cdiv(num_tokens, self.block_size)
-
     # -- allocation ------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,

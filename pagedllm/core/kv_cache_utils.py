@@ -93,8 +93,3 @@ class PrefixCacheStats:
     num_requests: int = 0
     queries: int = 0
     hits: int = 0
-
-    @property
-    def hit_rate(self) -> float | None:
-        """hits / queries, ``None`` before any query."""
-        return self.hits / self.queries if self.queries else None
