@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -141,3 +143,14 @@ def asgi_run():
         return asyncio.run(main())
 
     return run
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(make_tiny_checkpoint, tmp_path_factory):
+    """The tiny Llama with a 4096-token context (a folder path): JSON-mode prompts and the tools
+    template put schemas in the prompt."""
+    folder = tmp_path_factory.mktemp("tiny_llama_long")
+    shutil.copytree(make_tiny_checkpoint("llama"), folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    return str(folder)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import jsonschema
 import pydantic
@@ -36,17 +35,6 @@ WEATHER_TOOL = {"type": "function", "function": {
 TIME_TOOL = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 6}},
                                        "required": ["tz"], "additionalProperties": False}}}
-
-
-@pytest.fixture(scope="module")
-def long_checkpoint(make_tiny_checkpoint, tmp_path_factory):
-    # The tiny Llama with a 4096-token context: instructor's JSON mode and the tools template put
-    # schemas in the prompt.
-    folder = tmp_path_factory.mktemp("tiny_llama_long")
-    shutil.copytree(make_tiny_checkpoint("llama"), folder, dirs_exist_ok=True)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
-    return str(folder)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -3,7 +3,8 @@
 Run it as ``pagedllm serve [MODEL] [flags]`` or, as vLLM users know it,
 ``python -m pagedllm.entrypoints.openai.api_server --model MODEL --port 8000``.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (with
+``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``), ``GET /v1/models``,
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
 (Prometheus). Every error is answered with OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (including malformed JSON,
@@ -54,6 +55,8 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   TokenizeRequest, VersionResponse)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.serving_responses import DEFAULT_MAX_STORED_RESPONSES, OpenAIServingResponses
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_from_exception
 from pagedllm.entrypoints.openai.serving_engine import DEFAULT_MAX_N, run_until_disconnect
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -90,6 +93,7 @@ class ServerState:
         engine: the shared async engine.
         models: served names.
         completion, chat, tokenization: endpoint handlers.
+        responses: the ``/v1/responses`` handler (None: the route answers 404).
         registry: the Prometheus registry behind ``/metrics``.
         api_key: required as ``Authorization: Bearer <key>`` on every route but ``PUBLIC_PATHS``
             when set.
@@ -110,6 +114,7 @@ class ServerState:
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES
     request_exit: Callable[[], None] | None = None
     exit_code: int = 0
+    responses: OpenAIServingResponses | None = None
 
 
 # Seconds between two looks at whether the engine died (``watch_engine``).
@@ -147,7 +152,8 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                 enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
                 tool_call_parser: str | None = None, engine_process: bool = False,
                 trust_request_chat_template: bool = False,
-                max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> ServerState:
+                max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> ServerState:
     """Load the model and wire the handlers.
 
     Args:
@@ -169,9 +175,12 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
             engine loop runs in a thread of this process (``AsyncLLM``).
         trust_request_chat_template: render a ``chat_template`` a request carries (False: 400).
         max_request_body_bytes: the largest request body (bytes; 413 above); None or 0: no limit.
+        max_stored_responses: the most ``/v1/responses`` responses kept in memory for
+            ``previous_response_id`` and ``GET`` (least recently used dropped first; 0: none).
     Raises:
         ValueError: bad engine arguments, an unparsable chat template, ``max_n < 1``, an unknown
-            tool-call parser, ``enable_auto_tool_choice`` without one, or a negative body limit.
+            tool-call parser, ``enable_auto_tool_choice`` without one, or a negative body limit or
+            ``max_stored_responses``.
     """
     from pagedllm.engine.llm_engine import LLMEngine
 
@@ -229,9 +238,11 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                        "--chat-template (e.g. %s for Gemma models)", GEMMA_CHAT_TEMPLATE_PATH)
     completion = OpenAIServingCompletion(async_engine, models, log_requests, max_n, pool=pool)
     completion.enable_prompt_tokens_details = chat.enable_prompt_tokens_details = enable_prompt_tokens_details
+    responses = OpenAIServingResponses(async_engine, models, chat, log_requests, max_n, pool=pool,
+                                       max_stored_responses=max_stored_responses)
     return ServerState(engine=async_engine, models=models, completion=completion, chat=chat,
                        tokenization=OpenAIServingTokenization(chat), registry=registry, api_key=api_key,
-                       pool=pool, max_request_body_bytes=max_request_body_bytes or None)
+                       pool=pool, max_request_body_bytes=max_request_body_bytes or None, responses=responses)
 
 
 def is_public_path(path: str) -> bool:
@@ -405,6 +416,23 @@ def build_app(state: ServerState) -> FastAPI:
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await run_until_disconnect(state.chat.create_chat_completion(request, raw_request), raw_request)
 
+    def responses_handler() -> OpenAIServingResponses:
+        if state.responses is None:
+            raise OpenAIError(404, "/v1/responses is not served", "invalid_request_error")
+        return state.responses
+
+    @app.post("/v1/responses")
+    async def create_responses(request: ResponsesRequest, raw_request: Request):
+        return await run_until_disconnect(responses_handler().create_responses(request, raw_request), raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_responses(response_id: str):
+        return await responses_handler().retrieve_responses(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_responses(response_id: str):
+        return await responses_handler().cancel_responses(response_id)
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         # vLLM's semantics: clears only while no request holds KV blocks; 409 otherwise.
@@ -450,6 +478,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"largest request body accepted, in bytes; a larger one is a 413 (default: "
                         f"{DEFAULT_MAX_REQUEST_BODY_BYTES} = {DEFAULT_MAX_REQUEST_BODY_BYTES >> 20} MiB, far above a "
                         "max_model_len prompt; 0: no limit)")
+    g.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
+                   help=f"most /v1/responses responses kept in memory for previous_response_id and GET "
+                        f"/v1/responses/{{id}} (least recently used dropped first; default: "
+                        f"{DEFAULT_MAX_STORED_RESPONSES}; 0: none stored)")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     g.add_argument("--max-n", type=int, default=None,
                    help=f"most samples one request may ask for with n or best_of, at most --max-num-seqs "
@@ -544,7 +576,8 @@ def run_server(ns: argparse.Namespace) -> int:
                         enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
                         engine_process=not ns.engine_in_process,
                         trust_request_chat_template=ns.trust_request_chat_template,
-                        max_request_body_bytes=ns.max_request_body_bytes)
+                        max_request_body_bytes=ns.max_request_body_bytes,
+                        max_stored_responses=ns.max_stored_responses)
     app = build_app(state)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             access_log=not ns.disable_uvicorn_access_log,

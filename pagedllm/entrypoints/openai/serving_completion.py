@@ -28,7 +28,7 @@ from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, Completion
                                                   CompletionResponseChoice, CompletionStreamResponse, UsageInfo)
 from pagedllm.entrypoints.openai.serving_engine import (UNSUPPORTED_FIELDS, OpenAIServing, TextOffsets,
                                                        clamp_logprob)
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -151,15 +151,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if stream:
             return StreamingResponse(self._stream(request, outputs, cmpl_id, created, model_name, infos, n,
                                                   skip_special), media_type="text/event-stream")
-        finals: dict[str, RequestOutput] = {}
-        try:
-            async for out in outputs:
-                if out.finished:
-                    finals[out.request_id] = out
-        except (EngineStepError, EngineDeadError) as e:
-            raise error_from_exception(e) from e
-        finally:
-            outputs.abort()
+        finals = await self.final_outputs(outputs)
         choices = []
         num_prompt = num_completion = 0
         for i, (request_id, info) in enumerate(zip(outputs.request_ids, infos)):

@@ -15,12 +15,13 @@ from typing import Any, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, OutputStream
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.entrypoints.openai.errors import CONTEXT_LENGTH_EXCEEDED, bad_request
+from pagedllm.entrypoints.openai.errors import CONTEXT_LENGTH_EXCEEDED, bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.structured_output.backend import resolve_backend_name
@@ -159,6 +160,25 @@ class OpenAIServing:
         details = PromptTokenUsageInfo(cached_tokens=num_cached or 0) if self.enable_prompt_tokens_details else None
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                          total_tokens=num_prompt + num_completion, prompt_tokens_details=details)
+
+    @staticmethod
+    async def final_outputs(outputs: OutputStream) -> dict[str, RequestOutput]:
+        """Wait for the stream's requests to finish; their last outputs by request id. The stream
+        is aborted at the end, or when the wait is cancelled (a client disconnect).
+
+        Raises:
+            OpenAIError: 500 when an engine step fails, 503 when the engine is dead or stopping.
+        """
+        finals: dict[str, RequestOutput] = {}
+        try:
+            async for out in outputs:
+                if out.finished:
+                    finals[out.request_id] = out
+        except (EngineStepError, EngineDeadError) as e:
+            raise error_from_exception(e) from e
+        finally:
+            outputs.abort()
+        return finals
 
     # -- checks -------------------------------------------------------------------------------
 
