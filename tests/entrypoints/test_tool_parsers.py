@@ -94,7 +94,7 @@ def test_pythonic_streaming(piece):
 
 
 def test_unknown_parser_names_the_field():
-    assert sorted(TOOL_PARSERS) == ["hermes", "pythonic"]
+    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "pythonic", "xlam"]
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         get_tool_parser("mistral")
 

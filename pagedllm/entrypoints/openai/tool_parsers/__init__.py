@@ -5,9 +5,12 @@ from __future__ import annotations
 from pagedllm.entrypoints.openai.tool_parsers.abstract import (ExtractedToolCalls, ToolCallStream, ToolParser,
                                                                make_tool_call)
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+from pagedllm.entrypoints.openai.tool_parsers.xlam import XLAMToolParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, PythonicToolParser)}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser, XLAMToolParser)}
 
 __all__ = ["ExtractedToolCalls", "ToolCallStream", "ToolParser", "TOOL_PARSERS", "get_tool_parser", "make_tool_call"]
 

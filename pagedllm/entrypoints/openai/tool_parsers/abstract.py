@@ -93,8 +93,17 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """The reply has ended: the rest, by the whole-text parse."""
         result = self.parser.extract_tool_calls(self.text)
+        # The rest of the whole parse's content (a parser may strip it or drop the calls from
+        # it; what was sent is always its prefix, else the rest of the text).
+        sent = self.text[:self.num_content_sent]
+        final = result.content or ""
+        if final.startswith(sent):
+            rest = final[len(sent):]
+        else:
+            rest = "" if result.tools_called else self.text[self.num_content_sent:]
+        if self.calls_sent:
+            rest = ""  # no content after a call
+        self.num_content_sent = len(self.text)
         if not result.tools_called:
-            content = self.text[self.num_content_sent:] if not self.calls_sent else ""
-            self.num_content_sent = len(self.text)
-            return content, []
-        return "", self._indexed(result.tool_calls[len(self.calls_sent):])
+            return rest, []
+        return rest, self._indexed(result.tool_calls[len(self.calls_sent):])

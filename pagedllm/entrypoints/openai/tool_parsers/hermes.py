@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers.abstract import ExtractedToolCalls, ToolParser, make_tool_call
+from pagedllm.utils.text import may_open
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -46,11 +47,7 @@ class HermesToolParser(ToolParser):
     def stream_progress(self, text: str) -> tuple[int, list[dict[str, Any]]]:
         start = text.find(TOOL_CALL_START)
         if start < 0:
-            # Hold back a tail that may be the start of "<tool_call>".
-            for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
-                if TOOL_CALL_START.startswith(text[-k:]):
-                    return len(text) - k, []
-            return len(text), []
+            return len(text) - may_open(text, TOOL_CALL_START), []  # hold what may open "<tool_call>"
         calls = []
         for m in re.finditer(r"<tool_call>(.*?)</tool_call>", text[start:], re.DOTALL):
             call = _parse_block(m.group(1))
