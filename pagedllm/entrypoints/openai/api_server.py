@@ -51,12 +51,14 @@ from pagedllm.engine.arg_utils import EngineArgs, add_engine_cli_args, engine_ar
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.entrypoints.chat_utils import GEMMA_CHAT_TEMPLATE_PATH, check_self_contained, load_chat_template
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
+from pagedllm.reasoning import REASONING_PARSERS, get_reasoning_parser
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest, VersionResponse)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagedllm.entrypoints.openai.serving_responses import DEFAULT_MAX_STORED_RESPONSES, OpenAIServingResponses
+from pagedllm.entrypoints.openai.serving_responses import (DEFAULT_MAX_STORED_RESPONSES, OpenAIServingResponses,
+                                                           ResponseStore)
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_from_exception
 from pagedllm.entrypoints.openai.serving_engine import DEFAULT_MAX_N, run_until_disconnect
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -151,6 +153,7 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                 log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S, max_n: int | None = None,
                 enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
                 tool_call_parser: str | None = None, engine_process: bool = False,
+                reasoning_parser: str | None = None,
                 trust_request_chat_template: bool = False,
                 max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> ServerState:
@@ -168,7 +171,11 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
             one group in one step, so more could never be scheduled).
         enable_prompt_tokens_details: send ``usage.prompt_tokens_details.cached_tokens``.
         enable_auto_tool_choice: accept ``tool_choice: "auto"`` (calls found by ``tool_call_parser``).
-        tool_call_parser: a ``tool_parsers.TOOL_PARSERS`` name ("hermes", "pythonic").
+        tool_call_parser: a ``tool_parsers.TOOL_PARSERS`` name ("hermes", "llama3_json", "pythonic",
+            "xlam").
+        reasoning_parser: a ``reasoning.REASONING_PARSERS`` name ("deepseek_r1", "qwen3"): chat
+            replies' reasoning goes to ``message.reasoning``; None: replies are all content. An
+            unknown name is a ``ValueError`` naming ``--reasoning-parser`` and the choices.
         engine_process: run the engine in its own process even with one replica (vLLM V1's
             ``EngineCoreProc``; ``pagedllm serve``'s default): the server's Python (HTTP, JSON,
             streaming) then never holds the GIL the engine loop needs between its ops. False: the
@@ -197,8 +204,10 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
     elif tool_call_parser is not None:
         get_tool_parser(tool_call_parser)  # a bad name is still an error
         logger.warning("--tool-call-parser %s has no effect without --enable-auto-tool-choice", tool_call_parser)
+    reasoning = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
     if chat_template is not None:
         check_self_contained(chat_template)   # a ValueError: it does not parse, or loads other files
+    response_store = ResponseStore(max_stored_responses)   # a bad size fails before the model loads
     registry = CollectorRegistry()
     if engine_args.data_parallel_size > 1 or engine_process:
         # D replica processes behind this server (engine/dp_client.py); metrics carry engine="i".
@@ -232,14 +241,15 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                          "samples run together in one step")
     pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_POOL_WORKERS, thread_name_prefix="pagedllm-tokenize")
     chat = OpenAIServingChat(async_engine, models, chat_template, engine_args.max_logprobs, log_requests, max_n,
-                             tool_parser, pool=pool, trust_request_chat_template=trust_request_chat_template)
+                             tool_parser, pool=pool, trust_request_chat_template=trust_request_chat_template,
+                             reasoning_parser=reasoning)
     if chat_template is None and engine.tokenizer.chat_template is None:
         logger.warning("the model has no chat template: /v1/chat/completions will answer 400; start with "
                        "--chat-template (e.g. %s for Gemma models)", GEMMA_CHAT_TEMPLATE_PATH)
     completion = OpenAIServingCompletion(async_engine, models, log_requests, max_n, pool=pool)
     completion.enable_prompt_tokens_details = chat.enable_prompt_tokens_details = enable_prompt_tokens_details
     responses = OpenAIServingResponses(async_engine, models, chat, log_requests, max_n, pool=pool,
-                                       max_stored_responses=max_stored_responses)
+                                       store=response_store)
     return ServerState(engine=async_engine, models=models, completion=completion, chat=chat,
                        tokenization=OpenAIServingTokenization(chat), registry=registry, api_key=api_key,
                        pool=pool, max_request_body_bytes=max_request_body_bytes or None, responses=responses)
@@ -504,7 +514,13 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "about 20%% slower for one client, docs/benchmarks.md)")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how calls are found in a reply under tool_choice 'auto': hermes (JSON in <tool_call> "
-                        "tags; the bundled 'gemma-tools' template asks for it) or pythonic ([f(a=1), g()])")
+                        "tags; the bundled 'gemma-tools' template asks for it), llama3_json ({\"name\": ..., "
+                        "\"parameters\": {...}}, several joined by ';'), pythonic ([f(a=1), g()]) or xlam (a JSON "
+                        "array of {\"name\", \"arguments\"})")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split chat replies of reasoning models: the text before </think> (after an optional "
+                        "<think>) goes to message.reasoning / reasoning_content, the rest is the content: "
+                        "deepseek_r1, or qwen3 (chat_template_kwargs enable_thinking=false: all content)")
     return parser
 
 
@@ -574,6 +590,7 @@ def run_server(ns: argparse.Namespace) -> int:
                         log_stats_interval_s=None if ns.disable_log_stats else ns.log_stats_interval,
                         max_n=ns.max_n, enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
                         enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+                        reasoning_parser=ns.reasoning_parser,
                         engine_process=not ns.engine_in_process,
                         trust_request_chat_template=ns.trust_request_chat_template,
                         max_request_body_bytes=ns.max_request_body_bytes,

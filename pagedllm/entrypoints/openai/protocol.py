@@ -203,18 +203,24 @@ class ChatCompletionLogProbs(BaseModel):
 
 class ChatMessage(BaseModel):
     """A reply message; ``tool_calls`` is left out of the JSON when there are none (as OpenAI
-    answers; the openai client reads it as None)."""
+    answers; the openai client reads it as None), and so are ``reasoning`` / ``reasoning_content``
+    (``--reasoning-parser``: the same text under vLLM's current and older names) when None."""
 
     role: str
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_empty_tool_calls(self, handler):
         data = handler(self)
         if not data.get("tool_calls"):
             data.pop("tool_calls", None)
+        for key in ("reasoning", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -241,6 +247,8 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")

@@ -10,6 +10,7 @@ token the text leaves out has none, so the entries' ``bytes`` joined give the co
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan, parse_tool_calls, plan_tools
 from pagedllm.entrypoints.openai.tool_parsers import ToolCallStream, ToolParser
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.reasoning import ReasoningParser, ReasoningStream
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,10 @@ class OpenAIServingChat(OpenAIServing):
         trust_request_chat_template: render a ``chat_template`` the request carries
             (``--trust-request-chat-template``); False (vLLM's default): such a request is a 400.
         render_budget: the bounds on rendering a request's template (``RenderBudget``).
+        reasoning_parser: the ``--reasoning-parser``, or None: a reply's reasoning part goes to
+            ``reasoning`` / ``reasoning_content`` and the tool-call parser sees only the content
+            (not under ``tool_choice`` "required" / a named function, whose grammar makes the
+            whole reply the call).
     """
 
     fields = set(ChatCompletionRequest.model_fields)
@@ -60,13 +66,15 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, chat_template: str | None,
                  max_logprobs: int, log_requests: bool = True, max_n: int = DEFAULT_MAX_N,
                  tool_parser: ToolParser | None = None, pool: concurrent.futures.Executor | None = None,
-                 trust_request_chat_template: bool = False, render_budget: RenderBudget = RenderBudget()) -> None:
+                 trust_request_chat_template: bool = False, render_budget: RenderBudget = RenderBudget(),
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         super().__init__(engine, models, log_requests, max_n, pool)
         self.chat_template = chat_template
         self.max_logprobs = max_logprobs
         self.tool_parser = tool_parser
         self.trust_request_chat_template = trust_request_chat_template
         self.render_budget = render_budget
+        self.reasoning_parser = reasoning_parser
 
     def check_request_chat_template(self, request) -> None:
         """A template in the request (``chat_template``, or ``chat_template_kwargs.chat_template``)
@@ -192,12 +200,18 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if num_top is not None:
                 logprobs = ChatCompletionLogProbs(content=self.chat_logprobs(*self.text_tokens(o), num_top))
-            message = ChatMessage(role="assistant", content=echo + o.text)
+            text, reasoning = o.text, None
+            if self._parses_reasoning(tool_plan):
+                reasoning, text = self.reasoning_parser.extract_reasoning(o.text, request.chat_template_kwargs)
+                text = text or ""
+            message = ChatMessage(role="assistant", content=(echo + text) or (None if reasoning else ""),
+                                  reasoning=reasoning, reasoning_content=reasoning)
             finish_reason = o.finish_reason
             if tool_plan.mode == "auto":  # the model's own call format, found by the parser
-                found = tool_plan.parser.extract_tool_calls(o.text)
+                found = tool_plan.parser.extract_tool_calls(text)
                 if found.tools_called:
-                    message = ChatMessage(role="assistant", content=found.content, tool_calls=found.tool_calls)
+                    message = ChatMessage(role="assistant", content=found.content, tool_calls=found.tool_calls,
+                                          reasoning=reasoning, reasoning_content=reasoning)
                     finish_reason = "tool_calls"
             else:
                 tool_calls = parse_tool_calls(tool_plan, o.text)
@@ -234,6 +248,7 @@ class OpenAIServingChat(OpenAIServing):
 
         tool_text: dict[int, str] = {}  # [tools] a call is sent whole once its sample ends
         auto_streams: dict[int, ToolCallStream] = {}  # [tools] "auto": one parser state per choice
+        reasoning_streams: dict[int, ReasoningStream] = {}  # --reasoning-parser: one state per choice
         try:
             for index in range(n):
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
@@ -244,6 +259,13 @@ class OpenAIServingChat(OpenAIServing):
                 num_cached = out.num_cached_tokens if out.num_cached_tokens is not None else num_cached
                 for o in out.outputs:
                     num_completion += len(o.token_ids)
+                    if self._parses_reasoning(tool_plan):
+                        stream = reasoning_streams.setdefault(
+                            o.index, ReasoningStream(self.reasoning_parser, request.chat_template_kwargs))
+                        reasoning, content = stream.feed(o.text, final=o.finish_reason is not None)
+                        if reasoning:
+                            yield chunk(o.index, DeltaMessage(reasoning=reasoning, reasoning_content=reasoning))
+                        o = dataclasses.replace(o, text=content)  # the rest of the path sees the content
                     if tool_plan is not None and tool_plan.mode == "auto":
                         for piece in self._auto_tool_chunks(auto_streams, tool_plan.parser, o, num_top, chunk):
                             yield piece
@@ -305,6 +327,11 @@ class OpenAIServingChat(OpenAIServing):
             reason = "tool_calls" if stream.tools_called else o.finish_reason
             pieces.append(chunk(o.index, DeltaMessage(), None, reason, o.stop_reason))
         return pieces
+
+    def _parses_reasoning(self, tool_plan: ToolPlan | None) -> bool:
+        """Whether replies go through the reasoning parser: one is set and the reply is free text
+        (no tool call forced by a grammar)."""
+        return self.reasoning_parser is not None and (tool_plan is None or tool_plan.mode in ("none", "auto"))
 
     @staticmethod
     def echo_content(request: ChatCompletionRequest) -> str:
