@@ -249,3 +249,41 @@ def test_auto_tool_choice_output_items_from_the_parser():
     assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_time", {"tz": "UTC"})
     only_text = OpenAIServingResponses._output_items(plan, "no call here")
     assert [(i.type, i.content[0].text) for i in only_text] == [("message", "no call here")]
+
+
+def test_sdk_stream_helper_accumulates_function_calls(state):
+    async def fn(client, http):
+        async with client.responses.stream(model="tiny", input="Time?", tools=[TIME_TOOL], tool_choice="required",
+                                           max_output_tokens=100, temperature=1.0, extra_body={"seed": 6}) as stream:
+            arg_deltas = [e async for e in stream if e.type == "response.function_call_arguments.delta"]
+            final = await stream.get_final_response()
+        return arg_deltas, final
+    arg_deltas, final = run(state, fn)
+    (call,) = final.output
+    assert call.type == "function_call" and call.name == "get_time"
+    assert arg_deltas[-1].snapshot == call.arguments
+    jsonschema.validate(json.loads(call.arguments), TIME_TOOL["parameters"])
+
+
+def test_max_stored_responses_flag():
+    import argparse
+
+    from pagedllm.entrypoints.openai.api_server import make_arg_parser
+    from pagedllm.entrypoints.openai.serving_responses import DEFAULT_MAX_STORED_RESPONSES
+
+    parser = make_arg_parser(argparse.ArgumentParser())
+    assert parser.parse_args([]).max_stored_responses == DEFAULT_MAX_STORED_RESPONSES
+    assert parser.parse_args(["--max-stored-responses", "0"]).max_stored_responses == 0
+
+
+def test_store_drops_the_least_recently_used_response(state):
+    """The fixture's server keeps 3 responses: the oldest of 4 new ones is gone."""
+    async def fn(client, http):
+        ids = [(await client.responses.create(model="tiny", input=f"n{i}", max_output_tokens=1)).id for i in range(4)]
+        return [(await http.get(f"/v1/responses/{i}")).status_code for i in ids]
+    assert run(state, fn) == [404, 200, 200, 200]
+
+
+def test_negative_max_stored_responses_fails_before_the_model_loads(tmp_path):
+    with pytest.raises(ValueError, match="--max-stored-responses"):
+        build_state(EngineArgs(model=str(tmp_path / "no-such-model")), max_stored_responses=-1)

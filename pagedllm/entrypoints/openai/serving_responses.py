@@ -257,9 +257,8 @@ class OpenAIServingResponses(OpenAIServing):
         engine, models, log_requests, max_n, pool: as ``OpenAIServing``.
         chat: the server's chat handler: rendering (``--chat-template``), the ``--tool-call-parser``
             for ``tool_choice: "auto"``.
-        max_stored_responses: the ``ResponseStore``'s size (``--max-stored-responses``; 0: none).
-    Raises:
-        ValueError: if ``max_stored_responses`` < 0.
+        store: where stored responses live (its size is ``--max-stored-responses``); None: a
+            ``ResponseStore`` of ``DEFAULT_MAX_STORED_RESPONSES``.
     """
 
     fields = set(ResponsesRequest.model_fields)
@@ -267,10 +266,10 @@ class OpenAIServingResponses(OpenAIServing):
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, chat: OpenAIServingChat,
                  log_requests: bool = True, max_n: int = DEFAULT_MAX_N,
                  pool: concurrent.futures.Executor | None = None,
-                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+                 store: ResponseStore | None = None) -> None:
         super().__init__(engine, models, log_requests, max_n, pool)
         self.chat = chat
-        self.store = ResponseStore(max_stored_responses)
+        self.store = ResponseStore() if store is None else store
 
     # -- checks and conversion ---------------------------------------------------------------
 
