@@ -53,7 +53,10 @@ def server(request, long_checkpoint):
 def _joined(chunks, index: int):
     """(reasoning, reasoning_content, content, tool calls, finish reasons) of one streamed choice."""
     mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
-    join = lambda key: "".join(getattr(c.delta, key, None) or "" for c in mine) or None  # noqa: E731
+
+    def join(key: str) -> str | None:
+        return "".join(getattr(c.delta, key, None) or "" for c in mine) or None
+
     calls = [tc for c in mine for tc in (c.delta.tool_calls or [])]
     return join("reasoning"), join("reasoning_content"), join("content"), calls, \
         [c.finish_reason for c in mine if c.finish_reason]

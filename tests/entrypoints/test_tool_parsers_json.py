@@ -31,7 +31,8 @@ def _streamed(parser_name: str, text: str, cut: int):
 LLAMA = [  # (reply, calls, content)
     ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}',
      [("get_weather", {"city": "Paris", "unit": "C"})], None),
-    ('<|python_tag|>{"name": "f", "arguments": {"a": {"b": {"c": [1, 2]}}}}', [("f", {"a": {"b": {"c": [1, 2]}}})], None),
+    ('<|python_tag|>{"name": "f", "arguments": {"a": {"b": {"c": [1, 2]}}}}',
+     [("f", {"a": {"b": {"c": [1, 2]}}})], None),
     ('{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": 1}} ;{"name": "h", "parameters": {"y": "a;b"}}',
      [("f", {}), ("g", {"x": 1}), ("h", {"y": "a;b"})], None),
     ('{"name": "f", "parameters": {"q": "}{"}}\n', [("f", {"q": "}{"})], None),  # trailing text dropped (vLLM)
@@ -55,7 +56,7 @@ def test_llama3_json_a_later_object_that_is_no_call_makes_the_reply_content():
 def test_llama3_json_streams_each_call_when_complete_and_plain_text_at_once():
     stream = ToolCallStream(get_tool_parser("llama3_json"))
     assert stream.feed("<|python") == ("", [])
-    assert stream.feed('_tag|>{"name": "f", "parameters": {"a": 1}}') [0] == ""
+    assert stream.feed('_tag|>{"name": "f", "parameters": {"a": 1}}')[0] == ""
     assert stream.calls_sent and _calls(stream.calls_sent) == [("f", {"a": 1})]
     assert _calls(stream.feed('; {"name": "g", "parameters": {}}')[1]) == [("g", {})]
     assert stream.finish() == ("", [])
@@ -76,7 +77,8 @@ XLAM = [  # (reply, calls, content)
     ('```\n[{"name": "f", "arguments": {}}]\n```', [("f", {})], None),
     ('[TOOL_CALLS][{"name": "f", "arguments": {"a": [1]}}]', [("f", {"a": [1]})], None),
     ('Sure <tool_call>[{"name": "f", "arguments": {}}]</tool_call>', [("f", {})], "Sure"),
-    ('<think>need the weather</think>\n[{"name": "f", "arguments": {}}]', [("f", {})], "<think>need the weather</think>"),
+    ('<think>need the weather</think>\n[{"name": "f", "arguments": {}}]', [("f", {})],
+     "<think>need the weather</think>"),
     ('[{"name": "f", "arguments": "{\\"a\\": 2}"}, {"name": "g"}, 7]', [("f", {"a": 2})], None),  # bad entries skipped
     ("It is sunny [really].", [], "It is sunny [really]."),
     ('[1, 2]', [], "[1, 2]"),
