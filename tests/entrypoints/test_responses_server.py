@@ -7,6 +7,7 @@ calls and JSON the grammar guarantees, and bad input is a 400 naming the field."
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -237,17 +238,16 @@ def test_response_store_is_a_bounded_lru():
         ResponseStore(-1)
 
 
-def test_auto_tool_choice_output_items_from_the_parser():
-    from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+def test_auto_tool_choice_output_items_from_the_parser(state):
     from pagedllm.entrypoints.openai.tool_calls import ToolPlan
     from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 
     plan = ToolPlan("auto", parser=get_tool_parser("hermes"))
     text = 'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
-    message, call = OpenAIServingResponses._output_items(plan, text)
+    message, call = state.responses._output_items(plan, text)
     assert message.type == "message" and message.content[0].text.strip() == "Let me look."
     assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_time", {"tz": "UTC"})
-    only_text = OpenAIServingResponses._output_items(plan, "no call here")
+    only_text = state.responses._output_items(plan, "no call here")
     assert [(i.type, i.content[0].text) for i in only_text] == [("message", "no call here")]
 
 
@@ -287,3 +287,49 @@ def test_store_drops_the_least_recently_used_response(state):
 def test_negative_max_stored_responses_fails_before_the_model_loads(tmp_path):
     with pytest.raises(ValueError, match="--max-stored-responses"):
         build_state(EngineArgs(model=str(tmp_path / "no-such-model")), max_stored_responses=-1)
+
+
+THINK_REPLY = r"<think>[a-z]{2,8}( [a-z]{2,8}){0,3}\.</think>[a-z]{2,8}( [a-z]{2,8}){1,4}\."
+
+
+@pytest.fixture(scope="module")
+def reasoning_state(long_checkpoint):
+    args = EngineArgs(model=long_checkpoint, dtype="float32", max_model_len=4096, block_size=4,
+                      kv_cache_memory_bytes=64 << 20, seed=0)
+    st = build_state(args, ["tiny"], chat_template=load_chat_template("gemma"), log_requests=False,
+                     log_stats_interval_s=None, reasoning_parser="deepseek_r1")
+    yield st
+    st.engine.shutdown()
+
+
+def test_reasoning_parser_gives_a_reasoning_item(reasoning_state):
+    """A random model writes no <think> block by chance: the reply's form is forced with vLLM's
+    ``structured_outputs`` regex; what is tested is the split into items and events."""
+    kwargs = dict(model="tiny", input="Think first.", max_output_tokens=200, temperature=1.0,
+                  extra_body={"seed": 8, "structured_outputs": {"regex": THINK_REPLY}})
+
+    async def fn(client, http):
+        whole = await client.responses.create(**kwargs)
+        events = [e async for e in await client.responses.create(stream=True, **kwargs)]
+        async with client.responses.stream(**kwargs) as stream:
+            final = await stream.get_final_response()
+        follow = await client.responses.create(model="tiny", input="Next.", previous_response_id=whole.id,
+                                               max_output_tokens=3, temperature=0)
+        return whole, events, final, follow
+    whole, events, final, follow = run(reasoning_state, fn)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    reasoning, answer = whole.output[0].content[0].text, whole.output_text
+    assert whole.output[0].id.startswith("rs_") and whole.status == "completed"
+    assert re.fullmatch(THINK_REPLY, f"<think>{reasoning}</think>{answer}")
+    types = [e.type for e in events]
+    first_text = types.index("response.output_text.delta")
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert types[first_text - 4:first_text] == ["response.reasoning_text.done", "response.output_item.done",
+                                                "response.output_item.added", "response.content_part.added"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1].response
+    assert [(i.type, i.id) for i in done.output] == [("reasoning", events[2].item.id), ("message", events[first_text].item_id)]
+    assert final.output_text == answer and final.output[0].type == "reasoning"
+    assert follow.status in ("completed", "incomplete")

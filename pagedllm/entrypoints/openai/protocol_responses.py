@@ -2,7 +2,7 @@
 
 Field names follow OpenAI's API reference (``input``, ``instructions``, ``max_output_tokens``,
 ``text.format``, ``previous_response_id``, flat function tools) plus the vLLM sampling extras the
-server also takes here (``top_k``, ``min_p``, ``repetition_penalty``, ``seed``). Input items and
+server also takes here (``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``structured_outputs``). Input items and
 tools stay plain dicts: ``serving_responses`` checks them and names the field at fault. A
 response is built with these models and sent as JSON; the openai client reads it as its
 ``Response`` (``output_text`` is computed client-side).
@@ -49,6 +49,7 @@ class ResponsesRequest(OpenAIBaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ResponseOutputText(BaseModel):
@@ -66,6 +67,22 @@ class ResponseOutputMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
     content: list[ResponseOutputText] = Field(default_factory=list)
+
+
+class ResponseReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ResponseReasoningItem(BaseModel):
+    """A ``reasoning`` output item (``id`` "rs_..."): the reply's reasoning part as the
+    ``--reasoning-parser`` splits it; not carried into a later turn."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ResponseReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 class ResponseFunctionToolCall(BaseModel):
@@ -108,7 +125,7 @@ class ResponsesResponse(BaseModel):
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"] = "completed"
     model: str
-    output: list[ResponseOutputMessage | ResponseFunctionToolCall] = Field(default_factory=list)
+    output: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionToolCall] = Field(default_factory=list)
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None

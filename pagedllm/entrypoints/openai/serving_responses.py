@@ -6,8 +6,9 @@ A request becomes a ``ChatCompletionRequest``: ``instructions`` a first system m
 function tools and a named ``tool_choice`` the chat shapes, ``text.format`` the
 ``response_format``, ``max_output_tokens`` the ``max_tokens``. It is rendered with the chat
 template, constrained by ``tool_calls.plan_tools`` and sampled like a chat completion; the reply
-comes back as a ``response`` whose ``output`` holds an assistant ``message`` (``output_text``)
-and a ``function_call`` item per tool call. Streamed, it is OpenAI's event sequence
+comes back as a ``response`` whose ``output`` holds a ``reasoning`` item (with the server's
+``--reasoning-parser``), an assistant ``message`` (``output_text``) and a ``function_call`` item
+per tool call. Streamed, it is OpenAI's event sequence
 (``response.created`` ... ``response.completed``, each with its ``sequence_number``); a reply
 under tools is sent whole when it ends (a call is known only then). As vLLM does, the last event
 is ``response.completed`` whatever the status (``incomplete`` when cut by ``max_output_tokens``).
@@ -38,12 +39,14 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_f
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_responses import (InputTokensDetails, ResponseFunctionToolCall,
                                                             ResponseOutputMessage, ResponseOutputText,
+                                                            ResponseReasoningItem, ResponseReasoningText,
                                                             ResponsesRequest, ResponsesResponse, ResponseUsage)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import DEFAULT_MAX_N, OpenAIServing
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan, parse_tool_calls, plan_tools
 from pagedllm.outputs import CompletionOutput
+from pagedllm.reasoning import ReasoningParser, ReasoningStream
 from pagedllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -296,7 +299,8 @@ class OpenAIServingResponses(OpenAIServing):
             tool_choice=chat_tool_choice(request.tool_choice), parallel_tool_calls=request.parallel_tool_calls,
             response_format=response_format(request.text), max_tokens=request.max_output_tokens,
             temperature=request.temperature, top_p=request.top_p, seed=request.seed, top_k=request.top_k,
-            min_p=request.min_p, repetition_penalty=request.repetition_penalty, user=request.user)
+            min_p=request.min_p, repetition_penalty=request.repetition_penalty, user=request.user,
+            structured_outputs=request.structured_outputs)
         return chat, previous
 
     # -- the routes ----------------------------------------------------------------------------
@@ -382,11 +386,25 @@ class OpenAIServingResponses(OpenAIServing):
 
     # -- building the response ---------------------------------------------------------------
 
-    @staticmethod
-    def _output_items(plan: ToolPlan, text: str) -> list[ResponseOutputMessage | ResponseFunctionToolCall]:
-        """The ``output`` items of a finished reply: a ``message`` for its text (always under
-        ``tool_choice: "none"``; under tools only when text is left besides the calls), then a
-        ``function_call`` per call (found by the plan's constraint or the ``auto`` parser)."""
+    def reasoning_parser_for(self, plan: ToolPlan) -> ReasoningParser | None:
+        """The ``--reasoning-parser`` when it splits this reply (free text: ``tool_choice`` "none"
+        or "auto", as on chat), else None."""
+        return self.chat.reasoning_parser if plan.mode in ("none", "auto") else None
+
+    def _output_items(self, plan: ToolPlan, text: str) -> list[ResponseReasoningItem | ResponseOutputMessage |
+                                                              ResponseFunctionToolCall]:
+        """The ``output`` items of a finished reply: its reasoning part as a ``reasoning`` item
+        (with a ``--reasoning-parser``), a ``message`` for its text (always under ``tool_choice:
+        "none"``; under tools only when text is left besides the calls), then a ``function_call``
+        per call (found by the plan's constraint or, in the content, by the ``auto`` parser)."""
+        items: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionToolCall] = []
+        parser = self.reasoning_parser_for(plan)
+        if parser is not None:
+            reasoning, text = parser.extract_reasoning(text)
+            text = text or ""
+            if reasoning:
+                items.append(ResponseReasoningItem(id=f"rs_{uuid.uuid4().hex}",
+                                                   content=[ResponseReasoningText(text=reasoning)]))
         content, calls = text, None
         if plan.mode == "auto":
             found = plan.parser.extract_tool_calls(text)
@@ -396,8 +414,7 @@ class OpenAIServingResponses(OpenAIServing):
             calls = parse_tool_calls(plan, text)
             if calls is not None:
                 content = ""
-        items: list[ResponseOutputMessage | ResponseFunctionToolCall] = []
-        if calls is None or content:
+        if (calls is None and not items) or content:
             items.append(ResponseOutputMessage(id=f"msg_{uuid.uuid4().hex}",
                                                content=[ResponseOutputText(text=content)]))
         for call in calls or []:
@@ -439,34 +456,60 @@ class OpenAIServingResponses(OpenAIServing):
             return item.model_dump()
 
         text, token_ids, num_cached, last = "", [], None, None
+        # tool_choice "none": the text streams as it comes (its reasoning part first, in a
+        # "reasoning" item, with a --reasoning-parser); under tools the reply is sent whole.
+        live = plan.mode == "none"
+        parser = self.reasoning_parser_for(plan)
+        split = ReasoningStream(parser) if parser is not None and live else None
+        reasoning = ResponseReasoningItem(id=f"rs_{uuid.uuid4().hex}", status="in_progress")
         message = ResponseOutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress")
-        live = plan.mode == "none"   # text streams as it comes; under tools the reply is sent whole
+        announced: set[str] = set()   # ids of the items whose added event is sent
+        closed: set[str] = set()      # ... and of those sent in full
         try:
             yield event("response.created", response=dump(base))
             yield event("response.in_progress", response=dump(base))
-            if live:
-                yield event("response.output_item.added", output_index=0, item=dump(message))
-                yield event("response.content_part.added", item_id=message.id, output_index=0, content_index=0,
-                            part=dump(ResponseOutputText(text="")))
             async for out in outputs:
                 num_cached = out.num_cached_tokens if out.num_cached_tokens is not None else num_cached
                 o = last = out.outputs[0]
                 text += o.text
                 token_ids += list(o.token_ids)
-                if live and o.text:
-                    yield event("response.output_text.delta", item_id=message.id, output_index=0, content_index=0,
-                                delta=o.text, logprobs=[])
+                if not live:
+                    continue
+                thought, said = split.feed(o.text, final=o.finish_reason is not None) if split else ("", o.text)
+                if thought:
+                    if reasoning.id not in announced:
+                        announced.add(reasoning.id)
+                        yield event("response.output_item.added", output_index=0, item=dump(reasoning))
+                    reasoning.content.append(ResponseReasoningText(text=thought))
+                    yield event("response.reasoning_text.delta", item_id=reasoning.id, output_index=0,
+                                content_index=0, delta=thought)
+                index = 1 if reasoning.id in announced else 0   # the message's output index
+                if said:
+                    if reasoning.id in announced and reasoning.id not in closed:   # the reasoning is complete
+                        closed.add(reasoning.id)
+                        done = reasoning.model_copy(update={"status": "completed", "content": [ResponseReasoningText(
+                            text="".join(part.text for part in reasoning.content))]})
+                        for piece in self._item_events(event, 0, done, announced=True):
+                            yield piece
+                    if message.id not in announced:
+                        announced.add(message.id)
+                        yield event("response.output_item.added", output_index=index, item=dump(message))
+                        yield event("response.content_part.added", item_id=message.id, output_index=index,
+                                    content_index=0, part=dump(ResponseOutputText(text="")))
+                    yield event("response.output_text.delta", item_id=message.id, output_index=index,
+                                content_index=0, delta=said, logprobs=[])
             last = CompletionOutput(index=0, text=text, token_ids=token_ids, cumulative_logprob=None, logprobs=None,
                                     finish_reason=last.finish_reason if last else None,
                                     stop_reason=last.stop_reason if last else None)
-            if live:
-                items = [message.model_copy(update={"content": [ResponseOutputText(text=text)]})]
-            else:
-                items = self._output_items(plan, text)
+            items = self._output_items(plan, text)
+            if live:   # the ids the stream announced (the parts equal the whole reply's split)
+                for item in items:
+                    item.id = reasoning.id if isinstance(item, ResponseReasoningItem) else message.id
             response = self._finish(request, base, items, last, num_input, num_cached, history)
             for index, item in enumerate(response.output):
-                for piece in self._item_events(event, index, item, announced=live):
-                    yield piece
+                if item.id not in closed:
+                    for piece in self._item_events(event, index, item, announced=item.id in announced):
+                        yield piece
             yield event("response.completed", response=dump(response))
         except (EngineStepError, EngineDeadError) as e:
             logger.error("request %s failed: %s", base.id, e)
@@ -477,10 +520,19 @@ class OpenAIServingResponses(OpenAIServing):
 
     @staticmethod
     def _item_events(event, index: int, item, announced: bool) -> list[str]:
-        """The events that send one finished output item: added (unless ``announced``: a message
-        streamed live), its content or arguments, and done."""
+        """The events that send one finished output item: added and its text (unless
+        ``announced``: streamed live), its arguments, the text's done events, and done."""
         pieces = []
-        if isinstance(item, ResponseFunctionToolCall):
+        if isinstance(item, ResponseReasoningItem):
+            part = item.content[0]
+            if not announced:
+                pending = item.model_copy(update={"content": [], "status": "in_progress"})
+                pieces.append(event("response.output_item.added", output_index=index, item=pending.model_dump()))
+                pieces.append(event("response.reasoning_text.delta", item_id=item.id, output_index=index,
+                                    content_index=0, delta=part.text))
+            pieces.append(event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
+                                text=part.text))
+        elif isinstance(item, ResponseFunctionToolCall):
             pending = item.model_copy(update={"arguments": "", "status": "in_progress"})
             pieces.append(event("response.output_item.added", output_index=index, item=pending.model_dump()))
             pieces.append(event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
