@@ -525,3 +525,19 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """vLLM's ``VllmConfig`` as far as pagedllm has one: what a class-based logits processor is
+    built with (``sample/logits_processor.py``; vLLM's examples import it from ``vllm.config``).
+
+    Attributes:
+        model_config, cache_config, scheduler_config (``max_num_seqs``: most rows),
+        parallel_config: the engine's configs above.
+    """
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig

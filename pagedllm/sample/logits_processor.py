@@ -16,6 +16,7 @@ No torch at import time is not a goal here (the worker imports this); plain data
 
 from __future__ import annotations
 
+
 import enum
 import importlib
 import inspect
@@ -25,10 +26,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pagedllm.config import VllmConfig
+
 if TYPE_CHECKING:
     import torch
 
-    from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
     from pagedllm.sampling_params import SamplingParams
 
 
@@ -66,18 +68,6 @@ class BatchUpdate:
     removed: Sequence[RemovedRequest]
     added: Sequence[AddedRequest]
     moved: Sequence[MovedRequest]
-
-
-@dataclass(frozen=True)
-class VllmConfig:
-    """What a logits processor is built with (the parts of vLLM's ``VllmConfig`` pagedllm has):
-    ``model_config``, ``cache_config``, ``scheduler_config`` (``max_num_seqs``: most rows),
-    ``parallel_config``, as ``pagedllm.config`` defines them."""
-
-    model_config: "ModelConfig"
-    cache_config: "CacheConfig"
-    scheduler_config: "SchedulerConfig"
-    parallel_config: "ParallelConfig"
 
 
 class LogitsProcessor(ABC):

@@ -34,7 +34,9 @@ def test_vllm_names_import_from_the_package_and_vllms_module_paths():
     from pagedllm.sampling_params import BeamSearchParams
     from pagedllm.utils import FlexibleArgumentParser
     from pagedllm.utils.argparse_utils import FlexibleArgumentParser as FAP
+    from pagedllm.config import VllmConfig
     from pagedllm.v1.engine.async_llm import AsyncLLM as V1AsyncLLM
+    from pagedllm.v1.sample.logits_processor import VllmConfig as V1VllmConfig
 
     assert pagedllm.EngineArgs is EngineArgs and pagedllm.AsyncEngineArgs is AsyncEngineArgs
     assert issubclass(AsyncEngineArgs, EngineArgs)
@@ -42,6 +44,7 @@ def test_vllm_names_import_from_the_package_and_vllms_module_paths():
     assert pagedllm.AsyncLLMEngine is AsyncLLM is AsyncLLMEngine is V1AsyncLLM is pagedllm.AsyncLLM
     assert pagedllm.BeamSearchParams is BeamSearchParams is BeamFromEngine
     assert FlexibleArgumentParser is FAP
+    assert VllmConfig is V1VllmConfig   # vLLM's logits-processor example imports it from vllm.config
     for name in pagedllm.__all__:
         assert getattr(pagedllm, name) is not None
     with pytest.raises(AttributeError, match="no_such_name"):

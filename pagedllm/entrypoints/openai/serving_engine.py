@@ -24,7 +24,7 @@ from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.config import StructuredOutputsConfig
-from pagedllm.structured_output.backend import resolve_backend_name
+from pagedllm.structured_output.backend import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend_name
 from pagedllm.structured_output.grammar import validate_structured_outputs
 
 logger = logging.getLogger(__name__)
@@ -314,9 +314,11 @@ class OpenAIServing:
         backend = self.structured_outputs_config.backend
         running = resolve_backend_name(backend)
         if asked not in (None, "auto", backend, running):
-            raise bad_request(f"guided_decoding_backend {asked!r}: this server runs the structured-output backend "
-                              f"{running!r} (--structured-outputs-backend) and a request cannot choose another; "
-                              f"leave the field out", param="guided_decoding_backend")
+            known = asked in STRUCTURED_OUTPUTS_BACKENDS
+            raise bad_request(f"guided_decoding_backend {asked!r}: "
+                              + ("" if known else f"not a structured-output backend (they are {STRUCTURED_OUTPUTS_BACKENDS}); ")
+                              + f"this server runs {running!r} (--structured-outputs-backend) and a request cannot "
+                              f"choose another; leave the field out", param="guided_decoding_backend")
 
     def structured_outputs(self, request) -> StructuredOutputsParams | None:
         """The request's constraint, from ``response_format``, ``structured_outputs`` or the
