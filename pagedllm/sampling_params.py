@@ -34,6 +34,11 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: an EBNF grammar (llama.cpp's GBNF, which both backends read, root rule ``root``; llguidance also reads Lark).
         json_object: any JSON object (``response_format: {"type": "json_object"}``).
+        structural_tag: vLLM's structural tag (its JSON text, or the dict): ``{"structures":
+            [{"begin": str, "schema": JSON schema, "end": str}, ...], "triggers": [str, ...]}``;
+            free text, except that once a trigger is written the text must continue as one of
+            the structures whose ``begin`` starts with it: ``begin``, JSON valid against
+            ``schema``, ``end``; then free text again.
         disable_any_whitespace: JSON without free whitespace between tokens (compact separators);
             None takes the engine's default (``StructuredOutputsConfig.disable_any_whitespace``).
     Raises:
@@ -46,12 +51,14 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     disable_any_whitespace: bool | None = None
 
     def __post_init__(self) -> None:
         kinds = self.kinds
         if not kinds:
-            raise ValueError("structured_outputs must set one of json, regex, choice, grammar, json_object")
+            raise ValueError("structured_outputs must set one of json, regex, choice, grammar, json_object, "
+                             "structural_tag")
         if len(kinds) > 1:
             raise ValueError(f"structured_outputs must set only one kind of constraint, got {kinds}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
@@ -71,13 +78,13 @@ class StructuredOutputsParams:
     @property
     def kinds(self) -> list[str]:
         """The names of the constraint fields that are set."""
-        return [name for name in ("json", "regex", "choice", "grammar", "json_object")
+        return [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
                 if getattr(self, name) not in (None, False)]
 
     @property
     def kind(self) -> str:
-        """The one constraint field that is set ("json", "regex", "choice", "grammar" or
-        "json_object")."""
+        """The one constraint field that is set ("json", "regex", "choice", "grammar",
+        "json_object" or "structural_tag")."""
         return self.kinds[0]
 
 

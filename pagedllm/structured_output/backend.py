@@ -135,14 +135,16 @@ class StructuredOutputBackend(ABC):
 
 def field_of(kind: str) -> str:
     """The ``StructuredOutputsParams`` field a grammar key's kind comes from."""
-    return {"json": "json", "json-compact": "json", "regex": "regex", "choice": "choice"}.get(kind, "grammar")
+    return {"json": "json", "json-compact": "json", "regex": "regex", "choice": "choice",
+            "structural_tag": "structural_tag"}.get(kind, "grammar")
 
 
 def compile_error(kind: str, engine: str, cause: Exception | str) -> ValueError:
     """A ``ValueError`` naming the field, with the engine's message on one line (at most 400
     characters)."""
     field = field_of(kind)
-    what = {"json": "JSON schema", "regex": "regular expression", "choice": "choice list"}.get(field, "grammar")
+    what = {"json": "JSON schema", "regex": "regular expression", "choice": "choice list",
+            "structural_tag": "structural tag"}.get(field, "grammar")
     text = " ".join(line.strip() for line in str(cause).splitlines() if line.strip())
     message = text[:400] if text else type(cause).__name__
     return ValueError(f"structured_outputs.{field}: {engine} cannot compile this {what}: {message}")

@@ -32,6 +32,19 @@ def _bounded_number_decimals(schema: dict) -> dict:
     return schema
 
 
+def _object_schema(schema) -> dict:
+    """A schema as llguidance takes it: ``true`` as ``{}``, bounded numbers rewritten.
+
+    Raises:
+        ValueError: for the schema ``false`` (it admits nothing).
+    """
+    if schema is True:      # the schema that admits every JSON value
+        schema = {}
+    elif schema is False:
+        raise ValueError("the schema false admits no value")
+    return map_subschemas(schema, _bounded_number_decimals)
+
+
 # JSON compile options (llguidance docs/json_schema.md): compact separators, or free whitespace.
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 _FLEXIBLE = {"whitespace_flexible": True}
@@ -48,14 +61,18 @@ def grammar_text(key: tuple[str, str]) -> str:
     kind, text = key
     try:
         if kind in ("json", "json-compact"):
-            schema = json.loads(text)
-            if schema is True:      # the schema that admits every JSON value
-                schema = {}
-            elif schema is False:
-                raise ValueError("the schema false admits no value")
-            schema = map_subschemas(schema, _bounded_number_decimals)
+            schema = _object_schema(json.loads(text))
             grammar = llg.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema, ensure_ascii=False), defaults=_COMPACT if kind == "json-compact" else _FLEXIBLE)
+        elif kind == "structural_tag":
+            tag = json.loads(text)
+            options = _COMPACT if tag["compact"] else _FLEXIBLE
+            tags = [llg.StructTag(trigger=next(t for t in tag["triggers"] if s["begin"].startswith(t)),
+                                  begin=s["begin"], end=s["end"],
+                                  grammar={**_object_schema(s["schema"]), "x-guidance": options})
+                    for s in tag["structures"]]
+            # assume_special=False: a trigger such as "<function=" is text here, not a special token.
+            grammar = llg.LLMatcher.grammar_from_lark(llg.StructTag.to_grammar(tags, assume_special=False))
         elif kind == "regex":
             grammar = llg.LLMatcher.grammar_from_regex(text)
         elif kind == "choice":

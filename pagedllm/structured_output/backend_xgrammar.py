@@ -75,6 +75,11 @@ def build_grammar(key: tuple[str, str]):
             return xgr.Grammar.from_regex(text)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(text)))
+        if kind == "structural_tag":
+            tag = json.loads(text)
+            items = [xgr.StructuralTagItem(begin=s["begin"], end=s["end"], schema=json.dumps(
+                bounded_strings_as_patterns(s["schema"]), ensure_ascii=False)) for s in tag["structures"]]
+            return xgr.Grammar.from_structural_tag(items, tag["triggers"])
         return xgr.Grammar.from_ebnf(text)
     except Exception as e:  # xgrammar raises RuntimeError / its own errors with the parser's message
         raise compile_error(kind, "xgrammar", e) from None

@@ -20,6 +20,20 @@ from pagedllm.sampling_params import StructuredOutputsParams
 _JSON_OBJECT_SCHEMA = {"type": "object"}
 
 
+def _parsed(value: Any, field: str) -> Any:
+    """``value`` itself, or the value of its JSON text when it is a string.
+
+    Raises:
+        ValueError: naming ``field`` when the text is not JSON.
+    """
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{field} is not valid JSON: {e}") from None
+
+
 def _schema_of(params: StructuredOutputsParams) -> dict | bool:
     """The JSON schema of a ``json`` / ``json_object`` constraint.
 
@@ -28,12 +42,7 @@ def _schema_of(params: StructuredOutputsParams) -> dict | bool:
     """
     if params.json_object:
         return _JSON_OBJECT_SCHEMA
-    schema = params.json
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    schema = _parsed(params.json, "structured_outputs.json")
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
     check_schema_refs(schema)
@@ -55,6 +64,41 @@ def _pointer_target(root: Any, pointer: str) -> bool:
         else:
             return False
     return True
+
+
+def _structural_tag_of(params: StructuredOutputsParams) -> dict:
+    """vLLM's structural tag, checked: ``{"structures": [{"begin", "schema", "end"}], "triggers"}``
+    (a ``"type": "structural_tag"`` key is allowed); every ``begin`` starts with a trigger.
+
+    Raises:
+        ValueError: naming ``structured_outputs.structural_tag`` and what is wrong.
+    """
+    field = "structured_outputs.structural_tag"
+    tag = _parsed(params.structural_tag, field)
+    if not isinstance(tag, dict):
+        raise ValueError(f"{field} must be an object with structures and triggers, got {type(tag).__name__}")
+    unknown = sorted(set(tag) - {"type", "structures", "triggers"})
+    if unknown:
+        raise ValueError(f"{field} has unknown key(s) {unknown}; it takes structures and triggers")
+    triggers, structures = tag.get("triggers"), tag.get("structures")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"{field}.triggers must be a non-empty list of non-empty strings, got {triggers!r}")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(f"{field}.structures must be a non-empty list, got {structures!r}")
+    out = []
+    for i, s in enumerate(structures):
+        where = f"{field}.structures[{i}]"
+        if not isinstance(s, dict) or set(s) != {"begin", "schema", "end"}:
+            raise ValueError(f"{where} must be an object with exactly begin, schema and end, got {s!r}")
+        if not isinstance(s["begin"], str) or not isinstance(s["end"], str):
+            raise ValueError(f"{where}: begin and end must be strings")
+        if not any(s["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"{where}: begin {s['begin']!r} does not start with any trigger {triggers}")
+        if not isinstance(s["schema"], (dict, bool)):
+            raise ValueError(f"{where}.schema must be a JSON schema object, got {type(s['schema']).__name__}")
+        check_schema_refs(s["schema"], f"{where}.schema")
+        out.append({"begin": s["begin"], "schema": s["schema"], "end": s["end"]})
+    return {"structures": out, "triggers": list(triggers)}
 
 
 def walk_schema(node: Any, path: str = "#"):
@@ -170,6 +214,13 @@ def grammar_key(params: StructuredOutputsParams, disable_any_whitespace: bool,
             schema = declared_properties_only(schema)
         text = json.dumps(_canonical(schema), separators=(",", ":"), ensure_ascii=False)
         return ("json-compact" if compact else "json", text)
+    if kind == "structural_tag":
+        tag = _structural_tag_of(params)
+        compact = disable_any_whitespace if params.disable_any_whitespace is None else params.disable_any_whitespace
+        for s in tag["structures"]:
+            s["schema"] = _canonical(declared_properties_only(s["schema"]) if disable_additional_properties
+                                     else s["schema"])
+        return ("structural_tag", json.dumps({**tag, "compact": compact}, separators=(",", ":"), ensure_ascii=False))
     if kind == "regex":
         return ("regex", params.regex)
     if kind == "choice":

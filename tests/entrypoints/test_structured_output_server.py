@@ -224,6 +224,31 @@ def test_bad_input_is_400_naming_the_field(state, route, body, param, fragment):
     assert state.engine.engine.get_num_unfinished_requests() == 0
 
 
+def test_structural_tag_response_format_and_its_errors(state):
+    """``response_format: {"type": "structural_tag", ...}`` (vLLM's form) reaches the grammar: every
+    trigger in the reply opens a whole structure; a tag whose begin misses the triggers is a 400."""
+    tag = {"type": "structural_tag", "triggers": ["<tool="], "structures": [
+        {"begin": "<tool=echo>", "end": "</tool>",
+         "schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                    "required": ["n"]}}]}
+
+    def post(response_format):
+        return run(state, lambda client, http: http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": MESSAGES, "max_tokens": 40, "temperature": 1.0, "seed": 5,
+            "response_format": response_format}))
+
+    response = post(tag)
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["message"]["content"]
+    for part in text.split("<tool=")[1:]:
+        head = part if len(part) < 30 else part[:30]
+        assert re.match(r'echo>\{"n":[0-9]\}</tool>', part) or response.json()["choices"][0]["finish_reason"] == "length", head
+    bad = {**tag, "structures": [{**tag["structures"][0], "begin": "<other>"}]}
+    response = post(bad)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format", response.text
+    assert "does not start with any trigger" in response.json()["error"]["message"]
+
+
 def test_guided_decoding_backend_is_the_engines_or_a_400(state):
     """vLLM V1 selects the backend per engine: a request may name the engine's backend (or
     "auto"); another is a 400 naming ``guided_decoding_backend``, and nothing reaches the engine."""

@@ -358,3 +358,50 @@ def test_json_members_are_written_in_the_schema_order(llm):
         assert out.finish_reason == "stop"
         assert list(json.loads(out.text, object_pairs_hook=lambda pairs: [k for k, _ in pairs])) == order
 
+
+
+WEATHER_TAG = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+    {"begin": "<function=get_weather>", "end": "</function>",
+     "schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}},
+    {"begin": "<function=get_time>", "end": "</function>",
+     "schema": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}]}
+
+
+def test_structural_tag_free_text_then_each_structure(llm):
+    """vLLM's structural tag: free text is accepted; after a trigger only the begin of a structure,
+    JSON valid against its schema and its end; then free text again (the handle's own accept, token
+    by token, with the engine's tokenizer)."""
+    manager = llm.llm_engine.structured_output_manager
+    tok = llm.get_tokenizer()
+
+    def accepts(text: str) -> bool:
+        handle = manager.make_request(StructuredOutputsParams(structural_tag=json.dumps(WEATHER_TAG)))
+        handle._compiled.result()
+        assert handle.is_ready() and handle.error is None, handle.error
+        return handle.accept_tokens(tok.encode(text, add_special_tokens=False))
+
+    assert accepts("Just some text, no call.")
+    assert accepts('Sure. <function=get_weather>{"city":"Paris"}</function> and <function=get_time>{"tz":"CET"}'
+                   '</function> done')
+    for bad in ('<function=get_weather>{"town":"Paris"}', '<function=get_date>{}', '<function=get_time>{"tz":"PST"}',
+                '<function=get_weather>{"city":"Paris"}</func'):
+        if bad.endswith("</func"):   # a prefix of the end is fine; a different end is not
+            assert accepts(bad) and not accepts(bad + "x>")
+        else:
+            assert not accepts(bad), bad
+    out = llm.generate(["Call a tool:"], _params(3, structural_tag=WEATHER_TAG, max_tokens=40), use_tqdm=False)
+    assert out[0].outputs[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("tag, fragment", [
+    ({"structures": [], "triggers": ["<f"]}, "structures must be a non-empty list"),
+    ({"structures": [{"begin": "<g>", "schema": {}, "end": "</g>"}], "triggers": ["<f"]}, "does not start with any trigger"),
+    ({"structures": [{"begin": "<f>", "schema": {}}], "triggers": ["<f"]}, "exactly begin, schema and end"),
+    ({"structures": [{"begin": "<f>", "schema": {"$ref": "#/$defs/x"}, "end": ""}], "triggers": ["<f"]}, "cannot be resolved"),
+    ({"structures": [{"begin": "<f>", "schema": {}, "end": ""}], "triggers": []}, "triggers must be a non-empty list"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_structural_tags_name_the_field(llm, tag, fragment):
+    with pytest.raises(ValueError, match=r"structured_outputs\.structural_tag.*" + re.escape(fragment)):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag=tag)),
+                     use_tqdm=False)

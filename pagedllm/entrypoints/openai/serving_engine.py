@@ -352,11 +352,13 @@ class OpenAIServing:
                     raise bad_request("response_format.json_schema.schema must be a JSON schema object",
                                       param="response_format")
                 found.append(("response_format", make("response_format", json=schema)))
+            elif kind == "structural_tag":   # vLLM's: {"type", "structures": [{begin, schema, end}], "triggers"}
+                found.append(("response_format", make("response_format", structural_tag=dict(rf))))
             elif kind != "text":
-                raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                                  param="response_format")
+                raise bad_request(f"response_format.type must be 'text', 'json_object', 'json_schema' or "
+                                  f"'structural_tag', got {kind!r}", param="response_format")
         if request.structured_outputs:
-            allowed = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+            allowed = {"json", "regex", "choice", "grammar", "json_object", "structural_tag", "disable_any_whitespace"}
             unknown = sorted(set(request.structured_outputs) - allowed)
             if unknown:
                 raise bad_request(f"structured_outputs has unknown field(s) {unknown}; supported: {sorted(allowed)}",
