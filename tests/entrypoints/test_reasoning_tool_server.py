@@ -130,10 +130,10 @@ def test_plain_reply_is_content_with_its_reasoning(server):
     assert ("reasoning" in message and "reasoning_content" in message) == bool(reasoning_parser), message
 
 
+@pytest.mark.parametrize("server", [("xlam", "qwen3")], indirect=True, ids=["xlam-qwen3"])
 def test_qwen3_enable_thinking_false_leaves_the_reply_content(server):
     tool_parser, reasoning_parser, state = server
-    if reasoning_parser != "qwen3":
-        pytest.skip("qwen3 only")
+    assert reasoning_parser == "qwen3"
 
     async def fn(client, http):
         return await client.chat.completions.create(
