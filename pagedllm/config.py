@@ -541,3 +541,12 @@ class VllmConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+
+
+def __getattr__(name: str):
+    """``ProfilerConfig`` at vLLM's path (``vllm.config.ProfilerConfig``), loaded on first use."""
+    if name == "ProfilerConfig":
+        from pagedllm.profiler import ProfilerConfig
+
+        return ProfilerConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -45,6 +45,10 @@ def test_vllm_names_import_from_the_package_and_vllms_module_paths():
     assert pagedllm.BeamSearchParams is BeamSearchParams is BeamFromEngine
     assert FlexibleArgumentParser is FAP
     assert VllmConfig is V1VllmConfig   # vLLM's logits-processor example imports it from vllm.config
+    from pagedllm.config import ProfilerConfig
+    from pagedllm.logger import init_logger
+    from pagedllm.profiler import ProfilerConfig as P2
+    assert ProfilerConfig is P2 and init_logger("pagedllm.x").name == "pagedllm.x"
     for name in pagedllm.__all__:
         assert getattr(pagedllm, name) is not None
     with pytest.raises(AttributeError, match="no_such_name"):

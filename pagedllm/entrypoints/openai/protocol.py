@@ -203,8 +203,10 @@ class ChatCompletionLogProbs(BaseModel):
 
 class ChatMessage(BaseModel):
     """A reply message; ``tool_calls`` is left out of the JSON when there are none (as OpenAI
-    answers; the openai client reads it as None), and so are ``reasoning`` / ``reasoning_content``
-    (``--reasoning-parser``: the same text under vLLM's current and older names) when None."""
+    answers; the openai client reads it as None), and so is ``reasoning_content`` when None.
+    ``reasoning`` (``--reasoning-parser``; ``reasoning_content`` is vLLM's older name for the same
+    text) is always there, null without a reasoning part, as vLLM sends it (scripts read
+    ``message.reasoning`` as an attribute)."""
 
     role: str
     content: str | None = None
@@ -218,9 +220,8 @@ class ChatMessage(BaseModel):
         data = handler(self)
         if not data.get("tool_calls"):
             data.pop("tool_calls", None)
-        for key in ("reasoning", "reasoning_content"):
-            if data.get(key) is None:
-                data.pop(key, None)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
         return data
 
 
