@@ -2,6 +2,7 @@
 give the same answers, the second engine reusing the shared prefix's KV blocks."""
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.distributed import cleanup_dist_env_and_memory
 
 prefix = (
     "You are an expert school principal, skilled in effectively managing faculty and staff. Draft 10-15 "
@@ -21,7 +22,9 @@ def main():
     regular_llm = LLM(model="default", dtype="float32", enable_prefix_caching=False)
     outputs = regular_llm.generate(generating_prompts, sampling_params)
     regular_generated_texts = [output.outputs[0].text for output in outputs]
+    # Destroy the LLM object and free up memory before the next engine (as vLLM's example does).
     del regular_llm
+    cleanup_dist_env_and_memory()
 
     prefix_cached_llm = LLM(model="default", dtype="float32", enable_prefix_caching=True)
     prefix_cached_llm.generate(generating_prompts[0], sampling_params)   # warm the cache
