@@ -8,10 +8,11 @@ keeps its state in a ``ReasoningStream``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 
-class ReasoningParser:
+class ReasoningParser(ABC):
     """Base class of the ``--reasoning-parser`` parsers."""
 
     name = ""
@@ -26,6 +27,7 @@ class ReasoningParser:
         """
         return self.split(text, True, chat_template_kwargs)
 
+    @abstractmethod
     def split(self, text: str, final: bool, chat_template_kwargs: dict[str, Any] | None = None
               ) -> tuple[str | None, str | None]:
         """(reasoning, content) of ``text``; with ``final`` False (a reply still being generated)

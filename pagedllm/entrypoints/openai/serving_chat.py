@@ -125,6 +125,29 @@ class OpenAIServingChat(OpenAIServing):
             prompt["prompt_token_ids"] = self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
         return prompt
 
+    def plan_tools_and_constraint(self, request, format_fields: str = "response_format or structured_outputs",
+                                  tool_choice=None) -> tuple:
+        """(``ToolPlan``, the reply's constraint): a forced tool call's grammar, else the request's own.
+
+        Args:
+            request: a ``ChatCompletionRequest``.
+            format_fields: how the error names the request's own constraint fields.
+            tool_choice: the value the error shows (the request's own when None).
+        Raises:
+            OpenAIError: 400 naming ``tool_choice`` when a forced call meets another constraint; as
+                ``plan_tools`` and ``structured_outputs``.
+        """
+        tool_plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser,
+                               self.structured_outputs_config)
+        structured_outputs = self.structured_outputs(request)
+        if tool_plan.structured_outputs is not None:
+            if structured_outputs is not None:
+                shown = request.tool_choice if tool_choice is None else tool_choice
+                raise bad_request(f"tool_choice={shown!r} constrains the reply to a tool call; it "
+                                  f"cannot be combined with {format_fields}", param="tool_choice")
+            structured_outputs = tool_plan.structured_outputs
+        return tool_plan, structured_outputs
+
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Request | None = None) -> Response:
         """Validate and render (400 before any event is streamed), queue one engine request with
@@ -143,14 +166,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_n(n)
         if request.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        tool_plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser,
-                               self.structured_outputs_config)
-        structured_outputs = self.structured_outputs(request)
-        if tool_plan.structured_outputs is not None:
-            if structured_outputs is not None:
-                raise bad_request(f"tool_choice={request.tool_choice!r} constrains the reply to a tool call; it "
-                                  "cannot be combined with response_format or structured_outputs", param="tool_choice")
-            structured_outputs = tool_plan.structured_outputs
+        tool_plan, structured_outputs = self.plan_tools_and_constraint(request)
         num_top = None
         if request.logprobs:
             num_top = 0 if request.top_logprobs is None else request.top_logprobs

@@ -44,7 +44,7 @@ from pagedllm.entrypoints.openai.protocol_responses import (InputTokensDetails, 
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import DEFAULT_MAX_N, OpenAIServing
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-from pagedllm.entrypoints.openai.tool_calls import ToolPlan, parse_tool_calls, plan_tools
+from pagedllm.entrypoints.openai.tool_calls import ToolPlan, parse_tool_calls
 from pagedllm.outputs import CompletionOutput
 from pagedllm.reasoning import ReasoningParser, ReasoningStream
 from pagedllm.sampling_params import RequestOutputKind
@@ -320,14 +320,7 @@ class OpenAIServingResponses(OpenAIServing):
         self.warn_unknown_fields(request, RESPONSES_UNSUPPORTED_FIELDS)
         try:
             chat, previous = self.chat_request(request)
-            tool_plan = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, self.chat.tool_parser,
-                                   self.structured_outputs_config)
-            structured_outputs = self.structured_outputs(chat)
-            if tool_plan.structured_outputs is not None:
-                if structured_outputs is not None:
-                    raise bad_request(f"tool_choice={request.tool_choice!r} constrains the reply to a tool call; it "
-                                      "cannot be combined with text.format", param="tool_choice")
-                structured_outputs = tool_plan.structured_outputs
+            tool_plan, structured_outputs = self.chat.plan_tools_and_constraint(chat, "text.format", request.tool_choice)
             prompt = await self.run_in_pool(self.chat.render, chat)
         except OpenAIError as e:
             raise _renamed(e) from e
