@@ -37,6 +37,30 @@ SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
 SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")   # layers/greedy_head.py EXACT_GREEDY_HEAD_MODES
 
 
+
+def config_from_any(cls, value: Any, name: str, **defaults) -> Any:
+    """A config dataclass from an engine argument: an instance of ``cls`` (as is), a dict of its
+    fields laid over ``defaults``, or None (``cls(**defaults)``).
+
+    Args:
+        cls: the config dataclass.
+        value: the argument's value.
+        name: the argument's name, for the error messages (``"speculative_config"``).
+    Raises:
+        ValueError: naming ``name``: not a dict, or an unknown key (naming it, with the known ones);
+            the dataclass's own ``ValueError`` for a bad value.
+    """
+    if isinstance(value, cls):
+        return value
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict or {cls.__name__}, got {type(value).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value or {}) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown key(s) {unknown}; supported: {sorted(known)}")
+    return cls(**{**defaults, **(value or {})})
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How the paged KV cache is laid out and sized.
@@ -162,16 +186,7 @@ class StructuredOutputsConfig:
         Raises:
             ValueError: an unknown key (naming it) or a bad value.
         """
-        if isinstance(value, cls):
-            return value
-        if value is not None and not isinstance(value, dict):
-            raise ValueError(f"structured_outputs_config must be a dict or StructuredOutputsConfig, "
-                             f"got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value or {}) - known)
-        if unknown:
-            raise ValueError(f"structured_outputs_config has unknown key(s) {unknown}; supported: {sorted(known)}")
-        return cls(**{**defaults, **(value or {})})
+        return config_from_any(cls, value, "structured_outputs_config", **defaults)
 
     def __post_init__(self) -> None:
         if self.backend not in SUPPORTED_STRUCTURED_OUTPUTS_BACKENDS:
@@ -182,6 +197,129 @@ class StructuredOutputsConfig:
                              f"{self.max_grammar_cache!r}")
         if self.compile_threads < 1:
             raise ValueError(f"compile_threads must be >= 1, got {self.compile_threads}")
+
+
+# ``SpeculativeConfig.method`` values: vLLM's "ngram" (prompt lookup), "suffix" (suffix decoding)
+# and "draft_model", and ours "self_int8" (the target's own int8 weight-only copy as the draft).
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "self_int8")
+# Methods whose drafts come from a model forward (a draft model with its own KV pool).
+MODEL_BASED_SPECULATIVE_METHODS = ("draft_model", "self_int8")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``pagedllm/spec_decode``), with vLLM's ``speculative_config`` keys.
+
+    Attributes:
+        method: "ngram" (prompt lookup over the request's prompt and output), "suffix" (suffix
+            decoding: suffix tries over the request's tokens and earlier requests' outputs),
+            "draft_model" (``model``, a smaller model with the target's tokenizer) or "self_int8"
+            (the target's weights in int8 weight-only as the draft). None with ``model`` set:
+            "draft_model".
+        num_speculative_tokens: most draft tokens verified per request per step (>= 1); None:
+            ``suffix_decoding_max_tree_depth`` for "suffix", required otherwise (vLLM's rule).
+        prompt_lookup_max / prompt_lookup_min: "ngram": longest / shortest n-gram (tokens)
+            matched against the earlier tokens; one given sets the other, none gives 5 / 5
+            (vLLM's defaults).
+        model: "draft_model": a model folder or .gguf file.
+        quantization: the draft model's ``quantization`` (as ``ModelConfig.quantization``).
+        suffix_decoding_max_tree_depth: "suffix": depth of the tries (tokens): bounds match plus
+            speculation length.
+        suffix_decoding_max_cached_requests: "suffix": finished requests whose outputs stay in the
+            global trie (FIFO eviction; 0: no global trie).
+        suffix_decoding_max_spec_factor: "suffix": at most this many draft tokens per matched
+            context token.
+        suffix_decoding_min_token_prob: "suffix": a draft path stops at a token whose frequency
+            among the continuations seen is below this.
+        disable_by_batch_size: no request speculates while more than this many requests run
+            (the forward is compute-bound there); None: never turned off by the batch size.
+        adaptive: adapt each request's draft length to its running acceptance (``spec_decode/
+            controller.py``; off: always ``num_speculative_tokens`` when the proposer has them).
+    Raises:
+        ValueError: naming the key, for an unknown method, a missing or non-positive
+            ``num_speculative_tokens``, bad n-gram bounds, a draft model without ``model``, or
+            ``model`` with a method that takes none.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    quantization: str | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    disable_by_batch_size: int | None = 8
+    adaptive: bool = True
+
+    @classmethod
+    def from_any(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        """vLLM's ``speculative_config`` engine argument: a ``SpeculativeConfig``, a dict of its
+        fields, or None (no speculative decoding: returns None).
+
+        Raises:
+            ValueError: an unknown key (naming it) or a bad value (naming its key).
+        """
+        return None if value is None else config_from_any(cls, value, "speculative_config")
+
+    def __post_init__(self) -> None:
+        def check_int(key: str, value, minimum: int) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"speculative_config: {key} must be an int >= {minimum}, got {value!r}")
+
+        method = self.method
+        if method is None and self.model is not None:
+            method = "draft_model"
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS} (or omitted "
+                             f"with a draft 'model'), got {self.method!r}")
+        object.__setattr__(self, "method", method)
+        num = self.num_speculative_tokens
+        if num is None and method == "suffix":
+            num = self.suffix_decoding_max_tree_depth
+        if num is None:
+            raise ValueError(f"speculative_config: num_speculative_tokens is required with method {method!r}")
+        check_int("num_speculative_tokens", num, 1)
+        object.__setattr__(self, "num_speculative_tokens", num)
+        if method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+            check_int("prompt_lookup_min", lo, 1)
+            check_int("prompt_lookup_max", hi, 1)
+            if lo > hi:
+                raise ValueError(f"speculative_config: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError(f"speculative_config: prompt_lookup_min / prompt_lookup_max apply to method "
+                             f"'ngram', not {method!r}")
+        if method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (a folder or .gguf file)")
+        if method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config: 'model' applies to method 'draft_model', not {method!r}")
+        if self.quantization not in SUPPORTED_QUANTIZATION:
+            raise ValueError(f"speculative_config: quantization must be one of {SUPPORTED_QUANTIZATION}, "
+                             f"got {self.quantization!r}")
+        check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1)
+        check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
+        if not isinstance(self.suffix_decoding_max_spec_factor, (int, float)) or self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError(f"speculative_config: suffix_decoding_max_spec_factor must be > 0, got "
+                             f"{self.suffix_decoding_max_spec_factor!r}")
+        if not isinstance(self.suffix_decoding_min_token_prob, (int, float)) \
+                or not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError(f"speculative_config: suffix_decoding_min_token_prob must be in [0, 1], got "
+                             f"{self.suffix_decoding_min_token_prob!r}")
+        if self.disable_by_batch_size is not None:
+            check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """True for the methods whose drafts come from a model forward on the worker."""
+        return self.method in MODEL_BASED_SPECULATIVE_METHODS
 
 
 # ``ParallelConfig.distributed_executor_backend`` values (vLLM's names): "uni" runs one worker in

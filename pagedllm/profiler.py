@@ -60,17 +60,9 @@ class ProfilerConfig:
         Raises:
             ValueError: an unknown key (naming it) or a bad value.
         """
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"profiler_config must be a dict or ProfilerConfig, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"profiler_config has unknown key(s) {unknown}; supported: {sorted(known)}")
-        return cls(**value)
+        from pagedllm.config import config_from_any
+
+        return config_from_any(cls, value, "profiler_config")
 
 
 class WorkerProfiler:

@@ -251,6 +251,33 @@ class KVCacheManager:
             self.cpu_block_pool.free_blocks(cpu_table)
             self._forget_freed((), cpu_table)
 
+    def trim(self, request: Request) -> int:
+        """[speculative decoding] Give back the blocks past ``cdiv(num_computed_tokens,
+        block_size)``: after a verification step rolled ``num_computed_tokens`` back over rejected
+        draft tokens, blocks that held only those are freed (they are this request's alone and
+        not in the prefix cache: allocated for this step, past every full block).
+
+        Returns:
+            The new table length (blocks); unchanged when nothing was past it.
+        Raises:
+            RuntimeError: if a block to free is shared or registered (a bookkeeping bug).
+        """
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return 0
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        extra = table[keep:]
+        if extra:
+            for block_id in extra:
+                block = self.block_pool.blocks[block_id]
+                if block.ref_cnt != 1 or block.block_hash is not None:
+                    raise RuntimeError(f"request {request.request_id!r}: block {block_id} past its computed "
+                                       f"tokens is shared (ref_cnt {block.ref_cnt}) or cached")
+            del table[keep:]
+            self.block_pool.free_blocks(reversed(extra))
+            self._forget_freed(extra, ())
+        return len(table)
+
     # -- swap preemption ---------------------------------------------------------------------
 
     @property

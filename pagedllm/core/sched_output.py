@@ -61,6 +61,9 @@ class CachedRequestData:
         replaced_block_ids: (logical index, new physical id) entries of the table the worker
             holds that changed since it last heard (copy-on-write of a shared last block),
             applied before ``new_block_ids`` are appended; empty when the table only grew.
+        num_blocks_kept: [speculative decoding] when set, the worker first cuts its table to
+            this many entries (the blocks that held only rejected draft tokens went back to the
+            pool); applied before ``replaced_block_ids``.
     """
 
     req_id: str
@@ -69,6 +72,7 @@ class CachedRequestData:
     new_block_ids: list[int]
     num_computed_tokens: int
     replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
+    num_blocks_kept: int | None = None
 
 
 @dataclass
@@ -96,6 +100,10 @@ class SchedulerOutput:
         grammar_bitmask: [len(structured_output_request_ids), ceil(vocab_size / 32)] int32 numpy
             array filled by the engine after ``schedule()`` (xgrammar's and llguidance's layout: bit ``t % 32`` of
             word ``t // 32`` set = token ``t`` allowed), or None when no row is constrained.
+        scheduled_spec_decode_tokens: [speculative decoding] request id -> the draft tokens it
+            verifies this step (vLLM V1's name). Its ``num_scheduled_tokens`` entry counts them:
+            its last known token followed by the drafts, whose K/V the step writes; the logits
+            of all those positions are scored against the drafts.
 
     The worker applies them in this order: swap-out, copy, swap-in, then the forward.
     """
@@ -111,6 +119,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Any = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -136,6 +145,13 @@ class ModelRunnerOutput:
             ``SamplingParams.logprobs`` tokens plus the sampled one.
         prompt_logprobs: request id -> list (one per prompt position computed this step, for
             positions >= 1) of {token_id: Logprob}; only for requests that asked for them.
+        num_accepted_tokens: [speculative decoding] request id -> how many of its scheduled
+            draft tokens were accepted (a prefix of them); its ``sampled_token_ids`` entry is then
+            the token after them (the target's correction, or the bonus token after all drafts).
+        accepted_logprobs: request id -> the accepted drafts' raw logprobs (NaN when not asked for).
+        accepted_top_logprobs: request id -> per accepted draft, ``None`` or its top-logprobs dict.
+        draft_token_ids: [draft models] request id -> the drafts the worker's draft model proposes
+            for the request's next step.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -143,6 +159,10 @@ class ModelRunnerOutput:
     sampled_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    accepted_top_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -151,7 +171,7 @@ class EngineCoreOutput:
 
     Attributes:
         request_id: the request.
-        new_token_ids: tokens appended this step (0 or 1).
+        new_token_ids: tokens appended this step (0 or 1; more with speculative decoding).
         new_logprobs: sampled-token logprob per new token.
         new_top_logprobs: per new token, ``None`` or its top-logprobs dict.
         new_prompt_logprobs: prompt logprobs computed this step, if asked for.
@@ -202,6 +222,8 @@ class SchedulerStats:
             ("recompute", "swap").
         num_used_blocks_scheduled: KV blocks in use right after ``schedule()`` (what the step
             ran with, before finished requests free theirs; benchmarks take its peak).
+        spec_decoding_stats: [speculative decoding] the running ``SpecDecodingStats`` (a copy),
+            or None without speculative decoding.
     """
 
     num_running: int = 0
@@ -223,3 +245,4 @@ class SchedulerStats:
     num_swapped: int = 0
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
     num_used_blocks_scheduled: int = 0
+    spec_decoding_stats: Any = None

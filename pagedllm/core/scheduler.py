@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from collections import deque
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_pool import NoFreeBlocksError
@@ -35,6 +35,9 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                         NewRequestData, SchedulerOutput, SchedulerStats)
+
+if TYPE_CHECKING:
+    from pagedllm.spec_decode.controller import SpecDecodeController
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,8 @@ class Scheduler:
         kv_cache_manager: the block tables; the scheduler is its only writer.
         max_concurrent_batches: batches the engine keeps in flight (``pipeline_parallel_size``
             with the multi-process executor, else 1).
+        spec_decoder: [speculative decoding] sizes and proposes each decoding request's drafts
+            (``spec_decode/controller.py``), or None: no speculation.
 
     Attributes:
         waiting: WAITING and PREEMPTED requests, FCFS (preempted ones re-enter at the front).
@@ -58,7 +63,7 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_concurrent_batches: int = 1) -> None:
+                 max_concurrent_batches: int = 1, spec_decoder: "SpecDecodeController | None" = None) -> None:
         self.scheduler_config = scheduler_config
         # Batches the engine keeps in flight (pipeline stages); above 1 a batch takes at most
         # ceil(unfinished requests / max_concurrent_batches) requests, so each stage gets work.
@@ -97,6 +102,10 @@ class Scheduler:
         # (scheduled, output not back). They are neither scheduled again nor preempted until
         # ``update_from_output`` gets that batch. Empty between steps when one batch runs at a time.
         self._in_flight: set[str] = set()
+        # [speculative decoding] the drafts' sizing and proposer; request id -> the table length
+        # the worker must cut its copy to (blocks given back after rejected drafts).
+        self.spec_decoder = spec_decoder
+        self._worker_blocks_kept: dict[str, int] = {}
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -189,6 +198,8 @@ class Scheduler:
         max_batch_reqs = self.max_num_seqs if self.max_concurrent_batches == 1 else \
             -(-(len(self.running) + len(self.waiting)) // self.max_concurrent_batches)
 
+        if self.spec_decoder is not None:
+            self.spec_decoder.begin_step(len(self.running))
         # 1) RUNNING requests, in admission order.
         req_index = 0
         while req_index < len(self.running) and budget > 0 and len(output.num_scheduled_tokens) < max_batch_reqs:
@@ -199,6 +210,11 @@ class Scheduler:
                 # running holds it); skip it.
                 req_index += 1
                 continue
+            is_decode = num_new == 1 and request.num_output_tokens > 0 \
+                and request.num_computed_tokens + 1 == request.num_tokens
+            # [speculative decoding] a decode verifies its drafts in the same forward.
+            drafts = self._propose_drafts(request, budget) if is_decode and self.spec_decoder is not None else []
+            num_new += len(drafts)
             cow_pair = None
             while True:
                 new_blocks = None
@@ -210,6 +226,10 @@ class Scheduler:
                     pass
                 if new_blocks is not None:
                     break
+                if drafts:   # no blocks for the drafts: decode without them before preempting anyone
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 # Out of blocks: preempt the most recently admitted request that no batch in
                 # flight holds (``request`` itself at the latest).
                 victim = self._pop_preemption_victim()
@@ -221,8 +241,9 @@ class Scheduler:
                 break  # the request preempted itself; the pool cannot fit anything more
             if cow_pair is not None:
                 output.blocks_to_copy.append(cow_pair)
-            is_decode = num_new == 1 and request.num_output_tokens > 0 \
-                and request.num_computed_tokens + 1 == request.num_tokens
+            if drafts:
+                request.spec_token_ids = drafts
+                output.scheduled_spec_decode_tokens[request.request_id] = drafts
             self._schedule_request(request, num_new, output)
             if is_decode:
                 num_decode_tokens += num_new
@@ -321,6 +342,25 @@ class Scheduler:
             self.kv_cache_manager.num_free_blocks, self.kv_cache_manager.num_blocks)
         return output
 
+    def _propose_drafts(self, request: Request, budget: int) -> list[int]:
+        """[speculative decoding] Draft tokens for a decoding request to verify this step: as many
+        as the controller allows for it, within the token budget (its own token included) and
+        short enough that the request cannot pass ``max_tokens`` or ``max_model_len`` even with
+        all of them accepted. None for requests whose step must see one token at a time:
+        grammar-constrained ones (the matcher has no rollback here), beams (a group ranks
+        candidates every step) and requests with per-request logits processors."""
+        spec = self.spec_decoder
+        if request.structured_output_request is not None or request.group_id is not None \
+                or request.sampling_params.logits_processors:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        k = min(spec.num_drafts(request.request_id), room)
+        drafts = spec.propose(request.request_id, request.all_token_ids, k) if k > 0 else []
+        if not drafts:
+            spec.skipped(request.request_id)
+        return drafts
+
     def _pop_preemption_victim(self) -> Request:
         """Remove and return the most recently admitted running request that is not in a batch
         still in flight (its blocks are being written; the running loop's own request never is).
@@ -333,6 +373,11 @@ class Scheduler:
             if self.running[i].request_id not in self._in_flight:
                 return self.running.pop(i)
         raise RuntimeError(f"all {len(self.running)} running requests are in flight; none can be preempted")
+
+    @property
+    def last_step_stats(self) -> SchedulerStats:
+        """The last ``schedule()`` call's counts (requests, tokens, prefill / decode tokens)."""
+        return self._step_stats
 
     @property
     def num_in_flight(self) -> int:
@@ -530,6 +575,7 @@ class Scheduler:
         else:
             resumed = req_id in self._preempted_since_scheduled
             self._preempted_since_scheduled.discard(req_id)
+            kept = self._worker_blocks_kept.pop(req_id, None)
             known_tokens = self._worker_num_tokens[req_id]
             known_blocks = 0 if resumed else self._worker_num_blocks[req_id]
             replaced = []
@@ -540,7 +586,7 @@ class Scheduler:
                 req_id=req_id, resumed_from_preemption=resumed,
                 new_token_ids=request.all_token_ids[known_tokens:],
                 new_block_ids=block_table[known_blocks:], num_computed_tokens=start,
-                replaced_block_ids=replaced))
+                replaced_block_ids=replaced, num_blocks_kept=None if resumed else kept))
             self._worker_num_tokens[req_id] = request.num_tokens
         self._worker_num_blocks[req_id] = len(block_table)
         if block_table:
@@ -657,11 +703,9 @@ class Scheduler:
                 f"{len(req_ids)} requests")
         scheduled = scheduler_output.num_scheduled_tokens
         forked = scheduler_output.forked_req_ids
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         self._in_flight.difference_update(scheduled)
         self._in_flight.difference_update(forked)
-        # [prefix caching] the step's K/V is written: register the blocks it filled.
-        for request in self.running:
-            self.kv_cache_manager.cache_blocks(request)
         outputs: dict[str, EngineCoreOutput] = {}
 
         # Prompt logprobs first, while every request of the step is still known.
@@ -679,34 +723,56 @@ class Scheduler:
                 prompt_lps[req_id] = new
 
         finished: set[str] = set()
+        trimmed: list[Request] = []
         for i, req_id in enumerate(req_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or aborted meanwhile: a late output
+            # [speculative decoding] the rejected drafts' K/V is not part of the request.
+            drafts = spec_tokens.get(req_id, ())
+            num_accepted = runner_output.num_accepted_tokens.get(req_id, 0) if drafts else 0
+            if drafts:
+                request.spec_token_ids = []
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_decoder.record(req_id, len(drafts), num_accepted)
+                trimmed.append(request)
             if (req_id not in scheduled and req_id not in forked) \
-                    or request.num_computed_tokens != request.num_tokens:
+                    or request.num_computed_tokens != request.num_tokens + num_accepted:
                 raise RuntimeError(
                     f"runner sampled for request {req_id!r}, which was not scheduled to sample")
-            token_id = runner_output.sampled_token_ids[i]
-            request.append_output_token_ids(token_id)
-            if request.structured_output_request is not None \
-                    and not request.structured_output_request.accept_tokens([token_id]):
-                logger.error("request %s: the grammar rejected sampled token %d", req_id, token_id)
-            out = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id],
-                                   num_cached_tokens=request.num_cached_tokens)
+            token_ids = [*drafts[:num_accepted], runner_output.sampled_token_ids[i]]
             logprob = runner_output.sampled_logprobs[i] if i < len(runner_output.sampled_logprobs) else math.nan
-            if not math.isnan(logprob):  # NaN: the request did not ask for it
-                out.new_logprobs.append(logprob)
-                request.cumulative_logprob += logprob
-            if i < len(runner_output.top_logprobs):
-                out.new_top_logprobs.append(runner_output.top_logprobs[i])
+            logprobs = [*runner_output.accepted_logprobs.get(req_id, [math.nan] * num_accepted), logprob]
+            top = runner_output.top_logprobs[i] if i < len(runner_output.top_logprobs) else None
+            tops = [*runner_output.accepted_top_logprobs.get(req_id, [None] * num_accepted), top]
+            out = EngineCoreOutput(request_id=req_id, num_cached_tokens=request.num_cached_tokens)
+            for token_id, token_lp, token_top in zip(token_ids, logprobs, tops):
+                request.append_output_token_ids(token_id)
+                if request.structured_output_request is not None \
+                        and not request.structured_output_request.accept_tokens([token_id]):
+                    logger.error("request %s: the grammar rejected sampled token %d", req_id, token_id)
+                out.new_token_ids.append(token_id)
+                if not math.isnan(token_lp):  # NaN: the request did not ask for it
+                    out.new_logprobs.append(token_lp)
+                    request.cumulative_logprob += token_lp
+                if i < len(runner_output.top_logprobs):
+                    out.new_top_logprobs.append(token_top)
+                if self._check_stop(request):
+                    finished.add(req_id)
+                    out.finish_reason = request.get_finished_reason()
+                    out.stop_reason = request.stop_reason
+                    break
             if req_id in prompt_lps:
                 out.new_prompt_logprobs = prompt_lps.pop(req_id)
-            if self._check_stop(request):
-                finished.add(req_id)
-                out.finish_reason = request.get_finished_reason()
-                out.stop_reason = request.stop_reason
             outputs[req_id] = out
+        # [speculative decoding] blocks that held only rejected drafts go back to the pool.
+        for request in trimmed:
+            if request.request_id not in finished:
+                self._trim_blocks(request)
+        # [prefix caching] the step's K/V is written: register the blocks it filled (after the
+        # accepted drafts joined the tokens, before finished requests free theirs).
+        for request in self.running:
+            self.kv_cache_manager.cache_blocks(request)
 
         for req_id, lps in prompt_lps.items():
             outputs[req_id] = EngineCoreOutput(request_id=req_id, new_prompt_logprobs=lps)
@@ -719,6 +785,17 @@ class Scheduler:
             for req_id in finished:
                 self._free_request(self.requests[req_id])
         return list(outputs.values())
+
+    def _trim_blocks(self, request: Request) -> None:
+        """[speculative decoding] Free the blocks past the request's computed tokens, and have the
+        worker cut its copy of the table on the request's next diff."""
+        num_blocks = self.kv_cache_manager.trim(request)
+        req_id = request.request_id
+        if req_id in self._worker_num_blocks and num_blocks < self._worker_num_blocks[req_id]:
+            self._worker_num_blocks[req_id] = num_blocks
+            self._worker_blocks_kept[req_id] = min(num_blocks, self._worker_blocks_kept.get(req_id, num_blocks))
+            if num_blocks:
+                self._worker_last_block[req_id] = self.kv_cache_manager.get_block_table(req_id)[-1]
 
     def _check_stop(self, request: Request) -> bool:
         """Set a FINISHED_* status if the last token ends the request; True when it does."""
@@ -750,6 +827,9 @@ class Scheduler:
         self._worker_num_blocks.pop(request.request_id, None)
         self._worker_last_block.pop(request.request_id, None)
         self._preempted_since_scheduled.discard(request.request_id)
+        self._worker_blocks_kept.pop(request.request_id, None)
+        if self.spec_decoder is not None:
+            self.spec_decoder.finish_request(request.request_id, request.all_token_ids, request.num_prompt_tokens)
         # A parent finished before its prompt was computed (abort): its waiting samples no
         # longer have blocks to fork; they compute the prompt themselves.
         for child in self._pending_forks.pop(request.request_id, ()):
@@ -818,4 +898,5 @@ class Scheduler:
             num_used_blocks_scheduled=s.num_used_blocks_scheduled,
             prefix_cache_queries_total=kv.prefix_cache_stats.queries,  # [prefix caching]
             prefix_cache_hits_total=kv.prefix_cache_stats.hits,
+            spec_decoding_stats=None if self.spec_decoder is None else self.spec_decoder.stats.copy(),
         )

@@ -113,6 +113,9 @@ class EngineArgs:
             ``StructuredOutputsConfig`` fields (``{"backend": "xgrammar"}``) laid over the two
             arguments here, or a ``StructuredOutputsConfig``.
         max_structured_output_grammar_cache: [entries] compiled grammars kept (LRU).
+        speculative_config: vLLM's speculative decoding settings: a dict of
+            ``config.SpeculativeConfig`` fields (``{"method": "ngram", "num_speculative_tokens":
+            4}``) or a ``SpeculativeConfig``; None: no speculative decoding.
     """
 
     model: str | None = None
@@ -162,6 +165,7 @@ class EngineArgs:
     hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
     profiler_config: Any = field(default_factory=_profiler_config_from_env)
     logits_processors: list[Any] | None = None
+    speculative_config: Any = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -310,6 +314,31 @@ class EngineArgs:
         return StructuredOutputsConfig.from_any(self.structured_outputs_config, backend=self.structured_outputs_backend,
                                                 max_grammar_cache=self.max_structured_output_grammar_cache)
 
+    def create_speculative_config(self):
+        """The ``SpeculativeConfig`` of ``speculative_config`` (None: no speculative decoding),
+        checked against the other arguments before any weight loads.
+
+        Raises:
+            ValueError: naming the key: an unknown key or bad value; pipeline parallelism or
+                class-based logits processors with speculative decoding; a draft method that is
+                not available.
+        """
+        from pagedllm.config import SpeculativeConfig
+
+        spec = SpeculativeConfig.from_any(self.speculative_config)
+        if spec is None:
+            return None
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("speculative_config: speculative decoding needs pipeline_parallel_size=1 "
+                             f"(got {self.pipeline_parallel_size}): a request's drafts depend on its last step")
+        if self.logits_processors:
+            raise ValueError("speculative_config: class-based logits_processors see one row per request and "
+                             "step; they do not run with speculative decoding")
+        if spec.uses_draft_model:
+            raise ValueError(f"speculative_config: method {spec.method!r} is not available yet; "
+                             f"use 'ngram' or 'suffix'")
+        return spec
+
     def _pp_partition(self) -> tuple[int, ...] | None:
         if self.pp_layer_partition is None or self.pp_layer_partition == "":
             return None
@@ -452,6 +481,10 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "(llguidance) or xgrammar (pip install 'pagedllm[xgrammar]'); auto = guidance")
     g.add_argument("--max-structured-output-grammar-cache", type=int, default=64,
                    help="compiled grammars kept, one per distinct schema (LRU; default: 64)")
+    g.add_argument("--speculative-config", type=_json_dict, default=None,
+                   help="speculative decoding, vLLM's JSON keys, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                        "or '{\"method\": \"suffix\"}' (README, \"Speculative decoding\"; default: off)")
     g.add_argument("--structured-outputs-config", type=_json_dict, default=None,
                    help="vLLM's JSON form of the structured-output settings, laid over the two flags "
                         "above, e.g. '{\"backend\": \"xgrammar\", \"disable_additional_properties\": false}'")

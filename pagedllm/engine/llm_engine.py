@@ -20,6 +20,7 @@ from pagedllm.loaders import load_config, resolve_model
 from pagedllm.metrics.stats import IterationStats, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.controller import SpecDecodeController, make_proposer
 from pagedllm.structured_output.backend import get_backend_class
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import Tokenizer
@@ -52,6 +53,7 @@ class LLMEngine:
         # weight loads (ValueError naming structured_outputs_backend / _config).
         self.structured_outputs_config = args.create_structured_outputs_config()
         get_backend_class(self.structured_outputs_config.backend)
+        self.speculative_config = args.create_speculative_config()
         files = resolve_model(args.model)
         self.model_files = files
         model_cfg, cache_cfg, sched_cfg, parallel_cfg = args.create_engine_config(
@@ -81,8 +83,11 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
                                                enable_caching=cache_cfg.enable_prefix_caching,
                                                num_cpu_blocks=self.num_cpu_blocks)
+        self.spec_decoder = None if self.speculative_config is None else SpecDecodeController(
+            self.speculative_config, make_proposer(self.speculative_config))
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager,
-                                   max_concurrent_batches=self.executor.max_concurrent_batches)
+                                   max_concurrent_batches=self.executor.max_concurrent_batches,
+                                   spec_decoder=self.spec_decoder)
         self.profiler_config = args.create_profiler_config()
         self.structured_output_manager = StructuredOutputManager(
             self.structured_outputs_config, self.tokenizer, self.vocab_size, sched_cfg.max_num_seqs)
@@ -105,11 +110,13 @@ class LLMEngine:
         dtype_note = model_cfg.dtype if resolved is None or model_cfg.dtype != "auto" else \
             f"auto ({str(resolved).replace('torch.', '')})"
         logger.info("Engine ready in %.2f s: model=%s dtype=%s quantization=%s device=%s executor=%s "
-                    "batch_queue_size=%d max_model_len=%d block_size=%d num_blocks=%d max_num_seqs=%d max_num_batched_tokens=%d prefix_caching=%s",
+                    "batch_queue_size=%d max_model_len=%d block_size=%d num_blocks=%d max_num_seqs=%d max_num_batched_tokens=%d prefix_caching=%s speculative=%s",
                     self.load_time_s, files.source, dtype_note, model_cfg.quantization,
                     model_cfg.device or "auto", executor_class.__name__, self.batch_queue_size, sched_cfg.max_model_len,
                     cache_cfg.block_size, self.num_blocks, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
-                    cache_cfg.enable_prefix_caching)
+                    cache_cfg.enable_prefix_caching,
+                    None if self.speculative_config is None else
+                    f"{self.speculative_config.method}(k={self.speculative_config.num_speculative_tokens})")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -279,6 +286,10 @@ class LLMEngine:
             self._hand_over_logits_processors(sched_out)
         self._fill_grammar_bitmask(sched_out)
         runner_out = self.executor.execute_model(sched_out)
+        if self.spec_decoder is not None and sched_out.num_scheduled_tokens \
+                and self.scheduler.last_step_stats.num_prefill_tokens == 0:
+            # [speculative decoding] the step-time model behind the drafts' sizing.
+            self.spec_decoder.observe_step(sched_out.total_num_scheduled_tokens, time.perf_counter() - t0)
         return self._process_runner_output(sched_out, runner_out, t0)
 
     def _fill_grammar_bitmask(self, sched_out) -> None:

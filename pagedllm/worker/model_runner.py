@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from itertools import accumulate
 
 import numpy as np
@@ -20,11 +21,24 @@ from pagedllm.outputs import Logprob
 from pagedllm.sample.batch_logits_processors import BatchLogitsProcessors
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
-from pagedllm.sampling_params import LogitsProcessor
+from pagedllm.sampling_params import LogitsProcessor, SamplingParams
 from pagedllm.structured_output.bitmask import apply_step_bitmask, forbidden_tokens
 from pagedllm.worker.request_states import RequestStates, ScheduledRequest
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _DraftRow:
+    """[speculative decoding] One scored position of a request verifying drafts, as the sampler
+    reads a request state: its outputs extended by the drafts before this position (penalties,
+    ``min_tokens``), the request's params and its generator."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: object
 
 
 class ModelRunner:
@@ -161,22 +175,114 @@ class ModelRunner:
 
         ends = [e - 1 for e in starts[1:]]                                     # last token index per request
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
-        if sample_rows and self.greedy_head is not None and self.is_driver:
-            self._sample_with_greedy_head(sched, reqs, sample_rows, hidden, ends, output)
-        elif sample_rows:
-            logits = self.model.compute_logits(self._sampled_hidden(hidden, [ends[i] for i in sample_rows]))  # [N, V]
-            if self.is_driver:  # the other ranks of the last stage only joined the gather
-                states = [reqs[i].state for i in sample_rows]
-                # Forks (n > 1 / best_of): each draws its first token from its parent's row.
-                row_of = {st.req_id: j for j, st in enumerate(states)}
-                fork_rows = [(row_of[parent], st) for parent, st in self.requests.forks if parent in row_of]
-                if fork_rows:
-                    rows = torch.as_tensor(list(range(len(states))) + [j for j, _ in fork_rows], device=self.device)
-                    logits = logits.index_select(0, rows)                      # [N + F, V]
-                    states = states + [st for _, st in fork_rows]
-                self._sample_logits(sched, states, logits, output)
+        if sample_rows:
+            states, src, h = self._sampling_rows(reqs, sample_rows, hidden, ends)
+            speculative = len(h) > len(sample_rows)
+            saved = self._save_seeded_generators(reqs, sample_rows) if speculative and self.is_driver else {}
+            if self.greedy_head is not None and self.is_driver:
+                self._sample_with_greedy_head(sched, states, src, h, output)
+            else:
+                logits = self.model.compute_logits(h)                          # [rows, V]
+                if self.is_driver:  # the other ranks of the last stage only joined the gather
+                    if len(src) > logits.shape[0]:   # forks read their parent's row
+                        logits = logits.index_select(0, torch.as_tensor(src, device=self.device))
+                    self._sample_logits(sched, states, logits, output)
+            if speculative and self.is_driver:
+                self._accept_drafts(reqs, sample_rows, output, saved)
         self._prompt_logprobs(reqs, hidden, starts, output)
         return output
+
+    def _sampling_rows(self, reqs: list[ScheduledRequest], sample_rows: list[int], hidden: torch.Tensor,
+                       ends: list[int]) -> tuple[list, list[int], torch.Tensor]:
+        """The rows the step samples: one per sampling request (its last position), ``k + 1`` for a
+        request verifying ``k`` draft tokens (its last known token's position and each draft's,
+        each row seeing the drafts before it as outputs), then one per fork (n > 1 / best_of: the
+        parent's row, drawn with the fork's own params and generator).
+
+        Returns:
+            (states, src, h): a state per sampled row (``CachedRequestState`` or ``_DraftRow``), the
+            row of ``h`` each reads, and ``h`` = [R, H] hidden rows (R <= len(states)).
+        """
+        states: list = []
+        positions: list[int] = []
+        last_row: dict[str, int] = {}
+        for i in sample_rows:
+            r = reqs[i]
+            drafts = r.spec_token_ids
+            if drafts:
+                st = r.state
+                generator = self._generator_for(st)
+                for j in range(len(drafts) + 1):
+                    states.append(_DraftRow(st.req_id, st.sampling_params, st.prompt_token_ids,
+                                            st.output_token_ids + drafts[:j], generator))
+                positions.extend(range(ends[i] - len(drafts), ends[i] + 1))
+            else:
+                states.append(r.state)
+                positions.append(ends[i])
+            last_row[r.request_id] = len(states) - 1
+        src = list(range(len(states)))
+        for parent, st in self.requests.forks:
+            if parent in last_row:
+                states.append(st)
+                src.append(last_row[parent])
+        return states, src, self._sampled_hidden(hidden, positions)
+
+    def _save_seeded_generators(self, reqs: list[ScheduledRequest], sample_rows: list[int]) -> dict:
+        """[speculative decoding] The RNG state of each seeded random request verifying drafts,
+        before the sampler draws one uniform per row (``_accept_drafts`` rewinds it)."""
+        saved = {}
+        for i in sample_rows:
+            r = reqs[i]
+            generator = r.state.generator
+            if r.spec_token_ids and generator is not None:
+                saved[r.request_id] = (generator, generator.get_state())
+        return saved
+
+    def _accept_drafts(self, reqs: list[ScheduledRequest], sample_rows: list[int], output: ModelRunnerOutput,
+                       saved: dict) -> None:
+        """[speculative decoding] Collapse each verifying request's ``k + 1`` sampled rows into its
+        accepted drafts and one more token, in place of ``output``'s per-row lists.
+
+        Row ``j`` drew token ``s_j`` from the target's distribution after the drafts ``d_1..d_j``;
+        the drafts are accepted while ``s_j == d_{j+1}``, and the token after them is ``s_m`` (the
+        first disagreement, or the bonus token after all ``k``). Drafts are one proposal each
+        (n-gram, suffix, greedy draft models: a point-mass draft distribution ``q``), for which
+        this is the rejection rule of Leviathan et al. / Chen et al. (2023): the draft is kept
+        with probability ``p(d)`` and otherwise the token comes from ``p`` without ``d``,
+        renormalised; so every token has the target's distribution, and a greedy request emits
+        exactly the argmax tokens it would without drafts. A seeded request's generator is
+        rewound to have drawn one uniform per emitted token, as without drafts, so its tokens
+        equal those of the same seed without speculation.
+        """
+        tokens, lps, tops = output.sampled_token_ids, output.sampled_logprobs, output.top_logprobs
+        new = ModelRunnerOutput(prompt_logprobs=output.prompt_logprobs)
+        row = 0
+        for i in sample_rows:
+            r = reqs[i]
+            drafts = r.spec_token_ids
+            m = 0
+            while m < len(drafts) and tokens[row + m] == drafts[m]:
+                m += 1
+            new.req_ids.append(r.request_id)
+            new.sampled_token_ids.append(tokens[row + m])
+            new.sampled_logprobs.append(lps[row + m])
+            new.top_logprobs.append(tops[row + m])
+            if drafts:
+                new.num_accepted_tokens[r.request_id] = m
+                new.accepted_logprobs[r.request_id] = lps[row: row + m]
+                new.accepted_top_logprobs[r.request_id] = tops[row: row + m]
+                if r.request_id in saved:
+                    generator, state = saved[r.request_id]
+                    generator.set_state(state)
+                    for _ in range(m + 1):
+                        torch.rand(1, dtype=torch.float64, device=self.device, generator=generator)
+            row += len(drafts) + 1
+        # Forks follow the requests' rows, unchanged.
+        new.req_ids += output.req_ids[row:]
+        new.sampled_token_ids += tokens[row:]
+        new.sampled_logprobs += lps[row:]
+        new.top_logprobs += tops[row:]
+        output.__dict__.update(new.__dict__)
 
     def _sampled_hidden(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``hidden[rows]`` ([len(rows), H]); ``hidden`` itself when the rows are all of its rows
@@ -229,22 +335,15 @@ class ModelRunner:
             return False
         return not (len(state.output_token_ids) < p.min_tokens and (p.eos_token_ids or p.stop_token_ids))
 
-    def _sample_with_greedy_head(self, sched: SchedulerOutput, reqs: list[ScheduledRequest], sample_rows: list[int],
-                                 hidden: torch.Tensor, ends: list[int], output: ModelRunnerOutput) -> None:
+    def _sample_with_greedy_head(self, sched: SchedulerOutput, states: list, src: list[int], h: torch.Tensor,
+                                 output: ModelRunnerOutput) -> None:
         """Sampling on the driver with the exact greedy head (``layers/greedy_head.py``; only with
         one tensor rank): plain greedy rows (``is_plain_greedy``) take the exact head's argmax
         when at most ``greedy_head.max_rows`` of them sample this step; their
         ``sampled_logprobs`` entry is NaN (not asked for, as the sampler gives such rows) and their
         ``top_logprobs`` None. The other rows, and the greedy head's fallback rows, go through the
-        full head and the sampler as before. Output order: batch order, then forks."""
-        states = [reqs[i].state for i in sample_rows]
-        src = list(range(len(states)))                 # row of ``hidden[idx]`` each state reads
-        row_of = {st.req_id: j for j, st in enumerate(states)}
-        for parent, st in self.requests.forks:
-            if parent in row_of:
-                states.append(st)
-                src.append(row_of[parent])
-        h = self._sampled_hidden(hidden, [ends[i] for i in sample_rows])      # [N, H]
+        full head and the sampler as before. ``states`` / ``src`` / ``h``: as ``_sampling_rows``
+        returns them. Output order: the states' order."""
         plain = [] if self.batch_logits_processors is not None and self.batch_logits_processors.non_argmax_invariant \
             else [k for k, st in enumerate(states) if self.is_plain_greedy(st, sched.structured_output_request_ids)]
         plain_rows = sorted({src[k] for k in plain})

@@ -59,6 +59,9 @@ class ScheduledRequest:
         resumed: True when the step computes from position 0 (new, or resumed after a
             recompute preemption).
         state: the worker's state of the request (params, prompt, outputs, generator).
+        spec_token_ids: [speculative decoding] the draft tokens at the end of ``token_ids``
+            (after the request's last known token); the last ``len(spec_token_ids) + 1``
+            positions are all scored. Empty without drafts.
     """
 
     request_id: str
@@ -68,6 +71,7 @@ class ScheduledRequest:
     sample: bool
     resumed: bool
     state: CachedRequestState = field(repr=False)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -129,6 +133,8 @@ class RequestStates:
             if cached.resumed_from_preemption:
                 state.block_ids = list(cached.new_block_ids)
             else:
+                if cached.num_blocks_kept is not None:   # blocks of rejected drafts went back
+                    del state.block_ids[cached.num_blocks_kept:]
                 for index, block_id in cached.replaced_block_ids:
                     if not 0 <= index < len(state.block_ids):
                         raise RuntimeError(f"request {cached.req_id!r}: replaced block index {index} outside "
@@ -144,13 +150,15 @@ class RequestStates:
                 raise RuntimeError(f"request {req_id!r} is scheduled but the worker does not hold it")
             start = state.num_computed_tokens
             end = start + num_new
-            if end > len(state.token_ids):
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id, [])
+            if end - len(drafts) > len(state.token_ids) or (drafts and end - len(drafts) != len(state.token_ids)):
                 raise RuntimeError(
-                    f"request {req_id!r}: {num_new} tokens scheduled from position {start}, but the worker "
-                    f"holds {len(state.token_ids)} tokens")
+                    f"request {req_id!r}: {num_new} tokens ({len(drafts)} drafts) scheduled from position {start}, "
+                    f"but the worker holds {len(state.token_ids)} tokens")
+            token_ids = state.token_ids[start:end] + list(drafts) if drafts else state.token_ids[start:end]
             scheduled.append(ScheduledRequest(
-                request_id=req_id, token_ids=state.token_ids[start:end], num_computed_tokens=start,
-                block_table=list(state.block_ids), sample=end == len(state.token_ids), resumed=start == 0,
-                state=state))
+                request_id=req_id, token_ids=token_ids, num_computed_tokens=start,
+                block_table=list(state.block_ids), sample=end - len(drafts) == len(state.token_ids),
+                resumed=start == 0, state=state, spec_token_ids=list(drafts)))
             state.num_computed_tokens = end
         return scheduled
