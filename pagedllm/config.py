@@ -251,7 +251,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
-    disable_by_batch_size: int | None = 8
+    disable_by_batch_size: int | None = None
     adaptive: bool = True
 
     @classmethod

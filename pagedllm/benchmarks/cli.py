@@ -23,7 +23,8 @@ THROUGHPUT_TABLE_KEYS = ("num_requests", "num_prompt_tokens", "num_output_tokens
                          "output_tokens_per_s", "total_tokens_per_s", "mean_ttft_s", "p50_ttft_s", "p99_ttft_s",
                          "mean_tpot_s", "p50_tpot_s", "p99_tpot_s", "peak_kv_usage", "kv_utilization",
                          "num_preemptions", "prefix_cache_hit_rate", "prefill_tokens_saved", "n",
-                         "peak_blocks_used")
+                         "peak_blocks_used", "spec_acceptance_rate", "spec_mean_acceptance_length",
+                         "tokens_per_target_forward")
 SERVING_TABLE_KEYS = THROUGHPUT_TABLE_KEYS[:13] + ("mean_itl_s", "p50_itl_s", "p90_itl_s", "p99_itl_s",
                                                    "num_failed", "prefix_cache_hit_rate")
 
@@ -296,7 +297,8 @@ def _cmd_latency(ns) -> int:
         args.max_num_seqs = ns.batch_size
     llm = LLM(**vars(args))
     result = run_latency(llm, ns.batch_size, ns.input_len, ns.output_len, ns.num_iters, ns.num_iters_warmup,
-                         seed=ns.dataset_seed, ceiling=not ns.no_ceiling, breakdown=ns.breakdown)
+                         seed=ns.dataset_seed, ceiling=not ns.no_ceiling, breakdown=ns.breakdown,
+                         dataset=ns.dataset)
     print(format_latency(result))
     _write_json(ns.output_json, result)
     return 0
@@ -463,6 +465,9 @@ def add_bench_parser(subparsers) -> None:
     lt.add_argument("--num-iters", type=int, default=3)
     lt.add_argument("--num-iters-warmup", type=int, default=1)
     lt.add_argument("--dataset-seed", type=int, default=0)
+    lt.add_argument("--dataset", default="random",
+                    help="'random' token ids, or a JSONL dataset ('grounded', 'workload', a file) whose first "
+                         "batch-size prompts, cut to their last input-len tokens, are the batch (default: random)")
     lt.add_argument("--no-ceiling", action="store_true", help="skip the matmul-rate ceiling")
     lt.add_argument("--breakdown", action="store_true",
                     help="time the engine's components too, per step (the overhead: all but linear layers and LM head)")

@@ -19,6 +19,9 @@ Every loader returns a list of :class:`BenchRequest` and is deterministic for a 
   optional ``"prompt_len"``.
 - ``workload``: the project's 64-request workload, shipped as package data
   (``pagedllm/data/workload.jsonl``, all three fields per line).
+- ``grounded``: 33 input-grounded requests (edits, quotes and code completions whose outputs
+  quote their prompts: what speculative decoding's prompt lookup is for), made from the
+  repository's own text by ``benchmarks/make_grounded_dataset.py`` (``pagedllm/data/grounded.jsonl``).
 """
 
 from __future__ import annotations
@@ -308,7 +311,8 @@ def resample_lengths(requests: list[BenchRequest], num: int, seed: int = 0) -> l
 
 DATASET_CHOICES = ("random", "sharegpt-like", "prefix-sharing", "multi-turn")
 # JSONL workloads shipped inside the package, by ``--dataset`` name.
-NAMED_DATASET_FILES = {"workload": str(Path(__file__).resolve().parent.parent / "data" / "workload.jsonl")}
+NAMED_DATASET_FILES = {name: str(Path(__file__).resolve().parent.parent / "data" / f"{file}.jsonl")
+                       for name, file in (("workload", "workload"), ("grounded", "grounded"))}
 
 
 def dataset_file(dataset: str) -> str:

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pagedllm.benchmarks.datasets import MIN_RANDOM_TOKEN_ID
-from pagedllm.benchmarks.metrics import mean, percentile
+from pagedllm.benchmarks.metrics import mean, percentile, spec_decode_summary
 from pagedllm.benchmarks.throughput import BenchStatLogger
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def linear_ceiling(model, m: int, min_seconds: float = MIN_MEASURE_S) -> dict:
 
 def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters: int = 3,
                 num_iters_warmup: int = 1, seed: int = 0, ceiling: bool = True,
-                breakdown: bool = False) -> dict:
+                breakdown: bool = False, dataset: str = "random") -> dict:
     """Time one batch end to end and per step; see the module docstring.
 
     With ``breakdown``, the timed iterations also run under ``StepBreakdown`` (result key
@@ -134,6 +134,11 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
     the same per engine step, and ``overhead_ms_per_step``: everything but the linear layers and
     the LM head, per step). The hooks cost a few microseconds per call, so take the latency
     itself from a run without ``breakdown``.
+
+    ``dataset``: "random" (random token ids) or a JSONL dataset ("grounded", "workload" or a
+    path, ``datasets.dataset_file``): its first ``batch_size`` prompts, tokenized and cut to
+    their last ``input_len`` tokens (prompts worth speculating on; result keys ``spec_*`` and
+    ``output_tokens_per_s`` report what speculative decoding did).
 
     Raises:
         ValueError: for sizes < 1, or a batch larger than ``max_num_seqs`` (it would not be one batch).
@@ -150,11 +155,20 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
     if batch_size > engine.scheduler_config.max_num_seqs:
         raise ValueError(f"batch_size={batch_size} exceeds max_num_seqs={engine.scheduler_config.max_num_seqs}")
     rng = np.random.default_rng(seed)
-    prompts = [{"prompt_token_ids": rng.integers(MIN_RANDOM_TOKEN_ID, engine.vocab_size, size=input_len).tolist()}
-               for _ in range(batch_size)]
+    if dataset == "random":
+        prompts = [{"prompt_token_ids": rng.integers(MIN_RANDOM_TOKEN_ID, engine.vocab_size, size=input_len).tolist()}
+                   for _ in range(batch_size)]
+    else:
+        from pagedllm.benchmarks.datasets import dataset_file, load_jsonl_requests
+
+        rows = load_jsonl_requests(dataset_file(dataset), batch_size)
+        prompts = [{"prompt_token_ids": (r.prompt if isinstance(r.prompt, list)
+                                         else engine.tokenizer.encode(r.prompt))[-input_len:]} for r in rows]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for _ in range(num_iters_warmup):
         llm.generate(prompts, params, use_tqdm=False)
+    spec_before = None if engine.spec_decoder is None else engine.spec_decoder.stats.copy()
+    num_decoding_steps = 0
     latencies, decode_steps, prefill_phase = [], [], []
     num_steps = 0
     timer = None
@@ -172,7 +186,8 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
             engine.stat_loggers.remove(stat_logger)
         num_steps += len(stat_logger.steps)
         full = [s.step_time for s in stat_logger.steps
-                if s.num_prefill_tokens == 0 and s.num_decode_tokens == batch_size]
+                if s.num_prefill_tokens == 0 and s.num_decode_tokens >= batch_size]
+        num_decoding_steps += sum(1 for s in stat_logger.steps if s.num_decode_tokens)
         decode_steps.extend(full)
         # Steps up to the last one with prompt tokens (mixed prefill + early decodes).
         last_prefill = max((i for i, s in enumerate(stat_logger.steps) if s.num_prefill_tokens), default=-1)
@@ -189,6 +204,10 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
         "num_decode_steps": len(decode_steps), "mean_decode_step_s": step,
         "p50_decode_step_s": percentile(decode_steps, 50), "p90_decode_step_s": percentile(decode_steps, 90),
         "decode_tokens_per_s": batch_size / step if step else None,
+        "output_tokens_per_s": batch_size * output_len / mean(latencies),
+        "dataset": dataset,
+        **spec_decode_summary(spec_before, None if engine.spec_decoder is None else engine.spec_decoder.stats,
+                              batch_size * output_len * num_iters, num_decoding_steps),
         "dtype": str(engine.executor.driver_worker.dtype).replace("torch.", ""),
         "quantization": engine.model_config.quantization,
     }
@@ -224,7 +243,14 @@ def format_latency(result: dict) -> str:
             lines.append(f"  {name:26s} {v:8.2f} ms")
         lines.append(f"  {'overhead (not linear/head)':26s} {result['overhead_ms_per_step']:8.2f} ms")
     tps = result.get("decode_tokens_per_s")
-    lines.append(f"decode         {'n/a' if tps is None else f'{tps:.1f}'} tokens/s")
+    lines.append(f"decode         {'n/a' if tps is None else f'{tps:.1f}'} tokens/s "
+                 f"(per full-batch step; end to end {result['output_tokens_per_s']:.1f} output tokens/s)")
+    if result.get("spec_draft_tokens") is not None:
+        rate, length = result["spec_acceptance_rate"], result["spec_mean_acceptance_length"]
+        lines.append(f"speculative    acceptance rate {'n/a' if rate is None else f'{rate:.1%}'}, "
+                     f"mean acceptance length {'n/a' if length is None else f'{length:.2f}'}, "
+                     f"{result['tokens_per_target_forward']:.2f} tokens per target forward "
+                     f"({result['spec_draft_tokens']} draft tokens)")
     if "ceiling_tokens_per_s" in result:
         lines.append(f"ceiling        {result['ceiling_tokens_per_s']:.1f} tokens/s "
                      f"(linear layers + LM head: {result['linear_gflops_per_step']:.2f} GFLOP/step in "

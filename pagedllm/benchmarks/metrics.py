@@ -246,3 +246,24 @@ def format_table(title: str, result: dict, keys: Sequence[str], baseline: dict |
             lines.append(f"{name:<{width}}{v:>14}{_fmt(k, baseline.get(k)):>18}"
                          f"{'n/a' if r is None else f'{r:.2f}x':>10}")
     return "\n".join(lines)
+
+
+def spec_decode_summary(before, after, num_output_tokens: int, num_decode_steps: int) -> dict:
+    """[speculative decoding] The run's acceptance figures from two ``SpecDecodingStats``
+    snapshots (the scheduler's running totals; None without speculative decoding: empty dict).
+
+    Returns:
+        ``spec_acceptance_rate`` (accepted / draft tokens), ``spec_mean_acceptance_length``
+        (tokens per verification step with drafts, the bonus token included, vLLM's figure),
+        ``spec_draft_tokens`` and ``tokens_per_target_forward`` (output tokens / steps that
+        decoded: what speculation buys per forward).
+    """
+    if after is None:
+        return {}
+    drafts = after.num_drafts - (before.num_drafts if before else 0)
+    tokens = after.num_draft_tokens - (before.num_draft_tokens if before else 0)
+    accepted = after.num_accepted_tokens - (before.num_accepted_tokens if before else 0)
+    return {"spec_acceptance_rate": accepted / tokens if tokens else None,
+            "spec_mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "spec_draft_tokens": tokens,
+            "tokens_per_target_forward": num_output_tokens / num_decode_steps if num_decode_steps else None}

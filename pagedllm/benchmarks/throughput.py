@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.benchmarks.breakdown import StepBreakdown, read_rank_times
 from pagedllm.benchmarks.datasets import BenchRequest
-from pagedllm.benchmarks.metrics import RequestRecord, mean, summarize
+from pagedllm.benchmarks.metrics import spec_decode_summary, RequestRecord, mean, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,7 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
         prompts = [to_engine_prompt(r) for r in requests]
     stat_logger = BenchStatLogger()
     preempt_before = engine.scheduler.num_preemptions_total
+    spec_before = None if engine.spec_decoder is None else engine.spec_decoder.stats.copy()
     kv = engine.kv_cache_manager
     queries_before, hits_before = kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits
     engine.stat_loggers.append(stat_logger)
@@ -193,6 +194,8 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
         num_steps=len(stat_logger.steps),
         output_lens=[r.output_len for r in records],
     )
+    result.update(spec_decode_summary(spec_before, None if engine.spec_decoder is None else engine.spec_decoder.stats,
+                                      got, sum(1 for st in stat_logger.steps if st.num_decode_tokens)))
     if timer is not None:
         timer.wall_s = duration
         result["breakdown"] = timer.as_dict()

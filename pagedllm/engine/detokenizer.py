@@ -113,6 +113,11 @@ class IncrementalDetokenizer:
         """The text so far (cut at a matched stop string), including held-back characters."""
         return self._output_text
 
+    @property
+    def has_stop_strings(self) -> bool:
+        """True when the request has stop strings to look for."""
+        return bool(self._stop)
+
     def update(self, new_token_ids: list[int], num_output_tokens: int,
                stop_terminated: bool = False) -> str | None:
         """Decode newly generated tokens and look for a stop string.

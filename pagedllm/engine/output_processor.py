@@ -162,18 +162,21 @@ class OutputProcessor:
                 parent.num_cached_tokens = out.num_cached_tokens
             # A prompt-only request (the server's echo with max_tokens 0): its one token is dropped.
             if out.new_token_ids and not sample.params._prompt_only:
-                record_new_tokens(parent.request_id, parent.metrics, len(out.new_token_ids), now,
+                stop_terminated = out.finish_reason == "stop" and isinstance(out.stop_reason, int)
+                new_ids, stop_str = self._detokenize(sample, out.new_token_ids, stop_terminated)
+                record_new_tokens(parent.request_id, parent.metrics, len(new_ids), now,
                                   iteration_stats, prev_times)
                 sample.changed = True
-                sample.token_ids.extend(out.new_token_ids)
-                sample.cumulative_logprob += sum(out.new_logprobs)
+                sample.token_ids.extend(new_ids)
+                sample.cumulative_logprob += sum(out.new_logprobs[:len(new_ids)])
                 if sample.logprobs is not None:
-                    sample.logprobs.extend(self._decode_logprobs(out.new_top_logprobs))
-                stop_terminated = out.finish_reason == "stop" and isinstance(out.stop_reason, int)
-                stop_str = sample.detokenizer.update(out.new_token_ids, len(sample.token_ids), stop_terminated)
-                if stop_str is not None and out.finish_reason is None:
+                    sample.logprobs.extend(self._decode_logprobs(out.new_top_logprobs[:len(new_ids)]))
+                # A stop string before the step's last token (speculative decoding) ends the sample
+                # there, whatever the scheduler decided at the last token.
+                if stop_str is not None and (out.finish_reason is None or len(new_ids) < len(out.new_token_ids)):
                     sample.finish_reason, sample.stop_reason = "stop", stop_str
-                    to_abort.append(sample.request_id)
+                    if out.finish_reason is None:
+                        to_abort.append(sample.request_id)
             if out.finish_reason is not None and not sample.finished:
                 sample.finish_reason, sample.stop_reason, sample.changed = out.finish_reason, out.stop_reason, True
         if iteration_stats is not None:
@@ -195,6 +198,23 @@ class OutputProcessor:
             if parent.finished:
                 self._drop(parent)
         return ProcessedOutputs(results, to_abort)
+
+    @staticmethod
+    def _detokenize(sample, new_token_ids: list[int], stop_terminated: bool) -> tuple[list[int], str | None]:
+        """Feed a sample's new tokens to its detokenizer; returns (the tokens kept, the stop string
+        matched or None). Several tokens in one step (speculative decoding) with stop strings go
+        one at a time, and a match drops the tokens after it, so the output is what one token per
+        step would have given."""
+        num_known = len(sample.token_ids)
+        if len(new_token_ids) == 1 or not sample.detokenizer.has_stop_strings:
+            return new_token_ids, sample.detokenizer.update(new_token_ids, num_known + len(new_token_ids),
+                                                            stop_terminated)
+        last = len(new_token_ids) - 1
+        for j, token_id in enumerate(new_token_ids):
+            stop_str = sample.detokenizer.update([token_id], num_known + j + 1, stop_terminated and j == last)
+            if stop_str is not None:
+                return new_token_ids[:j + 1], stop_str
+        return new_token_ids, None
 
     @staticmethod
     def _observe_finished(parent: ParentState, iteration_stats: IterationStats, now: float) -> None:

@@ -46,6 +46,7 @@ class LoggingStatLogger:
         self._preemptions_total = 0
         self._sched: SchedulerStats | None = None
         self._prefix_seen: tuple[int, int] | None = None  # (queries, hits) totals at the last line
+        self._spec_seen: tuple[int, int, int] = (0, 0, 0)   # (drafts, draft tokens, accepted) totals
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         with self._lock:
@@ -83,6 +84,7 @@ class LoggingStatLogger:
                 q0, h0 = self._prefix_seen or (0, 0)
                 queries, hits = s.prefix_cache_queries_total - q0, s.prefix_cache_hits_total - h0
                 self._prefix_seen = (s.prefix_cache_queries_total, s.prefix_cache_hits_total)
+                spec = self._spec_line(s.spec_decoding_stats)
         if not active or s is None:
             return False
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
@@ -90,4 +92,20 @@ class LoggingStatLogger:
                     "Preemptions: %d, Prefix cache hit rate: %.1f%%", prompt_tps, gen_tps, s.num_running,
                     s.num_waiting, 100.0 * s.kv_cache_usage, s.num_free_blocks, s.num_blocks,
                     self._preemptions_total, 100.0 * hits / queries if queries else 0.0)
+        if spec:
+            logger.info(spec)
         return True
+
+    def _spec_line(self, stats) -> str | None:
+        """[speculative decoding] vLLM's "SpecDecoding metrics" line over the interval, or None."""
+        if stats is None:
+            return None
+        d0, t0, a0 = self._spec_seen
+        drafts, tokens, accepted = (stats.num_drafts - d0, stats.num_draft_tokens - t0,
+                                    stats.num_accepted_tokens - a0)
+        self._spec_seen = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        if not drafts:
+            return None
+        return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Accepted: {accepted} tokens, Drafted: {tokens} tokens, "
+                f"Avg Draft acceptance rate: {100.0 * accepted / tokens:.1f}%")

@@ -25,6 +25,10 @@ exist are exported.
 | pagedllm:iteration_tokens_total | histogram | tokens in one forward (prefill + decode) |
 | pagedllm:request_prompt_tokens | histogram | prompt length of finished requests |
 | pagedllm:request_generation_tokens | histogram | generated tokens of finished requests |
+| pagedllm:spec_decode_num_drafts_total | counter | speculative decoding: verification steps with drafts |
+| pagedllm:spec_decode_num_draft_tokens_total | counter | draft tokens verified |
+| pagedllm:spec_decode_num_accepted_tokens_total | counter | draft tokens accepted (acceptance rate = accepted / draft tokens) |
+| pagedllm:spec_decode_num_accepted_tokens_per_pos_total{position} | counter | accepted drafts by position in the draft (0-based) |
 """
 
 from __future__ import annotations
@@ -79,10 +83,16 @@ def _make_families(registry: CollectorRegistry, max_model_len: int, max_num_batc
             ("prefix_cache_queries", "Tokens looked up in the prefix cache (tokens of admitted requests)."),
             ("prefix_cache_hits", "Tokens found in the prefix cache."),
             ("prompt_tokens", "Prompt tokens processed (once per request)."),
-            ("generation_tokens", "Generated tokens.")):
+            ("generation_tokens", "Generated tokens."),
+            ("spec_decode_num_drafts", "Speculative decoding: verification steps of a request with drafts."),
+            ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."),
+            ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")):
         f[name] = Counter(f"pagedllm:{name}", doc, labels, registry=r)
     f["num_preemptions"] = Counter("pagedllm:num_preemptions", "Requests preempted, by mode (recompute, swap).",
                                    labels + ["mode"], registry=r)
+    f["spec_decode_num_accepted_tokens_per_pos"] = Counter(
+        "pagedllm:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted drafts by position.",
+        labels + ["position"], registry=r)
     f["request_success"] = Counter("pagedllm:request_success", "Finished requests, by finish reason.",
                                    labels + ["finished_reason"], registry=r)
     for name, doc, buckets in (
@@ -118,7 +128,7 @@ class PrometheusStatLogger:
         self._labels = {"model_name": model_name, "engine": str(engine_index)}
         self.engine_index = engine_index
         child = {name: family.labels(**self._labels) for name, family in fam.items()
-                 if name not in ("num_preemptions", "request_success")}
+                 if name not in ("num_preemptions", "request_success", "spec_decode_num_accepted_tokens_per_pos")}
         self.num_requests_running = child["num_requests_running"]
         self.num_requests_waiting = child["num_requests_waiting"]
         self.kv_cache_usage = child["kv_cache_usage_perc"]
@@ -134,6 +144,11 @@ class PrometheusStatLogger:
         # The scheduler reports running totals; the counters advance by the difference.
         self._queries_seen = 0 if initial is None else initial.prefix_cache_queries_total
         self._hits_seen = 0 if initial is None else initial.prefix_cache_hits_total
+        # [speculative decoding] running totals too (``SpecDecodingStats``).
+        self.spec_decode = {name: child[f"spec_decode_{name}"]
+                            for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        self._per_pos = fam["spec_decode_num_accepted_tokens_per_pos"]
+        self._spec_seen: dict = {}
         self.prompt_tokens = child["prompt_tokens"]
         self.generation_tokens = child["generation_tokens"]
         self._success = fam["request_success"]
@@ -165,6 +180,20 @@ class PrometheusStatLogger:
         self.num_total_blocks.set(s.num_blocks)
         self.num_requests_swapped.set(s.num_swapped)
 
+    def _record_spec_decoding(self, stats) -> None:
+        """Advance the speculative-decoding counters to the scheduler's running totals."""
+        for name, counter in self.spec_decode.items():
+            total = getattr(stats, name)
+            if total > self._spec_seen.get(name, 0):
+                counter.inc(total - self._spec_seen.get(name, 0))
+                self._spec_seen[name] = total
+        for pos, total in enumerate(stats.num_accepted_tokens_per_pos):
+            key = ("pos", pos)
+            child = self._per_pos.labels(position=str(pos), **self._labels)
+            if total > self._spec_seen.get(key, 0):
+                child.inc(total - self._spec_seen.get(key, 0))
+                self._spec_seen[key] = total
+
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self._set_gauges(scheduler_stats)
         s = scheduler_stats
@@ -179,6 +208,8 @@ class PrometheusStatLogger:
             if total > seen and mode in self.num_preemptions:
                 self.num_preemptions[mode].inc(total - seen)
                 self._preemptions_seen[mode] = total
+        if s.spec_decoding_stats is not None:
+            self._record_spec_decoding(s.spec_decoding_stats)
         it = iteration_stats
         if it.num_prompt_tokens:
             self.prompt_tokens.inc(it.num_prompt_tokens)
