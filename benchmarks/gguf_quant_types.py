@@ -89,7 +89,7 @@ def write_in_type(source: GGUFHeader, type_name: str, path: str, seed: int = 0) 
 
     Returns:
         values per origin: ``copied`` / ``quantized`` / ``random`` (in ``type_name``),
-        ``fallback`` (another block type), ``f32`` (1-D tensors).
+        ``fallback`` (another block type), ``f32`` (1-D tensors kept in F32).
     """
     import gguf
     from gguf import GGMLQuantizationType
@@ -112,10 +112,8 @@ def write_in_type(source: GGUFHeader, type_name: str, path: str, seed: int = 0) 
         else:
             origin = "quantized" if gguf_quantizes(target) else "random"
             array, raw_dtype = encode(target, dequantize_tensor(blob, info), rng)
-        if target == "F32":
-            origin = "f32"
-        elif target != type_name:
-            origin = "fallback"
+        if target != type_name:
+            origin = "f32" if target == "F32" else "fallback"
         counts[origin] += numel
         writer.add_tensor(info.name, array, raw_dtype=raw_dtype)
     writer.write_header_to_file()
@@ -189,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", required=True, help="scratch folder (GGUFs, converted folders)")
     parser.add_argument("--types", default=",".join(SUPPORTED_GGUF_TYPES), help="comma-separated type names")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--dequantize-only", action="store_true", help="only the dequantization table")
     ns = parser.parse_args(argv)
     types = [t for t in ns.types.split(",") if t]
     for t in types:
@@ -207,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{seconds / base:.2f}" if base else "-"
         print(f"| {t} | {seconds:.3f} | {33.554432 / seconds:.0f} | {ratio} |")
 
+    if ns.dequantize_only:
+        return 0
     print("\n| file | values in the type | written (s) | conversion wall (s) | weights (s) | tokenizer (s) "
           "| peak RSS (GiB) |")
     print("|---|---|---|---|---|---|---|")

@@ -87,14 +87,25 @@ def test_dequantized_tensors_equal_gguf(type_name, chunk_values, tmp_path, monke
             assert np.abs(ours[name]).max() <= 0.1 + 1e-3, name  # random blocks, |value| <= max_abs
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_random_blocks_of_quantizable_types_equal_gguf_too(type_name):
-    """random_blocks covers bit patterns a quantizer never writes (e.g. the Q4_K/Q6_K test data)."""
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
+def test_random_blocks_equal_gguf(type_name):
+    """random_blocks covers bit patterns a quantizer never writes; IQ4_XS runs our own decoder."""
     rng = np.random.default_rng(3)
-    blocks = random_blocks(type_name, (4, 512), rng)
-    info = gguf_loader.GGUFTensorInfo("x.weight", (4, 512), int(Q[type_name]), 0, blocks.nbytes)
+    blocks = random_blocks(type_name, (64, 1024), rng)
+    info = gguf_loader.GGUFTensorInfo("x.weight", (64, 1024), int(Q[type_name]), 0, blocks.nbytes)
     got = dequantize_tensor(blocks.reshape(-1), info)
     reference = gguf.quants.dequantize(blocks, Q[type_name])
+    assert np.array_equal(got.view(np.uint32), reference.view(np.uint32))
+
+
+def test_iq4_xs_decoder_equals_gguf_on_any_bytes():
+    """Every byte random, scales included (inf / NaN / subnormal f16 too): the same bits."""
+    raw = np.random.default_rng(5).integers(0, 256, (32, 4 * 136), dtype=np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        got = gguf_loader._dequantize_iq4_xs(raw)
+        reference = gguf.quants.dequantize(raw, Q.IQ4_XS)
+    assert got.shape == reference.shape == (32, 1024)
+    assert not np.isfinite(reference).all()  # the case is exercised
     assert np.array_equal(got.view(np.uint32), reference.view(np.uint32))
 
 
