@@ -3,7 +3,7 @@
     python benchmarks/gguf_quant_types.py --work-dir /tmp/gguf_types [--types Q4_0,Q4_K] [--json out.json]
 
 1. Dequantization speed: :func:`pagedllm.loaders.gguf.dequantize_tensor` on a 16384 x 2048
-   tensor (33.5 M values) of each type, best of 3, in this process (Mvalues/s and the ratio to
+   tensor (33.5 M values) of each type, best of 5 interleaved rounds, in this process (Mvalues/s and the ratio to
    Q4_K's time; the target is no type slower than 2x Q4_K).
 2. Conversion: for each type, the default model's GGUF rewritten with every 2-D weight in that type
    (norms stay F32, as llama.cpp keeps them), then ``convert_gguf_to_hf_folder`` run in a child
@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from pagedllm.benchmarks.gguf_types import encode, random_blocks
+from pagedllm.benchmarks.gguf_types import encode
 from pagedllm.loaders.gguf import (
     SUPPORTED_GGUF_TYPES,
     GGUFHeader,
@@ -136,23 +136,26 @@ def gguf_quantizes(type_name: str) -> bool:
     return True
 
 
-def dequantize_speed(type_name: str, rows: int = 16384, cols: int = 2048, repeats: int = 3) -> float:
-    """Best-of-``repeats`` seconds for :func:`dequantize_tensor` of a rows x cols tensor."""
+def dequantize_speeds(types: list[str], rows: int = 16384, cols: int = 2048,
+                      repeats: int = 5) -> dict[str, float]:
+    """Best-of-``repeats`` seconds of :func:`dequantize_tensor` on a rows x cols tensor per type,
+    the types interleaved in each round (so a busy spell of a shared machine hits them alike)."""
     from gguf import GGMLQuantizationType
 
     rng = np.random.default_rng(0)
     data = rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
-    if gguf_quantizes(type_name) or type_name in ("F32", "F16"):
+    inputs = {}
+    for type_name in types:
         array, _ = encode(type_name, data, rng)
-    else:
-        array = random_blocks(type_name, (rows, cols), rng)
-    raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
-    info = GGUFTensorInfo("x.weight", (rows, cols), int(GGMLQuantizationType[type_name]), 0, raw.nbytes)
-    best = float("inf")
+        raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        inputs[type_name] = raw, GGUFTensorInfo(
+            "x.weight", (rows, cols), int(GGMLQuantizationType[type_name]), 0, raw.nbytes)
+    best = dict.fromkeys(types, float("inf"))
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        dequantize_tensor(raw, info)
-        best = min(best, time.perf_counter() - t0)
+        for type_name, (raw, info) in inputs.items():
+            t0 = time.perf_counter()
+            dequantize_tensor(raw, info)
+            best[type_name] = min(best[type_name], time.perf_counter() - t0)
     return best
 
 
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     source_path, _ = default_gguf_path(cache_dir=os.path.join(ns.work_dir, "cache"))
     source = read_gguf_header(source_path)
 
-    speeds = {t: dequantize_speed(t) for t in types}
+    speeds = dequantize_speeds(types)
     results = {"source": source_path, "dequantize_s": speeds, "conversion": {}}
     print("| type | dequantize 33.5 M values (s) | Mvalues/s | / Q4_K |")
     print("|---|---|---|---|")
