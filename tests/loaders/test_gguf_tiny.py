@@ -142,7 +142,7 @@ ARCHS = {
 }
 
 
-def _hf_model(arch: str, vocab_size: int, ids: dict[str, int]):
+def _hf_model(arch: str, vocab_size: int, ids: dict[str, int], config_overrides: dict | None = None):
     import transformers
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -150,7 +150,7 @@ def _hf_model(arch: str, vocab_size: int, ids: dict[str, int]):
                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
     config_cls, model_cls = (getattr(transformers, name) for name in classes[arch])
     config = config_cls(vocab_size=vocab_size, bos_token_id=ids.get("bos"), eos_token_id=ids["eos"],
-                        pad_token_id=ids.get("pad"), **ARCHS[arch])
+                        pad_token_id=ids.get("pad"), **{**ARCHS[arch], **(config_overrides or {})})
     torch.manual_seed(0)
     model = model_cls(config).eval()
     with torch.no_grad():  # random norms (they init to 1 / 0) so the +1 offset shows
@@ -160,15 +160,21 @@ def _hf_model(arch: str, vocab_size: int, ids: dict[str, int]):
     return model
 
 
-def write_tiny_gguf(arch: str, path: str):
-    """Write a tiny ``arch`` model as llama.cpp would; returns the HF model it came from."""
+def write_tiny_gguf(arch: str, path: str, encode=None, config_overrides: dict | None = None,
+                    chat_template: str | None = None):
+    """Write a tiny ``arch`` model as llama.cpp would; returns the HF model it came from.
+
+    ``encode(gguf_name, float32 array) -> (array, ggml type or None)`` overrides the per-tensor
+    storage (:func:`_storage_type`); ``config_overrides`` update the HF config kwargs;
+    ``chat_template`` is written as ``tokenizer.chat_template``.
+    """
     if arch in ("llama", "gemma3"):
         tokens, scores, types, ids = _sentencepiece_vocab(arch)
         merges = None
     else:
         tokens, types, merges, ids = _byte_level_vocab()
         scores = None
-    model = _hf_model(arch, len(tokens), ids)
+    model = _hf_model(arch, len(tokens), ids, config_overrides)
     cfg = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny-{arch}")
@@ -207,6 +213,8 @@ def write_tiny_gguf(arch: str, path: str):
     if "pad" in ids:
         writer.add_pad_token_id(ids["pad"])
     writer.add_add_bos_token(merges is None)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
     state = model.state_dict()
     if cfg.tie_word_embeddings:
@@ -220,6 +228,10 @@ def write_tiny_gguf(arch: str, path: str):
             data = _llama_cpp_permute(data, cfg.num_key_value_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data + 1  # llama.cpp's Gemma converter
+        if encode is not None:
+            array, raw_dtype = encode(name, data)
+            writer.add_tensor(name, array, raw_dtype=raw_dtype)
+            continue
         qtype = _storage_type(arch, name)
         if qtype == Q.F32:
             writer.add_tensor(name, data)
