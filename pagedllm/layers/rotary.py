@@ -8,15 +8,20 @@ import math
 import torch
 from torch import nn
 
+from pagedllm.config import SUPPORTED_ROPE_TYPES
+
 
 def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim // 2] float32 and the cos/sin scaling factor.
 
-    Supports rope types "default", "linear" and "llama3" (Llama 3.1's frequency-dependent
-    scaling, as in transformers' ``_compute_llama3_parameters``).
+    Supports rope types "default", "linear", "llama3" (Llama 3.1's frequency-dependent
+    scaling, as in transformers' ``_compute_llama3_parameters``) and "yarn" (Peng et al. 2023, as
+    ``_compute_yarn_parameters``: a ramp between interpolated and extrapolated frequencies, cos/sin
+    times the attention factor).
 
     Raises:
-        ValueError: for other rope types (yarn, dynamic, longrope, ...), naming the type.
+        ValueError: for other rope types (dynamic, longrope, ...; ``config.SUPPORTED_ROPE_TYPES``),
+            naming the type, or a yarn dict without ``factor`` / ``original_max_position_embeddings``.
     """
     # On the CPU even inside a ``torch.device("meta")`` block (the model is built there): a meta
     # ``arange`` runs torch's Python reference and imports sympy on first use (~0.5 s of a start).
@@ -40,7 +45,47 @@ def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_freq_llama), 1.0
-    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3 are)")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope_theta, rope_scaling)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN inverse frequencies [dim // 2] float32 and attention factor (transformers'
+    ``_compute_yarn_parameters``, same float32 ops)."""
+    try:
+        factor = float(scaling["factor"])
+        original_max = float(scaling["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ValueError(f"rope_scaling type 'yarn' needs {e.args[0]!r}") from None
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(torch.float) / dim)
+    extrapolation = 1 - ramp                               # 1: keep the original frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
