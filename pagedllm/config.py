@@ -35,9 +35,11 @@ SUPPORTED_CPU_ISAS = ("auto", "portable", "avx2", "avx512", "avx512_bf16")
 # ``ModelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
 SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")   # layers/greedy_head.py EXACT_GREEDY_HEAD_MODES
-# RoPE scaling types ``layers/rotary.compute_inv_freq`` implements (transformers' names). "dynamic"
-# (NTK) and "longrope" pick their frequencies from each batch's longest sequence: not implemented.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# RoPE scaling types ``layers/rotary.compute_inv_freq`` implements (transformers' names; "su" is
+# Phi-3's old name of "longrope"). "dynamic" (NTK) picks its frequencies from each batch's longest
+# sequence: not implemented. "longrope" only within ``original_max_position_embeddings`` (its short
+# factors; ``ModelConfig.__post_init__``), for the same reason.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "su")
 
 
 @dataclass(frozen=True)
@@ -341,8 +343,7 @@ def _check_implemented(cfg: dict[str, Any], rope: dict[str, tuple[float, dict | 
 
     Raises:
         ValueError: naming the field and its value: a RoPE type outside ``SUPPORTED_ROPE_TYPES``,
-            ``partial_rotary_factor`` below 1, bidirectional attention, a ``no_rope_layers`` list of
-            the wrong length.
+            bidirectional attention, a ``no_rope_layers`` list of the wrong length.
     """
     for layer_type, (_, scaling) in rope.items():
         if scaling:
@@ -350,12 +351,6 @@ def _check_implemented(cfg: dict[str, Any], rope: dict[str, tuple[float, dict | 
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"rope_scaling rope_type {rope_type!r} ({layer_type}) is not supported; "
                                  f"supported: {SUPPORTED_ROPE_TYPES}")
-            if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
-                raise ValueError(f"partial_rotary_factor {scaling['partial_rotary_factor']} is not supported "
-                                 "(RoPE over the whole head only)")
-    if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor {cfg['partial_rotary_factor']} is not supported "
-                         "(RoPE over the whole head only)")
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=True is not supported (causal attention only)")
     no_rope = cfg.get("no_rope_layers")
@@ -365,6 +360,34 @@ def _check_implemented(cfg: dict[str, Any], rope: dict[str, tuple[float, dict | 
 
 def _float_or_none(cfg: dict[str, Any], key: str) -> float | None:
     return None if cfg.get(key) is None else float(cfg[key])
+
+
+def _partial_rotary_factor(cfg: dict[str, Any], rope: dict[str, tuple[float, dict | None]]) -> float:
+    """The fraction of each head RoPE rotates (Phi-3 / Phi-4-mini; top level or in ``rope_parameters``).
+
+    Raises:
+        ValueError: unless in (0, 1].
+    """
+    factor = cfg.get("partial_rotary_factor")
+    params = cfg.get("rope_parameters")
+    if factor is None and isinstance(params, dict):
+        factor = params.get("partial_rotary_factor")
+    factor = 1.0 if factor is None else float(factor)
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
+    return factor
+
+
+def _with_longrope_fields(cfg: dict[str, Any], scaling: dict | None) -> dict | None:
+    """A longrope dict with ``original_max_position_embeddings`` and ``factor`` filled in as
+    transformers fills them (from the top-level keys; factor = max_position_embeddings / original)."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return scaling
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("rope_scaling rope_type 'longrope' needs original_max_position_embeddings")
+    factor = scaling.get("factor") or float(cfg.get("max_position_embeddings") or original) / float(original)
+    return {**scaling, "original_max_position_embeddings": int(original), "factor": float(factor)}
 
 
 def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -408,6 +431,7 @@ def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
         default_theta = (10_000.0 if t == "sliding_attention" else 1_000_000.0) if is_gemma3 else 10_000.0
         rope[t] = _rope_params(cfg, t if is_gemma3 else None, default_theta)
     _check_implemented(cfg, rope)
+    rope = {t: (theta, _with_longrope_fields(cfg, scaling)) for t, (theta, scaling) in rope.items()}
     head_dim = cfg.get("head_dim") or (256 if is_gemma else hidden // num_heads)
     dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
     no_rope = cfg.get("no_rope_layers")  # SmolLM3: 1 = the layer uses RoPE, 0 = NoPE
@@ -439,6 +463,7 @@ def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
         attention_multiplier=_float_or_none(cfg, "attention_multiplier"),
         logits_scaling=float(cfg.get("logits_scaling", 1.0)),
         layer_use_rope=() if no_rope is None else tuple(bool(x) for x in no_rope),
+        partial_rotary_factor=_partial_rotary_factor(cfg, rope),
         checkpoint_dtype=None if dtype is None else str(dtype).replace("torch.", ""),
     )
 
@@ -492,6 +517,7 @@ class ModelConfig:
     (each sub-block's output times it before the residual add), ``attention_multiplier`` (the
     attention scale; None = head_dim ** -0.5) and ``logits_scaling`` (logits divided by it),
     ``layer_use_rope`` (per layer: whether it applies RoPE, SmolLM3's NoPE layers; empty = all do),
+    ``partial_rotary_factor`` (the fraction of ``head_dim`` RoPE rotates, Phi-3 / Phi-4-mini),
     ``checkpoint_dtype`` (config.json's ``dtype`` / ``torch_dtype``, or None).
     """
 
@@ -534,6 +560,7 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     layer_use_rope: tuple[bool, ...] = ()
+    partial_rotary_factor: float = 1.0
     checkpoint_dtype: str | None = None
 
     @classmethod
@@ -579,6 +606,15 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        for _, scaling in self.rope_parameters.values():
+            if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su") \
+                    and self.max_model_len is not None \
+                    and self.max_model_len > scaling["original_max_position_embeddings"]:
+                # transformers switches every position to the long factors once a sequence passes
+                # the original length (a per-batch choice a paged cache cannot follow).
+                raise ValueError(f"rope_scaling 'longrope' is implemented within original_max_position_embeddings="
+                                 f"{scaling['original_max_position_embeddings']} tokens (its short factors); "
+                                 f"max_model_len={self.max_model_len} exceeds it")
 
 
 @dataclass(frozen=True)

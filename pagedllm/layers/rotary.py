@@ -47,7 +47,25 @@ def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None
         return torch.where(is_medium, smoothed, inv_freq_llama), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, rope_theta, rope_scaling)
+    if rope_type in ("longrope", "su"):
+        return _longrope_short_inv_freq(head_dim, rope_theta, rope_scaling)
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+def _longrope_short_inv_freq(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Ding et al. 2024; Phi-3) within the original context: the short factors, as
+    transformers' ``_compute_longrope_parameters`` below ``original_max_position_embeddings``.
+    ``factor`` and ``original_max_position_embeddings`` are filled in by ``config.hf_architecture_fields``."""
+    factor = float(scaling["factor"])
+    original_max = float(scaling["original_max_position_embeddings"])
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+    short = torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
+    if short.numel() != dim // 2:
+        raise ValueError(f"longrope short_factor has {short.numel()} entries for rotary dim {dim} (needs {dim // 2})")
+    shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (short * base ** shape), float(attention_factor)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -100,7 +118,8 @@ class RotaryEmbedding(nn.Module):
     2 x ``max position`` x ``head_dim`` values in the model dtype.
 
     Args:
-        head_dim: rotary dimension (the whole head).
+        head_dim: rotary dimension (the whole head, or its first ``partial_rotary_factor`` part:
+            ``apply_rotary`` rotates that many channels and passes the rest).
         rope_theta: base.
         rope_scaling: HF ``rope_scaling`` / ``rope_parameters`` dict or None.
     """
@@ -148,8 +167,12 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate query [T, Hq, D] and key [T, Hkv, D] by cos/sin [T, 1, D]; same shapes and dtype."""
-    return _apply(query, cos, sin), _apply(key, cos, sin)
+    """Rotate query [T, Hq, D] and key [T, Hkv, D] by cos/sin [T, 1, R]; same shapes and dtype.
+    With R < D (partial rotary) the first R channels rotate and the rest pass (transformers' Phi-3)."""
+    rot = cos.shape[-1]
+    if rot == query.shape[-1]:
+        return _apply(query, cos, sin), _apply(key, cos, sin)
+    return tuple(torch.cat([_apply(x[..., :rot], cos, sin), x[..., rot:]], dim=-1) for x in (query, key))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

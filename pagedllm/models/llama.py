@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2, Granite 3, SmolLM3) over the
-paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2, Granite 3, SmolLM3, Phi-3) over
+the paged KV cache.
 
 Module names follow Hugging Face's ``LlamaForCausalLM`` so checkpoint keys map 1:1. The families
 differ by a few named options (the shared layer vocabulary), each matched to its transformers
@@ -11,6 +11,8 @@ differ by a few named options (the shared layer vocabulary), each matched to its
 - config multipliers (Granite 3): ``embedding_multiplier``, ``residual_multiplier``,
   ``attention_multiplier`` (the attention scale), ``logits_scaling``;
 - ``layer_use_rope`` (SmolLM3): NoPE layers skip RoPE;
+- Phi-3 / Phi-4-mini: fused q/k/v and gate/up checkpoint tensors (split on loading), partial
+  rotary (``partial_rotary_factor``), LongRoPE;
 - ``layer_sliding_windows``: Mistral-style configs give every layer a window, ``layer_types`` some.
 """
 
@@ -92,6 +94,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.kv_size if full else self.head_dim, eps)
         self.qk_norm = qk_norm
         self.use_rope = config.layer_use_rope[layer_idx] if config.layer_use_rope else True
+        # The fused q/k norm + RoPE op rotates whole heads; partial rotary (Phi-3) runs the eager ops.
+        self.whole_head_rope = config.partial_rotary_factor == 1.0
         scale = config.attention_multiplier if config.attention_multiplier is not None else self.head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               scale=scale, sliding_window=sliding_window,
@@ -107,7 +111,7 @@ class LlamaAttention(nn.Module):
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
         head_norms = self.qk_norm == "head"
         norms = (self.q_norm.weight, self.k_norm.weight) if head_norms else ()
-        fused = fused_ops_for(self.use_fused_ops and self.use_rope, qkv, *rope, *norms)
+        fused = fused_ops_for(self.use_fused_ops and self.use_rope and self.whole_head_rope, qkv, *rope, *norms)
         if fused is not None:  # (Qwen3's q/k norms and) RoPE in place on qkv, one pass per token
             fused.qk_norm_rope_(qkv, *(norms or (None, None)), rope[0], rope[1], self.num_heads, self.num_kv_heads,
                                 self.head_dim, self.q_norm.eps if head_norms else 0.0)
@@ -190,7 +194,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps) if ctx.is_last_stage else PPMissingLayer()
         # One RoPE for all layers (the Llama family reads no per-layer-type parameters).
         theta, scaling = next(iter(config.rope_parameters.values()))
-        self.rotary_emb = RotaryEmbedding(config.head_dim, theta, scaling)
+        self.rotary_emb = RotaryEmbedding(int(config.head_dim * config.partial_rotary_factor), theta, scaling)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -306,6 +310,35 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 class GraniteForCausalLM(LlamaForCausalLM):
     """Granite 3: Llama with ``embedding_multiplier``, ``residual_multiplier``,
     ``attention_multiplier`` (the attention scale) and ``logits_scaling`` (all from config.json)."""
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-4-mini: Llama whose checkpoints hold q/k/v as one ``self_attn.qkv_proj`` and
+    gate/up as one ``mlp.gate_up_proj`` (split here into the parts ``MergedLinear`` loads, so tensor
+    parallelism shards them as Llama's), with partial rotary and LongRoPE from config.json."""
+
+    def load_weights(self, weights) -> None:
+        """Load (HF name, tensor) pairs, the fused q/k/v and gate/up tensors split by rows
+        ([(Hq + 2 Hkv) D, H] -> q, k, v; [2 I, H] -> gate, up)."""
+        c = self.config
+        qkv_rows = [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+                    c.num_key_value_heads * c.head_dim]
+
+        def _split():
+            for name, tensor in weights:
+                parent, _, kind = name.rpartition(".")
+                if parent.endswith(("self_attn.qkv_proj", "mlp.gate_up_proj")):
+                    tensor = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+                    base = parent.rpartition(".")[0]
+                    if parent.endswith("qkv_proj"):
+                        parts, rows = ("q_proj", "k_proj", "v_proj"), qkv_rows
+                    else:
+                        parts, rows = ("gate_proj", "up_proj"), [c.intermediate_size] * 2
+                    for part, piece in zip(parts, tensor.split(rows, dim=0)):
+                        yield f"{base}.{part}.{kind}", piece
+                else:
+                    yield name, tensor
+        super().load_weights(_split())
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):

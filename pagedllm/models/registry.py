@@ -8,7 +8,7 @@ from pagedllm.config import ModelConfig
 
 from pagedllm.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (GraniteForCausalLM, LlamaForCausalLM, MistralForCausalLM, Olmo2ForCausalLM,
-                                   Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM)
+                                   Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,6 +18,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # text path only

@@ -6,6 +6,8 @@ checkpoints built here from transformers' config classes with every family quirk
 - OLMo 2: q/k RMSNorm over the whole projections, norms after attention and MLP;
 - Granite 3: embedding / residual / attention multipliers and logits scaling far from 1;
 - SmolLM3: NoPE layers (no RoPE) that are also sliding-window layers;
+- Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj tensors, partial rotary (3/4 of each head),
+  LongRoPE's short factors and attention factor, a sliding window on every layer, tied or not;
 - Llama with RoPE scaling "yarn" (and "linear", "llama3"), short original contexts so the
   scaling changes the frequencies the prompts use.
 
@@ -56,6 +58,16 @@ def _config(family: str, vocab: int):
         return tf.SmolLM3Config(**common, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True,
                                 sliding_window=8, layer_types=["full_attention", "sliding_attention"] * 2,
                                 tie_word_embeddings=False)
+    if family == "phi3":   # Phi-3 128k style: LongRoPE (within its original context), partial rotary
+        short = [1.0, 1.3, 1.9, 2.6, 3.5, 5.0]   # rotary dim 12 of head_dim 16 -> 6 frequencies
+        return tf.Phi3Config(**{**common, "max_position_embeddings": 1024}, original_max_position_embeddings=256,
+                             sliding_window=8, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short,
+                                              "long_factor": [x * 4 for x in short], "partial_rotary_factor": 0.75})
+    if family == "phi4_mini":   # Phi-4-mini style: tied embeddings, partial rotary, no sliding window
+        return tf.Phi3Config(**common, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.75})
     rope = {
         "llama_yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                        "original_max_position_embeddings": 16},
@@ -66,7 +78,7 @@ def _config(family: str, vocab: int):
     return tf.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
 
 
-FAMILIES = ["gemma2", "olmo2", "granite", "smollm3", "llama_yarn", "llama_linear", "llama3"]
+FAMILIES = ["gemma2", "olmo2", "granite", "smollm3", "phi3", "phi4_mini", "llama_yarn", "llama_linear", "llama3"]
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +216,7 @@ def test_unsupported_architecture_names_supported_ones(tmp_path):
         assert arch in str(err.value)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "su"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "ntk_fancy"])
 def test_unimplemented_rope_type_is_value_error(rope_type):
     with pytest.raises(ValueError, match=f"rope_type '{rope_type}'"):
         ModelConfig.from_hf_config(_hf_dict(rope_scaling={"rope_type": rope_type, "factor": 2.0}))
@@ -214,13 +226,24 @@ def test_unimplemented_rope_type_is_value_error(rope_type):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("partial_rotary_factor", 0.5, "partial_rotary_factor 0.5"),
+    ("partial_rotary_factor", 1.5, r"partial_rotary_factor must be in \(0, 1\], got 1.5"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention"),
     ("no_rope_layers", [1, 0, 1], "no_rope_layers has 3 entries for 2 layers"),
 ])
 def test_unimplemented_config_field_is_value_error(field, value, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_config(_hf_dict(**{field: value}))
+
+
+def test_longrope_past_original_context_is_value_error():
+    """transformers switches every position to the long factors once a sequence passes the
+    original context; we implement the short factors only, so a longer max_model_len is refused."""
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    hf = _hf_dict(architectures=["Phi3ForCausalLM"], model_type="phi3", rope_scaling=rope,
+                  max_position_embeddings=1024, original_max_position_embeddings=256)
+    assert ModelConfig.from_hf_config(hf, max_model_len=256).rope_parameters["full_attention"][1]["factor"] == 4.0
+    with pytest.raises(ValueError, match="max_model_len=257 exceeds it"):
+        ModelConfig.from_hf_config(hf, max_model_len=257)
 
 
 def test_yarn_without_its_fields_is_value_error():
