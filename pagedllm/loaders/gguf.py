@@ -267,7 +267,7 @@ def dequantize_tensor(blob: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
 # Architectures: GGUF arch -> (HF class, model_type), tensor names, config.
 # ---------------------------------------------------------------------------------------------
 
-SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "qwen2", "qwen3")
 
 _GLOBAL_TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -480,6 +480,37 @@ def _gemma3_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
+def _gemma2_config(header: GGUFHeader) -> dict[str, Any]:
+    """Gemma 2 config in the form transformers 5 saves ``Gemma2Config``.
+
+    GGUF keys (llama.cpp ``Gemma2Model``): as Gemma 3's plus ``gemma2.attn_logit_softcapping`` and
+    ``gemma2.final_logit_softcapping``. Fixed by llama.cpp for Gemma 2, not stored: every other
+    layer sliding (even layers), gelu-tanh MLP, query scale ``1/sqrt(head_dim)``
+    (``1/sqrt(hidden/heads)`` for the 46-layer 27B).
+    """
+    config = _common_config(header)
+    head_dim = int(header.arch_value("attention.key_length",
+                                     config["hidden_size"] // config["num_attention_heads"]))
+    num_layers = config["num_hidden_layers"]
+    rope = {"rope_theta": float(header.arch_value("rope.freq_base", 10_000.0)), "rope_type": "default"}
+    rope.update(_rope_scaling(header) or {})
+    config.update({
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "head_dim": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if num_layers == 46
+        else head_dim,
+        "sliding_window": int(header.arch_value("attention.sliding_window", 4096)),
+        "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)],
+        "rope_parameters": rope,
+        "final_logit_softcapping": header.arch_value("final_logit_softcapping"),
+        "attn_logit_softcapping": header.arch_value("attn_logit_softcapping"),
+        "attention_bias": False,
+    })
+    return config
+
+
 def _rope_config(header: GGUFHeader, default_theta: float) -> dict[str, Any]:
     theta = float(header.arch_value("rope.freq_base", default_theta))
     rope_parameters: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
@@ -539,6 +570,7 @@ def _qwen_config(header: GGUFHeader) -> dict[str, Any]:
 
 
 _CONFIG_BUILDERS = {
+    "gemma2": _gemma2_config,
     "gemma3": _gemma3_config,
     "llama": _llama_config,
     "qwen2": _qwen_config,
