@@ -267,7 +267,7 @@ def dequantize_tensor(blob: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
 # Architectures: GGUF arch -> (HF class, model_type), tensor names, config.
 # ---------------------------------------------------------------------------------------------
 
-SUPPORTED_GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma2", "gemma3", "granite", "llama", "olmo2", "qwen2", "qwen3")
 
 _GLOBAL_TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -294,6 +294,15 @@ _GEMMA_LAYER_TENSOR_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# OLMo 2 normalises each sub-block's output (llama.cpp ``Olmo2Model``): no attn_norm / ffn_norm.
+_OLMO2_LAYER_TENSOR_NAMES = {
+    **{k: v for k, v in _LAYER_TENSOR_NAMES.items() if k not in ("attn_norm", "ffn_norm")},
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_TENSOR_NAMES_BY_ARCH = {"olmo2": _OLMO2_LAYER_TENSOR_NAMES}
+# Architectures whose converter (llama.cpp ``LlamaModel`` and its subclasses) interleaves q/k rows.
+_QK_PERMUTED_ARCHITECTURES = ("llama", "granite")
 # Tensors llama.cpp writes that HF recomputes from the config (llama 3 RoPE frequency factors).
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([A-Za-z0-9_]+)\.(weight|bias)$")
@@ -314,7 +323,8 @@ def gguf_to_hf_name(gguf_name: str, architecture: str) -> str | None:
     """
     if gguf_name in _SKIPPED_TENSORS:
         return None
-    layer_names = _GEMMA_LAYER_TENSOR_NAMES if architecture.startswith("gemma") else _LAYER_TENSOR_NAMES
+    layer_names = _LAYER_TENSOR_NAMES_BY_ARCH.get(architecture) or (
+        _GEMMA_LAYER_TENSOR_NAMES if architecture.startswith("gemma") else _LAYER_TENSOR_NAMES)
     match = _LAYER_RE.match(gguf_name)
     if match:
         layer, part, suffix = match.groups()
@@ -547,6 +557,36 @@ def _llama_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
+def _granite_config(header: GGUFHeader) -> dict[str, Any]:
+    """Granite 3 config (``GraniteConfig``): Llama's, plus the four scalars llama.cpp's
+    ``GraniteModel`` renames and writes when set: ``granite.attention.scale`` ->
+    ``attention_multiplier`` (absent: llama.cpp's ``1/sqrt(head_dim)``), ``granite.embedding_scale``,
+    ``granite.residual_scale``, ``granite.logit_scale`` (absent: 1)."""
+    config = _llama_config(header)
+    config.update({
+        "architectures": ["GraniteForCausalLM"],
+        "model_type": "granite",
+        "attention_multiplier": float(header.arch_value("attention.scale") or config["head_dim"] ** -0.5),
+        "embedding_multiplier": float(header.arch_value("embedding_scale") or 1.0),
+        "residual_multiplier": float(header.arch_value("residual_scale") or 1.0),
+        "logits_scaling": float(header.arch_value("logit_scale") or 1.0),
+    })
+    return config
+
+
+def _olmo2_config(header: GGUFHeader) -> dict[str, Any]:
+    """OLMo 2 config (``Olmo2Config``; llama.cpp ``Olmo2Model``: plain keys, q/k rows not permuted)."""
+    config = _common_config(header)
+    config.update({
+        "architectures": ["Olmo2ForCausalLM"],
+        "model_type": "olmo2",
+        "hidden_act": "silu",
+        "attention_bias": _has_tensor(header, "attn_q.bias"),
+        **_rope_config(header, 10_000.0),
+    })
+    return config
+
+
 def _qwen_config(header: GGUFHeader) -> dict[str, Any]:
     """Qwen2 / Qwen3 config; Qwen3 adds q/k norms and a ``head_dim`` of its own."""
     config = _common_config(header)
@@ -572,7 +612,9 @@ def _qwen_config(header: GGUFHeader) -> dict[str, Any]:
 _CONFIG_BUILDERS = {
     "gemma2": _gemma2_config,
     "gemma3": _gemma3_config,
+    "granite": _granite_config,
     "llama": _llama_config,
+    "olmo2": _olmo2_config,
     "qwen2": _qwen_config,
     "qwen3": _qwen_config,
 }
@@ -630,7 +672,7 @@ def iterate_gguf_weights(path_or_header: str | GGUFHeader) -> Iterator[tuple[str
         weights = dequantize_tensor(blob, info)
         if arch.startswith("gemma") and info.name.endswith("norm.weight"):
             weights = weights - 1  # float32, as transformers' Gemma2TensorProcessor
-        elif arch == "llama" and (".attn_q." in info.name or ".attn_k." in info.name):
+        elif arch in _QK_PERMUTED_ARCHITECTURES and (".attn_q." in info.name or ".attn_k." in info.name):
             is_query = ".attn_q." in info.name
             n_head = config["num_attention_heads" if is_query else "num_key_value_heads"]
             weights = _reverse_llama_permute(weights, n_head)

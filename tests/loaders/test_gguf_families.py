@@ -1,15 +1,20 @@
 """GGUF files of the families beyond test_gguf_tiny.py's, written with gguf-py as llama.cpp's
-converter writes them (``convert_hf_to_gguf.py``: its metadata keys, tensor names and weight
-transforms; the converter itself is not installed). The engine loads the file and must give
-transformers' greedy tokens and logits of the HF model the file was written from (float32
-tensors, so the file holds those weights exactly).
+converter writes them (``convert_hf_to_gguf.py``: its metadata keys, gguf-py's own HF -> GGUF tensor
+name map, its weight transforms; the converter itself is not installed). The engine loads the file
+and must give transformers' greedy tokens and logits of the HF model the file was written from
+(float32 tensors, so the file holds those weights exactly).
 
-Gemma 2 (llama.cpp ``Gemma2Model``): norms stored as ``w + 1``, both soft caps and the sliding
-window in ``gemma2.*`` keys, the even layers sliding; queries scaled by ``1/sqrt(head_dim)``.
+- Gemma 2 (``Gemma2Model``): norms stored as ``w + 1``, both soft caps and the sliding window in
+  ``gemma2.*`` keys, the even layers sliding; queries scaled by ``1/sqrt(head_dim)``;
+- OLMo 2 (``Olmo2Model``, a plain ``TextModel``): post-norms and whole-projection q/k norms as
+  ``post_attention_norm`` / ``post_ffw_norm`` / ``attn_q_norm`` / ``attn_k_norm``, rows as in HF;
+- Granite 3 (``GraniteModel(LlamaModel)``): q/k rows interleaved (``LlamaModel.permute``), the four
+  multipliers as ``granite.{attention.scale, embedding_scale, residual_scale, logit_scale}``.
 """
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -18,46 +23,78 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.loaders import load_config, resolve_model
 from pagedllm.loaders import model_files
 
-from test_gguf_tiny import _gguf_name, _sentencepiece_vocab, add_tokenizer, new_writer
+from test_gguf_tiny import _byte_level_vocab, _llama_cpp_permute, _sentencepiece_vocab, add_tokenizer, new_writer
 
 MAX_NEW = 8
 
 
-def _tiny_gemma2(vocab_size: int, ids: dict[str, int]):
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, rms_norm_eps=1e-6)
 
-    config = Gemma2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-                          sliding_window=8, attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
-                          max_position_embeddings=256, initializer_range=0.3, rms_norm_eps=1e-6,
-                          bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+
+def _hf_config(family: str, vocab_size: int, ids: dict[str, int]):
+    import transformers as tf
+
+    common = dict(SHAPE, vocab_size=vocab_size, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                  pad_token_id=ids["pad"])
+    if family == "gemma2":
+        return tf.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                               attn_logit_softcapping=4.0, final_logit_softcapping=6.0)
+    if family == "olmo2":
+        return tf.Olmo2Config(**common, tie_word_embeddings=False)
+    return tf.GraniteConfig(**common, embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.05,
+                            logits_scaling=4.0, tie_word_embeddings=True)
+
+
+def _add_family_keys(writer: gguf.GGUFWriter, family: str, cfg) -> None:
+    """The keys llama.cpp's converter class of ``family`` writes beyond the shape keys."""
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if family == "gemma2":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        writer.add_sliding_window(cfg.sliding_window)
+    elif family == "granite":
+        writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+
+
+def _write_gguf(family: str, path: str):
+    """Write a tiny random ``family`` model as llama.cpp would; returns the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    if family == "gemma2":
+        tokens, scores, types, ids = _sentencepiece_vocab("gemma3")  # Gemma's specials and byte tokens
+        merges = None
+    else:
+        (tokens, types, merges, ids), scores = _byte_level_vocab(), None
     torch.manual_seed(0)
-    model = Gemma2ForCausalLM(config).eval()
-    with torch.no_grad():  # random norm offsets so the +1 shows
+    model = AutoModelForCausalLM.from_config(_hf_config(family, len(tokens), ids), dtype=torch.float32).eval()
+    with torch.no_grad():  # random norms (Gemma: offsets from 1) so the transforms show
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.normal_(0.0, 0.3)
-    return model
-
-
-def _write_gemma2_gguf(path: str):
-    tokens, scores, types, ids = _sentencepiece_vocab("gemma3")  # Gemma's specials and byte tokens
-    model = _tiny_gemma2(len(tokens), ids)
+                p.normal_(0.0 if family == "gemma2" else 1.0, 0.3)
     cfg = model.config
-    writer = new_writer(path, "gemma2", cfg)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
-    writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    writer.add_sliding_window(cfg.sliding_window)
-    add_tokenizer(writer, tokens, types, ids, scores)
+    writer = new_writer(path, family, cfg)
+    _add_family_keys(writer, family, cfg)
+    add_tokenizer(writer, tokens, types, ids, scores, merges)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], cfg.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight":  # tied: llama.cpp writes no output tensor
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:  # llama.cpp writes no output tensor
             continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         data = tensor.detach().float().numpy().copy()
-        name = _gguf_name(hf_name, "gemma3")  # Gemma 2 and 3 share the four-norm tensor names
-        writer.add_tensor(name, data + 1 if name.endswith("norm.weight") else data)
+        if family == "gemma2" and name.endswith("norm.weight"):
+            data = data + 1
+        elif family == "granite" and ".attn_q." in name:
+            data = _llama_cpp_permute(data, cfg.num_attention_heads)
+        elif family == "granite" and ".attn_k." in name:
+            data = _llama_cpp_permute(data, cfg.num_key_value_heads)
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -65,28 +102,36 @@ def _write_gemma2_gguf(path: str):
     return model
 
 
-@pytest.fixture(scope="module")
-def gemma2_gguf(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gguf_gemma2")
-    path = str(root / "tiny-gemma2.gguf")
-    return path, _write_gemma2_gguf(path), str(root / "cache")
+@pytest.fixture(scope="module", params=["gemma2", "olmo2", "granite"])
+def written(request, tmp_path_factory):
+    """(family, gguf path, HF model it came from, cache folder)."""
+    root = tmp_path_factory.mktemp(f"gguf_{request.param}")
+    path = str(root / f"tiny-{request.param}.gguf")
+    return request.param, path, _write_gguf(request.param, path), str(root / "cache")
 
 
-def test_gemma2_config_from_gguf(gemma2_gguf):
-    path, model, cache = gemma2_gguf
+_FAMILY_KEYS = {
+    "gemma2": ("head_dim", "sliding_window", "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+               "query_pre_attn_scalar", "hidden_activation"),
+    "olmo2": ("hidden_act",),
+    "granite": ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"),
+}
+
+
+def test_config_from_gguf(written):
+    family, path, model, cache = written
     raw = load_config(resolve_model(path, cache_dir=cache).folder)
     cfg = model.config
-    assert raw["architectures"] == ["Gemma2ForCausalLM"] and raw["model_type"] == "gemma2"
-    for key in ("hidden_size", "num_key_value_heads", "head_dim", "vocab_size", "sliding_window", "layer_types",
-                "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
-                "tie_word_embeddings", "hidden_activation"):
-        assert raw[key] == getattr(cfg, key), key
+    assert raw["architectures"] == [type(model).__name__] and raw["model_type"] == cfg.model_type
+    for key in ("hidden_size", "num_key_value_heads", "vocab_size", "tie_word_embeddings", *_FAMILY_KEYS[family]):
+        assert raw[key] == pytest.approx(getattr(cfg, key)) if isinstance(raw[key], float) \
+            else raw[key] == getattr(cfg, key), key
     assert raw["rope_parameters"]["rope_theta"] == cfg.rope_parameters["rope_theta"]
 
 
-def test_gemma2_gguf_runs_as_transformers(gemma2_gguf, monkeypatch, tmp_path):
+def test_gguf_runs_as_transformers(written, monkeypatch, tmp_path):
     """Greedy tokens and every step's logits from the GGUF equal transformers' on the original."""
-    path, model, _ = gemma2_gguf
+    family, path, model, _ = written
     monkeypatch.setenv(model_files.CACHE_DIR_ENV, str(tmp_path / "cache"))
     hf = model.float().eval()
     hf.config._attn_implementation = "eager"   # the attention that applies the soft cap
@@ -108,5 +153,5 @@ def test_gemma2_gguf_runs_as_transformers(gemma2_gguf, monkeypatch, tmp_path):
     ours = torch.cat(steps)
     assert ours.shape == ref_logits.shape
     diff = float((ours - ref_logits).abs().max())
-    print(f"gemma2 gguf: max abs logit difference {diff:.2e}")
+    print(f"{family} gguf: max abs logit difference {diff:.2e}")
     assert diff < 2e-5 * max(1.0, float(ref_logits.abs().max())), diff
