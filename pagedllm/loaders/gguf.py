@@ -267,7 +267,7 @@ def dequantize_tensor(blob: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
 # Architectures: GGUF arch -> (HF class, model_type), tensor names, config.
 # ---------------------------------------------------------------------------------------------
 
-SUPPORTED_GGUF_ARCHITECTURES = ("gemma2", "gemma3", "granite", "llama", "olmo2", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma2", "gemma3", "granite", "llama", "olmo2", "phi3", "qwen2", "qwen3")
 
 _GLOBAL_TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -300,7 +300,11 @@ _OLMO2_LAYER_TENSOR_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_LAYER_TENSOR_NAMES_BY_ARCH = {"olmo2": _OLMO2_LAYER_TENSOR_NAMES}
+# Phi-3 keeps q/k/v and gate/up fused (llama.cpp ``Phi3MiniModel``); the model splits them on loading.
+_PHI3_LAYER_TENSOR_NAMES = {**_LAYER_TENSOR_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_LAYER_TENSOR_NAMES_BY_ARCH = {"olmo2": _OLMO2_LAYER_TENSOR_NAMES, "phi3": _PHI3_LAYER_TENSOR_NAMES}
+# Phi-3's LongRoPE factors, global tensors in the file and lists in HF's config (``_phi3_config``).
+_PHI3_ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 # Architectures whose converter (llama.cpp ``LlamaModel`` and its subclasses) interleaves q/k rows.
 _QK_PERMUTED_ARCHITECTURES = ("llama", "granite")
 # Tensors llama.cpp writes that HF recomputes from the config (llama 3 RoPE frequency factors).
@@ -321,7 +325,7 @@ def gguf_to_hf_name(gguf_name: str, architecture: str) -> str | None:
     Raises:
         ValueError: for a tensor name this converter does not know.
     """
-    if gguf_name in _SKIPPED_TENSORS:
+    if gguf_name in _SKIPPED_TENSORS or (architecture == "phi3" and gguf_name in _PHI3_ROPE_FACTOR_TENSORS):
         return None
     layer_names = _LAYER_TENSOR_NAMES_BY_ARCH.get(architecture) or (
         _GEMMA_LAYER_TENSOR_NAMES if architecture.startswith("gemma") else _LAYER_TENSOR_NAMES)
@@ -574,6 +578,39 @@ def _granite_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
+def _phi3_config(header: GGUFHeader) -> dict[str, Any]:
+    """Phi-3 / Phi-4-mini config (``Phi3Config``; llama.cpp ``Phi3MiniModel``).
+
+    ``phi3.rope.dimension_count`` is the rotary dim (-> ``partial_rotary_factor`` of
+    ``hidden / heads``); ``phi3.attention.sliding_window`` 0 means none (Phi-4); with the tensors
+    ``rope_factors_long`` / ``rope_factors_short`` the RoPE is LongRoPE with
+    ``phi3.rope.scaling.original_context_length`` and ``phi3.rope.scaling.attn_factor``.
+    """
+    config = _common_config(header)
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    rope: dict[str, Any] = {"rope_theta": float(header.arch_value("rope.freq_base", 10_000.0)), "rope_type": "default",
+                            "partial_rotary_factor": int(header.arch_value("rope.dimension_count", head_dim)) / head_dim}
+    original = header.arch_value("rope.scaling.original_context_length")
+    factors = {info.name: info for info in header.tensors if info.name in _PHI3_ROPE_FACTOR_TENSORS}
+    if factors:
+        blob = np.memmap(header.path, dtype=np.uint8, mode="r")
+        rope.update({key: [float(x) for x in dequantize_tensor(blob, factors[name])]
+                     for name, key in _PHI3_ROPE_FACTOR_TENSORS.items()})
+        rope.update({"rope_type": "longrope", "original_max_position_embeddings": int(original),
+                     "attention_factor": float(header.require("rope.scaling.attn_factor"))})
+    window = int(header.arch_value("attention.sliding_window", 0))
+    config.update({
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_act": "silu",
+        "sliding_window": window or None,
+        "original_max_position_embeddings": int(original or config["max_position_embeddings"]),
+        "partial_rotary_factor": rope["partial_rotary_factor"],
+        "rope_parameters": rope,
+    })
+    return config
+
+
 def _olmo2_config(header: GGUFHeader) -> dict[str, Any]:
     """OLMo 2 config (``Olmo2Config``; llama.cpp ``Olmo2Model``: plain keys, q/k rows not permuted)."""
     config = _common_config(header)
@@ -615,6 +652,7 @@ _CONFIG_BUILDERS = {
     "granite": _granite_config,
     "llama": _llama_config,
     "olmo2": _olmo2_config,
+    "phi3": _phi3_config,
     "qwen2": _qwen_config,
     "qwen3": _qwen_config,
 }

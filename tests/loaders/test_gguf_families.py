@@ -9,10 +9,15 @@ and must give transformers' greedy tokens and logits of the HF model the file wa
 - OLMo 2 (``Olmo2Model``, a plain ``TextModel``): post-norms and whole-projection q/k norms as
   ``post_attention_norm`` / ``post_ffw_norm`` / ``attn_q_norm`` / ``attn_k_norm``, rows as in HF;
 - Granite 3 (``GraniteModel(LlamaModel)``): q/k rows interleaved (``LlamaModel.permute``), the four
-  multipliers as ``granite.{attention.scale, embedding_scale, residual_scale, logit_scale}``.
+  multipliers as ``granite.{attention.scale, embedding_scale, residual_scale, logit_scale}``;
+- Phi-3 (``Phi3MiniModel``): fused ``attn_qkv`` / ``ffn_up`` (gate and up) tensors, the rotary dim
+  as ``rope.dimension_count``, LongRoPE factors as ``rope_factors_long`` / ``rope_factors_short``
+  tensors with ``rope.scaling.{original_context_length, attn_factor}``.
 """
 
 from __future__ import annotations
+
+import math
 
 import gguf
 import numpy as np
@@ -42,6 +47,12 @@ def _hf_config(family: str, vocab_size: int, ids: dict[str, int]):
                                attn_logit_softcapping=4.0, final_logit_softcapping=6.0)
     if family == "olmo2":
         return tf.Olmo2Config(**common, tie_word_embeddings=False)
+    if family == "phi3":   # LongRoPE (within its original context), partial rotary, a window on every layer
+        short = [1.0, 1.3, 1.9, 2.6, 3.5, 5.0]
+        return tf.Phi3Config(**{**common, "max_position_embeddings": 1024}, original_max_position_embeddings=256,
+                             sliding_window=8, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short,
+                                              "long_factor": [x * 4 for x in short], "partial_rotary_factor": 0.75})
     return tf.GraniteConfig(**common, embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.05,
                             logits_scaling=4.0, tie_word_embeddings=True)
 
@@ -55,6 +66,16 @@ def _add_family_keys(writer: gguf.GGUFWriter, family: str, cfg) -> None:
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
         writer.add_sliding_window(cfg.sliding_window)
+    elif family == "phi3":
+        rope = cfg.rope_parameters
+        writer.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads)
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        scale = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
+            rope["original_max_position_embeddings"])))
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     elif family == "granite":
         writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
         writer.add_attention_scale(cfg.attention_multiplier)
@@ -102,7 +123,7 @@ def _write_gguf(family: str, path: str):
     return model
 
 
-@pytest.fixture(scope="module", params=["gemma2", "olmo2", "granite"])
+@pytest.fixture(scope="module", params=["gemma2", "olmo2", "granite", "phi3"])
 def written(request, tmp_path_factory):
     """(family, gguf path, HF model it came from, cache folder)."""
     root = tmp_path_factory.mktemp(f"gguf_{request.param}")
@@ -114,6 +135,7 @@ _FAMILY_KEYS = {
     "gemma2": ("head_dim", "sliding_window", "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
                "query_pre_attn_scalar", "hidden_activation"),
     "olmo2": ("hidden_act",),
+    "phi3": ("sliding_window", "original_max_position_embeddings"),
     "granite": ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"),
 }
 
@@ -127,6 +149,11 @@ def test_config_from_gguf(written):
         assert raw[key] == pytest.approx(getattr(cfg, key)) if isinstance(raw[key], float) \
             else raw[key] == getattr(cfg, key), key
     assert raw["rope_parameters"]["rope_theta"] == cfg.rope_parameters["rope_theta"]
+    if family == "phi3":
+        for key in ("rope_type", "partial_rotary_factor", "original_max_position_embeddings"):
+            assert raw["rope_parameters"][key] == cfg.rope_parameters[key], key
+        for key in ("short_factor", "long_factor"):
+            assert raw["rope_parameters"][key] == pytest.approx(cfg.rope_parameters[key], rel=1e-7), key
 
 
 def test_gguf_runs_as_transformers(written, monkeypatch, tmp_path):
