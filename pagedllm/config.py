@@ -36,10 +36,11 @@ SUPPORTED_CPU_ISAS = ("auto", "portable", "avx2", "avx512", "avx512_bf16")
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
 SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")   # layers/greedy_head.py EXACT_GREEDY_HEAD_MODES
 # RoPE scaling types ``layers/rotary.compute_inv_freq`` implements (transformers' names; "su" is
-# Phi-3's old name of "longrope"). "dynamic" (NTK) picks its frequencies from each batch's longest
-# sequence: not implemented. "longrope" only within ``original_max_position_embeddings`` (its short
-# factors; ``ModelConfig.__post_init__``), for the same reason.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "su")
+# Phi-3's old name of "longrope"). "dynamic" (NTK) and "longrope" pick their frequencies from each
+# batch's longest sequence in transformers; implemented where that choice is fixed
+# (``ModelConfig.__post_init__``): "dynamic" within ``max_position_embeddings``, "longrope" within
+# ``original_max_position_embeddings`` (its short factors).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "su")
 
 
 @dataclass(frozen=True)
@@ -378,10 +379,14 @@ def _partial_rotary_factor(cfg: dict[str, Any], rope: dict[str, tuple[float, dic
     return factor
 
 
-def _with_longrope_fields(cfg: dict[str, Any], scaling: dict | None) -> dict | None:
-    """A longrope dict with ``original_max_position_embeddings`` and ``factor`` filled in as
-    transformers fills them (from the top-level keys; factor = max_position_embeddings / original)."""
-    if not scaling or scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+def _with_rope_fields(cfg: dict[str, Any], scaling: dict | None) -> dict | None:
+    """A RoPE scaling dict with the top-level fields its type reads filled in as transformers does:
+    dynamic: ``max_position_embeddings``; longrope: ``original_max_position_embeddings`` and
+    ``factor`` (max_position_embeddings / original when absent)."""
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if rope_type == "dynamic":
+        return {**scaling, "max_position_embeddings": int(cfg.get("max_position_embeddings") or 2048)}
+    if rope_type not in ("longrope", "su"):
         return scaling
     original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
     if original is None:
@@ -431,7 +436,7 @@ def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
         default_theta = (10_000.0 if t == "sliding_attention" else 1_000_000.0) if is_gemma3 else 10_000.0
         rope[t] = _rope_params(cfg, t if is_gemma3 else None, default_theta)
     _check_implemented(cfg, rope)
-    rope = {t: (theta, _with_longrope_fields(cfg, scaling)) for t, (theta, scaling) in rope.items()}
+    rope = {t: (theta, _with_rope_fields(cfg, scaling)) for t, (theta, scaling) in rope.items()}
     head_dim = cfg.get("head_dim") or (256 if is_gemma else hidden // num_heads)
     dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
     no_rope = cfg.get("no_rope_layers")  # SmolLM3: 1 = the layer uses RoPE, 0 = NoPE
@@ -607,6 +612,11 @@ class ModelConfig:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         for _, scaling in self.rope_parameters.values():
+            if scaling and scaling.get("rope_type", scaling.get("type")) == "dynamic" \
+                    and self.max_model_len is not None and self.max_model_len > scaling["max_position_embeddings"]:
+                raise ValueError(f"rope_scaling 'dynamic' is implemented within max_position_embeddings="
+                                 f"{scaling['max_position_embeddings']} tokens (where it is plain RoPE); "
+                                 f"max_model_len={self.max_model_len} exceeds it")
             if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su") \
                     and self.max_model_len is not None \
                     and self.max_model_len > scaling["original_max_position_embeddings"]:

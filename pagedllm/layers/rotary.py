@@ -14,13 +14,14 @@ from pagedllm.config import SUPPORTED_ROPE_TYPES
 def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim // 2] float32 and the cos/sin scaling factor.
 
-    Supports rope types "default", "linear", "llama3" (Llama 3.1's frequency-dependent
+    Supports rope types "default", "linear", "dynamic" (within the original context, where it is
+    plain RoPE), "longrope" (its short factors), "llama3" (Llama 3.1's frequency-dependent
     scaling, as in transformers' ``_compute_llama3_parameters``) and "yarn" (Peng et al. 2023, as
     ``_compute_yarn_parameters``: a ramp between interpolated and extrapolated frequencies, cos/sin
     times the attention factor).
 
     Raises:
-        ValueError: for other rope types (dynamic, longrope, ...; ``config.SUPPORTED_ROPE_TYPES``),
+        ValueError: for other rope types (``config.SUPPORTED_ROPE_TYPES``),
             naming the type, or a yarn dict without ``factor`` / ``original_max_position_embeddings``.
     """
     # On the CPU even inside a ``torch.device("meta")`` block (the model is built there): a meta
@@ -47,6 +48,13 @@ def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None
         return torch.where(is_medium, smoothed, inv_freq_llama), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, rope_theta, rope_scaling)
+    if rope_type == "dynamic":
+        # Dynamic NTK (transformers' ``_compute_dynamic_ntk_parameters``) at sequence lengths up to
+        # ``max_position_embeddings`` (filled in by config.hf_architecture_fields): the base times
+        # (factor * L / L - (factor - 1)) ** (D / (D - 2)), i.e. plain RoPE, in transformers' ops.
+        factor, length = float(rope_scaling["factor"]), rope_scaling["max_position_embeddings"]
+        base = rope_theta * ((factor * length / length) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return 1.0 / (base ** (positions.to(torch.float) / head_dim)), 1.0
     if rope_type in ("longrope", "su"):
         return _longrope_short_inv_freq(head_dim, rope_theta, rope_scaling)
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")

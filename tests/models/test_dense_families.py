@@ -9,7 +9,7 @@ checkpoints built here from transformers' config classes with every family quirk
 - Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj tensors, partial rotary (3/4 of each head),
   LongRoPE's short factors and attention factor, a sliding window on every layer, tied or not;
 - Llama with RoPE scaling "yarn" (and "linear", "llama3"), short original contexts so the
-  scaling changes the frequencies the prompts use.
+  scaling changes the frequencies the prompts use; "dynamic" within its context (plain RoPE there).
 
 For each: the engine's batched greedy tokens equal transformers' ``generate`` on each prompt alone,
 and the logits of every step of one request (prefill's last position, then each decode) are within
@@ -72,13 +72,15 @@ def _config(family: str, vocab: int):
         "llama_yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                        "original_max_position_embeddings": 16},
         "llama_linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 3.0},
+        "llama_dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 3.0},
         "llama3": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
     }[family]
     return tf.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
 
 
-FAMILIES = ["gemma2", "olmo2", "granite", "smollm3", "phi3", "phi4_mini", "llama_yarn", "llama_linear", "llama3"]
+FAMILIES = ["gemma2", "olmo2", "granite", "smollm3", "phi3", "phi4_mini", "llama_yarn", "llama_linear", "llama_dynamic",
+            "llama3"]
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +218,7 @@ def test_unsupported_architecture_names_supported_ones(tmp_path):
         assert arch in str(err.value)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "ntk_fancy"])
+@pytest.mark.parametrize("rope_type", ["ntk_fancy", "mrope"])
 def test_unimplemented_rope_type_is_value_error(rope_type):
     with pytest.raises(ValueError, match=f"rope_type '{rope_type}'"):
         ModelConfig.from_hf_config(_hf_dict(rope_scaling={"rope_type": rope_type, "factor": 2.0}))
@@ -233,6 +235,15 @@ def test_unimplemented_rope_type_is_value_error(rope_type):
 def test_unimplemented_config_field_is_value_error(field, value, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_config(_hf_dict(**{field: value}))
+
+
+def test_dynamic_rope_past_context_is_value_error():
+    """Within max_position_embeddings transformers' dynamic NTK is plain RoPE; past it, it rescales per
+    batch, which we do not implement."""
+    hf = _hf_dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=64)
+    assert ModelConfig.from_hf_config(hf, max_model_len=64).max_model_len == 64
+    with pytest.raises(ValueError, match="max_model_len=65 exceeds it"):
+        ModelConfig.from_hf_config(hf, max_model_len=65)
 
 
 def test_longrope_past_original_context_is_value_error():
