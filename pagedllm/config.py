@@ -35,6 +35,12 @@ SUPPORTED_CPU_ISAS = ("auto", "portable", "avx2", "avx512", "avx512_bf16")
 # ``ModelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
 SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")   # layers/greedy_head.py EXACT_GREEDY_HEAD_MODES
+# RoPE scaling types ``layers/rotary.compute_inv_freq`` implements (transformers' names; "su" is
+# Phi-3's old name of "longrope"). "dynamic" (NTK) and "longrope" pick their frequencies from each
+# batch's longest sequence in transformers; implemented where that choice is fixed
+# (``ModelConfig.__post_init__``): "dynamic" within ``max_position_embeddings``, "longrope" within
+# ``original_max_position_embeddings`` (its short factors).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "su")
 
 
 
@@ -471,19 +477,78 @@ def _layer_types(config: dict[str, Any], default_pattern: int | None) -> tuple[s
     return ("full_attention",) * n
 
 
+def _check_implemented(cfg: dict[str, Any], rope: dict[str, tuple[float, dict | None]]) -> None:
+    """Reject config.json fields whose effect we do not implement (never silently wrong output).
+
+    Raises:
+        ValueError: naming the field and its value: a RoPE type outside ``SUPPORTED_ROPE_TYPES``,
+            bidirectional attention, a ``no_rope_layers`` list of the wrong length.
+    """
+    for layer_type, (_, scaling) in rope.items():
+        if scaling:
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"rope_scaling rope_type {rope_type!r} ({layer_type}) is not supported; "
+                                 f"supported: {SUPPORTED_ROPE_TYPES}")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True is not supported (causal attention only)")
+    no_rope = cfg.get("no_rope_layers")
+    if no_rope is not None and len(no_rope) != int(cfg["num_hidden_layers"]):
+        raise ValueError(f"no_rope_layers has {len(no_rope)} entries for {cfg['num_hidden_layers']} layers")
+
+
+def _float_or_none(cfg: dict[str, Any], key: str) -> float | None:
+    return None if cfg.get(key) is None else float(cfg[key])
+
+
+def _partial_rotary_factor(cfg: dict[str, Any], rope: dict[str, tuple[float, dict | None]]) -> float:
+    """The fraction of each head RoPE rotates (Phi-3 / Phi-4-mini; top level or in ``rope_parameters``).
+
+    Raises:
+        ValueError: unless in (0, 1].
+    """
+    factor = cfg.get("partial_rotary_factor")
+    params = cfg.get("rope_parameters")
+    if factor is None and isinstance(params, dict):
+        factor = params.get("partial_rotary_factor")
+    factor = 1.0 if factor is None else float(factor)
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
+    return factor
+
+
+def _with_rope_fields(cfg: dict[str, Any], scaling: dict | None) -> dict | None:
+    """A RoPE scaling dict with the top-level fields its type reads filled in as transformers does:
+    dynamic: ``max_position_embeddings``; longrope: ``original_max_position_embeddings`` and
+    ``factor`` (max_position_embeddings / original when absent)."""
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if rope_type == "dynamic":
+        return {**scaling, "max_position_embeddings": int(cfg.get("max_position_embeddings") or 2048)}
+    if rope_type not in ("longrope", "su"):
+        return scaling
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("rope_scaling rope_type 'longrope' needs original_max_position_embeddings")
+    factor = scaling.get("factor") or float(cfg.get("max_position_embeddings") or original) / float(original)
+    return {**scaling, "original_max_position_embeddings": int(original), "factor": float(factor)}
+
+
 def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The architecture fields of ``ModelConfig``, read once from a checkpoint's config.json.
 
     Every default a model family applies to a missing key is resolved here (Gemma 3: head_dim 256,
-    tied embeddings, a sliding layer pattern of 6 and RoPE bases 10 000 / 1 000 000; Llama family:
-    head_dim = hidden_size / num_attention_heads, untied), so models read plain values.
+    tied embeddings, a sliding layer pattern of 6 and RoPE bases 10 000 / 1 000 000; Gemma 2:
+    head_dim 256, tied, every other layer sliding; Llama family: head_dim = hidden_size /
+    num_attention_heads, untied; Granite's multipliers 1; SmolLM3's ``no_rope_layers``), so models
+    read plain values.
 
     Args:
         hf_config: config.json as a dict (a multimodal one's ``text_config`` is used).
     Returns:
         Keyword arguments for ``ModelConfig``.
     Raises:
-        ValueError: if a required key is missing or ``layer_types`` disagrees with the layer count.
+        ValueError: if a required key is missing, ``layer_types`` disagrees with the layer count, or
+            a field asks for something not implemented (``_check_implemented``).
     """
     archs = tuple(hf_config.get("architectures") or ())
     cfg = _text_config(hf_config)
@@ -496,9 +561,11 @@ def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     except KeyError as e:
         raise ValueError(f"config.json lacks {e.args[0]!r}") from None
     is_gemma3 = any(a.startswith("Gemma3") for a in archs) or str(cfg.get("model_type", "")).startswith("gemma3")
-    types = _layer_types(cfg, 6 if is_gemma3 else None)
+    is_gemma2 = any(a.startswith("Gemma2") for a in archs) or cfg.get("model_type") == "gemma2"
+    is_gemma = is_gemma3 or is_gemma2
+    types = _layer_types(cfg, 6 if is_gemma3 else 2 if is_gemma2 else None)
     window = cfg.get("sliding_window")
-    if is_gemma3 or cfg.get("layer_types") or cfg.get("use_sliding_window") is not None:
+    if is_gemma or cfg.get("layer_types") or cfg.get("use_sliding_window") is not None:
         windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
     else:  # Mistral style: a window on every layer
         windows = tuple(int(window) if window else None for _ in types)
@@ -506,8 +573,11 @@ def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     for t in sorted(set(types)):
         default_theta = (10_000.0 if t == "sliding_attention" else 1_000_000.0) if is_gemma3 else 10_000.0
         rope[t] = _rope_params(cfg, t if is_gemma3 else None, default_theta)
-    head_dim = cfg.get("head_dim") or (256 if is_gemma3 else hidden // num_heads)
+    _check_implemented(cfg, rope)
+    rope = {t: (theta, _with_rope_fields(cfg, scaling)) for t, (theta, scaling) in rope.items()}
+    head_dim = cfg.get("head_dim") or (256 if is_gemma else hidden // num_heads)
     dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    no_rope = cfg.get("no_rope_layers")  # SmolLM3: 1 = the layer uses RoPE, 0 = NoPE
     return dict(
         architectures=archs,
         model_type=str(cfg.get("model_type") or ""),
@@ -520,18 +590,23 @@ def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
         head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma3)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        hidden_act=str((cfg.get("hidden_activation") or "gelu_pytorch_tanh") if is_gemma3
+        hidden_act=str((cfg.get("hidden_activation") or "gelu_pytorch_tanh") if is_gemma
                        else (cfg.get("hidden_act") or "silu")),
         layer_types=types,
         layer_sliding_windows=windows,
         rope_parameters=rope,
-        query_pre_attn_scalar=None if cfg.get("query_pre_attn_scalar") is None else float(cfg["query_pre_attn_scalar"]),
-        attn_logit_softcapping=None if cfg.get("attn_logit_softcapping") is None else float(cfg["attn_logit_softcapping"]),
-        final_logit_softcapping=None if cfg.get("final_logit_softcapping") is None
-        else float(cfg["final_logit_softcapping"]),
+        query_pre_attn_scalar=_float_or_none(cfg, "query_pre_attn_scalar"),
+        attn_logit_softcapping=_float_or_none(cfg, "attn_logit_softcapping"),
+        final_logit_softcapping=_float_or_none(cfg, "final_logit_softcapping"),
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        attention_multiplier=_float_or_none(cfg, "attention_multiplier"),
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+        layer_use_rope=() if no_rope is None else tuple(bool(x) for x in no_rope),
+        partial_rotary_factor=_partial_rotary_factor(cfg, rope),
         checkpoint_dtype=None if dtype is None else str(dtype).replace("torch.", ""),
     )
 
@@ -581,7 +656,12 @@ class ModelConfig:
     ``layer_types`` (per layer "full_attention" / "sliding_attention"), ``layer_sliding_windows``
     (per layer, tokens or None), ``rope_parameters`` (layer type -> (rope_theta, rope_scaling or
     None)), ``query_pre_attn_scalar``, ``attn_logit_softcapping``, ``final_logit_softcapping``
-    (None = off), ``checkpoint_dtype`` (config.json's ``dtype`` / ``torch_dtype``, or None).
+    (None = off), Granite's ``embedding_multiplier`` (embeddings times it), ``residual_multiplier``
+    (each sub-block's output times it before the residual add), ``attention_multiplier`` (the
+    attention scale; None = head_dim ** -0.5) and ``logits_scaling`` (logits divided by it),
+    ``layer_use_rope`` (per layer: whether it applies RoPE, SmolLM3's NoPE layers; empty = all do),
+    ``partial_rotary_factor`` (the fraction of ``head_dim`` RoPE rotates, Phi-3 / Phi-4-mini),
+    ``checkpoint_dtype`` (config.json's ``dtype`` / ``torch_dtype``, or None).
     """
 
     model: str | None = None
@@ -618,6 +698,12 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    layer_use_rope: tuple[bool, ...] = ()
+    partial_rotary_factor: float = 1.0
     checkpoint_dtype: str | None = None
 
     @classmethod
@@ -663,6 +749,20 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        for _, scaling in self.rope_parameters.values():
+            if scaling and scaling.get("rope_type", scaling.get("type")) == "dynamic" \
+                    and self.max_model_len is not None and self.max_model_len > scaling["max_position_embeddings"]:
+                raise ValueError(f"rope_scaling 'dynamic' is implemented within max_position_embeddings="
+                                 f"{scaling['max_position_embeddings']} tokens (where it is plain RoPE); "
+                                 f"max_model_len={self.max_model_len} exceeds it")
+            if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su") \
+                    and self.max_model_len is not None \
+                    and self.max_model_len > scaling["original_max_position_embeddings"]:
+                # transformers switches every position to the long factors once a sequence passes
+                # the original length (a per-batch choice a paged cache cannot follow).
+                raise ValueError(f"rope_scaling 'longrope' is implemented within original_max_position_embeddings="
+                                 f"{scaling['original_max_position_embeddings']} tokens (its short factors); "
+                                 f"max_model_len={self.max_model_len} exceeds it")
 
 
 @dataclass(frozen=True)

@@ -335,7 +335,7 @@ def dequantize_tensor(blob: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
 # Architectures: GGUF arch -> (HF class, model_type), tensor names, config.
 # ---------------------------------------------------------------------------------------------
 
-SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma2", "gemma3", "granite", "llama", "olmo2", "phi3", "qwen2", "qwen3")
 
 _GLOBAL_TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -362,6 +362,19 @@ _GEMMA_LAYER_TENSOR_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# OLMo 2 normalises each sub-block's output (llama.cpp ``Olmo2Model``): no attn_norm / ffn_norm.
+_OLMO2_LAYER_TENSOR_NAMES = {
+    **{k: v for k, v in _LAYER_TENSOR_NAMES.items() if k not in ("attn_norm", "ffn_norm")},
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Phi-3 keeps q/k/v and gate/up fused (llama.cpp ``Phi3MiniModel``); the model splits them on loading.
+_PHI3_LAYER_TENSOR_NAMES = {**_LAYER_TENSOR_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_LAYER_TENSOR_NAMES_BY_ARCH = {"olmo2": _OLMO2_LAYER_TENSOR_NAMES, "phi3": _PHI3_LAYER_TENSOR_NAMES}
+# Phi-3's LongRoPE factors, global tensors in the file and lists in HF's config (``_phi3_config``).
+_PHI3_ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
+# Architectures whose converter (llama.cpp ``LlamaModel`` and its subclasses) interleaves q/k rows.
+_QK_PERMUTED_ARCHITECTURES = ("llama", "granite")
 # Tensors llama.cpp writes that HF recomputes from the config (llama 3 RoPE frequency factors).
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([A-Za-z0-9_]+)\.(weight|bias)$")
@@ -380,9 +393,10 @@ def gguf_to_hf_name(gguf_name: str, architecture: str) -> str | None:
     Raises:
         ValueError: for a tensor name this converter does not know.
     """
-    if gguf_name in _SKIPPED_TENSORS:
+    if gguf_name in _SKIPPED_TENSORS or (architecture == "phi3" and gguf_name in _PHI3_ROPE_FACTOR_TENSORS):
         return None
-    layer_names = _GEMMA_LAYER_TENSOR_NAMES if architecture.startswith("gemma") else _LAYER_TENSOR_NAMES
+    layer_names = _LAYER_TENSOR_NAMES_BY_ARCH.get(architecture) or (
+        _GEMMA_LAYER_TENSOR_NAMES if architecture.startswith("gemma") else _LAYER_TENSOR_NAMES)
     match = _LAYER_RE.match(gguf_name)
     if match:
         layer, part, suffix = match.groups()
@@ -548,6 +562,37 @@ def _gemma3_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
+def _gemma2_config(header: GGUFHeader) -> dict[str, Any]:
+    """Gemma 2 config in the form transformers 5 saves ``Gemma2Config``.
+
+    GGUF keys (llama.cpp ``Gemma2Model``): as Gemma 3's plus ``gemma2.attn_logit_softcapping`` and
+    ``gemma2.final_logit_softcapping``. Fixed by llama.cpp for Gemma 2, not stored: every other
+    layer sliding (even layers), gelu-tanh MLP, query scale ``1/sqrt(head_dim)``
+    (``1/sqrt(hidden/heads)`` for the 46-layer 27B).
+    """
+    config = _common_config(header)
+    head_dim = int(header.arch_value("attention.key_length",
+                                     config["hidden_size"] // config["num_attention_heads"]))
+    num_layers = config["num_hidden_layers"]
+    rope = {"rope_theta": float(header.arch_value("rope.freq_base", 10_000.0)), "rope_type": "default"}
+    rope.update(_rope_scaling(header) or {})
+    config.update({
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "head_dim": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if num_layers == 46
+        else head_dim,
+        "sliding_window": int(header.arch_value("attention.sliding_window", 4096)),
+        "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)],
+        "rope_parameters": rope,
+        "final_logit_softcapping": header.arch_value("final_logit_softcapping"),
+        "attn_logit_softcapping": header.arch_value("attn_logit_softcapping"),
+        "attention_bias": False,
+    })
+    return config
+
+
 def _rope_config(header: GGUFHeader, default_theta: float) -> dict[str, Any]:
     theta = float(header.arch_value("rope.freq_base", default_theta))
     rope_parameters: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
@@ -584,6 +629,69 @@ def _llama_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
+def _granite_config(header: GGUFHeader) -> dict[str, Any]:
+    """Granite 3 config (``GraniteConfig``): Llama's, plus the four scalars llama.cpp's
+    ``GraniteModel`` renames and writes when set: ``granite.attention.scale`` ->
+    ``attention_multiplier`` (absent: llama.cpp's ``1/sqrt(head_dim)``), ``granite.embedding_scale``,
+    ``granite.residual_scale``, ``granite.logit_scale`` (absent: 1)."""
+    config = _llama_config(header)
+    config.update({
+        "architectures": ["GraniteForCausalLM"],
+        "model_type": "granite",
+        "attention_multiplier": float(header.arch_value("attention.scale") or config["head_dim"] ** -0.5),
+        "embedding_multiplier": float(header.arch_value("embedding_scale") or 1.0),
+        "residual_multiplier": float(header.arch_value("residual_scale") or 1.0),
+        "logits_scaling": float(header.arch_value("logit_scale") or 1.0),
+    })
+    return config
+
+
+def _phi3_config(header: GGUFHeader) -> dict[str, Any]:
+    """Phi-3 / Phi-4-mini config (``Phi3Config``; llama.cpp ``Phi3MiniModel``).
+
+    ``phi3.rope.dimension_count`` is the rotary dim (-> ``partial_rotary_factor`` of
+    ``hidden / heads``); ``phi3.attention.sliding_window`` 0 means none (Phi-4); with the tensors
+    ``rope_factors_long`` / ``rope_factors_short`` the RoPE is LongRoPE with
+    ``phi3.rope.scaling.original_context_length`` and ``phi3.rope.scaling.attn_factor``.
+    """
+    config = _common_config(header)
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    rope: dict[str, Any] = {"rope_theta": float(header.arch_value("rope.freq_base", 10_000.0)), "rope_type": "default",
+                            "partial_rotary_factor": int(header.arch_value("rope.dimension_count", head_dim)) / head_dim}
+    original = header.arch_value("rope.scaling.original_context_length")
+    factors = {info.name: info for info in header.tensors if info.name in _PHI3_ROPE_FACTOR_TENSORS}
+    if factors:
+        blob = np.memmap(header.path, dtype=np.uint8, mode="r")
+        rope.update({key: [float(x) for x in dequantize_tensor(blob, factors[name])]
+                     for name, key in _PHI3_ROPE_FACTOR_TENSORS.items()})
+        rope.update({"rope_type": "longrope", "original_max_position_embeddings": int(original),
+                     "attention_factor": float(header.require("rope.scaling.attn_factor"))})
+    window = int(header.arch_value("attention.sliding_window", 0))
+    config.update({
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_act": "silu",
+        "sliding_window": window or None,
+        "original_max_position_embeddings": int(original or config["max_position_embeddings"]),
+        "partial_rotary_factor": rope["partial_rotary_factor"],
+        "rope_parameters": rope,
+    })
+    return config
+
+
+def _olmo2_config(header: GGUFHeader) -> dict[str, Any]:
+    """OLMo 2 config (``Olmo2Config``; llama.cpp ``Olmo2Model``: plain keys, q/k rows not permuted)."""
+    config = _common_config(header)
+    config.update({
+        "architectures": ["Olmo2ForCausalLM"],
+        "model_type": "olmo2",
+        "hidden_act": "silu",
+        "attention_bias": _has_tensor(header, "attn_q.bias"),
+        **_rope_config(header, 10_000.0),
+    })
+    return config
+
+
 def _qwen_config(header: GGUFHeader) -> dict[str, Any]:
     """Qwen2 / Qwen3 config; Qwen3 adds q/k norms and a ``head_dim`` of its own."""
     config = _common_config(header)
@@ -607,8 +715,12 @@ def _qwen_config(header: GGUFHeader) -> dict[str, Any]:
 
 
 _CONFIG_BUILDERS = {
+    "gemma2": _gemma2_config,
     "gemma3": _gemma3_config,
+    "granite": _granite_config,
     "llama": _llama_config,
+    "olmo2": _olmo2_config,
+    "phi3": _phi3_config,
     "qwen2": _qwen_config,
     "qwen3": _qwen_config,
 }
@@ -668,7 +780,7 @@ def iterate_gguf_weights(path_or_header: str | GGUFHeader) -> Iterator[tuple[str
         weights = dequantize_tensor(blob, info)
         if arch.startswith("gemma") and info.name.endswith("norm.weight"):
             weights = weights - 1  # float32, as transformers' Gemma2TensorProcessor
-        elif arch == "llama" and (".attn_q." in info.name or ".attn_k." in info.name):
+        elif arch in _QK_PERMUTED_ARCHITECTURES and (".attn_q." in info.name or ".attn_k." in info.name):
             is_query = ".attn_q." in info.name
             n_head = config["num_attention_heads" if is_query else "num_key_value_heads"]
             weights = _reverse_llama_permute(weights, n_head)

@@ -1,4 +1,5 @@
-"""Gemma 3 text decoder (``gemma3_text``, Gemma Team 2025) over the paged KV cache.
+"""Gemma 3 text decoder (``gemma3_text``, Gemma Team 2025) and Gemma 2 (Gemma Team 2024) over the
+paged KV cache.
 
 Differences from Llama, each matched to transformers' ``modeling_gemma3.py``:
 - embeddings scaled by sqrt(hidden_size) (cast to the weight dtype first);
@@ -6,6 +7,9 @@ Differences from Llama, each matched to transformers' ``modeling_gemma3.py``:
 - per-head q/k RMSNorm before RoPE; attention scale ``query_pre_attn_scalar ** -0.5``;
 - sliding-window layers (``layer_types``) with their own RoPE base (``rope_local_base_freq``);
 - gelu(tanh) gated MLP; tied embeddings; optional final / attention logit soft caps.
+
+Gemma 2 (``modeling_gemma2.py``) is the same block without the q/k norms (``qk_norm = False``),
+with one RoPE base for both layer types and, in its checkpoints, both soft caps on.
 """
 
 from __future__ import annotations
@@ -60,12 +64,18 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, sliding_window: int | None, ctx: ParallelContext | None = None) -> None:
+    """Gemma attention: (per-head q/k norms when ``qk_norm``,) RoPE, scale
+    ``query_pre_attn_scalar ** -0.5``, optional sliding window and attention-logit soft cap."""
+
+    def __init__(self, config: ModelConfig, sliding_window: int | None, ctx: ParallelContext | None = None,
+                 qk_norm: bool = True) -> None:
         super().__init__()
         init_attention_projections(self, config, ctx, config.attention_bias, config.attention_bias)
         eps = config.rms_norm_eps
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, eps)
         self.sliding_window = sliding_window
         scalar = config.query_pre_attn_scalar or float(self.head_dim)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=scalar ** -0.5,
@@ -79,26 +89,31 @@ class Gemma3Attention(nn.Module):
         T = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)                # [T, (Hq + 2 Hkv) D]
         fused = fused_ops_for(self.use_fused_ops, qkv, *rope)
-        if fused is not None:  # q/k norms and RoPE in place on qkv, one pass per token
+        if fused is not None and self.qk_norm:  # q/k norms and RoPE in place on qkv, one pass per token
             fused.gemma_qk_norm_rope_(qkv, self.q_norm.scale(), self.k_norm.scale(), rope[0], rope[1],
                                       self.num_heads, self.num_kv_heads, self.q_norm.eps, self.k_norm.eps)
+        elif fused is not None:  # Gemma 2: RoPE alone, in place
+            fused.qk_norm_rope_(qkv, None, None, rope[0], rope[1], self.num_heads, self.num_kv_heads,
+                                self.head_dim, 0.0)
         # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]: views of the merged output, split by heads.
         q, k, v = qkv.view(T, -1, self.head_dim).split_with_sizes(
             [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if fused is None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, k, *rope)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)         # [T, Hq, D]
         return tensor_parallel_all_reduce(self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), self.ctx)
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, ctx: ParallelContext | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, ctx: ParallelContext | None = None,
+                 qk_norm: bool = True) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.layer_type = config.layer_types[layer_idx]
         eps = config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, config.layer_sliding_windows[layer_idx], ctx)
+        self.self_attn = Gemma3Attention(config, config.layer_sliding_windows[layer_idx], ctx, qk_norm)
         self.mlp = Gemma3MLP(hidden, TensorParallelSizes.of(config, self.self_attn.ctx).intermediate_size,
                              config.hidden_act, ctx)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
@@ -137,7 +152,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3TextModel(nn.Module):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, qk_norm: bool = True) -> None:
         super().__init__()
         hidden = config.hidden_size
         # Modules of other pipeline stages are placeholders without parameters; the tied
@@ -146,7 +161,7 @@ class Gemma3TextModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, ctx) if needs_embedding \
             else PPMissingLayer()
         self.embed_scale = hidden ** 0.5
-        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, i, ctx) if ctx.owns_layer(i) else PPMissingLayer()
+        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, i, ctx, qk_norm) if ctx.owns_layer(i) else PPMissingLayer()
                                      for i in range(config.num_hidden_layers)])
         self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps) if ctx.is_last_stage else PPMissingLayer()
         # One RoPE per layer type: global layers and sliding layers have their own base.
@@ -164,11 +179,13 @@ class Gemma3ForCausalLM(nn.Module):
         ctx: this rank's place among tensor / pipeline ranks (None: the whole model here).
     """
 
+    qk_norm = True   # per-head q/k norms (Gemma 3; not Gemma 2)
+
     def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
         self.ctx = ctx = ctx or ParallelContext(layer_end=config.num_hidden_layers)
-        self.model = Gemma3TextModel(config, ctx)
+        self.model = Gemma3TextModel(config, ctx, self.qk_norm)
         init_stage_and_lm_head(self, config, ctx)
         self.final_logit_softcapping = config.final_logit_softcapping
         self.layer_sliding_windows = [layer.self_attn.sliding_window for layer in self.stage_layers]
@@ -240,3 +257,10 @@ class Gemma3ForCausalLM(nn.Module):
                            shard=lambda name: checkpoint_shard(name, self.config, self.ctx),
                            skip_prefixes=pp_missing_prefixes(self))
         zero_row_parallel_biases(self, self.ctx)
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: Gemma 3's block without q/k norms; attention-logit soft cap inside attention (every
+    backend: ``attention.backends``), final-logit soft cap on the LM head, alternating sliding layers."""
+
+    qk_norm = False

@@ -1,8 +1,19 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2, Granite 3, SmolLM3, Phi-3) over
+the paged KV cache.
 
-Module names follow Hugging Face's ``LlamaForCausalLM`` so checkpoint keys map 1:1. Qwen2 adds
-q/k/v biases; Qwen3 adds per-head q/k RMSNorm before RoPE; Mistral-style configs give every
-layer a sliding window.
+Module names follow Hugging Face's ``LlamaForCausalLM`` so checkpoint keys map 1:1. The families
+differ by a few named options (the shared layer vocabulary), each matched to its transformers
+``modeling_*.py``:
+- ``bias_flags``: Qwen2 adds q/k/v biases;
+- ``qk_norm``: "head" (Qwen3: per-head q/k RMSNorm before RoPE) or "full" (OLMo 2: RMSNorm over
+  the whole q and k projections);
+- ``post_norms``: OLMo 2 normalises each sub-block's output instead of its input;
+- config multipliers (Granite 3): ``embedding_multiplier``, ``residual_multiplier``,
+  ``attention_multiplier`` (the attention scale), ``logits_scaling``;
+- ``layer_use_rope`` (SmolLM3): NoPE layers skip RoPE;
+- Phi-3 / Phi-4-mini: fused q/k/v and gate/up checkpoint tensors (split on loading), partial
+  rotary (``partial_rotary_factor``), LongRoPE;
+- ``layer_sliding_windows``: Mistral-style configs give every layer a window, ``layer_types`` some.
 """
 
 from __future__ import annotations
@@ -53,21 +64,41 @@ class LlamaMLP(nn.Module):
         return tensor_parallel_all_reduce(self.down_proj(act), self.ctx)
 
 
-class LlamaAttention(nn.Module):
-    """Self-attention with RoPE and GQA reading/writing the paged KV cache."""
+QK_NORMS = (None, "head", "full")
 
-    def __init__(self, config: ModelConfig, layer_idx: int, bias: tuple[bool, bool], qk_norm: bool,
+
+class LlamaAttention(nn.Module):
+    """Self-attention with RoPE and GQA reading/writing the paged KV cache.
+
+    Args:
+        qk_norm: None, "head" (RMSNorm over each head's ``head_dim`` channels, Qwen3) or "full"
+            (RMSNorm over all of q's ``Hq * D`` and k's ``Hkv * D`` channels, OLMo 2).
+    Raises:
+        ValueError: an unknown ``qk_norm``, or "full" with tensor parallelism (the norm would
+            span the ranks' heads).
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, bias: tuple[bool, bool], qk_norm: str | None,
                  sliding_window: int | None, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         qkv_bias, o_bias = bias
         init_attention_projections(self, config, ctx, qkv_bias, o_bias)
         eps = config.rms_norm_eps
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
+        if qk_norm == "full" and self.ctx.tp_size > 1:
+            raise ValueError(f"q/k norms over all heads (OLMo 2) need tensor_parallel_size 1, got {self.ctx.tp_size}")
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps)
-            self.k_norm = RMSNorm(self.head_dim, eps)
+            full = qk_norm == "full"
+            self.q_norm = RMSNorm(self.q_size if full else self.head_dim, eps)
+            self.k_norm = RMSNorm(self.kv_size if full else self.head_dim, eps)
         self.qk_norm = qk_norm
+        self.use_rope = config.layer_use_rope[layer_idx] if config.layer_use_rope else True
+        # The fused q/k norm + RoPE op rotates whole heads; partial rotary (Phi-3) runs the eager ops.
+        self.whole_head_rope = config.partial_rotary_factor == 1.0
+        scale = config.attention_multiplier if config.attention_multiplier is not None else self.head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
-                              scale=self.head_dim ** -0.5, sliding_window=sliding_window,
+                              scale=scale, sliding_window=sliding_window,
                               backend=config.attention_backend, cpu_isa=config.cpu_isa)
         self.use_fused_ops = False   # set by the model (ModelConfig.cpu_fused_ops)
 
@@ -75,61 +106,82 @@ class LlamaAttention(nn.Module):
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         T = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)                # [T, (Hq + 2 Hkv) D]
-        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else ()
-        fused = fused_ops_for(self.use_fused_ops, qkv, *rope, *norms)
+        if self.qk_norm == "full":                        # OLMo 2: norms over the whole projections
+            q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        head_norms = self.qk_norm == "head"
+        norms = (self.q_norm.weight, self.k_norm.weight) if head_norms else ()
+        fused = fused_ops_for(self.use_fused_ops and self.use_rope and self.whole_head_rope, qkv, *rope, *norms)
         if fused is not None:  # (Qwen3's q/k norms and) RoPE in place on qkv, one pass per token
             fused.qk_norm_rope_(qkv, *(norms or (None, None)), rope[0], rope[1], self.num_heads, self.num_kv_heads,
-                                self.head_dim, self.q_norm.eps if self.qk_norm else 0.0)
+                                self.head_dim, self.q_norm.eps if head_norms else 0.0)
         # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]: views of the merged output, split by heads.
         q, k, v = qkv.view(T, -1, self.head_dim).split_with_sizes(
             [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if fused is None:
-            if self.qk_norm:
+            if head_norms:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, k, *rope)
+            if self.use_rope:  # SmolLM3's NoPE layers skip it
+                q, k = apply_rotary(q, k, *rope)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)         # [T, Hq, D]
         return tensor_parallel_all_reduce(self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), self.ctx)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + m * attn(norm(x)), then x + m * mlp(norm(x)) (m: Granite's
+    ``residual_multiplier``, else 1). With ``post_norms`` (OLMo 2): x + norm(attn(x)), then
+    x + norm(mlp(x)), the norms named ``post_attention_layernorm`` / ``post_feedforward_layernorm``
+    and no ``input_layernorm``."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, bias: tuple[bool, bool], qk_norm: bool,
-                 sliding_window: int | None, ctx: ParallelContext | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, bias: tuple[bool, bool], qk_norm: str | None,
+                 sliding_window: int | None, ctx: ParallelContext | None = None, post_norms: bool = False) -> None:
         super().__init__()
         hidden = config.hidden_size
         eps = config.rms_norm_eps
         self.self_attn = LlamaAttention(config, layer_idx, bias, qk_norm, sliding_window, ctx)
         self.mlp = LlamaMLP(hidden, TensorParallelSizes.of(config, self.self_attn.ctx).intermediate_size,
                             bias=config.mlp_bias, ctx=ctx)
-        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_norms = post_norms
+        self.residual_multiplier = config.residual_multiplier
+        if post_norms:
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        else:
+            self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
     def forward(self, rope, hidden_states, kv_cache, attn_metadata):
         residual = hidden_states
+        if self.post_norms:
+            h = self.self_attn(rope, hidden_states, kv_cache, attn_metadata)
+            hidden_states = residual + self.post_attention_layernorm(h)
+            return hidden_states + self.post_feedforward_layernorm(self.mlp(hidden_states))
         hidden_states = self.self_attn(rope, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
-        hidden_states = residual + hidden_states
+        hidden_states = residual + self._scaled(hidden_states)
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
+        return residual + self._scaled(hidden_states)
 
     def forward_fused(self, rope, x: torch.Tensor, residual: torch.Tensor, kv_cache, attn_metadata,
                       next_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward`` with each residual add fused into the norm after it (C++ ops,
         ``layers/fused_ops.py``; the same values as ``forward`` up to the norms' sum order). Arguments
         and result as ``Gemma3DecoderLayer.forward_fused``: ``x`` = ``input_layernorm(residual)``,
-        returns (this layer's output, ``next_norm`` of it, or None without a next norm)."""
-        h = self.self_attn(rope, x, kv_cache, attn_metadata)
+        returns (this layer's output, ``next_norm`` of it, or None without a next norm). Pre-norm
+        layers only (the model runs ``post_norms`` layers through ``forward``)."""
+        h = self._scaled(self.self_attn(rope, x, kv_cache, attn_metadata))
         residual, x = add_rms_norm(h, residual, self.post_attention_layernorm, True)
-        h = self.mlp(x)
+        h = self._scaled(self.mlp(x))
         if next_norm is None:
             return residual + h, None
         return add_rms_norm(h, residual, next_norm, True)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, bias: tuple[bool, bool], qk_norm: bool,
-                 sliding_windows: list[int | None], ctx: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, bias: tuple[bool, bool], qk_norm: str | None,
+                 sliding_windows: list[int | None], ctx: ParallelContext, post_norms: bool = False) -> None:
         super().__init__()
         hidden = config.hidden_size
         # Modules of other pipeline stages are placeholders without parameters.
@@ -137,12 +189,12 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, ctx) if needs_embedding \
             else PPMissingLayer()
         self.layers = nn.ModuleList([
-            LlamaDecoderLayer(config, i, bias, qk_norm, sliding_windows[i], ctx) if ctx.owns_layer(i)
+            LlamaDecoderLayer(config, i, bias, qk_norm, sliding_windows[i], ctx, post_norms) if ctx.owns_layer(i)
             else PPMissingLayer() for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(hidden, config.rms_norm_eps) if ctx.is_last_stage else PPMissingLayer()
         # One RoPE for all layers (the Llama family reads no per-layer-type parameters).
         theta, scaling = next(iter(config.rope_parameters.values()))
-        self.rotary_emb = RotaryEmbedding(config.head_dim, theta, scaling)
+        self.rotary_emb = RotaryEmbedding(int(config.head_dim * config.partial_rotary_factor), theta, scaling)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
         ctx: this rank's place among tensor / pipeline ranks (None: the whole model here).
     """
 
-    qk_norm = False
+    qk_norm: str | None = None   # LlamaAttention's q/k norms: None, "head" or "full"
+    post_norms = False           # LlamaDecoderLayer: norms after the sub-blocks (OLMo 2)
 
     @staticmethod
     def bias_flags(config: ModelConfig) -> tuple[bool, bool]:
@@ -165,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.ctx = ctx = ctx or ParallelContext(layer_end=config.num_hidden_layers)
         windows = list(config.layer_sliding_windows)
-        self.model = LlamaModel(config, self.bias_flags(config), self.qk_norm, windows, ctx)
+        self.model = LlamaModel(config, self.bias_flags(config), self.qk_norm, windows, ctx, self.post_norms)
         init_stage_and_lm_head(self, config, ctx)
         self.layer_sliding_windows = windows[ctx.layer_start: ctx.layer_start + self.num_layers]
         # CPU float32 / bfloat16: fused C++ norms, residual adds, RoPE and SiLU x up (layers/fused_ops.py).
@@ -173,6 +226,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaMLP, LlamaAttention)):
                 module.use_fused_ops = self.use_fused_ops
+        # Residual adds fused into the next pre-norm: only where the layers have pre-norms.
+        self.fuse_residual_norms = self.use_fused_ops and not self.post_norms
+        self.embedding_multiplier = config.embedding_multiplier   # Granite; 1 elsewhere
+        self.logits_scaling = config.logits_scaling               # Granite: logits / it; 1 elsewhere
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
@@ -187,9 +244,11 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.ctx.is_first_stage:
             hidden_states = self.model.embed_tokens(input_ids)
+            if self.embedding_multiplier != 1.0:
+                hidden_states = hidden_states * self.embedding_multiplier
         rope = self.model.rotary_emb(positions, hidden_states.dtype)
         return run_decoder_layers(self, self.stage_layers, lambda layer: rope, hidden_states, kv_caches,
-                                  attn_metadata, fused_ops_for(self.use_fused_ops, hidden_states) is not None)
+                                  attn_metadata, fused_ops_for(self.fuse_residual_norms, hidden_states) is not None)
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding ([vocab, hidden]); with tied embeddings also the LM head's weight."""
@@ -200,10 +259,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] logits (model dtype); under tensor parallelism every rank of
-        the last stage calls it (all-gather of the vocabulary shards)."""
+        """[N, hidden] -> [N, vocab] logits (model dtype), divided by Granite's ``logits_scaling``;
+        under tensor parallelism every rank of the last stage calls it (all-gather of the
+        vocabulary shards)."""
         logits = tensor_parallel_all_gather(lm_head_logits(self, hidden_states), self.ctx)
-        return logits[:, : self.config.vocab_size] if self.ctx.tp_size > 1 else logits
+        if self.ctx.tp_size > 1:
+            logits = logits[:, : self.config.vocab_size]
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def load_weights(self, weights) -> None:
         """Load (HF name, tensor) pairs; a tied ``lm_head.weight`` is ignored."""
@@ -233,4 +295,51 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with per-head q/k RMSNorm before RoPE (and ``attention_bias`` on q/k/v/o)."""
 
-    qk_norm = True
+    qk_norm = "head"
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    """OLMo 2 (OLMo et al. 2024): RMSNorm over the whole q / k projections before RoPE, and norms
+    after attention and MLP instead of before (``post_attention_layernorm``,
+    ``post_feedforward_layernorm``)."""
+
+    qk_norm = "full"
+    post_norms = True
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Granite 3: Llama with ``embedding_multiplier``, ``residual_multiplier``,
+    ``attention_multiplier`` (the attention scale) and ``logits_scaling`` (all from config.json)."""
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-4-mini: Llama whose checkpoints hold q/k/v as one ``self_attn.qkv_proj`` and
+    gate/up as one ``mlp.gate_up_proj`` (split here into the parts ``MergedLinear`` loads, so tensor
+    parallelism shards them as Llama's), with partial rotary and LongRoPE from config.json."""
+
+    def load_weights(self, weights) -> None:
+        """Load (HF name, tensor) pairs, the fused q/k/v and gate/up tensors split by rows
+        ([(Hq + 2 Hkv) D, H] -> q, k, v; [2 I, H] -> gate, up)."""
+        c = self.config
+        qkv_rows = [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+                    c.num_key_value_heads * c.head_dim]
+
+        def _split():
+            for name, tensor in weights:
+                parent, _, kind = name.rpartition(".")
+                if parent.endswith(("self_attn.qkv_proj", "mlp.gate_up_proj")):
+                    tensor = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+                    base = parent.rpartition(".")[0]
+                    if parent.endswith("qkv_proj"):
+                        parts, rows = ("q_proj", "k_proj", "v_proj"), qkv_rows
+                    else:
+                        parts, rows = ("gate_proj", "up_proj"), [c.intermediate_size] * 2
+                    for part, piece in zip(parts, tensor.split(rows, dim=0)):
+                        yield f"{base}.{part}.{kind}", piece
+                else:
+                    yield name, tensor
+        super().load_weights(_split())
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """SmolLM3: Llama whose ``no_rope_layers`` entries of 0 mark NoPE layers (no RoPE on q / k)."""

@@ -6,15 +6,20 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 
-from pagedllm.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-                                   Qwen3ForCausalLM)
+from pagedllm.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedllm.models.llama import (GraniteForCausalLM, LlamaForCausalLM, MistralForCausalLM, Olmo2ForCausalLM,
+                                   Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # text path only
 }

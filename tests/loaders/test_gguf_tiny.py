@@ -160,22 +160,8 @@ def _hf_model(arch: str, vocab_size: int, ids: dict[str, int], config_overrides:
     return model
 
 
-def write_tiny_gguf(arch: str, path: str, encode=None, config_overrides: dict | None = None,
-                    chat_template: str | None = None):
-    """Write a tiny ``arch`` model as llama.cpp would; returns the HF model it came from.
-
-    ``encode(gguf_name, float32 array) -> (array, ggml type or None)`` overrides the per-tensor
-    storage (:func:`_storage_type`); ``config_overrides`` update the HF config kwargs;
-    ``chat_template`` is written as ``tokenizer.chat_template``.
-    """
-    if arch in ("llama", "gemma3"):
-        tokens, scores, types, ids = _sentencepiece_vocab(arch)
-        merges = None
-    else:
-        tokens, types, merges, ids = _byte_level_vocab()
-        scores = None
-    model = _hf_model(arch, len(tokens), ids, config_overrides)
-    cfg = model.config
+def new_writer(path: str, arch: str, cfg) -> gguf.GGUFWriter:
+    """A GGUFWriter with the shape keys every llama.cpp architecture writes, from HF config ``cfg``."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny-{arch}")
     writer.add_context_length(cfg.max_position_embeddings)
@@ -185,19 +171,13 @@ def write_tiny_gguf(arch: str, path: str, encode=None, config_overrides: dict | 
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if arch == "gemma3":
-        writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-        writer.add_sliding_window(cfg.sliding_window)
-    else:
-        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-        if arch == "llama":
-            writer.add_rope_dimension_count(head_dim)
-        else:
-            writer.add_key_length(head_dim)
-            writer.add_value_length(head_dim)
+    return writer
+
+
+def add_tokenizer(writer: gguf.GGUFWriter, tokens, types, ids, scores=None, merges=None,
+                  chat_template: str | None = None) -> None:
+    """The ``tokenizer.ggml.*`` keys: SentencePiece (``scores``) or byte-level BPE (``merges``),
+    and ``tokenizer.chat_template`` when given."""
     writer.add_tokenizer_model("llama" if merges is None else "gpt2")
     writer.add_tokenizer_pre("default" if merges is None else "qwen2")
     writer.add_token_list(tokens)
@@ -215,6 +195,39 @@ def write_tiny_gguf(arch: str, path: str, encode=None, config_overrides: dict | 
     writer.add_add_bos_token(merges is None)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+
+
+def write_tiny_gguf(arch: str, path: str, encode=None, config_overrides: dict | None = None,
+                    chat_template: str | None = None):
+    """Write a tiny ``arch`` model as llama.cpp would; returns the HF model it came from.
+
+    ``encode(gguf_name, float32 array) -> (array, ggml type or None)`` overrides the per-tensor
+    storage (:func:`_storage_type`); ``config_overrides`` update the HF config kwargs;
+    ``chat_template`` is written as ``tokenizer.chat_template``.
+    """
+    if arch in ("llama", "gemma3"):
+        tokens, scores, types, ids = _sentencepiece_vocab(arch)
+        merges = None
+    else:
+        tokens, types, merges, ids = _byte_level_vocab()
+        scores = None
+    model = _hf_model(arch, len(tokens), ids, config_overrides)
+    cfg = model.config
+    writer = new_writer(path, arch, cfg)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch == "gemma3":
+        writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(cfg.sliding_window)
+    else:
+        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        if arch == "llama":
+            writer.add_rope_dimension_count(head_dim)
+        else:
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+    add_tokenizer(writer, tokens, types, ids, scores, merges, chat_template)
 
     state = model.state_dict()
     if cfg.tie_word_embeddings:
