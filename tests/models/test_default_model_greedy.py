@@ -89,3 +89,19 @@ def test_bfloat16_greedy_does_not_depend_on_the_batch(default_model_reference):
     together = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     alone = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
     assert together == alone
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False},
+    {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.0, "adaptive": False}])
+def test_greedy_with_speculative_decoding_matches_transformers_float32(greedy_ref, spec):
+    """Speculative decoding (drafts always verified) keeps transformers' float32 greedy tokens."""
+    llm = LLM(None, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20, seed=0,
+              speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([r["prompt"] for r in greedy_ref], params, use_tqdm=False)
+    for out, ref in zip(outs, greedy_ref):
+        assert out.outputs[0].token_ids == ref["token_ids"]
+    assert llm.llm_engine.spec_decoder.stats.num_draft_tokens > 0
+    m = llm.llm_engine.kv_cache_manager
+    assert m.num_free_blocks == m.num_blocks
