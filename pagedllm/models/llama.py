@@ -205,6 +205,10 @@ class LlamaForCausalLM(nn.Module):
         logits = tensor_parallel_all_gather(lm_head_logits(self, hidden_states), self.ctx)
         return logits[:, : self.config.vocab_size] if self.ctx.tp_size > 1 else logits
 
+    def checkpoint_shard(self, name: str):
+        """This rank's slice of checkpoint tensor ``name`` (``layers.parallel.checkpoint_shard``)."""
+        return checkpoint_shard(name, self.config, self.ctx)
+
     def load_weights(self, weights) -> None:
         """Load (HF name, tensor) pairs; a tied ``lm_head.weight`` is ignored."""
         def _filtered():
@@ -213,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 yield name, tensor
         load_named_weights(self, _filtered(), skip=("rotary_emb.inv_freq",),
-                           shard=lambda name: checkpoint_shard(name, self.config, self.ctx),
+                           shard=self.checkpoint_shard,
                            skip_prefixes=pp_missing_prefixes(self))
         zero_row_parallel_biases(self, self.ctx)
 
