@@ -8,6 +8,9 @@ each batch size, interleaved (MoE, dense, MoE, dense, ...: the machine is shared
 hits both), and prints the median decode step of each and their ratio.
 
     python benchmarks/moe_vs_dense.py --dtype float32 --batch-sizes 1,16 --rounds 5
+    python benchmarks/moe_vs_dense.py --compare-ep    # the MoE at -tp 2: sliced vs whole experts
+
+A script that starts ranks needs the ``__main__`` guard (spawned workers), which this one has.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=768, help="one expert's intermediate size (dense: top_k x width)")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--output-len", type=int, default=24)
+    p.add_argument("--compare-ep", action="store_true",
+                   help="instead: the MoE model at tensor_parallel_size=2, experts sliced vs whole (expert parallel)")
     p.add_argument("--output-json", default=None)
     ns = p.parse_args()
 
@@ -62,19 +67,29 @@ def main() -> None:
         folders = {kind: build(f"{tmp}/{kind}", kind == "moe", ns.hidden, ns.layers, ns.experts, ns.top_k, ns.width,
                                ns.vocab) for kind in ("moe", "dense")}
         for bs in [int(b) for b in ns.batch_sizes.split(",")]:
-            llms = {kind: LLM(folder, dtype=ns.dtype,
-                              quantization=ns.quantization, max_model_len=256, max_num_seqs=bs,
-                              max_num_batched_tokens=max(bs * 16, 64), kv_cache_memory_bytes=64 << 20,
-                              exact_greedy_head="off")
-                    for kind, folder in folders.items()}
-            steps = {"moe": [], "dense": []}
+            kw = dict(dtype=ns.dtype, quantization=ns.quantization, max_model_len=256, max_num_seqs=bs,
+                      max_num_batched_tokens=max(bs * 16, 64), kv_cache_memory_bytes=64 << 20, exact_greedy_head="off")
+            if ns.compare_ep:   # one thread per rank on this 2-core machine
+                llms = {kind: LLM(folders["moe"], tensor_parallel_size=2, enable_expert_parallel=kind == "ep",
+                                  cpu_threads_per_rank=1, **kw) for kind in ("tp", "ep")}
+            else:
+                llms = {kind: LLM(folder, **kw) for kind, folder in folders.items()}
+            steps = {kind: [] for kind in llms}
             info = {}
             for _ in range(ns.rounds):
                 for kind, llm in llms.items():
                     r = run_latency(llm, bs, 16, ns.output_len, num_iters=1, num_iters_warmup=1, ceiling=False)
                     steps[kind].append(r["p50_decode_step_s"])
-                    info[kind] = (r["weight_bytes"], r["active_weight_bytes_per_token"])
+                    info[kind] = (r.get("weight_bytes", 0), r.get("active_weight_bytes_per_token", 0))
             med = {kind: statistics.median(v) for kind, v in steps.items()}
+            if ns.compare_ep:
+                results[bs] = {"median_decode_step_ms": {k: v * 1e3 for k, v in med.items()},
+                               "all_decode_steps_ms": {k: [x * 1e3 for x in v] for k, v in steps.items()}}
+                print(f"batch {bs:3d}, MoE at -tp 2: experts sliced {med['tp'] * 1e3:7.2f} ms, whole experts per "
+                      f"rank (--enable-expert-parallel) {med['ep'] * 1e3:7.2f} ms per decode step "
+                      f"(medians of {ns.rounds})", flush=True)
+                del llms
+                continue
             results[bs] = {"median_decode_step_ms": {k: v * 1e3 for k, v in med.items()},
                            "all_decode_steps_ms": {k: [x * 1e3 for x in v] for k, v in steps.items()},
                            "weight_mib": {k: v[0] / 2**20 for k, v in info.items()},

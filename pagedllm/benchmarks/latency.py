@@ -190,7 +190,8 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
         "num_decode_steps": len(decode_steps), "mean_decode_step_s": step,
         "p50_decode_step_s": percentile(decode_steps, 50), "p90_decode_step_s": percentile(decode_steps, 90),
         "decode_tokens_per_s": batch_size / step if step else None,
-        "dtype": str(engine.executor.driver_worker.dtype).replace("torch.", ""),
+        "dtype": str(getattr(getattr(engine.executor, "driver_worker", None), "dtype",
+                             engine.model_config.dtype)).replace("torch.", ""),
         "quantization": engine.model_config.quantization,
     }
     worker = getattr(engine.executor, "driver_worker", None)   # in-process executors only
