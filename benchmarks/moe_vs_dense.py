@@ -54,13 +54,19 @@ def main() -> None:
     p.add_argument("--width", type=int, default=768, help="one expert's intermediate size (dense: top_k x width)")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--output-len", type=int, default=24)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the in-process engine (default: torch's)")
     p.add_argument("--compare-ep", action="store_true",
                    help="instead: the MoE model at tensor_parallel_size=2, experts sliced vs whole (expert parallel)")
     p.add_argument("--output-json", default=None)
     ns = p.parse_args()
 
+    import torch
+
     from pagedllm import LLM
     from pagedllm.benchmarks.latency import run_latency
+
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -187,6 +187,8 @@ class FusedMoE(nn.Module):
             [T, H] in x's dtype (zeros for tokens routed to no local expert).
         """
         k, hidden = ids.shape[1], x.shape[1]
+        if x.shape[0] == 1:   # one token (a batch-1 decode): its k experts straight, no sorting
+            return self._one_token(x, weights[0].tolist(), ids[0].tolist())
         flat = ids.reshape(-1)                                                    # [T k] pair -> expert
         order = torch.argsort(flat, stable=True)                                 # pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()       # pairs per expert (all E)
@@ -205,6 +207,18 @@ class FusedMoE(nn.Module):
         y_pairs = torch.empty_like(y_sorted)
         y_pairs[order] = y_sorted
         return y_pairs.view(-1, k, hidden).sum(dim=1)
+
+    def _one_token(self, x: torch.Tensor, weights: list[float], ids: list[int]) -> torch.Tensor:
+        """``apply_experts`` for x [1, H]: ``sum_j weights[j] * expert_{ids[j]}(x)`` over the local
+        experts among ``ids``, in slot order (2 ops per expert fewer than sorting)."""
+        out = None
+        for w, e in zip(weights, ids):
+            local = e - self.expert_start
+            if not 0 <= local < self.num_local_experts:
+                continue
+            y = self._expert(local, x)                                            # [1, H]
+            out = y.mul_(w) if out is None else out.add_(y, alpha=w)
+        return torch.zeros_like(x) if out is None else out
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_local_experts}/{self.num_experts} from {self.expert_start}, top_k={self.top_k}, "

@@ -175,6 +175,10 @@ def test_routing_and_block_output_equal_transformers_also_split_over_two_ranks(f
             for ep, ranks in split.items():
                 parts = [m.model.layers[i].mlp.partial(rec["x"]) for m in ranks]
                 assert (parts[0] + parts[1] - rec["y"]).abs().max().item() < 1e-5, (i, ep)
+                for t in (0, 7):   # one token alone (the batch-1 decode path)
+                    one = [m.model.layers[i].mlp.partial(rec["x"][t:t + 1]) for m in ranks]
+                    assert (one[0] + one[1] - rec["y"][t:t + 1]).abs().max().item() < 1e-5, (i, ep, t)
+            assert (block(rec["x"][3:4]) - rec["y"][3:4]).abs().max().item() < 1e-5, i
             # Expert parallelism: rank 0 holds experts 0-3 and contributes only where a token chose one.
             held = split[True][0].model.layers[i].mlp.experts
             assert (held.expert_start, held.num_local_experts) == (0, 4)
