@@ -357,6 +357,10 @@ class ParallelConfig:
         ray_placement_strategy: how the Ray executor's placement group places its bundles (one
             per rank): "STRICT_PACK" (default: all on one node), "PACK" (as few nodes as
             possible) or "SPREAD" (across nodes).
+        enable_expert_parallel: with ``tensor_parallel_size`` > 1, a mixture-of-experts layer
+            places whole experts on the tensor ranks (rank ``r`` holds experts
+            ``[r E / T, (r + 1) E / T)``; vLLM's flag) instead of slicing every expert's width;
+            the partial sums meet in the same all-reduce (``layers/fused_moe.py``).
         pp_layer_partition: layers per stage, summing to the model's layers (``EngineArgs``
             defaults it to ``$PAGEDLLM_PP_LAYER_PARTITION``, e.g. "10,8"); None = as even as
             possible, earlier stages taking the remainder.
@@ -372,6 +376,7 @@ class ParallelConfig:
     pp_layer_partition: tuple[int, ...] | None = None
     cpu_threads_per_rank: int | None = None
     ray_placement_strategy: str = "STRICT_PACK"
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -402,16 +407,24 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def check_model(self, num_attention_heads: int, num_key_value_heads: int, intermediate_size: int,
-                    num_hidden_layers: int) -> None:
+                    num_hidden_layers: int, num_experts: int = 0, moe_intermediate_size: int = 0) -> None:
         """Check that the model splits this way (called before any weight loads).
 
         Raises:
             ValueError: naming the numbers: query heads or the MLP width not divisible by
                 ``tensor_parallel_size``; KV heads neither divisible by it nor dividing it (a KV
                 head is replicated on ``tensor_parallel_size / num_key_value_heads`` ranks);
-                more stages than layers; a ``pp_layer_partition`` not summing to the layers.
+                more stages than layers; a ``pp_layer_partition`` not summing to the layers; a
+                mixture of experts whose experts (``enable_expert_parallel``) or expert width
+                (otherwise) ``tensor_parallel_size`` does not divide.
         """
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if num_experts and self.enable_expert_parallel and num_experts % tp:
+            raise ValueError(f"enable_expert_parallel: tensor_parallel_size={tp} must divide the model's "
+                             f"{num_experts} experts")
+        if num_experts and not self.enable_expert_parallel and moe_intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's moe_intermediate_size "
+                             f"{moe_intermediate_size} (or pass enable_expert_parallel)")
         if num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_attention_heads} "
                              "attention heads")
@@ -533,6 +546,32 @@ def _with_rope_fields(cfg: dict[str, Any], scaling: dict | None) -> dict | None:
     return {**scaling, "original_max_position_embeddings": int(original), "factor": float(factor)}
 
 
+def _moe_fields(cfg: dict[str, Any], num_layers: int, intermediate: int) -> dict[str, Any]:
+    """Mixture-of-experts fields (``ModelConfig.num_experts`` ...; none for a dense model).
+
+    Mixtral: ``num_local_experts`` experts of width ``intermediate_size``, top-k weights always
+    renormalised; OLMoE: ``num_experts`` of width ``intermediate_size``; Qwen2-MoE / Qwen3-MoE:
+    ``num_experts`` of width ``moe_intermediate_size``, MoE on layer ``i`` unless ``i`` is in
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; Qwen2-MoE adds a shared expert
+    (``shared_expert_intermediate_size``) and reads ``qkv_bias``.
+    """
+    model_type = str(cfg.get("model_type") or "")
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if not experts or model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
+        return {}
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    fields_ = dict(num_experts=experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 2),
+                   moe_intermediate_size=int(cfg.get("moe_intermediate_size") or intermediate),
+                   norm_topk_prob=True if model_type == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+                   shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                   moe_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+                   clip_qkv=None if cfg.get("clip_qkv") is None else float(cfg["clip_qkv"]))
+    if model_type == "qwen2_moe":
+        fields_["attention_bias"] = bool(cfg.get("qkv_bias", True))
+    return fields_
+
+
 def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The architecture fields of ``ModelConfig``, read once from a checkpoint's config.json.
 
@@ -578,7 +617,10 @@ def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     head_dim = cfg.get("head_dim") or (256 if is_gemma else hidden // num_heads)
     dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
     no_rope = cfg.get("no_rope_layers")  # SmolLM3: 1 = the layer uses RoPE, 0 = NoPE
+    moe = _moe_fields(cfg, num_layers, intermediate)
+    attention_bias = bool(moe.pop("attention_bias", cfg.get("attention_bias", False)))
     return dict(
+        **moe,
         architectures=archs,
         model_type=str(cfg.get("model_type") or ""),
         vocab_size=vocab_size,
@@ -591,7 +633,7 @@ def hf_architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        attention_bias=attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         hidden_act=str((cfg.get("hidden_activation") or "gelu_pytorch_tanh") if is_gemma
                        else (cfg.get("hidden_act") or "silu")),
@@ -662,6 +704,11 @@ class ModelConfig:
     ``layer_use_rope`` (per layer: whether it applies RoPE, SmolLM3's NoPE layers; empty = all do),
     ``partial_rotary_factor`` (the fraction of ``head_dim`` RoPE rotates, Phi-3 / Phi-4-mini),
     ``checkpoint_dtype`` (config.json's ``dtype`` / ``torch_dtype``, or None).
+    Mixture of experts (0 / empty for a dense model; ``layers/fused_moe.py``): ``num_experts``,
+    ``num_experts_per_tok`` (top k), ``moe_intermediate_size`` (one expert's width),
+    ``norm_topk_prob`` (renormalise the top-k weights to sum to 1), ``shared_expert_intermediate_size``
+    (Qwen2-MoE's shared expert, 0 = none), ``moe_layers`` (indices of the MoE layers), ``clip_qkv``
+    (OLMoE's q/k/v clamp, None = off).
     """
 
     model: str | None = None
@@ -705,6 +752,13 @@ class ModelConfig:
     layer_use_rope: tuple[bool, ...] = ()
     partial_rotary_factor: float = 1.0
     checkpoint_dtype: str | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    clip_qkv: float | None = None
 
     @classmethod
     def from_hf_config(cls, hf_config: dict[str, Any], **kwargs) -> "ModelConfig":

@@ -4,7 +4,8 @@
 ``ignore_eos``), all submitted at once, ``num_iters`` times after ``num_iters_warmup`` untimed
 runs. Reported: end-to-end batch latency (mean / percentiles over iterations), and, from the
 engine's per-step times, the prefill phase and the decode steps (steps whose batch is all
-single-token decodes of the full batch).
+single-token decodes of the full batch); the model's weight bytes and its active weight bytes per
+token (a mixture of experts reads top-k of each MoE layer's experts: ``layers.fused_moe.parameter_bytes``).
 
 The ceiling: a decode step of M = ``batch_size`` tokens does, per linear layer of shape
 [out, in], 2·M·in·out FLOPs, plus the LM head (2·M·hidden·vocab). Each distinct shape's rate is
@@ -208,9 +209,15 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
         "dataset": dataset,
         **spec_decode_summary(spec_before, None if engine.spec_decoder is None else engine.spec_decoder.stats,
                               batch_size * output_len * num_iters, num_decoding_steps),
-        "dtype": str(engine.executor.driver_worker.dtype).replace("torch.", ""),
+        "dtype": str(getattr(getattr(engine.executor, "driver_worker", None), "dtype",
+                             engine.model_config.dtype)).replace("torch.", ""),
         "quantization": engine.model_config.quantization,
     }
+    worker = getattr(engine.executor, "driver_worker", None)   # in-process executors only
+    if worker is not None:
+        from pagedllm.layers.fused_moe import parameter_bytes
+
+        result["weight_bytes"], result["active_weight_bytes_per_token"] = parameter_bytes(worker.model)
     if timer is not None:
         bd = timer.as_dict()
         per_step = {k: v / max(num_steps, 1) * 1000 for k, v in bd.items() if k != "wall_s"}
@@ -242,6 +249,9 @@ def format_latency(result: dict) -> str:
         for name, v in result["breakdown_ms_per_step"].items():
             lines.append(f"  {name:26s} {v:8.2f} ms")
         lines.append(f"  {'overhead (not linear/head)':26s} {result['overhead_ms_per_step']:8.2f} ms")
+    if "weight_bytes" in result:
+        lines.append(f"weights        {result['weight_bytes'] / 2**20:.1f} MiB, active per token "
+                     f"{result['active_weight_bytes_per_token'] / 2**20:.1f} MiB (experts: top-k of each MoE layer)")
     tps = result.get("decode_tokens_per_s")
     lines.append(f"decode         {'n/a' if tps is None else f'{tps:.1f}'} tokens/s "
                  f"(per full-batch step; end to end {result['output_tokens_per_s']:.1f} output tokens/s)")

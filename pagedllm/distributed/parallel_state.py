@@ -61,6 +61,8 @@ class ParallelContext:
         pp_rank, pp_size: pipeline stage and number of stages.
         layer_start, layer_end: [start, end) decoder layers this stage runs (all layers for one stage).
         tp_group: the torch.distributed group of this stage's tensor-parallel ranks (None for T = 1).
+        enable_expert_parallel: MoE layers place whole experts on the tensor ranks
+            (``ParallelConfig.enable_expert_parallel``).
         step_times: where this rank's step time goes (``--breakdown``; the one mutable part).
     """
 
@@ -72,6 +74,7 @@ class ParallelContext:
     layer_start: int = 0
     layer_end: int | None = None
     tp_group: Any = None
+    enable_expert_parallel: bool = False
     step_times: StepTimes = field(default_factory=StepTimes, compare=False)
 
     @property
@@ -135,7 +138,8 @@ def init_parallel_context(parallel_config: ParallelConfig, rank: int, num_hidden
     pp_rank = rank // tp
     start, end = parallel_config.stage_layers(num_hidden_layers, pp_rank)
     ctx = ParallelContext(rank=rank, tp_rank=rank % tp, tp_size=tp, pp_rank=pp_rank, pp_size=pp,
-                          layer_start=start, layer_end=end, tp_group=tp_group if tp > 1 else None)
+                          layer_start=start, layer_end=end, tp_group=tp_group if tp > 1 else None,
+                          enable_expert_parallel=parallel_config.enable_expert_parallel)
     logger.info("rank %d: tensor rank %d/%d, pipeline stage %d/%d, layers [%d, %d)", rank, ctx.tp_rank, tp,
                 pp_rank, pp, start, end)
     return ctx

@@ -89,6 +89,8 @@ class EngineArgs:
             or "ray" (``executor/``; "ray" needs the ``[ray]`` extra).
         ray_placement_strategy: "STRICT_PACK" (default), "PACK" or "SPREAD" (the Ray executor's
             placement group).
+        enable_expert_parallel: whole experts per tensor rank in mixture-of-experts layers
+            (vLLM's flag; ``ParallelConfig.enable_expert_parallel``).
         pp_layer_partition: layers per pipeline stage, "10,8"; default ``$PAGEDLLM_PP_LAYER_PARTITION``
             or None (even split).
         cpu_threads_per_rank: torch threads per worker process; default
@@ -155,6 +157,7 @@ class EngineArgs:
     exact_greedy_head: str = "auto"
     distributed_executor_backend: str | None = None
     ray_placement_strategy: str = "STRICT_PACK"
+    enable_expert_parallel: bool = False
     pp_layer_partition: str | None = field(default_factory=lambda: _env(PP_LAYER_PARTITION_ENV))
     cpu_threads_per_rank: int | str | None = field(default_factory=lambda: _env(CPU_THREADS_PER_RANK_ENV))
     structured_outputs_backend: str = "auto"
@@ -276,10 +279,11 @@ class EngineArgs:
                                 preemption_mode=self.preemption_mode)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
                                   self.distributed_executor_backend, self._pp_partition(), self._threads_per_rank(),
-                                  ray_placement_strategy=self.ray_placement_strategy)
+                                  ray_placement_strategy=self.ray_placement_strategy,
+                                  enable_expert_parallel=bool(self.enable_expert_parallel))
         if arch:  # before any weight loads: the model must split this way
             parallel.check_model(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size,
-                                 model.num_hidden_layers)
+                                 model.num_hidden_layers, model.num_experts, model.moe_intermediate_size)
         return model, cache, sched, parallel
 
     def create_profiler_config(self):
@@ -439,6 +443,9 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
     g.add_argument("--ray-placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"],
                    help="how the Ray executor places its ranks (one bundle each): STRICT_PACK on one node, "
                         "PACK on as few nodes as possible, SPREAD across nodes")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size > 1: whole experts per rank in mixture-of-experts layers "
+                        "(default: every expert's width sliced)")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--swap-space", type=float, default=4.0,

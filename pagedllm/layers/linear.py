@@ -125,7 +125,8 @@ class KernelLinear(nn.Module):
 
 
 def replace_linear_layers(model: nn.Module, make_layer, make_head=None) -> tuple[int, bool]:
-    """Replace every ``nn.Linear`` of ``model`` by ``make_layer(weight, bias)`` and, for a model
+    """Replace every ``nn.Linear`` of ``model`` (and each expert of a ``FusedMoE``, through its
+    ``replace_expert_layers``) by ``make_layer(weight, bias)`` and, for a model
     with a tied LM head, set ``model.packed_lm_head = make_layer(embedding matrix, None)`` (read by
     ``lm_head_logits``; the embedding stays for the token lookup). The model exposes its embedding
     through ``get_input_embeddings()`` and its head through ``get_lm_head()``. ``make_head``, when
@@ -143,6 +144,9 @@ def replace_linear_layers(model: nn.Module, make_layer, make_head=None) -> tuple
                 make = make_head if child is head else make_layer
                 setattr(parent, name, make(child.weight, child.bias))
                 replaced += 1
+    for module in list(model.modules()):  # stacked experts (layers/fused_moe.py): one layer per expert and part
+        if hasattr(module, "replace_expert_layers"):
+            replaced += module.replace_expert_layers(make_layer)
     # A pipeline stage without the LM head (``model.ctx``: not the last stage) packs none.
     ctx = getattr(model, "ctx", None)
     tied = bool(getattr(model, "tie_word_embeddings", False)) and hasattr(model, "packed_lm_head") \
@@ -150,6 +154,14 @@ def replace_linear_layers(model: nn.Module, make_layer, make_head=None) -> tuple
     if tied:
         model.packed_lm_head = make_head(model.get_input_embeddings().weight, None)
     return replaced, tied
+
+
+def replaceable_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights ``replace_linear_layers`` moves: every ``nn.Linear``'s parameters and
+    the stacked experts of each ``FusedMoE``."""
+    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, nn.Linear)
+               for p in m.parameters()) + \
+        sum(m.stacked_weight_bytes() for m in model.modules() if hasattr(m, "stacked_weight_bytes"))
 
 
 class PackedLinear(KernelLinear):

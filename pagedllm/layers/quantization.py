@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.linear import KernelLinear, replace_linear_layers
+from pagedllm.layers.linear import KernelLinear, replace_linear_layers, replaceable_weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +143,7 @@ def quantize_linear_layers(model: nn.Module) -> int:
         raise ValueError(f"quantization='int8' needs a float32 model on the CPU, got {param.dtype} on {param.device}")
     if not int8_linear_available():
         raise ValueError("quantization='int8' needs torch's fbgemm engine (x86 CPU builds); it is unavailable here")
-    before = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, nn.Linear)
-                 for p in m.parameters())
+    before = replaceable_weight_bytes(model)
     replaced, tied = replace_linear_layers(model, Int8DynamicLinear)
     delta = sum(m.weight_bytes for m in model.modules() if isinstance(m, Int8DynamicLinear)) - before
     logger.info("int8: quantized %d linear layers%s (%+.0f MiB)", replaced,

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.int8_gemm import TORCH_KERNEL, VNNI_KERNEL, VNNI_MAX_COLUMNS, int8_kernel_for, load_int8_gemm
-from pagedllm.layers.linear import KernelLinear, replace_linear_layers
+from pagedllm.layers.linear import KernelLinear, replace_linear_layers, replaceable_weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -314,8 +314,7 @@ def quantize_weight_only(model: nn.Module, mode: str, cpu_isa: str = "auto") -> 
                          f"got {param.dtype} on {param.device}")
     if not weight_only_available(mode):
         raise ValueError(f"quantization={mode!r}: torch's CPU kernel does not run here (torch {torch.__version__})")
-    before = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, nn.Linear)
-                 for p in m.parameters())
+    before = replaceable_weight_bytes(model)
     int8_kernel, why = int8_kernel_for(cpu_isa)
     replaced, tied = replace_linear_layers(
         model, lambda weight, bias: make_weight_only_layer(mode, weight, bias, WEIGHT_ONLY_COMPUTE_DTYPE, int8_kernel),

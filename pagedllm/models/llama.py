@@ -267,6 +267,10 @@ class LlamaForCausalLM(nn.Module):
             logits = logits[:, : self.config.vocab_size]
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
+    def checkpoint_shard(self, name: str):
+        """This rank's slice of checkpoint tensor ``name`` (``layers.parallel.checkpoint_shard``)."""
+        return checkpoint_shard(name, self.config, self.ctx)
+
     def load_weights(self, weights) -> None:
         """Load (HF name, tensor) pairs; a tied ``lm_head.weight`` is ignored."""
         def _filtered():
@@ -275,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 yield name, tensor
         load_named_weights(self, _filtered(), skip=("rotary_emb.inv_freq",),
-                           shard=lambda name: checkpoint_shard(name, self.config, self.ctx),
+                           shard=self.checkpoint_shard,
                            skip_prefixes=pp_missing_prefixes(self))
         zero_row_parallel_biases(self, self.ctx)
 

@@ -9,6 +9,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (GraniteForCausalLM, LlamaForCausalLM, MistralForCausalLM, Olmo2ForCausalLM,
                                    Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM)
+from pagedllm.models.moe import MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,6 +23,11 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # text path only
+    # Mixture of experts (models/moe.py)
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 

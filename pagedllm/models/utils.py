@@ -27,7 +27,10 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
 
     A ``layers.linear.MergedLinear`` at ``<parent>.<merged>`` takes the checkpoint's
     ``<parent>.<shard>.weight`` / ``.bias`` of each of its ``shard_names`` into its rows
-    (vLLM's ``stacked_params_mapping``), so checkpoint keys stay Hugging Face's.
+    (vLLM's ``stacked_params_mapping``), so checkpoint keys stay Hugging Face's. A module with
+    ``checkpoint_slots(name)`` (``layers.fused_moe.FusedMoE``) says where each of its checkpoint
+    tensors goes (one expert's rows of a stacked parameter, and the slice this rank reads), or
+    that another rank holds it (skipped unread).
 
     Args:
         module: the model; its ``named_parameters`` names equal checkpoint keys, except merged layers.
@@ -55,7 +58,15 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
                 for kind in ("weight", "bias") if mod.bias is not None else ("weight",):
                     key = f"{parent}.{part}.{kind}" if parent else f"{part}.{kind}"
                     shards[key] = (f"{mod_name}.{kind}", start, size)
-    merged_params = {target for target, _, _ in shards.values()}
+    slots: dict[str, tuple] = {}  # checkpoint name -> (param name, index, first row or None, rows, shard)
+    elsewhere: set[str] = set()   # checkpoint names another rank loads
+    for mod_name, mod in module.named_modules():
+        for key, slot in (mod.checkpoint_slots(mod_name).items() if hasattr(mod, "checkpoint_slots") else ()):
+            if slot is None:
+                elsewhere.add(key)
+            else:
+                slots[key] = slot
+    merged_params = {target for target, _, _ in shards.values()} | {slot[0] for slot in slots.values()}
     loaded: set[str] = set()
     skip = tuple(skip)
     skip_prefixes = tuple(skip_prefixes)
@@ -63,13 +74,17 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
         for name, source in weights:
             if skip and name.endswith(skip):
                 continue
-            if skip_prefixes and name.startswith(skip_prefixes):
+            if skip_prefixes and name.startswith(skip_prefixes) or name in elsewhere:
                 continue
-            rule = shard(name) if shard is not None else None
+            rule = slots[name][4] if name in slots else shard(name) if shard is not None else None
             tensor = _read(source, rule)
             if name in shards:
                 target, start, size = shards[name]
                 param = params[target].narrow(0, start, size)
+            elif name in slots:
+                target, index, start, size, _ = slots[name]
+                param = params[target][index]
+                param = param if start is None else param.narrow(0, start, size)
             else:
                 param = params.get(name)
                 if param is None or name in merged_params:
@@ -83,7 +98,7 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
                     f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
             param.copy_(tensor)  # casts in the same pass (``.to`` first would allocate and write a copy)
             loaded.add(name)
-    missing = (set(params) - merged_params | set(shards)) - loaded
+    missing = (set(params) - merged_params | set(shards) | set(slots)) - loaded
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:5]}")
     for mod in module.modules():  # caches derived from the weights (e.g. GemmaRMSNorm's 1 + w)
