@@ -172,7 +172,8 @@ class LLM:
             sampling_params: one for all conversations, or one per conversation; None = ``get_default_sampling_params()``.
             use_tqdm: show a progress bar.
             chat_template: template text or a path to one (e.g.
-                ``pagedllm/data/gemma_chat_template.jinja``, or ``"gemma"``); None = the model's.
+                ``pagedllm/data/gemma_chat_template.jinja``, or ``"gemma"``); None = the model's, else the bundled fallback for its
+                ``model_type`` (Gemma 3 → ``"gemma"``; ``chat_utils.CHAT_TEMPLATE_FALLBACKS``).
             add_generation_prompt: end the prompt with the assistant turn header.
             continue_final_message: continue the last (assistant) message instead.
             chat_template_kwargs: extra template variables.
@@ -185,7 +186,7 @@ class LLM:
             One finished ``RequestOutput`` per conversation, in order.
         Raises:
             ValueError: empty or malformed messages, ``tools`` not a list of dicts, no chat
-                template (the default model is a base model without one), or a template that
+                template (none of its own and no fallback for its ``model_type``), or a template that
                 rejects the conversation.
         """
         from pagedllm.entrypoints.chat_utils import load_chat_template, render_chat_prompt

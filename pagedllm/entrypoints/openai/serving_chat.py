@@ -46,7 +46,8 @@ class OpenAIServingChat(OpenAIServing):
 
     Args:
         engine, models, log_requests: as ``OpenAIServing``.
-        chat_template: the server's template text (``--chat-template``); None = the model's own.
+        chat_template: the server's template text (``--chat-template``); None = the model's own (or
+            its ``model_type``'s fallback: ``chat_utils.resolve_chat_template``).
         max_logprobs: the most ``top_logprobs`` a request may ask for.
         max_n: the most choices (``n``) a request may ask for.
         tool_parser: the ``--tool-call-parser`` when the server runs with
