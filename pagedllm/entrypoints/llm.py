@@ -44,6 +44,35 @@ class LLM:
             self.llm_engine = LLMEngine(self.engine_args)
         self._counter = 0
         self._default_sampling_kwargs: dict[str, Any] | None = None
+        # vLLM's LLM logs no stats by default; disable_log_stats=False keeps Prometheus metrics
+        # in memory for get_metrics().
+        self._metrics_registry = None if kwargs.get("disable_log_stats", True) else self._attach_metrics()
+
+    def _attach_metrics(self):
+        from prometheus_client import CollectorRegistry
+
+        from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+        registry = CollectorRegistry()
+        PrometheusStatLogger.attach(self.llm_engine, self.engine_args.model or "default", registry)
+        return registry
+
+    def get_metrics(self) -> list:
+        """A snapshot of the engine's Prometheus metrics (vLLM's ``LLM.get_metrics``): one
+        ``pagedllm.v1.metrics.reader`` ``Counter`` / ``Gauge`` / ``Histogram`` per series
+        (``pagedllm:`` names, ``metrics/prometheus.py``; labels ``model_name`` = the model as
+        given, ``engine`` = the replica).
+
+        Raises:
+            RuntimeError: the LLM was made without ``disable_log_stats=False`` (vLLM's default:
+                no stats).
+        """
+        if self._metrics_registry is None:
+            raise RuntimeError("stat logging is disabled: create the LLM with disable_log_stats=False "
+                               "to read metrics")
+        from pagedllm.v1.metrics.reader import get_metrics_snapshot
+
+        return get_metrics_snapshot(self._metrics_registry)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

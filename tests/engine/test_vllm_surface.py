@@ -170,3 +170,42 @@ def test_pause_rejects_an_unknown_mode(async_llm, make_tiny_checkpoint):
     assert not asyncio.run(async_llm.is_paused())
     with pytest.raises(ValueError, match="mode"):
         LLMEngine.pause_generation(async_llm.engine, mode="stop")
+
+
+# -- LLM.get_metrics -------------------------------------------------------------------------
+
+def test_get_metrics_counts_what_generate_did(make_tiny_checkpoint):
+    from pagedllm.v1.metrics.reader import Counter, Gauge, Histogram, Vector
+
+    llm = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, disable_log_stats=False)
+    try:
+        outs = llm.generate(["The quick brown fox", "Hello"], SamplingParams(temperature=0.0, max_tokens=5,
+                                                                              ignore_eos=True), use_tqdm=False)
+        metrics = llm.get_metrics()
+    finally:
+        llm.llm_engine.shutdown()
+    by_name = {}
+    for m in metrics:
+        assert m.name.startswith("pagedllm:") and not isinstance(m, Vector)
+        by_name.setdefault(m.name, []).append(m)
+    (gen,) = by_name["pagedllm:generation_tokens"]
+    assert isinstance(gen, Counter) and gen.value == 10 and gen.labels["engine"] == "0"
+    (prompt,) = by_name["pagedllm:prompt_tokens"]
+    assert prompt.value == sum(len(o.prompt_token_ids) for o in outs)
+    success = {m.labels["finished_reason"]: m.value for m in by_name["pagedllm:request_success"]}
+    assert success == {"stop": 0, "length": 2, "abort": 0}
+    (running,) = by_name["pagedllm:num_requests_running"]
+    assert isinstance(running, Gauge) and running.value == 0.0
+    (e2e,) = by_name["pagedllm:e2e_request_latency_seconds"]
+    assert isinstance(e2e, Histogram) and e2e.count == 2 == e2e.buckets["+Inf"] and e2e.sum > 0
+    (lengths,) = by_name["pagedllm:request_generation_tokens"]
+    assert lengths.buckets["5.0"] == 2 and lengths.buckets["2.0"] == 0 and lengths.sum == 10
+
+
+def test_get_metrics_without_stats_raises(make_tiny_checkpoint):
+    llm = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW)
+    try:
+        with pytest.raises(RuntimeError, match="disable_log_stats=False"):
+            llm.get_metrics()
+    finally:
+        llm.llm_engine.shutdown()

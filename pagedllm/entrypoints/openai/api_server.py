@@ -217,21 +217,16 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
 
         engine = DPEngineClient(engine_args)
         names = list(served_model_names or default_served_model_names(engine_args, engine.model_files))
-        loggers = PrometheusStatLogger.for_engines(names[0], engine.max_model_len,
-                                                   engine.scheduler_config.max_num_batched_tokens, registry,
-                                                   initial=engine.initial_stats)
-        for stat_loggers, prometheus in zip(engine.stat_loggers, loggers):
-            stat_loggers.append(prometheus)
-            if log_stats_interval_s:   # one periodic line per engine, as the in-process engine logs
+        PrometheusStatLogger.attach(engine, names[0], registry)
+        if log_stats_interval_s:   # one periodic line per engine, as the in-process engine logs
+            for stat_loggers in engine.stat_loggers:
                 stat_loggers.append(LoggingStatLogger(log_stats_interval_s, log_on_record=True))
         async_engine = DPAsyncLLM(engine)
     else:
         engine = LLMEngine(engine_args)
         names = list(served_model_names or default_served_model_names(engine_args, engine.model_files))
-        prometheus = PrometheusStatLogger(names[0], engine.max_model_len,
-                                          engine.scheduler_config.max_num_batched_tokens, registry,
-                                          initial=engine.scheduler.make_stats())
-        async_engine = AsyncLLM(engine, stat_loggers=[prometheus], log_stats_interval_s=log_stats_interval_s)
+        PrometheusStatLogger.attach(engine, names[0], registry)
+        async_engine = AsyncLLM(engine, log_stats_interval_s=log_stats_interval_s)
     root = engine_args.model if engine_args.model not in (None, "default") else \
         (engine.model_files.gguf_path or engine.model_files.folder)
     models = OpenAIServingModels(names, root, engine.max_model_len)
