@@ -92,3 +92,73 @@ def test_the_default_model_is_served_also_as_default():
     assert default_served_model_names(EngineArgs(model="default"), files) == ["gemma-3-270m-q4_k_m", "default"]
     assert default_served_model_names(EngineArgs(model=None), files) == ["gemma-3-270m-q4_k_m", "default"]
     assert default_served_model_names(EngineArgs(model="/models/tiny"), files) == ["/models/tiny"]
+
+
+# -- /v1/chat/completions/batch ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chat_state(make_tiny_checkpoint):
+    args = EngineArgs(model=make_tiny_checkpoint("llama"), dtype="float32", max_model_len=256,
+                      kv_cache_memory_bytes=8 << 20, seed=0)
+    st = build_state(args, ["tiny"], chat_template="{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                     "{% endfor %}assistant:", log_stats_interval_s=None)
+    yield st
+    st.engine.shutdown()
+
+
+CONVERSATIONS = [[{"role": "user", "content": "What is the capital of France?"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+                 [{"role": "user", "content": "Count to three."}]]
+
+
+def test_batch_chat_answers_each_conversation_as_chat_completions_does(chat_state):
+    params = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+
+    async def calls(http, client):
+        singles = [await client.chat.completions.create(model="tiny", messages=c, max_tokens=5, temperature=0,
+                                                        logprobs=True, top_logprobs=2,
+                                                        extra_body={"ignore_eos": True})
+                   for c in CONVERSATIONS]
+        batch = await http.post("/v1/chat/completions/batch",
+                                json={"model": "tiny", "messages": CONVERSATIONS, **params})
+        return singles, batch
+
+    singles, batch = run_with_clients(chat_state, calls)
+    assert batch.status_code == 200
+    body = batch.json()
+    assert body["object"] == "chat.completion" and body["model"] == "tiny" and body["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for choice, single in zip(body["choices"], singles):
+        assert choice["message"]["content"] == single.choices[0].message.content
+        assert choice["finish_reason"] == "length"
+        assert [t["token"] for t in choice["logprobs"]["content"]] == \
+            [t.token for t in single.choices[0].logprobs.content]
+    assert body["usage"]["prompt_tokens"] == sum(s.usage.prompt_tokens for s in singles)
+    assert body["usage"]["completion_tokens"] == 15 and body["usage"]["total_tokens"] == \
+        body["usage"]["prompt_tokens"] + 15
+
+
+def test_batch_chat_refuses_what_it_cannot_do_with_400s(chat_state):
+    one = [CONVERSATIONS[0]]
+    cases = [({"messages": one, "stream": True}, "stream"), ({"messages": one, "n": 2}, "n"),
+             ({"messages": one, "use_beam_search": True}, "use_beam_search"),
+             ({"messages": one, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+             ({"messages": [CONVERSATIONS[0], []]}, "messages"),
+             ({"messages": one, "temperature": -1}, "temperature")]
+
+    async def calls(http, client):
+        answers = [await http.post("/v1/chat/completions/batch", json={"model": "tiny", **body})
+                   for body, _ in cases]
+        empty = await http.post("/v1/chat/completions/batch", json={"model": "tiny", "messages": []})
+        unknown = await http.post("/v1/chat/completions/batch", json={"model": "nope", "messages": one})
+        return answers, empty, unknown
+
+    answers, empty, unknown = run_with_clients(chat_state, calls)
+    for (body, field), answer in zip(cases, answers):
+        assert answer.status_code == 400, (field, answer.text)
+        error = answer.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] == field, (field, error)
+    assert empty.status_code == 400 and "messages" in empty.text
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    kv = chat_state.engine.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks

@@ -52,8 +52,9 @@ from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.entrypoints.chat_utils import GEMMA_CHAT_TEMPLATE_PATH, check_self_contained, load_chat_template
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedllm.reasoning import REASONING_PARSERS, get_reasoning_parser
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  TokenizeRequest, VersionResponse)
+from pagedllm.entrypoints.openai.protocol import (BatchChatCompletionRequest, ChatCompletionRequest,
+                                                  CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                                  VersionResponse)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
@@ -422,6 +423,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await run_until_disconnect(state.chat.create_chat_completion(request, raw_request), raw_request)
+
+    @app.post("/v1/chat/completions/batch")
+    async def create_batch_chat_completion(request: BatchChatCompletionRequest, raw_request: Request):
+        return await run_until_disconnect(state.chat.create_batch_chat_completion(request, raw_request), raw_request)
 
     def responses_handler() -> OpenAIServingResponses:
         if state.responses is None:
