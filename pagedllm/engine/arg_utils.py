@@ -80,6 +80,8 @@ class EngineArgs:
             with it what ``dtype="auto"`` means); default ``$PAGEDLLM_CPU_ISA`` or "auto".
         exact_greedy_head: "auto" (plain greedy rows through the cheaper exact head where it
             pays, ``layers/greedy_head.py``) or "off" (``ModelConfig.exact_greedy_head``).
+        enable_trace_replay: accept requests with ``SamplingParams.trace_decode_token_ids``
+            (vLLM's trace replay: the given tokens are emitted, their logprobs are the model's).
         dtype "auto" on the CPU: bfloat16 where the CPU has avx512_bf16 or AMX, else float32.
         cpu_fused_ops: "auto" (fused C++ norms / residual adds / RoPE / gated activations on
             CPU float32 and bfloat16 models, ``layers/fused_ops.py``) or "off" (eager torch ops).
@@ -150,6 +152,7 @@ class EngineArgs:
     cpu_fused_ops: str = "auto"
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
     exact_greedy_head: str = "auto"
+    enable_trace_replay: bool = False
     distributed_executor_backend: str | None = None
     ray_placement_strategy: str = "STRICT_PACK"
     pp_layer_partition: str | None = field(default_factory=lambda: _env(PP_LAYER_PARTITION_ENV))
@@ -432,6 +435,9 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "and an exact re-score of the few candidates, where that is faster (float32 "
                         "model, CPU with native bf16, small decode batches; +V x hidden x 2 bytes); "
                         "off: the full head's argmax (default: auto)")
+    g.add_argument("--enable-trace-replay", action="store_true",
+                   help="accept requests whose trace_decode_token_ids force the tokens they decode (their "
+                        "logprobs are still the model's; vLLM's trace replay)")
     g.add_argument("--disable-log-stats", action="store_true")
     g.add_argument("--generation-config", default="auto",
                    help="sampling defaults of LLM.generate without params: 'auto' (the model's "

@@ -90,7 +90,7 @@ class LLMEngine:
             self.structured_outputs_config, self.tokenizer, self.vocab_size, sched_cfg.max_num_seqs)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               args.max_logprobs, self.structured_outputs_config,
-                                              self.logits_processor_classes)
+                                              self.logits_processor_classes, args.enable_trace_replay)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self.stat_loggers: list[StatLogger] = []

@@ -209,3 +209,49 @@ def test_get_metrics_without_stats_raises(make_tiny_checkpoint):
             llm.get_metrics()
     finally:
         llm.llm_engine.shutdown()
+
+
+# -- trace replay ----------------------------------------------------------------------------
+
+def test_trace_replay_emits_the_trace_with_the_models_logprobs(make_tiny_checkpoint):
+    llm = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, enable_trace_replay=True)
+    try:
+        prompt = "The quick brown fox"
+        greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3),
+                              use_tqdm=False)[0].outputs[0]
+        # Replaying greedy's own tokens: the same tokens and the same logprobs, at any temperature.
+        replay = llm.generate(prompt, SamplingParams(trace_decode_token_ids=list(greedy.token_ids), logprobs=3,
+                                                     temperature=1.0, seed=7), use_tqdm=False)[0].outputs[0]
+        assert replay.token_ids == greedy.token_ids and replay.text == greedy.text
+        for got, want, tok in zip(replay.logprobs, greedy.logprobs, greedy.token_ids):
+            assert got[tok].logprob == pytest.approx(want[tok].logprob, abs=1e-5) and got[tok].rank == 1
+        # An arbitrary trace, EOS (id 1) inside it included: emitted as given, ranks from the model.
+        eos = llm.llm_engine.tokenizer.eos_token_ids[0]
+        trace = [5, eos, 17, 5]
+        forced = llm.generate(prompt, SamplingParams(trace_decode_token_ids=trace, logprobs=1, max_tokens=50),
+                              use_tqdm=False)[0].outputs[0]
+        assert list(forced.token_ids) == trace and forced.finish_reason == "length"
+        assert all(step[tok].rank >= 1 and step[tok].logprob <= 0 for step, tok in zip(forced.logprobs, trace))
+        vocab = llm.llm_engine.vocab_size
+        with pytest.raises(ValueError, match="trace_decode_token_ids"):
+            llm.generate(prompt, SamplingParams(trace_decode_token_ids=[vocab + 3]), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    off = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW)
+    try:
+        with pytest.raises(ValueError, match="enable_trace_replay"):
+            off.generate("hi", SamplingParams(trace_decode_token_ids=[5]), use_tqdm=False)
+    finally:
+        off.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("kwargs, field", [({}, "non-empty"), ({"n": 2}, "n"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
+                                           ({"bad_words_token_ids": [3]}, "bad_words_token_ids")])
+def test_trace_replay_params_are_checked(kwargs, field):
+    trace = [] if field == "non-empty" else [4, 5]
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(trace_decode_token_ids=trace, **kwargs)
+    with pytest.raises(ValueError, match="non-negative"):
+        SamplingParams(trace_decode_token_ids=[3, -1])
+    params = SamplingParams(trace_decode_token_ids=(4, 5, 6), max_tokens=99)
+    assert params.max_tokens == 3 and params.ignore_eos and params.trace_decode_token_ids == [4, 5, 6]
