@@ -61,6 +61,8 @@ class EngineArgs:
         data_parallel_size: engine replicas behind one front end (README, "Data parallelism").
         trust_remote_code, enforce_eager, tokenizer_mode, revision, download_dir,
         disable_log_stats: accepted for compatibility (see ``create_engine_config``).
+        enable_expert_parallel: vLLM's expert parallelism for MoE layers; accepted, no effect:
+            pagedllm has no MoE models yet, and a dense model has no experts to place.
         preemption_mode: "recompute" (default) or "swap" (``SchedulerConfig.preemption_mode``).
         swap_space: GiB of host memory per worker for swapped-out KV blocks (vLLM's default 4;
             allocated only with ``preemption_mode="swap"``; >= 0).
@@ -136,6 +138,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     trust_remote_code: bool = False
     enforce_eager: bool = False
+    enable_expert_parallel: bool = False
     tokenizer_mode: str = "auto"
     revision: str | None = None
     tokenizer_revision: str | None = None
@@ -237,6 +240,8 @@ class EngineArgs:
             logger.info("trust_remote_code=True: no remote code is ever run; supported architectures are built in")
         if self.enforce_eager:
             logger.info("enforce_eager=True: pagedllm runs eagerly")
+        if self.enable_expert_parallel:
+            logger.info("enable_expert_parallel=True: no effect (no MoE layers in pagedllm's models)")
         if not isinstance(self.swap_space, (int, float)) or not self.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -415,6 +420,9 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "PACK on as few nodes as possible, SPREAD across nodes")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                   help="vLLM's expert parallelism for MoE layers: accepted, no effect (pagedllm has no MoE "
+                        "models yet; a dense model has no experts)")
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="GiB of host memory per worker for swapped-out KV blocks (used with --preemption-mode swap)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],

@@ -255,3 +255,25 @@ def test_trace_replay_params_are_checked(kwargs, field):
         SamplingParams(trace_decode_token_ids=[3, -1])
     params = SamplingParams(trace_decode_token_ids=(4, 5, 6), max_tokens=99)
     assert params.max_tokens == 3 and params.ignore_eos and params.trace_decode_token_ids == [4, 5, 6]
+
+
+def test_enable_expert_parallel_is_accepted_and_changes_nothing(make_tiny_checkpoint, caplog):
+    import logging
+
+    from pagedllm import EngineArgs
+    from pagedllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert parser.parse_args(["-ep"]).enable_expert_parallel is True
+    assert parser.parse_args(["--enable_expert_parallel"]).enable_expert_parallel is True
+    assert parser.parse_args([]).enable_expert_parallel is False
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = []
+    for ep in (False, True):
+        with caplog.at_level(logging.INFO, logger="pagedllm.engine.arg_utils"):
+            llm = LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, enable_expert_parallel=ep)
+        try:
+            outs.append(llm.generate("The quick brown fox", greedy, use_tqdm=False)[0].outputs[0].token_ids)
+        finally:
+            llm.llm_engine.shutdown()
+    assert outs[0] == outs[1] and "enable_expert_parallel=True: no effect" in caplog.text
