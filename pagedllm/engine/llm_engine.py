@@ -237,6 +237,24 @@ class LLMEngine:
         """
         return self.scheduler.reset_prefix_cache(reset_running_requests)
 
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """``Worker.<method>(*args, **kwargs)`` on every rank, the results in rank order (vLLM's
+        ``collective_rpc``, by method name; e.g. ``"update_config"``, ``"reload_weights"``). After
+        ``reload_weights`` the prefix cache is reset: its blocks hold the old weights' KV.
+
+        Raises:
+            ValueError: ``method`` not a string, or a ``timeout`` (not supported).
+        """
+        if not isinstance(method, str):
+            raise ValueError(f"method must be a Worker method's name, got {method!r}")
+        if timeout is not None:
+            raise ValueError("timeout is not supported by collective_rpc")
+        results = self.executor.collective_rpc(method, tuple(args), kwargs)
+        if method == "reload_weights":
+            self.reset_prefix_cache()
+        return results
+
     def start_profile(self) -> None:
         """Start the torch profiler on every worker (vLLM's ``start_profile``); the steps until
         ``stop_profile`` are recorded (``profiler.py``).

@@ -74,6 +74,14 @@ class LLM:
 
         return get_metrics_snapshot(self._metrics_registry)
 
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's ``LLM.collective_rpc``: ``LLMEngine.collective_rpc`` (one engine; not with
+        ``data_parallel_size`` > 1: ``ValueError``)."""
+        if self.engine_args.data_parallel_size > 1:
+            raise ValueError("collective_rpc needs one engine (data_parallel_size 1)")
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -277,3 +277,37 @@ def test_enable_expert_parallel_is_accepted_and_changes_nothing(make_tiny_checkp
         finally:
             llm.llm_engine.shutdown()
     assert outs[0] == outs[1] and "enable_expert_parallel=True: no effect" in caplog.text
+
+
+# -- load_format, collective_rpc -------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_dummy_weights_then_reload_weights_gives_the_real_model(make_tiny_checkpoint, tp):
+    ckpt = make_tiny_checkpoint("llama")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = "The quick brown fox"
+    real = LLM(ckpt, **ENGINE_KW)
+    try:
+        want = real.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        real.llm_engine.shutdown()
+    llm = LLM(ckpt, **ENGINE_KW, load_format="dummy", tensor_parallel_size=tp)
+    try:
+        dummy = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        if tp == 1:
+            weights = [p for p in llm.llm_engine.executor.driver_worker.model.parameters() if p.is_floating_point()]
+            assert all(float(p.detach().abs().max()) <= 1e-3 for p in weights)
+        assert dummy != want
+        assert llm.collective_rpc("update_config", args=({"load_config": {"load_format": "auto"}},)) == [None] * tp
+        llm.collective_rpc("reload_weights")
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == want
+        if tp == 1:   # (in worker processes a failing call stops the workers: RuntimeError)
+            with pytest.raises(ValueError, match="load_config.load_format"):
+                llm.collective_rpc("update_config", args=({"model_config": {"dtype": "float16"}},))
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_load_format_is_checked(make_tiny_checkpoint):
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, load_format="sharded_state")
