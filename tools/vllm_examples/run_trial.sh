@@ -53,7 +53,7 @@ TO=90 runone api_server_server applications/api_server/server.py --model default
 export TO=300
 serve() {  # name, extra flags...
   local name=$1; shift
-  setsid python -m pagedllm serve --chat-template gemma-tools --max-model-len 1024 --port 8000 "$@" > logs/server_$name.log 2>&1 &
+  setsid pagedllm serve --chat-template gemma-tools --max-model-len 1024 --port 8000 "$@" > logs/server_$name.log 2>&1 &
   SPID=$!; echo $SPID > server_$name.pid
   for i in $(seq 1 180); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
   echo "server $name up after $((i*2))s" >> results.txt
