@@ -34,6 +34,7 @@ SUPPORTED_CPU_GEMMS = ("onednn", "torch")
 SUPPORTED_CPU_ISAS = ("auto", "portable", "avx2", "avx512", "avx512_bf16")
 # ``ModelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
+SUPPORTED_LOAD_FORMATS = ("auto", "dummy")   # vLLM's names; dummy: random weights
 SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")   # layers/greedy_head.py EXACT_GREEDY_HEAD_MODES
 # RoPE scaling types ``layers/rotary.compute_inv_freq`` implements (transformers' names; "su" is
 # Phi-3's old name of "longrope"). "dynamic" (NTK) and "longrope" pick their frequencies from each
@@ -684,6 +685,9 @@ class ModelConfig:
         cpu_fused_ops: "auto" (CPU float32 / bfloat16 models run the fused C++ norms, residual
             adds, q/k norm + RoPE and gated activations of ``layers/fused_ops.py`` when the
             extension builds) or "off" (the eager torch ops everywhere).
+        load_format: "auto" (the checkpoint's weights) or "dummy" (vLLM's: every weight drawn
+            uniformly from [-1e-3, 1e-3], e.g. to start an engine whose real weights come later
+            through ``reload_weights``; the checkpoint still fixes the shapes).
         exact_greedy_head: "auto" or "off". "auto": where it is cheaper (``layers/greedy_head.py``
             ``choose_greedy_head``: a float32 model on a CPU with native bf16, at most
             ``BF16_MAX_ROWS`` plain greedy rows in the step), plain greedy rows take the argmax of
@@ -724,6 +728,7 @@ class ModelConfig:
     cpu_isa: str = "auto"
     cpu_fused_ops: str = "auto"
     exact_greedy_head: str = "auto"
+    load_format: str = "auto"
     architectures: tuple[str, ...] = ()
     model_type: str = ""
     vocab_size: int = 0
@@ -794,6 +799,8 @@ class ModelConfig:
             raise ValueError(f"cpu_isa must be one of {SUPPORTED_CPU_ISAS}, got {self.cpu_isa!r}")
         if self.cpu_fused_ops not in SUPPORTED_CPU_FUSED_OPS:
             raise ValueError(f"cpu_fused_ops must be one of {SUPPORTED_CPU_FUSED_OPS}, got {self.cpu_fused_ops!r}")
+        if self.load_format not in SUPPORTED_LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {SUPPORTED_LOAD_FORMATS}, got {self.load_format!r}")
         if self.exact_greedy_head not in SUPPORTED_EXACT_GREEDY_HEAD:
             raise ValueError(f"exact_greedy_head must be one of {SUPPORTED_EXACT_GREEDY_HEAD}, "
                              f"got {self.exact_greedy_head!r}")

@@ -134,6 +134,11 @@ class SamplingParams:
         output_kind: cumulative or delta outputs when streaming.
         extra_args: free-form per-request arguments for the engine's class-based logits
             processors (vLLM's ``extra_args``; a dict, picklable for worker processes).
+        trace_decode_token_ids: vLLM's trace replay (an engine with ``enable_trace_replay``): the
+            tokens to emit, in order, whatever the model would sample; logprobs and ranks are still
+            the model's. ``max_tokens`` becomes its length and EOS ids in it do not stop the
+            request (``ignore_eos``). Needs ``n`` 1 and no ``best_of``, ``prompt_logprobs``,
+            ``structured_outputs`` or ``bad_words_token_ids``.
     Raises:
         ValueError: from ``__post_init__``, naming the field and its value, for any invalid value.
     """
@@ -165,6 +170,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict | None = None
+    trace_decode_token_ids: list[int] | None = None
     # Filled by the engine from the model: EOS ids (tokenizer EOS + model extras such as Gemma's
     # <end_of_turn>). Not part of the public API.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -198,6 +204,10 @@ class SamplingParams:
             except (TypeError, ValueError, AttributeError) as e:
                 raise ValueError(f"logit_bias must map token ids to floats, got {self.logit_bias!r}") from e
         self._verify()
+        if self.trace_decode_token_ids is not None:
+            self.trace_decode_token_ids = list(self.trace_decode_token_ids)
+            self.max_tokens = len(self.trace_decode_token_ids)
+            self.ignore_eos = True
         if self.temperature < _SAMPLING_EPS:
             # Greedy: sampling knobs do not apply.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -272,6 +282,19 @@ class SamplingParams:
                                                                   StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        trace = self.trace_decode_token_ids
+        if trace is not None:
+            if isinstance(trace, (str, bytes)) or not hasattr(trace, "__len__") or len(trace) == 0:
+                raise ValueError(f"trace_decode_token_ids must be a non-empty list of token ids, got {trace!r}")
+            if any(not _is_int(t) or t < 0 for t in trace):
+                raise ValueError(f"trace_decode_token_ids must be non-negative ints, got {list(trace)!r}")
+            for name, bad in (("n", self.n != 1), ("best_of", self.best_of not in (None, 1)),
+                              ("prompt_logprobs", self.prompt_logprobs is not None),
+                              ("structured_outputs", self.structured_outputs is not None),
+                              ("bad_words_token_ids", bool(self.bad_words_token_ids))):
+                if bad:
+                    raise ValueError(f"trace_decode_token_ids cannot be combined with {name} "
+                                     f"(got {getattr(self, name)!r})")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         if self.logits_processors is not None and any(

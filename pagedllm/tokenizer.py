@@ -220,6 +220,8 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         self.chat_template: str | None = template if isinstance(template, str) else None
+        # config.json's model_type: picks a chat-template fallback for a model without one.
+        self.model_type: str | None = (model_config or {}).get("model_type")
 
         self._clean_up_spaces = bool(tokenizer_config.get("clean_up_tokenization_spaces", False)) and (
             type(backend.model).__name__ != "BPE"

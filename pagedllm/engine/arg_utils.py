@@ -80,6 +80,9 @@ class EngineArgs:
             with it what ``dtype="auto"`` means); default ``$PAGEDLLM_CPU_ISA`` or "auto".
         exact_greedy_head: "auto" (plain greedy rows through the cheaper exact head where it
             pays, ``layers/greedy_head.py``) or "off" (``ModelConfig.exact_greedy_head``).
+        load_format: "auto" or "dummy" (random weights; ``ModelConfig.load_format``).
+        enable_trace_replay: accept requests with ``SamplingParams.trace_decode_token_ids``
+            (vLLM's trace replay: the given tokens are emitted, their logprobs are the model's).
         dtype "auto" on the CPU: bfloat16 where the CPU has avx512_bf16 or AMX, else float32.
         cpu_fused_ops: "auto" (fused C++ norms / residual adds / RoPE / gated activations on
             CPU float32 and bfloat16 models, ``layers/fused_ops.py``) or "off" (eager torch ops).
@@ -155,6 +158,8 @@ class EngineArgs:
     cpu_fused_ops: str = "auto"
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
     exact_greedy_head: str = "auto"
+    enable_trace_replay: bool = False
+    load_format: str = "auto"
     distributed_executor_backend: str | None = None
     ray_placement_strategy: str = "STRICT_PACK"
     enable_expert_parallel: bool = False
@@ -266,7 +271,7 @@ class EngineArgs:
                             quantization=self.quantization, model_folder=model_folder,
                             attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm,
                             cpu_isa=self.cpu_isa, cpu_fused_ops=self.cpu_fused_ops,
-                            exact_greedy_head=self.exact_greedy_head, **arch)
+                            exact_greedy_head=self.exact_greedy_head, load_format=self.load_format, **arch)
         space = None if self.cpu_kvcache_space is None else int(float(self.cpu_kvcache_space) * (1 << 30))
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -443,11 +448,11 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
     g.add_argument("--ray-placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"],
                    help="how the Ray executor places its ranks (one bundle each): STRICT_PACK on one node, "
                         "PACK on as few nodes as possible, SPREAD across nodes")
-    g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="with --tensor-parallel-size > 1: whole experts per rank in mixture-of-experts layers "
-                        "(default: every expert's width sliced)")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                   help="with --tensor-parallel-size > 1: whole experts per rank in mixture-of-experts layers "
+                        "(default: every expert's width sliced)")
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="GiB of host memory per worker for swapped-out KV blocks (used with --preemption-mode swap)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
@@ -468,6 +473,12 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "and an exact re-score of the few candidates, where that is faster (float32 "
                         "model, CPU with native bf16, small decode batches; +V x hidden x 2 bytes); "
                         "off: the full head's argmax (default: auto)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: the checkpoint's weights; dummy: random weights (uniform in +-1e-3; real ones "
+                        "later through collective_rpc('reload_weights'))")
+    g.add_argument("--enable-trace-replay", action="store_true",
+                   help="accept requests whose trace_decode_token_ids force the tokens they decode (their "
+                        "logprobs are still the model's; vLLM's trace replay)")
     g.add_argument("--disable-log-stats", action="store_true")
     g.add_argument("--generation-config", default="auto",
                    help="sampling defaults of LLM.generate without params: 'auto' (the model's "

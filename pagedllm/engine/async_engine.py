@@ -46,7 +46,7 @@ from typing import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.input_processor import ProcessedInput, PromptType
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import PAUSE_MODES, LLMEngine
 from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
 from pagedllm.metrics.stats import StatLogger
 from pagedllm.outputs import RequestOutput
@@ -60,6 +60,11 @@ _MAX_IDLE_WAIT_S = 60.0
 
 class EngineDeadError(RuntimeError):
     """The engine loop is not running (shut down, or it crashed); no request can be served."""
+
+
+class EnginePausedError(RuntimeError):
+    """A new request while generation is paused in ``abort`` or ``wait`` mode (vLLM's
+    retryable error: the server answers 503; retry after ``resume_generation``)."""
 
 
 class EngineStepError(RuntimeError):
@@ -181,6 +186,8 @@ class AsyncFrontEnd:
     _thread: threading.Thread | None
     _stopping: bool
     _ids: Iterator[int]
+    # The pause mode while paused (``pause_generation``), else None; read by add_requests.
+    _pause_mode: str | None = None
 
     # -- read-only information (any thread) -------------------------------------------------
 
@@ -233,6 +240,49 @@ class AsyncFrontEnd:
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         raise NotImplementedError
+
+    async def _engine_call(self, method: str, **kwargs) -> list:
+        """``LLMEngine.<method>(**kwargs)`` between steps, on the engine (every live replica's);
+        the answers, one per engine. The aborted outputs ``pause_generation`` returns reach their
+        callers."""
+        raise NotImplementedError
+
+    def _check_not_paused(self) -> None:
+        if self._pause_mode in ("abort", "wait"):
+            raise EnginePausedError(f"generation is paused (mode {self._pause_mode!r}); retry after "
+                                    "resume_generation")
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause generation (vLLM's ``AsyncLLM.pause_generation``, e.g. around a weight update).
+
+        Args:
+            mode: ``"abort"``: abort the unfinished requests now (each caller gets its final
+                output, finish_reason "abort"); ``"wait"``: return once they finished; ``"keep"``:
+                freeze them (their streams go quiet) until :meth:`resume_generation`. In
+                ``abort`` / ``wait`` mode new requests raise ``EnginePausedError`` until then; in
+                ``keep`` mode they are queued.
+            clear_cache: reset the prefix cache once drained (``abort`` / ``wait``; ``keep``
+                keeps the frozen requests' blocks).
+        Raises:
+            ValueError: an unknown ``mode``.
+            EngineDeadError: the engine is dead.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        self._pause_mode = mode
+        await self._engine_call("pause_generation", mode=mode)
+        while mode == "wait" and any(await self._engine_call("has_unfinished_requests")):
+            await asyncio.sleep(0.01)
+        if clear_cache and mode != "keep":
+            await self._engine_call("reset_prefix_cache")
+
+    async def resume_generation(self) -> None:
+        """End a pause: frozen requests go on, new ones are accepted."""
+        await self._engine_call("resume_generation")
+        self._pause_mode = None
+
+    async def is_paused(self) -> bool:
+        return self._pause_mode is not None
 
     def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
                     params: SamplingParams | BeamSearchParams | None = None,
@@ -436,8 +486,10 @@ class AsyncLLM(AsyncFrontEnd):
         Raises:
             ValueError: a bad prompt or params, or a request id that is in use (nothing is queued).
             EngineDeadError: the engine is shut down or dead.
+            EnginePausedError: generation is paused in ``abort`` / ``wait`` mode.
         """
         self.check_health()
+        self._check_not_paused()
         loop = asyncio.get_running_loop()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         prepared = self._prepare_requests(requests, arrival_time)
@@ -498,6 +550,15 @@ class AsyncLLM(AsyncFrontEnd):
         """``LLMEngine.stop_profile`` in the engine thread between steps (writes the traces)."""
         await self._call_in_engine_thread(self.engine.stop_profile)
 
+    async def _engine_call(self, method: str, **kwargs) -> list:
+        def call() -> object:
+            value = getattr(self.engine, method)(**kwargs)
+            if method == "pause_generation":   # the aborted requests' final outputs
+                self._deliver(value)
+            return value
+
+        return [await self._call_in_engine_thread(call)]
+
     async def _call_in_engine_thread(self, fn: Callable[[], object]) -> object:
         """``fn()`` in the engine thread between steps (here when there is no engine thread).
 
@@ -541,7 +602,7 @@ class AsyncLLM(AsyncFrontEnd):
             while True:
                 with self._cv:
                     if not (self._pending or self._aborts or self._calls or self._stopping
-                            or engine.has_unfinished_requests()):
+                            or engine.has_work()):
                         self._cv.wait(self._idle_wait())
                     pending, self._pending = self._pending, []
                     aborts, self._aborts = self._aborts, []
@@ -575,7 +636,7 @@ class AsyncLLM(AsyncFrontEnd):
                 if stopping:
                     self._stop_all()
                     return
-                if engine.has_unfinished_requests():
+                if engine.has_work():
                     try:
                         outputs = engine.step()
                     except Exception as e:

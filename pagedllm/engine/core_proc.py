@@ -89,7 +89,7 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
         outbox.send_pyobj(("ready", index, engine.scheduler.make_stats()))
         in_engine: set[str] = set()
         while True:
-            busy = engine.has_unfinished_requests()
+            busy = engine.has_work()
             now = time.monotonic()
             if now - parent_checked >= IDLE_POLL_MS / 1000:
                 parent_checked = now
@@ -122,13 +122,19 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
                         engine.abort_request(known)
                 elif kind == "call":
                     _, call_id, method, kwargs = msg
-                    outbox.send_pyobj(("result", index, call_id, getattr(engine, method)(**kwargs)))
+                    value = getattr(engine, method)(**kwargs)
+                    if method == "pause_generation":   # the aborted requests' final outputs
+                        in_engine.difference_update(out.request_id for out in value)
+                        if value:
+                            outbox.send_pyobj(("outputs", index, value, [], engine.scheduler.make_stats()))
+                        value = len(value)
+                    outbox.send_pyobj(("result", index, call_id, value))
                 elif kind == "shutdown":
                     stop = True
             if stop:
                 break
             outputs = []
-            if engine.has_unfinished_requests():
+            if engine.has_work():
                 try:
                     outputs = engine.step()
                 except Exception as e:   # fail this replica's requests, keep serving if it can

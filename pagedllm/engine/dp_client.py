@@ -94,7 +94,8 @@ class DPEngineClient:
         self.vocab_size = model_cfg.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               engine_args.max_logprobs,
-                                              engine_args.create_structured_outputs_config())
+                                              engine_args.create_structured_outputs_config(),
+                                              enable_trace_replay=engine_args.enable_trace_replay)
         self.balancer = DPLoadBalancer(self.num_replicas, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.stat_loggers: list[list] = [[] for _ in range(self.num_replicas)]
         self.initial_stats: list = [None] * self.num_replicas
@@ -520,8 +521,10 @@ class DPAsyncLLM(AsyncFrontEnd):
             ValueError: a bad prompt or params, a duplicate id, a beam search that does not fit
                 (nothing is queued).
             EngineDeadError: shutting down, or every replica is dead.
+            EnginePausedError: generation is paused in ``abort`` / ``wait`` mode.
         """
         self.check_health()
+        self._check_not_paused()
         loop = asyncio.get_running_loop()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         prepared = self._prepare_requests(requests, arrival_time)
@@ -564,12 +567,17 @@ class DPAsyncLLM(AsyncFrontEnd):
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Reset every live replica's prefix cache; True when all were cleared."""
+        return all(await self._engine_call("reset_prefix_cache", reset_running_requests=reset_running_requests))
+
+    async def _engine_call(self, method: str, **kwargs) -> list:
+        """``LLMEngine.<method>(**kwargs)`` on every live replica; their answers. (A replica sends
+        the outputs ``pause_generation`` aborted as ordinary outputs first.)"""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            call_id = self.client.send_call("reset_prefix_cache", reset_running_requests=reset_running_requests)
+            call_id = self.client.send_call(method, **kwargs)
             self._calls[call_id] = future
         self.start()
-        return all((await asyncio.wrap_future(future)).values())
+        return list((await asyncio.wrap_future(future)).values())
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Fail what is running with ``EngineDeadError``, stop the receiver and the replicas."""

@@ -62,7 +62,8 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20,
                  structured_outputs_config: StructuredOutputsConfig | None = None,
-                 logits_processor_classes: Sequence[type] = ()) -> None:
+                 logits_processor_classes: Sequence[type] = (), enable_trace_replay: bool = False) -> None:
+        self.enable_trace_replay = enable_trace_replay
         self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.logits_processor_classes = list(logits_processor_classes)
         self.tokenizer = tokenizer
@@ -101,6 +102,11 @@ class InputProcessor:
             self._check_ids(params.bad_words_token_ids, "bad_words_token_ids")
         if params.stop_token_ids:
             self._check_ids(params.stop_token_ids, "stop_token_ids")
+        if params.trace_decode_token_ids is not None:
+            if not self.enable_trace_replay:
+                raise ValueError("trace_decode_token_ids needs an engine started with enable_trace_replay=True "
+                                 "(--enable-trace-replay)")
+            self._check_ids(params.trace_decode_token_ids, "trace_decode_token_ids")
         if params.structured_outputs is not None:
             from pagedllm.structured_output.grammar import validate_structured_outputs
 

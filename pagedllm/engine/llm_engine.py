@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # [structured output] how long an empty step sleeps while only compiling grammars are waiting (s).
 _GRAMMAR_WAIT_S = 0.002
+# pause_generation's modes (vLLM's names).
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class LLMEngine:
@@ -93,10 +95,12 @@ class LLMEngine:
             self.structured_outputs_config, self.tokenizer, self.vocab_size, sched_cfg.max_num_seqs)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               args.max_logprobs, self.structured_outputs_config,
-                                              self.logits_processor_classes)
+                                              self.logits_processor_classes, args.enable_trace_replay)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
+        # None: generating; "new": new requests refused (pause abort / wait); "all": also frozen (keep).
+        self.pause_state: str | None = None
         self._ids = itertools.count()
         # Samples whose logits processors go to the in-process worker on their first step.
         self._pending_processors: set[str] = set()
@@ -240,6 +244,24 @@ class LLMEngine:
         """
         return self.scheduler.reset_prefix_cache(reset_running_requests)
 
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """``Worker.<method>(*args, **kwargs)`` on every rank, the results in rank order (vLLM's
+        ``collective_rpc``, by method name; e.g. ``"update_config"``, ``"reload_weights"``). After
+        ``reload_weights`` the prefix cache is reset: its blocks hold the old weights' KV.
+
+        Raises:
+            ValueError: ``method`` not a string, or a ``timeout`` (not supported).
+        """
+        if not isinstance(method, str):
+            raise ValueError(f"method must be a Worker method's name, got {method!r}")
+        if timeout is not None:
+            raise ValueError("timeout is not supported by collective_rpc")
+        results = self.executor.collective_rpc(method, tuple(args), kwargs)
+        if method == "reload_weights":
+            self.reset_prefix_cache()
+        return results
+
     def start_profile(self) -> None:
         """Start the torch profiler on every worker (vLLM's ``start_profile``); the steps until
         ``stop_profile`` are recorded (``profiler.py``).
@@ -263,8 +285,40 @@ class LLMEngine:
             raise RuntimeError("the profiler is not configured (profiler_config); nothing to stop")
         self.executor.collective_rpc("stop_profile")
 
+    def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
+        """Pause generation (vLLM's ``pause_generation`` modes, e.g. for a weight update).
+
+        Args:
+            mode: ``"abort"``: abort every unfinished request now; ``"wait"``: let them finish
+                (``step`` goes on until ``has_unfinished_requests()`` is False); ``"keep"``:
+                freeze them where they are (``step`` schedules nothing until
+                ``resume_generation``). The front end refuses new requests in ``abort`` / ``wait``
+                mode (``pause_state`` ``"new"``) and queues them in ``keep`` mode (``"all"``).
+        Returns:
+            The aborted requests' final outputs (finish_reason "abort"; ``abort`` mode only).
+        Raises:
+            ValueError: an unknown ``mode``.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        self.pause_state = "all" if mode == "keep" else "new"
+        if mode != "abort":
+            return []
+        return self.abort_request(list(self.output_processor.parents) + list(self.beam_search.instances))
+
+    def resume_generation(self) -> None:
+        """End a pause: frozen requests are scheduled again at the next ``step``."""
+        self.pause_state = None
+
+    def is_paused(self) -> bool:
+        return self.pause_state is not None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        """Whether ``step`` would do anything: unfinished requests, not frozen by a ``keep`` pause."""
+        return self.pause_state != "all" and self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -278,6 +332,8 @@ class LLMEngine:
         Returns:
             RequestOutputs of the requests that made progress (or finished) this step.
         """
+        if self.pause_state == "all":
+            return []   # frozen by pause_generation(mode="keep")
         if self.batch_queue_size > 1:
             return self._step_with_batch_queue()
         t0 = time.perf_counter()

@@ -9,9 +9,10 @@ Rendering goes through transformers' own Jinja renderer
 paying for a second tokenizer load. The rendered text is tokenized with
 ``add_special_tokens=False``: the template writes the BOS itself (as vLLM does for chat).
 
-A model without a chat template (the default model is a base model) is an error, never a guess;
-pagedllm ships ``pagedllm/data/gemma_chat_template.jinja`` (Gemma 3's turn format) for
-``--chat-template`` / ``chat_template=``.
+A model without a chat template falls back, as vLLM's per-model-type fallbacks do, to a bundled
+one for its ``model_type`` (``CHAT_TEMPLATE_FALLBACKS``: Gemma 3 → ``pagedllm/data/gemma_chat_template.jinja``,
+Gemma 3's turn format; so the default model, a base model, chats; one WARNING); any other model
+without one is an error, never a guess.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ GEMMA_CHAT_TEMPLATE_PATH = DATA_DIR / "gemma_chat_template.jinja"
 GEMMA_TOOL_CHAT_TEMPLATE_PATH = DATA_DIR / "gemma_tool_chat_template.jinja"
 # Names --chat-template accepts besides a path or a literal template.
 BUNDLED_CHAT_TEMPLATES = {"gemma": GEMMA_CHAT_TEMPLATE_PATH, "gemma-tools": GEMMA_TOOL_CHAT_TEMPLATE_PATH}
+# model_type (config.json) -> the bundled template a model without its own renders with
+# (vLLM's model-type fallbacks); Gemma 3 base checkpoints ship none.
+CHAT_TEMPLATE_FALLBACKS = {"gemma3": GEMMA_CHAT_TEMPLATE_PATH, "gemma3_text": GEMMA_CHAT_TEMPLATE_PATH}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -161,12 +165,15 @@ def load_chat_template(chat_template: str | os.PathLike | None) -> str | None:
 
 
 def resolve_chat_template(tokenizer: Tokenizer, chat_template: str | None) -> str:
-    """The template to use: the explicit one, else the model's.
+    """The template to use: the explicit one, else the model's, else the bundled fallback for the
+    model's ``model_type`` (``CHAT_TEMPLATE_FALLBACKS``; a WARNING the first time).
 
     Raises:
-        NoChatTemplateError: when neither exists.
+        NoChatTemplateError: when none exists.
     """
     template = chat_template if chat_template is not None else tokenizer.chat_template
+    if not template:
+        template = _fallback_chat_template(getattr(tokenizer, "model_type", None))
     if not template:
         raise NoChatTemplateError(
             "this model has no chat template (it is probably a base model); start the server with "
@@ -174,6 +181,16 @@ def resolve_chat_template(tokenizer: Tokenizer, chat_template: str | None) -> st
             "for Gemma models), pass chat_template= (offline; a request's needs a server started with "
             "--trust-request-chat-template), or use /v1/completions with a plain prompt")
     return template
+
+
+@functools.cache
+def _fallback_chat_template(model_type: str | None) -> str | None:
+    path = CHAT_TEMPLATE_FALLBACKS.get(model_type)
+    if path is None:
+        return None
+    logger.warning("the model (model_type %r) has no chat template; using the bundled %s (pass "
+                   "--chat-template / chat_template= to choose another)", model_type, path.name)
+    return path.read_text(encoding="utf-8")
 
 
 def _content_to_text(content: Any, index: int) -> str | None:

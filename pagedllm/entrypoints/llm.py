@@ -44,6 +44,43 @@ class LLM:
             self.llm_engine = LLMEngine(self.engine_args)
         self._counter = 0
         self._default_sampling_kwargs: dict[str, Any] | None = None
+        # vLLM's LLM logs no stats by default; disable_log_stats=False keeps Prometheus metrics
+        # in memory for get_metrics().
+        self._metrics_registry = None if kwargs.get("disable_log_stats", True) else self._attach_metrics()
+
+    def _attach_metrics(self):
+        from prometheus_client import CollectorRegistry
+
+        from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+        registry = CollectorRegistry()
+        PrometheusStatLogger.attach(self.llm_engine, self.engine_args.model or "default", registry)
+        return registry
+
+    def get_metrics(self) -> list:
+        """A snapshot of the engine's Prometheus metrics (vLLM's ``LLM.get_metrics``): one
+        ``pagedllm.v1.metrics.reader`` ``Counter`` / ``Gauge`` / ``Histogram`` per series
+        (``pagedllm:`` names, ``metrics/prometheus.py``; labels ``model_name`` = the model as
+        given, ``engine`` = the replica).
+
+        Raises:
+            RuntimeError: the LLM was made without ``disable_log_stats=False`` (vLLM's default:
+                no stats).
+        """
+        if self._metrics_registry is None:
+            raise RuntimeError("stat logging is disabled: create the LLM with disable_log_stats=False "
+                               "to read metrics")
+        from pagedllm.v1.metrics.reader import get_metrics_snapshot
+
+        return get_metrics_snapshot(self._metrics_registry)
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's ``LLM.collective_rpc``: ``LLMEngine.collective_rpc`` (one engine; not with
+        ``data_parallel_size`` > 1: ``ValueError``)."""
+        if self.engine_args.data_parallel_size > 1:
+            raise ValueError("collective_rpc needs one engine (data_parallel_size 1)")
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -172,7 +209,8 @@ class LLM:
             sampling_params: one for all conversations, or one per conversation; None = ``get_default_sampling_params()``.
             use_tqdm: show a progress bar.
             chat_template: template text or a path to one (e.g.
-                ``pagedllm/data/gemma_chat_template.jinja``, or ``"gemma"``); None = the model's.
+                ``pagedllm/data/gemma_chat_template.jinja``, or ``"gemma"``); None = the model's, else the bundled fallback for its
+                ``model_type`` (Gemma 3 → ``"gemma"``; ``chat_utils.CHAT_TEMPLATE_FALLBACKS``).
             add_generation_prompt: end the prompt with the assistant turn header.
             continue_final_message: continue the last (assistant) message instead.
             chat_template_kwargs: extra template variables.
@@ -185,7 +223,7 @@ class LLM:
             One finished ``RequestOutput`` per conversation, in order.
         Raises:
             ValueError: empty or malformed messages, ``tools`` not a list of dicts, no chat
-                template (the default model is a base model without one), or a template that
+                template (none of its own and no fallback for its ``model_type``), or a template that
                 rejects the conversation.
         """
         from pagedllm.entrypoints.chat_utils import load_chat_template, render_chat_prompt

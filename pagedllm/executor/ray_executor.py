@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import traceback
 from typing import Any
 
 from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
+from pagedllm.utils.network_utils import get_open_port
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +66,7 @@ class RayWorkerWrapper:
         """This actor's node IP address (Ray's view) and a TCP port free on it right now."""
         import ray
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), get_open_port()
 
     def init_worker(self, rank: int, configs: tuple, init_method: str) -> int:
         """Build the ``Worker`` for ``rank`` and join the process group at ``init_method``.

@@ -172,6 +172,20 @@ class PrometheusStatLogger:
         return [cls(model_name, max_model_len, max_num_batched_tokens, registry, init, engine_index=i,
                     families=families) for i, init in enumerate(initial)]
 
+    @classmethod
+    def attach(cls, engine, model_name: str, registry: CollectorRegistry) -> list["PrometheusStatLogger"]:
+        """Add a logger per engine to ``engine``'s stat loggers: an ``LLMEngine`` (one) or a
+        ``DPEngineClient`` (one per replica, ``engine`` labels "0".."D-1"). Returns them."""
+        sizes = (engine.max_model_len, engine.scheduler_config.max_num_batched_tokens)
+        if hasattr(engine, "initial_stats"):   # DPEngineClient: stat loggers per replica
+            loggers = cls.for_engines(model_name, *sizes, registry, initial=engine.initial_stats)
+            for replica_loggers, logger in zip(engine.stat_loggers, loggers):
+                replica_loggers.append(logger)
+            return loggers
+        logger = cls(model_name, *sizes, registry, initial=engine.scheduler.make_stats())
+        engine.stat_loggers.append(logger)
+        return [logger]
+
     def _set_gauges(self, s: SchedulerStats) -> None:
         self.num_requests_running.set(s.num_running)
         self.num_requests_waiting.set(s.num_waiting)

@@ -249,6 +249,13 @@ def _flat_keys(rows: list[int], ids: list[list[int]], vocab_size: int, device) -
     return (row_t * vocab_size + tok)[keep]
 
 
+def _allowed_ids(p: SamplingParams, num_output_tokens: int) -> list[int]:
+    trace = p.trace_decode_token_ids
+    if trace:
+        return [trace[min(num_output_tokens, len(trace) - 1)]]
+    return list(p.allowed_token_ids)
+
+
 def _build_adjustments(params: Sequence[SamplingParams], output_token_ids: Sequence[list[int]],
                        prompt_token_ids: Sequence[list[int]], vocab_size: int,
                        device) -> LogitsAdjustments | None:
@@ -256,11 +263,12 @@ def _build_adjustments(params: Sequence[SamplingParams], output_token_ids: Seque
     adj = LogitsAdjustments()
     used = False
 
-    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    # Trace replay: a row may emit only its trace's next token (logprobs stay the raw logits').
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None or p.trace_decode_token_ids]
     if allowed:
         # The input processor has checked the ids, so the flat keys stay in their rows.
         keys = _flat_keys(list(range(len(allowed))),
-                          [list(params[i].allowed_token_ids) for i in allowed], vocab_size, device)
+                          [_allowed_ids(params[i], len(output_token_ids[i])) for i in allowed], vocab_size, device)
         mask = torch.zeros(len(allowed) * vocab_size, dtype=torch.bool, device=device)
         mask[keys] = True
         adj.allowed_rows = torch.tensor(allowed, dtype=torch.int64, device=device)

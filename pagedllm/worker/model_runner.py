@@ -329,7 +329,8 @@ class ModelRunner:
             return False
         if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             return False
-        if p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids or p.logits_processors:
+        if p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids or p.logits_processors \
+                or p.trace_decode_token_ids:
             return False
         if not grammar_ok and (p.structured_outputs is not None or state.req_id in structured_ids):
             return False

@@ -3,6 +3,8 @@ the model runner on each step's message."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import time
 
@@ -191,6 +193,11 @@ class Worker:
             weights = (iterate_safetensors_slices if split else iterate_weights)(self.model_config.model_folder)
         self._weights = None
         self.model = build_model(self.model_config, weights, self.dtype, self.device, self.parallel)
+        if self.model_config.load_format == "dummy":   # vLLM's dummy weights: uniform in [-1e-3, 1e-3]
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.is_floating_point():
+                        p.uniform_(-1e-3, 1e-3)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # Before packing: the exact greedy head keeps a reference to the head weight as stored.
         weight_bytes += self._build_greedy_head()
@@ -356,6 +363,31 @@ class Worker:
             RuntimeError: if the worker has not been initialized."""
         if self.model_runner is None:
             raise RuntimeError("the worker has no model runner: initialize_cache was not called")
+
+    def update_config(self, overrides: dict) -> None:
+        """vLLM's ``update_config`` for what a reload reads: ``{"load_config": {"load_format": "auto"}}``.
+
+        Raises:
+            ValueError: another config or field, or an unsupported ``load_format``.
+        """
+        unknown = [k for k in overrides if k != "load_config"] + \
+            [f"load_config.{k}" for k in overrides.get("load_config", {}) if k != "load_format"]
+        if unknown:
+            raise ValueError(f"update_config supports only load_config.load_format, got {unknown}")
+        if "load_format" in overrides.get("load_config", {}):
+            self.model_config = dataclasses.replace(self.model_config,
+                                                    load_format=overrides["load_config"]["load_format"])
+
+    def reload_weights(self) -> None:
+        """Build the model again from the checkpoint (``model_config.load_format``), in place of
+        the current one; the KV cache stays (the engine resets its prefix cache)."""
+        self.model = None
+        self.greedy_head = None
+        gc.collect()
+        self.load_model()
+        if self.model_runner is not None:
+            self.model_runner.model = self.model
+            self.model_runner.greedy_head = self.greedy_head
 
     def shutdown(self) -> None:
         """Stop a running profile (writing its trace), drop the model runner, the KV cache and

@@ -52,14 +52,15 @@ from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.entrypoints.chat_utils import GEMMA_CHAT_TEMPLATE_PATH, check_self_contained, load_chat_template
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedllm.reasoning import REASONING_PARSERS, get_reasoning_parser
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  TokenizeRequest, VersionResponse)
+from pagedllm.entrypoints.openai.protocol import (BatchChatCompletionRequest, ChatCompletionRequest,
+                                                  CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                                  VersionResponse)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_responses import (DEFAULT_MAX_STORED_RESPONSES, OpenAIServingResponses,
                                                            ResponseStore)
-from pagedllm.entrypoints.openai.errors import OpenAIError, error_from_exception
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_from_exception
 from pagedllm.entrypoints.openai.serving_engine import DEFAULT_MAX_N, run_until_disconnect
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -141,11 +142,13 @@ async def watch_engine(state: ServerState, interval_s: float = ENGINE_WATCH_INTE
         await asyncio.sleep(interval_s)
 
 
-def default_served_model_name(args: EngineArgs, model_files) -> str:
-    """The model as given (vLLM's default); for the default model, its GGUF file's stem."""
+def default_served_model_names(args: EngineArgs, model_files) -> list[str]:
+    """The names a server started without ``--served-model-name`` answers to: the model as given
+    (vLLM's default); for the default model, its GGUF file's stem, then ``"default"`` (what
+    ``--model default`` and vLLM examples edited to the default model send)."""
     if args.model in (None, "default"):
-        return Path(model_files.gguf_path or model_files.folder).stem
-    return args.model
+        return [Path(model_files.gguf_path or model_files.folder).stem, "default"]
+    return [args.model]
 
 
 def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = None,
@@ -161,7 +164,7 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
 
     Args:
         engine_args: engine settings.
-        served_model_names: names for ``model`` (default: see :func:`default_served_model_name`).
+        served_model_names: names for ``model`` (default: see :func:`default_served_model_names`).
         chat_template: template text (already loaded with ``load_chat_template``), or None.
         api_key: see ``ServerState``.
         log_requests: log each request at INFO.
@@ -214,22 +217,17 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
         from pagedllm.engine.dp_client import DPAsyncLLM, DPEngineClient
 
         engine = DPEngineClient(engine_args)
-        names = list(served_model_names or [default_served_model_name(engine_args, engine.model_files)])
-        loggers = PrometheusStatLogger.for_engines(names[0], engine.max_model_len,
-                                                   engine.scheduler_config.max_num_batched_tokens, registry,
-                                                   initial=engine.initial_stats)
-        for stat_loggers, prometheus in zip(engine.stat_loggers, loggers):
-            stat_loggers.append(prometheus)
-            if log_stats_interval_s:   # one periodic line per engine, as the in-process engine logs
+        names = list(served_model_names or default_served_model_names(engine_args, engine.model_files))
+        PrometheusStatLogger.attach(engine, names[0], registry)
+        if log_stats_interval_s:   # one periodic line per engine, as the in-process engine logs
+            for stat_loggers in engine.stat_loggers:
                 stat_loggers.append(LoggingStatLogger(log_stats_interval_s, log_on_record=True))
         async_engine = DPAsyncLLM(engine)
     else:
         engine = LLMEngine(engine_args)
-        names = list(served_model_names or [default_served_model_name(engine_args, engine.model_files)])
-        prometheus = PrometheusStatLogger(names[0], engine.max_model_len,
-                                          engine.scheduler_config.max_num_batched_tokens, registry,
-                                          initial=engine.scheduler.make_stats())
-        async_engine = AsyncLLM(engine, stat_loggers=[prometheus], log_stats_interval_s=log_stats_interval_s)
+        names = list(served_model_names or default_served_model_names(engine_args, engine.model_files))
+        PrometheusStatLogger.attach(engine, names[0], registry)
+        async_engine = AsyncLLM(engine, log_stats_interval_s=log_stats_interval_s)
     root = engine_args.model if engine_args.model not in (None, "default") else \
         (engine.model_files.gguf_path or engine.model_files.folder)
     models = OpenAIServingModels(names, root, engine.max_model_len)
@@ -426,6 +424,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await run_until_disconnect(state.chat.create_chat_completion(request, raw_request), raw_request)
 
+    @app.post("/v1/chat/completions/batch")
+    async def create_batch_chat_completion(request: BatchChatCompletionRequest, raw_request: Request):
+        return await run_until_disconnect(state.chat.create_batch_chat_completion(request, raw_request), raw_request)
+
     def responses_handler() -> OpenAIServingResponses:
         if state.responses is None:
             raise OpenAIError(404, "/v1/responses is not served", "invalid_request_error")
@@ -451,6 +453,24 @@ def build_app(state: ServerState) -> FastAPI:
         return OpenAIError(409, "cannot reset the prefix cache while requests hold KV blocks; retry when idle",
                            "invalid_request_error").to_response()
 
+    # vLLM's RL routes: pause generation (e.g. around a weight update), resume, ask.
+    @app.post("/pause")
+    async def pause_generation(mode: str = "abort", clear_cache: bool = True):
+        try:
+            await state.engine.pause_generation(mode=mode, clear_cache=clear_cache)
+        except ValueError as e:
+            raise bad_request(str(e), param="mode") from e
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume_generation():
+        await state.engine.resume_generation()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": await state.engine.is_paused()}
+
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
         return await state.tokenization.create_tokenize(request)
@@ -472,10 +492,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use as 'model' (default: the model as given; for the default model, "
-                        "its file name)")
+                        "its file name and 'default')")
     g.add_argument("--chat-template", default=None,
                    help=f"Jinja chat template: a file, the template text, or 'gemma' ({GEMMA_CHAT_TEMPLATE_PATH.name}, "
-                        "shipped for the default base model, which has none; 'gemma-tools' adds the request's tools "
+                        "what a Gemma 3 model without its own template (the default base model) gets; 'gemma-tools' adds the request's tools "
                         "and tool turns, for --tool-call-parser hermes)")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every route (/v1/*, /tokenize, /detokenize, "

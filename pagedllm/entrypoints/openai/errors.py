@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pagedllm.engine.async_engine import EngineDeadError, EngineStepError
+from pagedllm.engine.async_engine import EngineDeadError, EnginePausedError, EngineStepError
 from pagedllm.engine.input_processor import PromptTooLongError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
@@ -54,13 +54,13 @@ def error_from_exception(e: BaseException, fields: set[str] | None = None,
 
     ``PromptTooLongError`` -> 400 ``context_length_exceeded`` (param ``prompt_param``); other
     ``ValueError`` -> 400 (``param`` guessed from the message's first word when it names one of
-    ``fields``); ``EngineStepError`` -> 500; ``EngineDeadError`` -> 503; anything else -> 500.
+    ``fields``); ``EngineStepError`` -> 500; ``EngineDeadError``, ``EnginePausedError`` -> 503; anything else -> 500.
     """
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, EngineStepError):
         return OpenAIError(500, str(e), "server_error")
-    if isinstance(e, EngineDeadError):
+    if isinstance(e, (EngineDeadError, EnginePausedError)):
         return OpenAIError(503, str(e), "server_error")
     if isinstance(e, PromptTooLongError):
         return bad_request(str(e), param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)

@@ -150,6 +150,14 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool | None = False
 
 
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """``POST /v1/chat/completions/batch`` (vLLM's): ``messages`` is a list of conversations, each
+    answered on its own as ``/v1/chat/completions`` would; one choice per conversation, ``index``
+    0..N-1. No streaming, tools, beam search or ``n`` > 1 (400 naming the field)."""
+
+    messages: list[list[Any]] = Field(min_length=1)
+
+
 # -- completions responses ---------------------------------------------------------------------
 
 class CompletionLogProbs(BaseModel):

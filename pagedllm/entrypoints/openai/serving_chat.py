@@ -9,6 +9,7 @@ token the text leaves out has none, so the entries' ``bytes`` joined give the co
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import json
@@ -24,7 +25,8 @@ from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepEr
 from pagedllm.entrypoints.chat_utils import (ChatTemplateError, NoChatTemplateError, RenderBudget,
                                              parse_chat_messages, render_chat_prompt)
 from pagedllm.entrypoints.openai.errors import bad_request, error_from_exception
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+from pagedllm.entrypoints.openai.protocol import (BatchChatCompletionRequest, ChatCompletionLogProb,
+                                                  ChatCompletionLogProbs,
                                                   ChatCompletionLogProbsContent, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatCompletionResponseChoice,
                                                   ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
@@ -46,7 +48,8 @@ class OpenAIServingChat(OpenAIServing):
 
     Args:
         engine, models, log_requests: as ``OpenAIServing``.
-        chat_template: the server's template text (``--chat-template``); None = the model's own.
+        chat_template: the server's template text (``--chat-template``); None = the model's own (or
+            its ``model_type``'s fallback: ``chat_utils.resolve_chat_template``).
         max_logprobs: the most ``top_logprobs`` a request may ask for.
         max_n: the most choices (``n``) a request may ask for.
         tool_parser: the ``--tool-call-parser`` when the server runs with
@@ -240,6 +243,45 @@ class OpenAIServingChat(OpenAIServing):
         choices.sort(key=lambda c: c.index)
         response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
                                           usage=self.usage(len(ids), num_completion, final.num_cached_tokens))
+        return JSONResponse(response.model_dump())
+
+    async def create_batch_chat_completion(self, request: BatchChatCompletionRequest,
+                                           raw_request: Request | None = None) -> Response:
+        """``/v1/chat/completions/batch``: each conversation as its own ``/v1/chat/completions``
+        request (same fields, ``n`` 1), run together; one response whose choice ``i`` answers
+        conversation ``i`` and whose usage is the sum. A conversation's error (400, ...) is the
+        response's; the others are then aborted.
+
+        Raises:
+            OpenAIError: 400 for ``stream``, ``tools``, ``use_beam_search``, ``n`` > 1, an empty
+                conversation or any conversation's invalid input; 404 for an unknown model.
+        """
+        model_name = self.models.resolve(request.model)
+        fields = request.model_dump(exclude_unset=True)
+        for field, refused in (("stream", bool(request.stream)), ("tools", bool(request.tools)),
+                               ("use_beam_search", bool(fields.get("use_beam_search"))),
+                               ("n", request.n not in (None, 1))):
+            if refused:
+                raise bad_request(f"{field} is not supported by /v1/chat/completions/batch", param=field)
+        for i, conversation in enumerate(request.messages):
+            if not conversation:
+                raise bad_request(f"messages[{i}] is an empty conversation", param="messages")
+        tasks = [asyncio.ensure_future(self.create_chat_completion(
+                     ChatCompletionRequest.model_validate({**fields, "messages": conversation}), raw_request))
+                 for conversation in request.messages]
+        try:
+            answers = [ChatCompletionResponse.model_validate_json(r.body) for r in await asyncio.gather(*tasks)]
+        except BaseException:
+            for task in tasks:
+                task.cancel()   # their handlers abort their engine requests
+            raise
+        choices = [choice.model_copy(update={"index": i}) for i, a in enumerate(answers) for choice in a.choices]
+        num_cached = sum(a.usage.prompt_tokens_details.cached_tokens for a in answers
+                         if a.usage.prompt_tokens_details is not None)
+        response = ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name, choices=choices,
+            usage=self.usage(sum(a.usage.prompt_tokens for a in answers),
+                             sum(a.usage.completion_tokens for a in answers), num_cached))
         return JSONResponse(response.model_dump())
 
     async def _stream(self, request: ChatCompletionRequest, outputs: OutputStream, request_id: str, created: int,

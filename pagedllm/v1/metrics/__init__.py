@@ -1,0 +1,1 @@
+"""``vllm.v1.metrics`` paths: ``reader`` (``LLM.get_metrics``' metric objects)."""

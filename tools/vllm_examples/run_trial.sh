@@ -1,0 +1,88 @@
+#!/bin/bash
+# vLLM's text-only example scripts on pagedllm (issue 28; results in docs/vllm_examples.md).
+# Setup: TRIAL holds vllm-0.33.0/ (vLLM's PyPI sdist, unpacked) and run/ (its examples/ after
+# convert.py: 'vllm' -> 'pagedllm' in imports, the model names -> "default"; from $TRIAL:
+# (cd vllm-0.33.0/examples && find . -name '*.py') | xargs python tools/vllm_examples/convert.py).
+# Usage: PAGEDLLM=/path/to/checkout tools/vllm_examples/run_trial.sh   (sequential; ~40 min on 2 cores)
+set -u
+TRIAL=${TRIAL:-/tmp/vllm_trial}
+export PYTHONPATH=${PAGEDLLM:-$(cd "$(dirname "$0")/../.." && pwd)}
+HERE=$(cd "$(dirname "$0")" && pwd)
+cd "$TRIAL"; mkdir -p logs
+runone() { TRIAL=$TRIAL "$HERE/runone.sh" "$@"; }
+: > results.txt
+echo "START $(date -u +%H:%M:%S) $(cd "$PYTHONPATH" && git rev-parse --short HEAD)" >> results.txt
+# offline scripts
+runone basic basic/offline_inference/basic.py
+runone chat basic/offline_inference/chat.py
+runone generate basic/offline_inference/generate.py
+runone async_llm_streaming deployment/async_llm_streaming.py
+runone llm_engine_example deployment/llm_engine_example.py --model default
+runone apc_offline features/automatic_prefix_caching/automatic_prefix_caching_offline.py
+runone prefix_caching_offline features/automatic_prefix_caching/prefix_caching_offline.py
+runone context_extension features/context_extension/context_extension_offline.py
+runone lp_custom features/logits_processor/custom.py
+runone lp_custom_req features/logits_processor/custom_req.py
+runone lp_custom_req_init features/logits_processor/custom_req_init.py
+runone lp_dry features/logits_processor/dry.py
+runone run_one_batch features/profiling/run_one_batch_offline.py
+runone simple_profiling features/profiling/simple_profiling_offline.py
+runone reset_kv features/reset_kv/reset_kv_offline.py --model default
+runone structured_outputs_offline features/structured_outputs/structured_outputs_offline.py
+runone metrics_offline observability/metrics/offline.py
+runone reproducibility rl/batch_invariance/reproducibility_offline.py
+runone pause_resume_offline rl/pause_resume/pause_resume_offline.py
+runone skip_loading_weights rl/skip_loading_weights_in_engine_init.py
+runone chat_with_tools_offline tool_calling/chat_with_tools_offline.py
+runone qwen_1m generate/qwen_1m_offline.py
+runone trace_replay generate/trace_replay_offline.py
+runone prompt_embed_offline features/prompt_embed/prompt_embed_offline.py
+# offline scripts, batch 2 (data_parallel_offline: 2 engines x 200 prompts)
+export TO=600
+runone data_parallel_offline features/data_parallel/data_parallel_offline.py -dp=2
+runone multi_instance_dp features/data_parallel/multi_instance_data_parallel.py
+runone save_sharded features/sharded_state/save_sharded_state_offline.py --model default --output $TRIAL/sharded
+runone load_sharded features/sharded_state/load_sharded_state_offline.py --model $TRIAL/sharded
+runone tensorize features/tensorize_vllm_model.py --model default serialize --serialized-directory $TRIAL/tens --suffix v1
+runone torchrun_example -m torch.distributed.run --nproc-per-node=4 features/torchrun/torchrun_example_offline.py
+runone torchrun_dp -m torch.distributed.run --nproc-per-node=2 features/torchrun/torchrun_dp_example_offline.py
+TO=60 runone watermark_server basic/online_serving/watermark_detection_server.py --tokenizer default --key 42
+runone chat_with_template_arg basic/offline_inference/chat.py --chat-template-path $PYTHONPATH/pagedllm/data/gemma_chat_template.jinja
+TO=90 runone api_server_server applications/api_server/server.py --model default
+# online scripts against pagedllm serve (flags as each example's docstring asks)
+export TO=300
+serve() {  # name, extra flags...
+  local name=$1; shift
+  setsid pagedllm serve --chat-template gemma-tools --max-model-len 1024 --port 8000 "$@" > logs/server_$name.log 2>&1 &
+  SPID=$!; echo $SPID > server_$name.pid
+  for i in $(seq 1 180); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
+  echo "server $name up after $((i*2))s" >> results.txt
+}
+stop() { kill -TERM -- -$SPID; sleep 10; kill -0 $SPID 2>/dev/null && kill -KILL -- -$SPID; sleep 2; }
+serve hermes --enable-auto-tool-choice --tool-call-parser hermes
+runone on_chat_client basic/online_serving/openai_chat_completion_client.py
+runone on_completion_client basic/online_serving/openai_completion_client.py
+runone on_batched_chat generate/batched_chat_completions_online.py
+runone on_otel_dummy observability/opentelemetry/dummy_client.py
+runone on_structured_client features/structured_outputs/structured_outputs_client.py
+runone on_tools tool_calling/openai_chat_completion_client_with_tools.py
+runone on_tools_required tool_calling/openai_chat_completion_client_with_tools_required.py
+runone on_responses_tools tool_calling/openai_responses_client_with_tools.py
+runone on_responses_mcp tool_calling/openai_responses_client_with_mcp_tools.py
+runone on_prompt_embed_client features/prompt_embed/prompt_embed_inference_with_openai_client.py
+runone on_dp_pause_resume rl/pause_resume/data_parallel_pause_resume.py
+runone on_token_gen scale_out/token_generation_client.py
+runone on_api_server_client applications/api_server/client.py
+TO=30 runone on_kv_events_sub features/kv_events/kv_events_subscriber.py
+stop
+serve reasoning --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser deepseek_r1
+runone on_reasoning reasoning/openai_chat_completion_with_reasoning.py
+runone on_reasoning_stream reasoning/openai_chat_completion_with_reasoning_streaming.py
+runone on_reasoning_tools reasoning/openai_chat_completion_tool_calls_with_reasoning.py
+runone on_reasoning_responses reasoning/openai_responses_client.py
+stop
+serve xlam --enable-auto-tool-choice --tool-call-parser xlam
+runone on_tools_xlam tool_calling/openai_chat_completion_client_with_tools_xlam.py
+runone on_tools_xlam_stream tool_calling/openai_chat_completion_client_with_tools_xlam_streaming.py
+stop
+echo "ALL DONE $(date -u +%H:%M:%S)" >> results.txt
