@@ -213,3 +213,46 @@ def test_bad_configs(target, spec, extra, match):
     with pytest.raises(ValueError, match=match):
         LLM(target, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 22, speculative_config=spec,
             **extra)
+
+
+def test_multiproc_executor(target, baseline):
+    """The draft runs in the worker process too (``load_draft_model`` through ``collective_rpc``)."""
+    tokens, engine = _run(target, spec=_spec("self_int8"), distributed_executor_backend="mp")
+    try:
+        assert tokens == baseline
+        _assert_drafted(engine)
+    finally:
+        engine.executor.shutdown()
+
+
+def test_scheduler_lookahead_blocks_are_trimmed():
+    """Without a model: a sampling step gets ``k`` lookahead slots (more blocks), the worker's
+    drafts reach the next step, and the table is back to ``cdiv(num_computed, block_size)``."""
+    from pagedllm.config import SchedulerConfig, SpeculativeConfig
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.request import Request
+    from pagedllm.core.sched_output import ModelRunnerOutput
+    from pagedllm.core.scheduler import Scheduler
+    from pagedllm.spec_decode.controller import SpecDecodeController
+
+    kv = KVCacheManager(block_size=4, num_blocks=16)
+    spec = SpecDecodeController(SpeculativeConfig(method="self_int8", num_speculative_tokens=3, adaptive=False), None)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv,
+                      spec_decoder=spec)
+    req = Request("a", list(range(100, 108)), SamplingParams(max_tokens=20, ignore_eos=True), max_tokens=20)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_lookahead_tokens == {"a": 3}
+    assert len(kv.get_block_table("a")) == 3          # cdiv(8 + 3, 4)
+    sched.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[7], sampled_logprobs=[0.0],
+                                                    draft_token_ids={"a": [8, 9, 10]}))
+    assert len(kv.get_block_table("a")) == 2          # cdiv(8, 4): the lookahead block went back
+    kv.check_integrity(sched.requests)
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {"a": [8, 9, 10]}
+    assert out.num_scheduled_tokens == {"a": 4}
+    sched.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[11], sampled_logprobs=[0.0],
+                                                    num_accepted_tokens={"a": 1}))
+    assert req.output_token_ids == [7, 8, 11]
+    assert len(kv.get_block_table("a")) == 3          # cdiv(10, 4)
+    kv.check_integrity(sched.requests)
