@@ -104,6 +104,9 @@ class SchedulerOutput:
             verifies this step (vLLM V1's name). Its ``num_scheduled_tokens`` entry counts them:
             its last known token followed by the drafts, whose K/V the step writes; the logits
             of all those positions are scored against the drafts.
+        num_lookahead_tokens: [draft models] request id -> drafts the worker's draft model
+            proposes for the request after this step (vLLM's lookahead slots): its table covers
+            that many tokens past the step's, for the draft's K/V; trimmed after the step.
 
     The worker applies them in this order: swap-out, copy, swap-in, then the forward.
     """
@@ -120,6 +123,7 @@ class SchedulerOutput:
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Any = None
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -214,6 +214,8 @@ class Scheduler:
                 and request.num_computed_tokens + 1 == request.num_tokens
             # [speculative decoding] a decode verifies its drafts in the same forward.
             drafts = self._propose_drafts(request, budget) if is_decode and self.spec_decoder is not None else []
+            # [draft models] slots for the draft model's K/V past the step's tokens.
+            lookahead = self._num_lookahead(request, num_new)
             num_new += len(drafts)
             cow_pair = None
             while True:
@@ -221,11 +223,14 @@ class Scheduler:
                 try:
                     # Its next token goes into a block another table shares (a fork): copy first.
                     cow_pair = self.kv_cache_manager.cow_last_block_if_shared(request) or cow_pair
-                    new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                    new_blocks = self.kv_cache_manager.allocate_slots(request, num_new + lookahead)
                 except NoFreeBlocksError:
                     pass
                 if new_blocks is not None:
                     break
+                if lookahead:   # no blocks for the draft's lookahead: try without it first
+                    lookahead = 0
+                    continue
                 if drafts:   # no blocks for the drafts: decode without them before preempting anyone
                     num_new -= len(drafts)
                     drafts = []
@@ -244,6 +249,8 @@ class Scheduler:
             if drafts:
                 request.spec_token_ids = drafts
                 output.scheduled_spec_decode_tokens[request.request_id] = drafts
+            if lookahead:
+                output.num_lookahead_tokens[request.request_id] = lookahead
             self._schedule_request(request, num_new, output)
             if is_decode:
                 num_decode_tokens += num_new
@@ -300,7 +307,13 @@ class Scheduler:
                     break
                 if num_new <= 0:
                     break
-                if self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
+                # [draft models] slots for the draft model's K/V past the prompt, when they fit.
+                request.num_computed_tokens = computed.num_computed_tokens
+                lookahead = self._num_lookahead(request, num_new)
+                request.num_computed_tokens = 0
+                if lookahead and self.kv_cache_manager.allocate_slots(request, num_new + lookahead, computed) is not None:
+                    output.num_lookahead_tokens[request.request_id] = lookahead
+                elif self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
                     if self._preempt_paused(output, preempted_ids):
                         continue  # blocks held by an idle beam were freed: try again
                     break  # FCFS: do not let later requests skip ahead
@@ -360,6 +373,22 @@ class Scheduler:
         if not drafts:
             spec.skipped(request.request_id)
         return drafts
+
+    def _num_lookahead(self, request: Request, num_new: int) -> int:
+        """[draft models] Lookahead slots (tokens) for a request whose ``num_new`` tokens this step
+        reach its last known token: the drafts the worker's draft model proposes after the step
+        (the controller's size for it now), which write K/V up to ``k - 1`` positions past the
+        step's new token. 0 without a draft model, for a non-final prefill chunk, for requests
+        that never draft (``_propose_drafts``'s exclusions) and for a parent whose samples fork
+        this step (they take its whole table)."""
+        spec = self.spec_decoder
+        if spec is None or not spec.config.uses_draft_model \
+                or request.num_computed_tokens + num_new != request.num_tokens \
+                or request.structured_output_request is not None or request.group_id is not None \
+                or request.sampling_params.logits_processors or request.request_id in self._pending_forks:
+            return 0
+        room = min(request.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens - 1)
+        return max(0, min(spec.num_drafts(request.request_id), room))
 
     def _pop_preemption_victim(self) -> Request:
         """Remove and return the most recently admitted running request that is not in a batch
@@ -765,6 +794,16 @@ class Scheduler:
             if req_id in prompt_lps:
                 out.new_prompt_logprobs = prompt_lps.pop(req_id)
             outputs[req_id] = out
+        # [draft models] the drafts for each request's next step; the lookahead blocks go back.
+        # (Every request that sampled gets its entry, empty without drafts: older drafts follow
+        # fewer tokens.)
+        if self.spec_decoder is not None and self.spec_decoder.config.uses_draft_model:
+            running = [req_id for req_id in req_ids if req_id not in finished and req_id in self.requests
+                       and self.requests[req_id].status == RequestStatus.RUNNING]
+            self.spec_decoder.set_worker_drafts({req_id: runner_output.draft_token_ids.get(req_id, [])
+                                                 for req_id in running})
+            lookahead = scheduler_output.num_lookahead_tokens
+            trimmed += [self.requests[req_id] for req_id in running if req_id in lookahead and req_id not in spec_tokens]
         # [speculative decoding] blocks that held only rejected drafts go back to the pool.
         for request in trimmed:
             if request.request_id not in finished:

@@ -329,8 +329,8 @@ class EngineArgs:
 
         Raises:
             ValueError: naming the key: an unknown key or bad value; pipeline parallelism or
-                class-based logits processors with speculative decoding; a draft method that is
-                not available.
+                class-based logits processors with speculative decoding; tensor parallelism with a
+                draft model ("draft_model", "self_int8").
         """
         from pagedllm.config import SpeculativeConfig
 
@@ -343,9 +343,9 @@ class EngineArgs:
         if self.logits_processors:
             raise ValueError("speculative_config: class-based logits_processors see one row per request and "
                              "step; they do not run with speculative decoding")
-        if spec.uses_draft_model:
-            raise ValueError(f"speculative_config: method {spec.method!r} is not available yet; "
-                             f"use 'ngram' or 'suffix'")
+        if spec.uses_draft_model and self.tensor_parallel_size != 1:
+            raise ValueError(f"speculative_config: method {spec.method!r} runs its draft model on one worker; "
+                             f"it needs tensor_parallel_size=1 (got {self.tensor_parallel_size})")
         return spec
 
     def _pp_partition(self) -> tuple[int, ...] | None:

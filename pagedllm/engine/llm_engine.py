@@ -69,10 +69,22 @@ class LLMEngine:
         # The tokenizer (a 33 MB tokenizer.json for Gemma) loads in a thread while the weights load:
         # in parallel with worker processes; with the in-process worker hardly at all, since the
         # tokenizers loader holds the GIL throughout (docs/performance.md, "Step 19").
+        spec = self.speculative_config
+        draft_cfg = None
+        if spec is not None and spec.uses_draft_model:
+            # [draft models] the draft's config, and a draft model's tokenizer checked against the
+            # target's, before any weight loads (ValueError naming speculative_config).
+            from pagedllm.spec_decode.draft_model import check_draft_tokenizer, draft_model_config
+
+            draft_cfg = draft_model_config(spec, model_cfg)
         with ThreadPoolExecutor(max_workers=1) as pool:
             tokenizer_future = pool.submit(Tokenizer.from_pretrained, args.tokenizer or files.folder)
+            if draft_cfg is not None and spec.method == "draft_model":
+                check_draft_tokenizer(tokenizer_future.result(), draft_cfg.model_folder, spec.model)
             self.executor = executor_class(model_cfg, cache_cfg, sched_cfg, parallel_cfg)
             self.executor.initialize()
+            if draft_cfg is not None:
+                self.executor.collective_rpc("load_draft_model", (draft_cfg, spec.method == "self_int8"))
             self.tokenizer = tokenizer_future.result()
         self.num_blocks = self.executor.determine_num_blocks()
         self.num_cpu_blocks = self.executor.determine_num_cpu_blocks()

@@ -65,6 +65,10 @@ class ModelRunner:
             [num_cpu_blocks, block_size, Hkv, D] on the CPU (pinned on CUDA); None without swap.
         greedy_head: the exact greedy head (``layers/greedy_head.py``), or None (every sampled
             row through ``compute_logits``); built by the worker only with one tensor rank.
+        draft: [draft models] the draft model and its KV pool (``spec_decode/draft_model.py``),
+            or None. After the step's sampling the driver drafts ``num_lookahead_tokens`` tokens
+            for each sampled request (``ModelRunnerOutput.draft_token_ids``); copy-on-write
+            copies the draft pool's blocks too.
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -72,8 +76,9 @@ class ModelRunner:
                  parallel: ParallelContext | None = None, hidden_size: int = 0,
                  dtype: torch.dtype | None = None,
                  host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 greedy_head: ExactGreedyHead | None = None) -> None:
+                 greedy_head: ExactGreedyHead | None = None, draft=None) -> None:
         self.model = model
+        self.draft = draft
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches or []
         self.block_size = block_size
@@ -82,7 +87,7 @@ class ModelRunner:
         # Plain greedy rows through the fused C++ argmax when the model runs the fused CPU ops.
         self.sampler = Sampler(greedy_argmax=greedy_argmax if getattr(model, "use_fused_ops", False) else None)
         self.default_generator = make_generator(seed, device)
-        self.requests = RequestStates()
+        self.requests = RequestStates(block_size)
         # In-process logits processors of the next step's new requests (never in the message; see
         # ``add_logits_processors``), moved into the request's state by that step.
         self._logits_processors: dict[str, list[LogitsProcessor]] = {}
@@ -190,7 +195,46 @@ class ModelRunner:
             if speculative and self.is_driver:
                 self._accept_drafts(reqs, sample_rows, output, saved)
         self._prompt_logprobs(reqs, hidden, starts, output)
+        if self.draft is not None and self.is_driver and sample_rows and sched.num_lookahead_tokens:
+            self._propose_drafts(sched, reqs, sample_rows, output)
         return output
+
+    def _propose_drafts(self, sched: SchedulerOutput, reqs: list[ScheduledRequest], sample_rows: list[int],
+                        output: ModelRunnerOutput) -> None:
+        """[draft models] Draft the next step's tokens of each sampled request the scheduler gave
+        lookahead slots (``sched.num_lookahead_tokens``) into ``output.draft_token_ids``.
+
+        A request's real tokens are now its known tokens, the accepted drafts and the new token
+        (L); the draft computes its K/V from the first position it does not hold
+        (``CachedRequestState.draft_valid_prefix``). Drafts are capped so that no K/V is written
+        past the request's table (``len(block_ids) * block_size`` tokens). Forks of this step and
+        their parents do not draft (they share a partial last block until their copy-on-write);
+        no draft position reaches ``max_model_len``.
+        """
+        from pagedllm.spec_decode.draft_model import DraftInput
+
+        lookahead = sched.num_lookahead_tokens
+        forked = {st.req_id for _, st in self.requests.forks} | {parent for parent, _ in self.requests.forks}
+        index = {rid: i for i, rid in enumerate(output.req_ids)}
+        items: list[DraftInput] = []
+        for i in sample_rows:
+            r = reqs[i]
+            rid = r.request_id
+            k = lookahead.get(rid, 0)
+            if k <= 0 or rid in forked or rid not in index:
+                continue
+            st = r.state
+            m = output.num_accepted_tokens.get(rid, 0)
+            real = st.token_ids + r.spec_token_ids[:m] + [output.sampled_token_ids[index[rid]]]
+            k = min(k, len(st.block_ids) * self.block_size - len(real) + 1, self.draft.max_model_len - len(real) + 1)
+            if k <= 0:
+                continue
+            start = min(st.draft_valid_prefix(real), len(real) - 1)
+            items.append(DraftInput(rid, real, start, st.block_ids, k))
+        for item, drafts in zip(items, self.draft.propose(items)):
+            st = self.requests.requests[item.req_id]
+            st.draft_num_computed, st.draft_kv_tokens = len(item.token_ids), drafts[:-1]
+            output.draft_token_ids[item.req_id] = drafts
 
     def _sampling_rows(self, reqs: list[ScheduledRequest], sample_rows: list[int], hidden: torch.Tensor,
                        ends: list[int]) -> tuple[list, list[int], torch.Tensor]:
@@ -449,12 +493,14 @@ class ModelRunner:
             v_dst[dst] = v_src[src].to(dst_dev)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: copy physical block src to dst in every layer's K and V pool (one
-        batched index copy each; every source is read before any destination is written)."""
+        """Copy-on-write: copy physical block src to dst in every layer's K and V pool, the draft
+        model's too (one batched index copy each; every source is read before any destination
+        is written)."""
         if not pairs:
             return
         src = torch.as_tensor([p[0] for p in pairs], device=self.device)
         dst = torch.as_tensor([p[1] for p in pairs], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        draft_caches = self.draft.kv_caches if self.draft is not None else []
+        for k_cache, v_cache in [*self.kv_caches, *draft_caches]:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]

@@ -30,6 +30,11 @@ class CachedRequestState:
         block_ids: physical block ids (empty while preempted).
         num_computed_tokens: tokens in the KV cache before the current step.
         generator: the request's seeded ``torch.Generator`` once the runner made one, else None.
+        draft_num_computed: [draft models] tokens of ``token_ids`` (from 0) whose K/V the draft
+            model holds in its pool; 0 after a preemption.
+        draft_kv_tokens: [draft models] the drafts whose draft K/V follows those positions (the
+            first ``k - 1`` drafts of the last drafting); they count as computed as far as they
+            match the real tokens (``draft_valid_prefix``).
     """
 
     req_id: str
@@ -40,6 +45,25 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: Any = None
+    draft_num_computed: int = 0
+    draft_kv_tokens: list[int] = field(default_factory=list)
+
+    def draft_valid_prefix(self, token_ids: list[int]) -> int:
+        """[draft models] Positions of ``token_ids`` (the request's real tokens) whose draft K/V
+        is valid: ``draft_num_computed`` plus the leading drafts of ``draft_kv_tokens`` that the
+        verification accepted (they equal the real tokens there)."""
+        n, j, kv = self.draft_num_computed, 0, self.draft_kv_tokens
+        while j < len(kv) and n + j < len(token_ids) and token_ids[n + j] == kv[j]:
+            j += 1
+        return n + j
+
+    def cut_draft_kv(self, num_tokens: int) -> None:
+        """[draft models] The draft K/V past ``num_tokens`` positions is gone (its blocks were
+        freed, or the table cleared)."""
+        if self.draft_num_computed >= num_tokens:
+            self.draft_num_computed, self.draft_kv_tokens = num_tokens, []
+        else:
+            del self.draft_kv_tokens[num_tokens - self.draft_num_computed:]
 
 
 @dataclass
@@ -85,11 +109,15 @@ class ScheduledRequest:
 class RequestStates:
     """The worker's requests by id, updated from each step's message.
 
+    Args:
+        block_size: tokens per block (for the draft K/V a cut table keeps; 0: unknown, a cut
+            drops all of it).
     Attributes:
         requests: request id -> ``CachedRequestState``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 0) -> None:
+        self.block_size = block_size
         self.requests: dict[str, CachedRequestState] = {}
         # The last update's forks: (parent id, fork's state); they sample from the parent's row.
         self.forks: list[tuple[str, CachedRequestState]] = []
@@ -112,6 +140,7 @@ class RequestStates:
             state = self.requests.get(req_id)
             if state is not None:
                 state.block_ids = []
+                state.cut_draft_kv(0)
         self.forks = []
         for new in sched.scheduled_new_reqs:
             if new.req_id in self.requests:
@@ -132,9 +161,11 @@ class RequestStates:
             state.output_token_ids.extend(cached.new_token_ids)
             if cached.resumed_from_preemption:
                 state.block_ids = list(cached.new_block_ids)
+                state.cut_draft_kv(0)
             else:
                 if cached.num_blocks_kept is not None:   # blocks of rejected drafts went back
                     del state.block_ids[cached.num_blocks_kept:]
+                    state.cut_draft_kv(cached.num_blocks_kept * self.block_size)
                 for index, block_id in cached.replaced_block_ids:
                     if not 0 <= index < len(state.block_ids):
                         raise RuntimeError(f"request {cached.req_id!r}: replaced block index {index} outside "

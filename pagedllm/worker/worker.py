@@ -89,6 +89,15 @@ def resolve_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.de
     return _DTYPES.get(str(name or "bfloat16").replace("torch.", ""), torch.bfloat16)
 
 
+class _CombinedKVShape:
+    """[draft models] ``num_blocks_for_budget``'s view of a block holding the target's and the
+    draft's K/V: ``bytes_per_block`` of both, the target's ``block_size``."""
+
+    def __init__(self, target: KVCacheShape, bytes_per_block: int) -> None:
+        self.block_size = target.block_size
+        self.bytes_per_block = bytes_per_block
+
+
 def build_model(model_config: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
                 ctx: ParallelContext | None = None) -> nn.Module:
     """Instantiate the registered architecture without random init (meta device), then load weights.
@@ -155,6 +164,10 @@ class Worker:
         self.parallel: ParallelContext | None = None
         self.greedy_head: ExactGreedyHead | None = None
         self.profiler: WorkerProfiler | None = None
+        # [draft models] the draft model, its KV geometry and pool (``load_draft_model``).
+        self.draft_model: nn.Module | None = None
+        self.draft_kv_shape: KVCacheShape | None = None
+        self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def init_device(self) -> None:
         """Pick the device and dtype, seed the global RNGs with the engine's seed
@@ -201,16 +214,7 @@ class Worker:
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # Before packing: the exact greedy head keeps a reference to the head weight as stored.
         weight_bytes += self._build_greedy_head()
-        if self.model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
-            weight_bytes += quantize_linear_layers(self.model)
-        elif self.model_config.quantization in WEIGHT_ONLY_MODES:  # int8 / int4 weights (layers/weight_only.py)
-            weight_bytes += quantize_weight_only(self.model, self.model_config.quantization,
-                                                 self.model_config.cpu_isa)
-        else:  # CPU float32 (and bfloat16 where native): linear layers move into a packed layout (layers/linear.py:
-            # oneDNN, or for bf16 without AMX the bf16 GEMM of layers/bf16_gemm.py).
-            weight_bytes += pack_linear_layers(self.model, self.dtype, self.device,
-                                               self.scheduler_config.max_num_seqs, self.model_config.cpu_gemm,
-                                               self.model_config.cpu_isa)
+        weight_bytes += self._prepare_linear_layers(self.model, self.model_config)
         self._weight_bytes = weight_bytes
         self.weights_load_s = time.perf_counter() - t0
         quant = self.model_config.quantization
@@ -224,6 +228,68 @@ class Worker:
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim, block_size=self.cache_config.block_size,
             dtype_bytes=torch.tensor([], dtype=self.dtype).element_size())
+
+    def _prepare_linear_layers(self, model: nn.Module, model_config: ModelConfig) -> int:
+        """Move ``model``'s linear layers into their kernels' layouts (``model_config.quantization``:
+        int8, weight-only int8 / int4, else oneDNN / bf16 packing on the CPU).
+
+        Returns:
+            Bytes added (negative when quantization saved memory).
+        """
+        if model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
+            return quantize_linear_layers(model)
+        if model_config.quantization in WEIGHT_ONLY_MODES:  # int8 / int4 weights (layers/weight_only.py)
+            return quantize_weight_only(model, model_config.quantization, model_config.cpu_isa)
+        # CPU float32 (and bfloat16 where native): linear layers move into a packed layout (layers/linear.py:
+        # oneDNN, or for bf16 without AMX the bf16 GEMM of layers/bf16_gemm.py).
+        return pack_linear_layers(model, self.dtype, self.device, self.scheduler_config.max_num_seqs,
+                                  model_config.cpu_gemm, model_config.cpu_isa)
+
+    def load_draft_model(self, draft_config: ModelConfig, share_embedding: bool = False) -> None:
+        """[draft models] Build the draft model (``spec_decode/draft_model.py``) beside the target,
+        in the target's dtype, on the driver rank (with one tensor rank, the only one); its KV
+        pool comes with ``initialize_cache``. Call after ``load_model``.
+
+        Args:
+            draft_config: the draft's ``ModelConfig`` (``draft_model_config``): "self_int8" is
+                the target's checkpoint with ``quantization="int8_weight_only"``.
+            share_embedding: use the target's token embedding instead of the draft's copy (the
+                target's own weights: "self_int8"; kept as is, since weight-only quantization
+                leaves the embedding in the model dtype).
+        Raises:
+            ValueError: unsupported architecture, mismatching checkpoint, or a quantization that
+                does not run here.
+        """
+        from pagedllm.loaders import iterate_weights
+
+        t0 = time.perf_counter()
+        draft = build_model(draft_config, iterate_weights(draft_config.model_folder), self.dtype, self.device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
+        weight_bytes += self._prepare_linear_layers(draft, draft_config)
+        shared = False
+        if share_embedding:
+            mine, theirs = draft.get_input_embeddings(), self.model.get_input_embeddings()
+            if type(mine) is type(theirs) and mine.weight.shape == theirs.weight.shape \
+                    and mine.weight.dtype == theirs.weight.dtype \
+                    and (draft.get_lm_head() is not mine or getattr(draft, "packed_lm_head", None) is not None):
+                draft.model.embed_tokens = theirs
+                weight_bytes -= mine.weight.numel() * mine.weight.element_size()
+                shared = True
+        self.draft_model = draft.eval()
+        self.draft_kv_shape = KVCacheShape(
+            num_layers=draft.num_layers, num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim,
+            block_size=self.cache_config.block_size, dtype_bytes=self.kv_shape.dtype_bytes)
+        self._weight_bytes += weight_bytes
+        logger.info("Draft model: %.1f MiB (%s, %d layers%s%s), loaded in %.2f s", weight_bytes / 2**20,
+                    str(self.dtype).replace("torch.", ""), draft.num_layers,
+                    f", {draft_config.quantization} weights" if draft_config.quantization not in (None, "gguf") else "",
+                    ", embedding shared with the target" if shared else "", time.perf_counter() - t0)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block: the target's, plus the draft model's pool when there is one."""
+        draft = self.draft_kv_shape.bytes_per_block if self.draft_kv_shape is not None else 0
+        return self.kv_shape.bytes_per_block + draft
 
     def _build_greedy_head(self) -> int:
         """Build the exact greedy head (``ModelConfig.exact_greedy_head``, ``choose_greedy_head``)
@@ -250,16 +316,17 @@ class Worker:
         return extra
 
     def determine_num_blocks(self) -> int:
-        """KV blocks that fit this worker's budget (``CacheConfig``; a profiling forward on CUDA).
+        """KV blocks that fit this worker's budget (``CacheConfig``; a profiling forward on CUDA);
+        with a draft model a block holds the target's and the draft's K/V (``bytes_per_block``).
 
         Raises:
             ValueError: if the budget cannot hold one request of ``max_model_len`` tokens.
         """
         cache_config, scheduler_config = self.cache_config, self.scheduler_config
+        shape = self.kv_shape if self.draft_kv_shape is None else _CombinedKVShape(self.kv_shape, self.bytes_per_block)
         if cache_config.num_gpu_blocks_override is not None:
             num = cache_config.num_gpu_blocks_override
-            return num_blocks_for_budget(num * self.kv_shape.bytes_per_block, self.kv_shape,
-                                         scheduler_config.max_model_len)
+            return num_blocks_for_budget(num * shape.bytes_per_block, shape, scheduler_config.max_model_len)
         if cache_config.kv_cache_memory_bytes is not None:
             budget = cache_config.kv_cache_memory_bytes
         elif self.device.type == "cpu":
@@ -274,7 +341,7 @@ class Worker:
             budget = kv_bytes_from_utilization(
                 torch.cuda.get_device_properties(self.device).total_memory,
                 cache_config.gpu_memory_utilization, self._profile_peak_bytes(scheduler_config))
-        return num_blocks_for_budget(budget, self.kv_shape, scheduler_config.max_model_len)
+        return num_blocks_for_budget(budget, shape, scheduler_config.max_model_len)
 
     def determine_num_cpu_blocks(self) -> int:
         """Host blocks for swap preemption: ``swap_space_bytes`` // bytes per block with
@@ -285,7 +352,9 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """Allocate ``num_blocks`` KV blocks per layer (and ``num_cpu_blocks`` host blocks for
-        swap preemption, pinned on CUDA) and build the model runner."""
+        swap preemption, pinned on CUDA) and build the model runner. [draft models] The draft
+        model's pool has the same ``num_blocks`` (indexed by the same tables); the host pool holds
+        the target's K/V only (a preempted request's draft K/V is recomputed)."""
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self.host_kv_caches = self._allocate_kv_caches(num_cpu_blocks, torch.device("cpu")) if num_cpu_blocks else []
@@ -294,16 +363,26 @@ class Worker:
                         num_cpu_blocks * self.kv_shape.bytes_per_block / 2**20)
         max_len = self.scheduler_config.max_model_len
         block_size = self.cache_config.block_size
+        draft = None
+        draft_note = ""
+        if self.draft_model is not None:   # [draft models] the draft's pool: same block ids
+            self.draft_kv_caches = self._allocate_kv_caches(num_blocks, shape=self.draft_kv_shape)
+            from pagedllm.spec_decode.draft_model import DraftModel
+
+            draft = DraftModel(self.draft_model, self.draft_kv_caches, block_size, self.device,
+                               self.model_config.vocab_size, max_len)
+            draft_note = (f" (target {self.kv_shape.bytes_per_block} + draft model "
+                          f"{self.draft_kv_shape.bytes_per_block} B/block)")
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token); maximum concurrency for "
+            "KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token%s); maximum concurrency for "
             "%d-token requests: %.2fx", num_blocks, block_size,
-            num_blocks * self.kv_shape.bytes_per_block / 2**20, self.kv_shape.bytes_per_token,
+            num_blocks * self.bytes_per_block / 2**20, self.bytes_per_block // block_size, draft_note,
             max_len, num_blocks * block_size / max_len)
         self.model_runner = ModelRunner(self.model, self.kv_caches, block_size, self.device,
                                         self.model_config.vocab_size, seed=self.model_config.seed,
                                         parallel=self.parallel, hidden_size=self.model_config.hidden_size,
                                         dtype=self.dtype, host_kv_caches=self.host_kv_caches,
-                                        greedy_head=self.greedy_head)
+                                        greedy_head=self.greedy_head, draft=draft)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (``ModelRunner.execute_model``), timed into ``parallel.step_times``; while
@@ -396,7 +475,9 @@ class Worker:
         self.model_runner = None
         self.kv_caches = []
         self.host_kv_caches = []
+        self.draft_kv_caches = []
         self.model = None
+        self.draft_model = None
         if self.parallel_config.world_size > 1:
             destroy_parallel_context()
 
@@ -418,9 +499,9 @@ class Worker:
         torch.cuda.synchronize(self.device)
         return int(torch.cuda.max_memory_allocated(self.device))
 
-    def _allocate_kv_caches(self, num_blocks: int, device: torch.device | None = None
-                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        s = self.kv_shape
+    def _allocate_kv_caches(self, num_blocks: int, device: torch.device | None = None,
+                            shape: KVCacheShape | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        s = shape or self.kv_shape
         device = device or self.device
         shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
         # Host blocks of a CUDA worker are pinned (fast, asynchronous copies).
