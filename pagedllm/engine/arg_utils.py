@@ -502,7 +502,8 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
     g.add_argument("--speculative-config", type=_json_dict, default=None,
                    help="speculative decoding, vLLM's JSON keys, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
-                        "or '{\"method\": \"suffix\"}' (README, \"Speculative decoding\"; default: off)")
+                        "or '{\"method\": \"suffix\"}' or '{\"method\": \"self_int8\", \"num_speculative_tokens\": 4}' "
+                        "(README, \"Speculative decoding\"; default: off)")
     g.add_argument("--structured-outputs-config", type=_json_dict, default=None,
                    help="vLLM's JSON form of the structured-output settings, laid over the two flags "
                         "above, e.g. '{\"backend\": \"xgrammar\", \"disable_additional_properties\": false}'")
