@@ -15,7 +15,7 @@ round's value. The servers and their flags:
   client, restarted per concurrency, as issue 18 measured it);
 - ``pagedllm-DTYPE`` / ``pagedllm-QUANT``: ``pagedllm serve`` with ``--dtype DTYPE`` or
   ``--quantization QUANT``;
-- ``pagedllm-MODE+ngram`` / ``pagedllm-MODE+suffix``: the same with speculative decoding
+- ``pagedllm-MODE+ngram`` / ``+suffix`` / ``+self_int8``: the same with speculative decoding
   (``SPECULATIVE_CONFIGS``);
 - ``vllm-DTYPE=PYTHON``: ``vllm serve`` from the vLLM CPU venv (``benchmarks/setup_vllm_cpu.sh``)
   on our converted model folder, with both cores (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``).
@@ -45,7 +45,8 @@ PAGEDLLM_QUANTIZATIONS = ("int8", "int8_weight_only", "int4_weight_only")
 # ``pagedllm-MODE+NAME``: ``--speculative-config`` of each NAME.
 SPECULATIVE_CONFIGS = {
     "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
-    "suffix": '{"method": "suffix", "num_speculative_tokens": 8}'}
+    "suffix": '{"method": "suffix", "num_speculative_tokens": 8}',
+    "self_int8": '{"method": "self_int8", "num_speculative_tokens": 4}'}
 # (result key, label, scale): throughput as is, latencies from seconds to milliseconds.
 METRICS = (("output_tokens_per_s", "output tok/s", 1.0), ("p50_tpot_s", "p50 TPOT ms", 1e3),
            ("p50_itl_s", "p50 ITL ms", 1e3), ("p50_ttft_s", "p50 TTFT ms", 1e3))
