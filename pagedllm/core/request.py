@@ -107,8 +107,6 @@ class Request:
         group_id: beam search: the id shared by the beams of one prompt, else None.
         group_width: seats of ``max_num_seqs`` the group takes as soon as one of its beams runs
             (the beam width: its beams fork up to it between steps); 1 without a group.
-        spec_token_ids: [speculative decoding] the draft tokens scheduled for verification in the
-            step in flight (empty otherwise); never part of ``all_token_ids``.
     Raises:
         ValueError: for an empty prompt or ``max_tokens < 1``.
     """
@@ -154,7 +152,6 @@ class Request:
         self.paused = False
         self.group_id: str | None = None
         self.group_width = 1
-        self.spec_token_ids: list[int] = []
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -247,7 +247,6 @@ class Scheduler:
             if cow_pair is not None:
                 output.blocks_to_copy.append(cow_pair)
             if drafts:
-                request.spec_token_ids = drafts
                 output.scheduled_spec_decode_tokens[request.request_id] = drafts
             if lookahead:
                 output.num_lookahead_tokens[request.request_id] = lookahead
@@ -761,7 +760,6 @@ class Scheduler:
             drafts = spec_tokens.get(req_id, ())
             num_accepted = runner_output.num_accepted_tokens.get(req_id, 0) if drafts else 0
             if drafts:
-                request.spec_token_ids = []
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec_decoder.record(req_id, len(drafts), num_accepted)
                 trimmed.append(request)
