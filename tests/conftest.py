@@ -92,7 +92,22 @@ def _tiny_config(arch: str, vocab_size: int):
 
 
 @pytest.fixture(scope="session")
-def make_tiny_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+def save_tiny_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+    """Function: (transformers model, name) -> a fresh folder with the model saved in it
+    (config.json, model.safetensors) and the tiny tokenizer's files beside it."""
+
+    def save(model, name: str) -> str:
+        path = tmp_path_factory.mktemp(f"tiny_{name}")
+        model.save_pretrained(str(path))
+        for f in os.listdir(tiny_tokenizer_dir):
+            shutil.copy(os.path.join(tiny_tokenizer_dir, f), path)
+        return str(path)
+
+    return save
+
+
+@pytest.fixture(scope="session")
+def make_tiny_checkpoint(tiny_tokenizer_dir, save_tiny_checkpoint):
     """Factory: arch -> folder with config.json, model.safetensors and the tiny tokenizer.
 
     Weights are random (seeded) with a large ``initializer_range`` so greedy near-ties are rare.
@@ -115,12 +130,8 @@ def make_tiny_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
                 for name, p in model.named_parameters():
                     if "norm" in name:
                         p.normal_(0.0, 0.3)
-        path = tmp_path_factory.mktemp(f"tiny_{arch}")
-        model.save_pretrained(str(path))
-        for f in os.listdir(tiny_tokenizer_dir):
-            shutil.copy(os.path.join(tiny_tokenizer_dir, f), path)
-        cache[arch] = str(path)
-        return str(path)
+        cache[arch] = save_tiny_checkpoint(model, arch)
+        return cache[arch]
 
     return make
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 
 import pytest
 import torch
@@ -84,7 +83,7 @@ FAMILIES = ["gemma2", "olmo2", "granite", "smollm3", "phi3", "phi4_mini", "llama
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+def checkpoint(tiny_tokenizer_dir, save_tiny_checkpoint):
     """Factory: family -> folder (config.json, model.safetensors, the tiny tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,11 +98,7 @@ def checkpoint(tmp_path_factory, tiny_tokenizer_dir):
                 for name, p in model.named_parameters():
                     if "norm" in name:
                         p.normal_(0.0 if family == "gemma2" else 1.0, 0.3)
-            path = tmp_path_factory.mktemp(f"tiny_{family}")
-            model.save_pretrained(str(path))
-            for f in os.listdir(tiny_tokenizer_dir):
-                shutil.copy(os.path.join(tiny_tokenizer_dir, f), path)
-            cache[family] = str(path)
+            cache[family] = save_tiny_checkpoint(model, family)
         return cache[family]
 
     return make

@@ -7,9 +7,7 @@ weight-only runs."""
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 
 import pytest
 import torch
@@ -43,7 +41,7 @@ def _config(family: str, vocab: int):
 
 
 @pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+def moe_checkpoint(tiny_tokenizer_dir, save_tiny_checkpoint):
     """Factory: family -> folder (config.json, model.safetensors, the tiny tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -54,11 +52,7 @@ def moe_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
             vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
             torch.manual_seed(1234)
             model = AutoModelForCausalLM.from_config(_config(family, vocab), dtype=torch.float32)
-            path = tmp_path_factory.mktemp(f"tiny_{family}")
-            model.save_pretrained(str(path))
-            for f in os.listdir(tiny_tokenizer_dir):
-                shutil.copy(os.path.join(tiny_tokenizer_dir, f), path)
-            cache[family] = str(path)
+            cache[family] = save_tiny_checkpoint(model, family)
         return cache[family]
 
     return make
