@@ -45,7 +45,7 @@ from typing import AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchParams
-from pagedllm.engine.input_processor import ProcessedInput, PromptType
+from pagedllm.engine.input_processor import LengthCheck, ProcessedInput, PromptType
 from pagedllm.engine.llm_engine import PAUSE_MODES, LLMEngine
 from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
 from pagedllm.metrics.stats import StatLogger
@@ -222,14 +222,15 @@ class AsyncFrontEnd:
         """True while the background thread is alive and not shutting down."""
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
-    def process_inputs(self, prompt: PromptType, params: SamplingParams) -> ProcessedInput:
+    def process_inputs(self, prompt: PromptType, params: SamplingParams | BeamSearchParams,
+                       length_check: LengthCheck | None = None) -> ProcessedInput:
         """Validate and tokenize without queueing (pure; any thread).
 
         Raises:
             ValueError: as ``InputProcessor.process`` (empty prompt, out-of-vocabulary ids, prompt
                 over max_model_len, logprobs over max_logprobs, ...).
         """
-        return self._core.input_processor.process(prompt, params)
+        return self._core.input_processor.process(prompt, params, length_check)
 
     # -- requests (event loop thread) -------------------------------------------------------
 
@@ -342,7 +343,7 @@ class AsyncFrontEnd:
                     raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")
                 processed = prompt
             else:
-                processed = self.process_inputs(prompt, SamplingParams(max_tokens=beam.max_tokens) if beam else params)
+                processed = self.process_inputs(prompt, params)
             self._check_request(processed, beam)
             prepared.append(_NewRequest(request_id, processed, arrival_time, beam))
         if not prepared:

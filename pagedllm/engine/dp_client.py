@@ -205,8 +205,7 @@ class DPEngineClient:
                 ``max_num_seqs`` or no room within ``max_model_len``.
             EngineDeadError: every replica is dead.
         """
-        processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(
-            prompt, SamplingParams(max_tokens=params.max_tokens))
+        processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(prompt, params)
         check_beam_search_request(len(processed.prompt_token_ids), params, self.scheduler_config.max_num_seqs,
                                   self.scheduler_config.max_model_len)
         return self._route(request_id, processed, arrival_time, params)

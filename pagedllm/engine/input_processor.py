@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 from pagedllm.config import StructuredOutputsConfig
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import Tokenizer, check_text
 
 # A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
@@ -28,14 +28,42 @@ class PromptTooLongError(ValueError):
         self.max_model_len = max_model_len
 
 
-@dataclass
+class ContextLengthExceededError(ValueError):
+    """Prompt + ``max_tokens`` do not fit ``max_model_len`` under a strict ``LengthCheck`` (the
+    server answers 400 ``context_length_exceeded`` naming ``param``).
+
+    Attributes:
+        param: the request field at fault (``max_tokens``, ``max_completion_tokens``, ...).
+    """
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class LengthCheck:
+    """Reject a request whose prompt + ``max_tokens`` exceed ``max_model_len`` instead of capping
+    ``max_tokens`` (the OpenAI server's rule; offline ``LLM.generate`` caps).
+
+    Attributes:
+        max_tokens_field: the request field ``max_tokens`` came from, named in the error.
+        prompt_name: what the message calls the prompt ("prompt", "messages", "input").
+    """
+
+    max_tokens_field: str = "max_tokens"
+    prompt_name: str = "prompt"
+
+
+@dataclass(frozen=True)
 class ProcessedInput:
-    """A request ready for the engine.
+    """A request ready for the engine; nothing changes it afterwards.
 
     Attributes:
         prompt: the text, or None when token ids were given.
         prompt_token_ids: the tokens.
-        params: a copy of the caller's params, with the model's EOS ids recorded.
+        params: a copy of the caller's params, with the model's EOS ids recorded (under a
+            ``LengthCheck``, ``max_tokens`` is the effective limit too).
         max_tokens: tokens this request may generate (max_tokens, or what fits in max_model_len);
             at least 1 (a prompt-only request, ``SamplingParams._prompt_only``, samples one token,
             which the output processor drops).
@@ -71,17 +99,26 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
 
-    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedInput:
+    def process(self, prompt: PromptType, params: SamplingParams | BeamSearchParams,
+                length_check: LengthCheck | None = None) -> ProcessedInput:
         """Validate and tokenize.
 
+        Args:
+            params: the request's params; a ``BeamSearchParams`` is processed as a plain request
+                with its ``max_tokens`` (the beams' own params come later, from the beam search).
+            length_check: reject prompt + max_tokens over max_model_len (None: cap max_tokens).
         Raises:
             ValueError: empty prompt; prompt text with a lone UTF-16 surrogate (naming
                 ``prompt``); token ids outside [0, vocab_size); prompt longer than
                 max_model_len (``PromptTooLongError``, both lengths in the message); logprobs / prompt_logprobs above
                 max_logprobs; logit_bias / allowed_token_ids / stop_token_ids outside the vocabulary;
                 a prompt of an unknown type; a ``structured_outputs`` constraint the backend
-                cannot build (naming ``structured_outputs.json`` / ``.regex`` / ``.grammar``).
+                cannot build (``StructuredOutputsError``, naming ``structured_outputs.json`` /
+                ``.regex`` / ``.grammar``); under ``length_check``, prompt + max_tokens over
+                max_model_len (``ContextLengthExceededError``).
         """
+        if isinstance(params, BeamSearchParams):
+            params = SamplingParams(max_tokens=params.max_tokens)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
@@ -115,9 +152,34 @@ class InputProcessor:
             cls.validate_params(params)   # ValueError: the processor refuses the request's extra_args
         params = params.clone()
         params.update_from_model(self.tokenizer.eos_token_ids)
+        if length_check is not None:
+            params.max_tokens = max(1, self._strict_max_tokens(len(token_ids), params, length_check))
         room = self.max_model_len - len(token_ids)
         max_tokens = max(1, room) if params.max_tokens is None else max(1, min(params.max_tokens, max(room, 1)))
         return ProcessedInput(text, token_ids, params, max_tokens)
+
+    def _strict_max_tokens(self, prompt_len: int, params: SamplingParams, check: LengthCheck) -> int:
+        """The effective max_tokens: as given (0 for a prompt-only request), or
+        ``max_model_len - prompt_len`` when omitted.
+
+        Raises:
+            ContextLengthExceededError: prompt + max_tokens over max_model_len (both numbers named).
+        """
+        limit, what = self.max_model_len, check.prompt_name
+        max_tokens = 0 if params._prompt_only else params.max_tokens
+        if max_tokens is None:
+            if prompt_len >= limit:
+                raise ContextLengthExceededError(
+                    f"This model's maximum context length is {limit} tokens. However, your {what} has "
+                    f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length "
+                    f"of the {what}.", check.max_tokens_field)
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {what} or completion.", check.max_tokens_field)
+        return max_tokens
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):

@@ -217,8 +217,7 @@ class LLMEngine:
         Raises:
             ValueError: invalid prompt or params, a duplicate id, or ``beam_width`` above ``max_num_seqs``.
         """
-        processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(
-            prompt, SamplingParams(max_tokens=params.max_tokens))
+        processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(prompt, params)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.has_request(request_id) or self.beam_search.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")

@@ -184,8 +184,7 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        processed = [self.llm_engine.input_processor.process(p, SamplingParams(max_tokens=params.max_tokens))
-                     for p in prompts]
+        processed = [self.llm_engine.input_processor.process(p, params) for p in prompts]
         ids = []
         for request in processed:
             ids.append(self.llm_engine.add_beam_search_request(f"llm-{self._counter}", request, params))

@@ -1,9 +1,10 @@
 """``StructuredOutputsParams`` -> a grammar key, the backend-neutral form of a constraint.
 
-The grammar of a request is built twice: once by the input processor, to refuse an invalid
-schema, regex or grammar with a ``ValueError`` before anything is queued
-(``validate_structured_outputs``), and again in the compile thread (then compiled against the
-vocabulary by the engine's backend, ``backend.py``). ``grammar_key`` is the canonical text used as the
+A request's grammar is checked once, by the input processor, to refuse an invalid schema, regex
+or grammar with a ``StructuredOutputsError`` before anything is queued
+(``validate_structured_outputs``; the server maps it to the request field the constraint came
+from), then compiled against the vocabulary in the compile thread by the engine's backend
+(``backend.py``). ``grammar_key`` is the canonical text used as the
 compile cache's key: two requests with the same schema, whatever its key order or spacing, share
 one compiled grammar.
 """
@@ -233,6 +234,18 @@ def config_key(params: StructuredOutputsParams, config: StructuredOutputsConfig)
     return grammar_key(params, config.disable_any_whitespace, config.disable_additional_properties)
 
 
+class StructuredOutputsError(ValueError):
+    """A constraint the backend cannot build. The message names the engine's field
+    (``structured_outputs.json: ...``, or ``structured_outputs_backend=...`` when its package is
+    missing)."""
+
+    @property
+    def reason(self) -> str:
+        """The message without its leading ``structured_outputs.<field>: ``."""
+        message = str(self)
+        return message.split(": ", 1)[-1] if message.startswith("structured_outputs.") else message
+
+
 def validate_structured_outputs(params: StructuredOutputsParams, config: StructuredOutputsConfig | None = None) -> None:
     """Check that the backend can build the constraint's grammar (the edge check; no vocabulary).
 
@@ -240,10 +253,15 @@ def validate_structured_outputs(params: StructuredOutputsParams, config: Structu
         params: the constraint.
         config: the engine's settings (its backend, JSON defaults); None: the defaults.
     Raises:
-        ValueError: naming the field (``structured_outputs.json`` / ``.regex`` / ``.choice`` /
-            ``.grammar``), or ``structured_outputs_backend`` when its package is missing.
+        StructuredOutputsError: naming the field (``structured_outputs.json`` / ``.regex`` /
+            ``.choice`` / ``.grammar``), or ``structured_outputs_backend`` when its package is missing.
     """
     from pagedllm.structured_output.backend import get_backend_class
 
     config = config or StructuredOutputsConfig()
-    get_backend_class(config.backend).validate(config_key(params, config))
+    try:
+        get_backend_class(config.backend).validate(config_key(params, config))
+    except StructuredOutputsError:
+        raise
+    except ValueError as e:
+        raise StructuredOutputsError(str(e)) from None

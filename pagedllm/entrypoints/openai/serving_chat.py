@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, OutputStream
+from pagedllm.engine.input_processor import LengthCheck
 from pagedllm.entrypoints.chat_utils import (ChatTemplateError, NoChatTemplateError, RenderBudget,
                                              parse_chat_messages, render_chat_prompt)
 from pagedllm.entrypoints.openai.errors import bad_request, error_from_exception
@@ -130,7 +131,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def plan_tools_and_constraint(self, request, format_fields: str = "response_format or structured_outputs",
                                   tool_choice=None) -> tuple:
-        """(``ToolPlan``, the reply's constraint): a forced tool call's grammar, else the request's own.
+        """(``ToolPlan``, the reply's constraint, the ``ConstraintOrigin`` naming its field): a
+        forced tool call's grammar, else the request's own.
 
         Args:
             request: a ``ChatCompletionRequest``.
@@ -140,16 +142,15 @@ class OpenAIServingChat(OpenAIServing):
             OpenAIError: 400 naming ``tool_choice`` when a forced call meets another constraint; as
                 ``plan_tools`` and ``structured_outputs``.
         """
-        tool_plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser,
-                               self.structured_outputs_config)
-        structured_outputs = self.structured_outputs(request)
+        tool_plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser)
+        structured_outputs, origin = self.structured_outputs(request)
         if tool_plan.structured_outputs is not None:
             if structured_outputs is not None:
                 shown = request.tool_choice if tool_choice is None else tool_choice
                 raise bad_request(f"tool_choice={shown!r} constrains the reply to a tool call; it "
                                   f"cannot be combined with {format_fields}", param="tool_choice")
-            structured_outputs = tool_plan.structured_outputs
-        return tool_plan, structured_outputs
+            structured_outputs, origin = tool_plan.structured_outputs, tool_plan.origin
+        return tool_plan, structured_outputs, origin
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Request | None = None) -> Response:
@@ -169,7 +170,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_n(n)
         if request.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        tool_plan, structured_outputs = self.plan_tools_and_constraint(request)
+        tool_plan, structured_outputs, origin = self.plan_tools_and_constraint(request)
         num_top = None
         if request.logprobs:
             num_top = 0 if request.top_logprobs is None else request.top_logprobs
@@ -189,16 +190,14 @@ class OpenAIServingChat(OpenAIServing):
             # Beam search: the prompt is processed as a plain greedy request, then runs as beams.
             base = SamplingParams(max_tokens=max_tokens, temperature=0.0) if beam_search else \
                 self.sampling_params(request, max_tokens, num_top, kind, structured_outputs=structured_outputs)
-            processed = await self.run_in_pool(self.engine.process_inputs, prompt, base)
+            processed = await self.run_in_pool(self.engine.process_inputs, prompt, base,
+                                               LengthCheck(max_tokens_field, "messages"))
             ids = processed.prompt_token_ids
-            # The processed request owns its params copy: record the effective limit there.
-            processed.params.max_tokens = self.check_max_tokens(len(ids), max_tokens, what="messages",
-                                                                field=max_tokens_field)
             self.log_request(request_id, processed.prompt, len(ids), processed.params)
             beam = self.beam_search_params(request, processed.params.max_tokens) if beam_search else None
             outputs = self.engine.add_request(request_id, processed, beam, arrival_time=arrival_time)
         except Exception as e:
-            raise error_from_exception(e, self.fields, prompt_param="messages") from e
+            raise error_from_exception(e, self.fields, prompt_param="messages", constraint=origin) from e
         created = int(time.time())
         if stream:
             return StreamingResponse(self._stream(request, outputs, request_id, created, model_name, n, len(ids),

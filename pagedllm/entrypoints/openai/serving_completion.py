@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import EngineDeadError, EngineStepError, OutputStream
 from pagedllm.engine.detokenizer import incomplete_tail_length
-from pagedllm.engine.input_processor import ProcessedInput
+from pagedllm.engine.input_processor import LengthCheck, ProcessedInput
 from pagedllm.entrypoints.openai.errors import bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                   CompletionResponseChoice, CompletionStreamResponse, UsageInfo)
@@ -120,7 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = max(prompt_logprobs or 0, num_top)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         best_of = request.best_of if request.best_of is not None and request.best_of > n else None
-        structured_outputs = self.structured_outputs(request)
+        structured_outputs, origin = self.structured_outputs(request)
         try:
             if beam_search and structured_outputs is not None:
                 raise ValueError("use_beam_search cannot be combined with a structured output constraint "
@@ -133,7 +133,7 @@ class OpenAIServingCompletion(OpenAIServing):
             base._prompt_only = prompt_only
             cmpl_id = f"cmpl-{uuid.uuid4().hex}"
             # Tokenizing is the slow part (a long prompt: seconds): off the event loop.
-            processed_prompts = await self.run_in_pool(self.process_prompts, prompts, base, max_tokens,
+            processed_prompts = await self.run_in_pool(self.process_prompts, prompts, base,
                                                        add_special_tokens=request.add_special_tokens is not False,
                                                        max_tokens_field=max_tokens_field)
             engine_requests, infos = [], []
@@ -145,7 +145,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.log_request(request_id, processed.prompt, len(info.token_ids), processed.params)
             outputs = self.engine.add_requests(engine_requests, arrival_time=arrival_time)
         except Exception as e:
-            raise error_from_exception(e, self.fields) from e
+            raise error_from_exception(e, self.fields, constraint=origin) from e
         created = int(time.time())
         skip_special = base.skip_special_tokens
         if stream:
@@ -176,29 +176,26 @@ class OpenAIServingCompletion(OpenAIServing):
                                                        sum(finals[r].num_cached_tokens or 0 for r in finals)))
         return JSONResponse(response.model_dump())
 
-    def process_prompts(self, prompts: list[str | list[int]], base: SamplingParams, max_tokens: int | None,
-                        add_special_tokens: bool = True,
+    def process_prompts(self, prompts: list[str | list[int]], base: SamplingParams, add_special_tokens: bool = True,
                         max_tokens_field: str = "max_tokens") -> list[tuple[ProcessedInput, _Prompt]]:
         """Tokenize and check each prompt (pure; any thread: the handler runs it in its pool).
 
-        ``max_tokens`` 0 is a prompt-only request (``base._prompt_only``): it must fit
+        A prompt-only request (``base._prompt_only``, ``max_tokens`` 0) must fit
         ``max_model_len`` alone, and generates the one token that is dropped.
 
         Returns:
             Per prompt, the engine's ``ProcessedInput`` (its params copy holds the effective
             ``max_tokens``) and what the response needs of it.
         Raises:
-            ValueError: as ``InputProcessor.process`` (empty, out of vocabulary, too long, ...).
-            OpenAIError: 400 when the prompt leaves no room for ``max_tokens``.
+            ValueError: as ``InputProcessor.process`` under a ``LengthCheck`` naming
+                ``max_tokens_field`` (empty, out of vocabulary, too long, no room for ``max_tokens``, ...).
         """
         result = []
         for prompt in prompts:
             if isinstance(prompt, str) and not add_special_tokens:
                 prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt, add_special_tokens=False)}
-            processed = self.engine.process_inputs(prompt, base)
+            processed = self.engine.process_inputs(prompt, base, LengthCheck(max_tokens_field))
             ids = processed.prompt_token_ids
-            # The processed request owns its params copy: record the effective limit there.
-            processed.params.max_tokens = max(1, self.check_max_tokens(len(ids), max_tokens, field=max_tokens_field))
             tail = 0 if processed.prompt is not None else \
                 incomplete_tail_length(self.tokenizer.backend, ids, skip_special_tokens=False)
             result.append((processed, _Prompt(processed.prompt, ids, tail)))

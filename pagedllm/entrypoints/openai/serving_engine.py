@@ -18,14 +18,13 @@ from fastapi.responses import Response
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, OutputStream
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.entrypoints.openai.errors import CONTEXT_LENGTH_EXCEEDED, bad_request, error_from_exception
+from pagedllm.entrypoints.openai.errors import ConstraintOrigin, bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.structured_output.backend import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend_name
-from pagedllm.structured_output.grammar import validate_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -273,34 +272,6 @@ class OpenAIServing:
             raise bad_request(f"{field} must be at least 1, got {value}.", param=field)
         return value, field
 
-    def check_max_tokens(self, prompt_len: int, max_tokens: int | None, what: str = "prompt",
-                         field: str = "max_tokens") -> int:
-        """The strict length check (the engine itself only caps).
-
-        Args:
-            field: the request field ``max_tokens`` came from (named in the error).
-        Returns:
-            The effective max_tokens: as given, or ``max_model_len - prompt_len`` when omitted.
-        Raises:
-            OpenAIError: 400 naming ``field`` when prompt + max_tokens exceeds max_model_len (both
-                numbers named).
-        """
-        limit = self.engine.max_model_len
-        if max_tokens is None:
-            if prompt_len >= limit:
-                raise bad_request(
-                    f"This model's maximum context length is {limit} tokens. However, your {what} has "
-                    f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length "
-                    f"of the {what}.", param=field, code=CONTEXT_LENGTH_EXCEEDED)
-            return limit - prompt_len
-        if prompt_len + max_tokens > limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the completion). "
-                f"Please reduce the length of the {what} or completion.",
-                param=field, code=CONTEXT_LENGTH_EXCEEDED)
-        return max_tokens
-
     @property
     def structured_outputs_config(self) -> StructuredOutputsConfig:
         """The engine's grammar settings (its backend), or the defaults for an engine without."""
@@ -320,15 +291,15 @@ class OpenAIServing:
                               + f"this server runs {running!r} (--structured-outputs-backend) and a request cannot "
                               f"choose another; leave the field out", param="guided_decoding_backend")
 
-    def structured_outputs(self, request) -> StructuredOutputsParams | None:
+    def structured_outputs(self, request) -> tuple[StructuredOutputsParams | None, ConstraintOrigin | None]:
         """The request's constraint, from ``response_format``, ``structured_outputs`` or the
-        older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``;
-        checked here with the engine's backend (nothing reaches the engine when it fails).
+        older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and
+        the field it came from (the input processor checks that the backend can build it; its
+        error is answered naming that field through ``error_from_exception(constraint=...)``).
 
         Raises:
             OpenAIError: 400 naming the field: an unknown ``response_format`` type, a
-                ``json_schema`` without ``schema``, two constraints at once, a schema, regex
-                or grammar the backend cannot compile (its message included), or a
+                ``json_schema`` without ``schema``, two constraints at once, or a
                 ``guided_decoding_backend`` that is not the engine's.
         """
         self.check_guided_decoding_backend(request)
@@ -373,20 +344,9 @@ class OpenAIServing:
             names = [f for f, _ in found]
             raise bad_request(f"only one structured output constraint may be given, got {names}", param=names[1])
         if not found:
-            return None
+            return None, None
         field, params = found[0]
-        try:
-            validate_structured_outputs(params, self.structured_outputs_config)
-        except ValueError as e:
-            # The message names the engine's field ("structured_outputs.json: ..."): name the
-            # request's instead, unless it is that very field.
-            message = str(e)
-            if message.startswith("structured_outputs."):
-                if field == "structured_outputs":
-                    raise bad_request(message, param=field) from None
-                message = message.split(": ", 1)[-1]
-            raise bad_request(f"{field}: {message}", param=field) from None
-        return params
+        return params, ConstraintOrigin(field)
 
     @staticmethod
     def sampling_params(request, max_tokens: int | None, logprobs: int | None, output_kind: RequestOutputKind,

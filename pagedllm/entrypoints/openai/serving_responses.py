@@ -35,6 +35,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, OutputStream
+from pagedllm.engine.input_processor import LengthCheck
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_responses import (InputTokensDetails, ResponseFunctionToolCall,
@@ -48,6 +49,7 @@ from pagedllm.entrypoints.openai.tool_calls import ToolPlan, parse_tool_calls
 from pagedllm.outputs import CompletionOutput
 from pagedllm.reasoning import ReasoningParser, ReasoningStream
 from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.structured_output.grammar import StructuredOutputsError
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +322,7 @@ class OpenAIServingResponses(OpenAIServing):
         self.warn_unknown_fields(request, RESPONSES_UNSUPPORTED_FIELDS)
         try:
             chat, previous = self.chat_request(request)
-            tool_plan, structured_outputs = self.chat.plan_tools_and_constraint(chat, "text.format", request.tool_choice)
+            tool_plan, structured_outputs, origin = self.chat.plan_tools_and_constraint(chat, "text.format", request.tool_choice)
             prompt = await self.run_in_pool(self.chat.render, chat)
         except OpenAIError as e:
             raise _renamed(e) from e
@@ -330,12 +332,13 @@ class OpenAIServingResponses(OpenAIServing):
         try:
             params = self.sampling_params(chat, request.max_output_tokens, None, kind,
                                           structured_outputs=structured_outputs)
-            processed = await self.run_in_pool(self.engine.process_inputs, prompt, params)
+            processed = await self.run_in_pool(self.engine.process_inputs, prompt, params,
+                                               LengthCheck("max_output_tokens", "input"))
             num_input = len(processed.prompt_token_ids)
-            processed.params.max_tokens = self.check_max_tokens(num_input, request.max_output_tokens, what="input",
-                                                                field="max_output_tokens")
             self.log_request(response_id, processed.prompt, num_input, processed.params)
             outputs = self.engine.add_request(response_id, processed, arrival_time=arrival_time)
+        except StructuredOutputsError as e:   # named by the chat field it came from: rename it
+            raise _renamed(error_from_exception(e, constraint=origin)) from e
         except Exception as e:
             raise error_from_exception(e, self.fields, prompt_param="input") from e
         base = ResponsesResponse(

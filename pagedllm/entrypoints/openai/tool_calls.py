@@ -16,11 +16,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.entrypoints.openai.errors import ConstraintOrigin, bad_request
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, make_tool_call
-from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.grammar import check_schema_refs, validate_structured_outputs, walk_schema
+from pagedllm.structured_output.grammar import check_schema_refs, walk_schema
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -32,15 +31,18 @@ class ToolPlan:
     Attributes:
         mode: "none" (plain text), "required" (a JSON array of calls), "named" (one call) or
             "auto" (free text, calls found by ``parser``).
-        structured_outputs: the constraint for "required" / "named", else None.
+        structured_outputs: the constraint for "required" / "named", else None (the input
+            processor checks that the backend can build it).
         function_name: the called function for "named".
         parser: the server's tool-call parser for "auto".
+        origin: how a constraint the backend cannot build is answered (naming ``tools``).
     """
 
     mode: str
     structured_outputs: StructuredOutputsParams | None = None
     function_name: str | None = None
     parser: ToolParser | None = None
+    origin: ConstraintOrigin | None = None
 
 
 def _functions(tools: list[Any]) -> dict[str, dict]:
@@ -96,37 +98,17 @@ def _embedded(params: dict, index: int, defs: dict[str, Any]) -> dict:
     return {"$ref": f"#/$defs/{key}"}
 
 
-def _checked(params: StructuredOutputsParams, config: StructuredOutputsConfig | None,
-             name: str | None = None) -> StructuredOutputsParams:
-    """``params`` once the engine's backend (``config``; None: the default) can build its grammar.
-
-    Raises:
-        OpenAIError: 400 naming ``tools`` (with the backend's message) when it cannot.
-    """
-    try:
-        validate_structured_outputs(params, config)
-    except ValueError as e:
-        message = str(e).split(": ", 1)[-1]   # drop the "structured_outputs.json" prefix
-        what = f"the parameters of function {name!r}" if name else "the tools' parameters schemas"
-        raise bad_request(f"tools: {what}: {message}", param="tools") from None
-    return params
-
-
 def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None = None,
-               auto_tool_parser: ToolParser | None = None,
-               structured_outputs_config: StructuredOutputsConfig | None = None) -> ToolPlan:
+               auto_tool_parser: ToolParser | None = None) -> ToolPlan:
     """The ``ToolPlan`` of a request (``parallel_tool_calls: false``: at most one call).
 
     Args:
         auto_tool_parser: the server's parser when it runs with ``--enable-auto-tool-choice``,
             else None (then ``"auto"`` is refused).
-        structured_outputs_config: the engine's grammar settings (its backend checks the
-            schemas); None: the defaults.
     Raises:
-        OpenAIError: 400 naming ``tools`` or ``tool_choice``: malformed tools, a ``parameters``
-            schema the backend cannot compile (``tools``, under ``"required"`` or a named function),
-            a ``tool_choice`` without tools, a named function not in ``tools``, ``"auto"``
-            without ``--enable-auto-tool-choice``, or an unknown value.
+        OpenAIError: 400 naming ``tools`` or ``tool_choice``: malformed tools, a ``tool_choice``
+            without tools, a named function not in ``tools``, ``"auto"`` without
+            ``--enable-auto-tool-choice``, or an unknown value.
     """
     if not tools:
         if tool_choice not in (None, "none"):
@@ -152,7 +134,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
             schema["$defs"] = defs
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan("required", _checked(StructuredOutputsParams(json=schema), structured_outputs_config))
+        return ToolPlan("required", StructuredOutputsParams(json=schema),
+                        origin=ConstraintOrigin("tools", "the tools' parameters schemas"))
     if isinstance(tool_choice, dict):
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -162,7 +145,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
         if name not in functions:
             raise bad_request(f"tool_choice names the function {name!r}, which is not in tools "
                               f"({sorted(functions)})", param="tool_choice")
-        return ToolPlan("named", _checked(StructuredOutputsParams(json=functions[name]), structured_outputs_config, name), name)
+        return ToolPlan("named", StructuredOutputsParams(json=functions[name]), name,
+                        origin=ConstraintOrigin("tools", f"the parameters of function {name!r}"))
     raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}",
                       param="tool_choice")
 
