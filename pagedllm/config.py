@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pagedllm import envs
+from pagedllm.platforms.cpu import CpuGemm, CpuIsa, parse_cpu_gemm, parse_cpu_isa
+
 # CPU defaults: a step of the default model (Gemma 3 270M) over 1024 tokens takes about 3 s on two
 # cores. 1024 rather than 512 gives 3.6% more output tokens/s on the shared workload (fewer steps in
 # which a prompt chunk shares the batch with decodes; docs/performance.md, step 3); 2048 gives no more.
@@ -28,10 +31,10 @@ WEIGHT_ONLY_QUANTIZATION = ("int8_weight_only", "int4_weight_only")
 # ``ModelConfig.attention_backend``: "auto" or a backend of ``attention/backends`` (kept in sync
 # with ``attention.backends.BACKEND_NAMES``; config.py imports no torch).
 SUPPORTED_ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_sdpa", "cpu_paged")
-# ``ModelConfig.cpu_gemm``: the CPU float32 linear kernel (``layers/linear.py``).
-SUPPORTED_CPU_GEMMS = ("onednn", "torch")
-# ``ModelConfig.cpu_isa``: "auto" or a CPU code path (``platforms.cpu.CpuIsa``; config.py imports no torch).
-SUPPORTED_CPU_ISAS = ("auto", "portable", "avx2", "avx512", "avx512_bf16")
+# ``ModelConfig.cpu_gemm``: the CPU float32 linear kernel (``platforms.cpu.CpuGemm``, checked by ``parse_cpu_gemm``).
+SUPPORTED_CPU_GEMMS = tuple(g.value for g in CpuGemm)
+# ``ModelConfig.cpu_isa``: "auto" or a CPU code path (``platforms.cpu.CpuIsa``, checked by ``parse_cpu_isa``).
+SUPPORTED_CPU_ISAS = ("auto",) + tuple(i.value for i in CpuIsa)
 # ``ModelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
 SUPPORTED_LOAD_FORMATS = ("auto", "dummy")   # vLLM's names; dummy: random weights
@@ -791,12 +794,10 @@ class ModelConfig:
                 raise ValueError(f"quantization={self.quantization!r} runs on the CPU only (torch's CPU "
                                  f"weight-only kernels); device={self.device!r}")
         if self.attention_backend not in SUPPORTED_ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {SUPPORTED_ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
-        if self.cpu_gemm not in SUPPORTED_CPU_GEMMS:
-            raise ValueError(f"cpu_gemm must be one of {SUPPORTED_CPU_GEMMS}, got {self.cpu_gemm!r}")
-        if self.cpu_isa not in SUPPORTED_CPU_ISAS:
-            raise ValueError(f"cpu_isa must be one of {SUPPORTED_CPU_ISAS}, got {self.cpu_isa!r}")
+            raise ValueError(f"attention_backend (${envs.PAGEDLLM_ATTENTION_BACKEND}) must be one of "
+                             f"{SUPPORTED_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        parse_cpu_gemm(self.cpu_gemm)   # ValueError naming $PAGEDLLM_CPU_GEMM
+        parse_cpu_isa(self.cpu_isa)     # ValueError naming $PAGEDLLM_CPU_ISA
         if self.cpu_fused_ops not in SUPPORTED_CPU_FUSED_OPS:
             raise ValueError(f"cpu_fused_ops must be one of {SUPPORTED_CPU_FUSED_OPS}, got {self.cpu_fused_ops!r}")
         if self.load_format not in SUPPORTED_LOAD_FORMATS:

@@ -9,31 +9,18 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pagedllm import envs
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-                             PREEMPTION_MODES, SUPPORTED_QUANTIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+                             SUPPORTED_QUANTIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 
 logger = logging.getLogger(__name__)
 
-# Environment variables read once, as defaults of ``EngineArgs`` fields (README, "Environment variables").
-ATTENTION_BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"   # -> attention_backend
-CPU_GEMM_ENV = "PAGEDLLM_CPU_GEMM"                     # -> cpu_gemm
-CPU_ISA_ENV = "PAGEDLLM_CPU_ISA"                       # -> cpu_isa ("auto", "portable", "avx2", "avx512", "avx512_bf16")
-CPU_KVCACHE_SPACE_ENV = "PAGEDLLM_CPU_KVCACHE_SPACE"   # -> cpu_kvcache_space (GiB)
-PP_LAYER_PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"  # -> pp_layer_partition ("10,8": layers per stage)
-CPU_THREADS_PER_RANK_ENV = "PAGEDLLM_CPU_THREADS_PER_RANK"  # -> cpu_threads_per_rank
-# -> profiler_config {"profiler": "torch", "torch_profiler_dir": ...}; vLLM's older name read too.
-TORCH_PROFILER_DIR_ENVS = ("PAGEDLLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR")
-
-
-def _env(name: str) -> str | None:
-    value = os.environ.get(name, "").strip()
-    return value or None
 
 
 def _profiler_config_from_env() -> dict[str, Any] | None:
-    for name in TORCH_PROFILER_DIR_ENVS:
-        if _env(name):
-            return {"profiler": "torch", "torch_profiler_dir": _env(name)}
+    for name in envs.TORCH_PROFILER_DIR:
+        if envs.read(name):
+            return {"profiler": "torch", "torch_profiler_dir": envs.read(name)}
     return None
 
 
@@ -152,19 +139,19 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     quantization: str | None = None
     served_model_name: list[str] | str | None = field(default=None)
-    attention_backend: str = field(default_factory=lambda: _env(ATTENTION_BACKEND_ENV) or "auto")
-    cpu_gemm: str = field(default_factory=lambda: _env(CPU_GEMM_ENV) or "onednn")
-    cpu_isa: str = field(default_factory=lambda: (_env(CPU_ISA_ENV) or "auto").lower())
+    attention_backend: str = field(default_factory=lambda: envs.read(envs.PAGEDLLM_ATTENTION_BACKEND) or "auto")
+    cpu_gemm: str = field(default_factory=lambda: envs.read(envs.PAGEDLLM_CPU_GEMM) or "onednn")
+    cpu_isa: str = field(default_factory=lambda: (envs.read(envs.PAGEDLLM_CPU_ISA) or "auto").lower())
     cpu_fused_ops: str = "auto"
-    cpu_kvcache_space: float | str | None = field(default_factory=lambda: _env(CPU_KVCACHE_SPACE_ENV))
+    cpu_kvcache_space: float | str | None = field(default_factory=lambda: envs.read(envs.PAGEDLLM_CPU_KVCACHE_SPACE))
     exact_greedy_head: str = "auto"
     enable_trace_replay: bool = False
     load_format: str = "auto"
     distributed_executor_backend: str | None = None
     ray_placement_strategy: str = "STRICT_PACK"
     enable_expert_parallel: bool = False
-    pp_layer_partition: str | None = field(default_factory=lambda: _env(PP_LAYER_PARTITION_ENV))
-    cpu_threads_per_rank: int | str | None = field(default_factory=lambda: _env(CPU_THREADS_PER_RANK_ENV))
+    pp_layer_partition: str | None = field(default_factory=lambda: envs.read(envs.PAGEDLLM_PP_LAYER_PARTITION))
+    cpu_threads_per_rank: int | str | None = field(default_factory=lambda: envs.read(envs.PAGEDLLM_CPU_THREADS_PER_RANK))
     structured_outputs_backend: str = "auto"
     max_structured_output_grammar_cache: int = 64
     structured_outputs_config: Any = None
@@ -246,10 +233,6 @@ class EngineArgs:
             logger.info("trust_remote_code=True: no remote code is ever run; supported architectures are built in")
         if self.enforce_eager:
             logger.info("enforce_eager=True: pagedllm runs eagerly")
-        if not isinstance(self.swap_space, (int, float)) or not self.swap_space >= 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not isinstance(self.generation_config, str) or not (
                 self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config)):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
@@ -278,7 +261,7 @@ class EngineArgs:
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
                             cpu_kvcache_space_bytes=space,
                             enable_prefix_caching=bool(self.enable_prefix_caching),
-                            swap_space_bytes=int(self.swap_space * (1 << 30)))
+                            swap_space_bytes=_gib_to_bytes(self.swap_space))
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
                                 preemption_mode=self.preemption_mode)
@@ -354,7 +337,7 @@ class EngineArgs:
         try:
             return tuple(int(n) for n in str(self.pp_layer_partition).split(","))
         except ValueError:
-            raise ValueError(f"pp_layer_partition (${PP_LAYER_PARTITION_ENV}) must be comma-separated layer "
+            raise ValueError(f"pp_layer_partition (${envs.PAGEDLLM_PP_LAYER_PARTITION}) must be comma-separated layer "
                              f"counts, got {self.pp_layer_partition!r}") from None
 
     def _threads_per_rank(self) -> int | None:
@@ -363,33 +346,32 @@ class EngineArgs:
         try:
             return int(self.cpu_threads_per_rank)
         except ValueError:
-            raise ValueError(f"cpu_threads_per_rank (${CPU_THREADS_PER_RANK_ENV}) must be an int, "
+            raise ValueError(f"cpu_threads_per_rank (${envs.PAGEDLLM_CPU_THREADS_PER_RANK}) must be an int, "
                              f"got {self.cpu_threads_per_rank!r}") from None
 
     def _check_env_settings(self) -> None:
-        """Validate the fields whose defaults come from environment variables.
+        """Parse the env-fed field that needs it before ``CacheConfig`` (``attention_backend``,
+        ``cpu_gemm`` and ``cpu_isa`` are checked by ``ModelConfig``, naming their variables).
 
         Raises:
             ValueError: naming the field and its environment variable.
         """
-        from pagedllm.config import SUPPORTED_ATTENTION_BACKENDS, SUPPORTED_CPU_GEMMS, SUPPORTED_CPU_ISAS
-
-        if self.attention_backend not in SUPPORTED_ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend (${ATTENTION_BACKEND_ENV}) must be one of "
-                             f"{SUPPORTED_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.cpu_gemm not in SUPPORTED_CPU_GEMMS:
-            raise ValueError(f"cpu_gemm (${CPU_GEMM_ENV}) must be one of {SUPPORTED_CPU_GEMMS}, got {self.cpu_gemm!r}")
-        if self.cpu_isa not in SUPPORTED_CPU_ISAS:
-            raise ValueError(f"cpu_isa (${CPU_ISA_ENV}) must be one of {SUPPORTED_CPU_ISAS}, got {self.cpu_isa!r}")
         if self.cpu_kvcache_space is not None:
             try:
                 gib = float(self.cpu_kvcache_space)
             except ValueError:
-                raise ValueError(f"cpu_kvcache_space (${CPU_KVCACHE_SPACE_ENV}) must be a number of GiB, "
+                raise ValueError(f"cpu_kvcache_space (${envs.PAGEDLLM_CPU_KVCACHE_SPACE}) must be a number of GiB, "
                                  f"got {self.cpu_kvcache_space!r}") from None
             if not gib > 0:
-                raise ValueError(f"cpu_kvcache_space (${CPU_KVCACHE_SPACE_ENV}) must be > 0 GiB, "
+                raise ValueError(f"cpu_kvcache_space (${envs.PAGEDLLM_CPU_KVCACHE_SPACE}) must be > 0 GiB, "
                                  f"got {self.cpu_kvcache_space!r}")
+
+
+def _gib_to_bytes(gib: Any) -> Any:
+    """GiB -> bytes; a value that is not a number passes unchanged, for the config to refuse."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)):
+        return gib
+    return int(gib * (1 << 30))
 
 
 def _parse_bytes(text: str) -> int:

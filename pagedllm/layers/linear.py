@@ -18,7 +18,6 @@ use. The tied LM head gets the same packed kernel in every dtype (``replace_line
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 
@@ -26,32 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.platforms.cpu import CPU_GEMM_ENV, CpuGemm, parse_cpu_gemm  # noqa: F401 (re-exported)
+
 logger = logging.getLogger(__name__)
-
-# The environment variable ``EngineArgs.cpu_gemm`` defaults to (engine/arg_utils.py).
-CPU_GEMM_ENV = "PAGEDLLM_CPU_GEMM"
-
-
-class CpuGemm(enum.Enum):
-    """Which library multiplies linear layers on the CPU."""
-
-    ONEDNN = "onednn"
-    TORCH = "torch"
-
-
-def parse_cpu_gemm(name: str) -> CpuGemm:
-    """The kernel named ``name`` (``ModelConfig.cpu_gemm``).
-
-    Raises:
-        ValueError: for a name other than ``onednn`` / ``torch`` (naming ``PAGEDLLM_CPU_GEMM``,
-            where the value usually comes from).
-    """
-    try:
-        return CpuGemm(str(name).strip().lower())
-    except ValueError:
-        raise ValueError(f"cpu_gemm ({CPU_GEMM_ENV})={name!r}: expected one of "
-                         f"{[g.value for g in CpuGemm]}") from None
-
 
 @functools.lru_cache(maxsize=None)
 def onednn_linear_available(dtype: torch.dtype) -> bool:

@@ -36,13 +36,14 @@ from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.loaders.gguf import GGUF_CONVERTER_VERSION, GGUF_MAGIC, convert_gguf_to_hf_folder
 from pagedllm.loaders.safetensors import iterate_safetensors, list_safetensors_files
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
-CACHE_DIR_ENV = "PAGEDLLM_CACHE_DIR"
+CACHE_DIR_ENV = envs.PAGEDLLM_CACHE_DIR
 CACHE_KEY_HEX_DIGITS = 16
 CACHE_MARKER_NAME = "pagedllm_gguf.json"
 _STALE_TMP_SECONDS = 6 * 3600  # temp folders older than this are leftovers of a crashed conversion
@@ -68,7 +69,7 @@ class ModelFiles:
 def default_cache_root(cache_dir: str | None = None) -> str:
     """The folder holding converted GGUF models: ``cache_dir`` > ``$PAGEDLLM_CACHE_DIR`` >
     ``~/.cache/pagedllm/gguf``."""
-    root = cache_dir or os.environ.get(CACHE_DIR_ENV) or os.path.join("~", ".cache", "pagedllm", "gguf")
+    root = cache_dir or envs.read(CACHE_DIR_ENV) or os.path.join("~", ".cache", "pagedllm", "gguf")
     return os.path.abspath(os.path.expanduser(root))
 
 

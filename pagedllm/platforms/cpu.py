@@ -17,8 +17,31 @@ from __future__ import annotations
 import enum
 import functools
 
-# The environment variable ``EngineArgs.cpu_isa`` defaults to (engine/arg_utils.py).
-CPU_ISA_ENV = "PAGEDLLM_CPU_ISA"
+from pagedllm import envs
+
+CPU_ISA_ENV = envs.PAGEDLLM_CPU_ISA
+CPU_GEMM_ENV = envs.PAGEDLLM_CPU_GEMM
+
+
+class CpuGemm(enum.Enum):
+    """Which library multiplies linear layers on the CPU (``ModelConfig.cpu_gemm``, ``layers/linear.py``)."""
+
+    ONEDNN = "onednn"
+    TORCH = "torch"
+
+
+def parse_cpu_gemm(name: str) -> CpuGemm:
+    """The kernel named ``name`` (``ModelConfig.cpu_gemm``; the one check of that setting).
+
+    Raises:
+        ValueError: for a name other than ``onednn`` / ``torch`` (naming ``$PAGEDLLM_CPU_GEMM``,
+            where the value usually comes from).
+    """
+    try:
+        return CpuGemm(str(name).strip().lower())
+    except ValueError:
+        raise ValueError(f"cpu_gemm (${CPU_GEMM_ENV}) must be one of {[g.value for g in CpuGemm]}, "
+                         f"got {name!r}") from None
 
 
 class CpuIsa(enum.Enum):
@@ -75,10 +98,11 @@ def cpu_flags() -> frozenset[str]:
 
 
 def parse_cpu_isa(name: str) -> CpuIsa | None:
-    """``"auto"`` -> None, else the :class:`CpuIsa` of that name.
+    """``"auto"`` -> None, else the :class:`CpuIsa` of that name (the one check of
+    ``ModelConfig.cpu_isa``).
 
     Raises:
-        ValueError: for another name (naming ``PAGEDLLM_CPU_ISA``, where it usually comes from).
+        ValueError: for another name (naming ``$PAGEDLLM_CPU_ISA``, where it usually comes from).
     """
     name = str(name).strip().lower()
     if name == "auto":
@@ -86,8 +110,8 @@ def parse_cpu_isa(name: str) -> CpuIsa | None:
     try:
         return CpuIsa(name)
     except ValueError:
-        raise ValueError(f"cpu_isa ({CPU_ISA_ENV})={name!r}: expected 'auto' or one of "
-                         f"{[i.value for i in CpuIsa]}") from None
+        raise ValueError(f"cpu_isa (${CPU_ISA_ENV}) must be 'auto' or one of {[i.value for i in CpuIsa]}, "
+                         f"got {name!r}") from None
 
 
 def missing_flags(isa: CpuIsa, flags: frozenset[str]) -> list[str]:
@@ -118,7 +142,7 @@ def resolve_cpu_isa(name: str, flags: frozenset[str] | None = None) -> CpuIsa:
         return best_cpu_isa(flags)
     missing = missing_flags(isa, flags)
     if missing:
-        raise ValueError(f"cpu_isa ({CPU_ISA_ENV})={isa.value!r} needs the CPU flags {missing}, "
+        raise ValueError(f"cpu_isa (${CPU_ISA_ENV})={isa.value!r} needs the CPU flags {missing}, "
                          "which this CPU lacks")
     return isa
 
@@ -137,7 +161,7 @@ def native_bf16(cpu_isa: str = "auto", flags: frozenset[str] | None = None) -> t
     isa = resolve_cpu_isa(cpu_isa, flags)
     present = [f for f in NATIVE_BF16_FLAGS if f in flags]
     if parse_cpu_isa(cpu_isa) is not None and isa is not CpuIsa.AVX512_BF16:
-        return False, f"cpu_isa={isa.value!r} ({CPU_ISA_ENV}) forces a path without bf16 instructions"
+        return False, f"cpu_isa={isa.value!r} (${CPU_ISA_ENV}) forces a path without bf16 instructions"
     if not present:
         return False, f"the CPU has none of {list(NATIVE_BF16_FLAGS)}, so bfloat16 matmuls would be emulated"
     return True, f"the CPU has {present}: bfloat16 matmuls run natively"

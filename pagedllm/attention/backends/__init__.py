@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -83,8 +84,8 @@ BackendForward = Callable[
 
 BACKEND_NAMES = ("torch_ref", "cpu_sdpa", "cpu_paged")
 
-# The environment variable ``EngineArgs.attention_backend`` defaults to (engine/arg_utils.py).
-BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
+# The environment variable ``EngineArgs.attention_backend`` defaults to.
+BACKEND_ENV = envs.PAGEDLLM_ATTENTION_BACKEND
 # "auto": the kernel, measured faster than cpu_sdpa for decode
 # (docs/performance.md); it falls back to cpu_sdpa by itself off CPU or without a compiler.
 AUTO_BACKEND = "cpu_paged"

@@ -31,7 +31,6 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-import os
 import secrets
 import signal
 import sys
@@ -47,6 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_cli_args, engine_args_from_cli
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.entrypoints.chat_utils import GEMMA_CHAT_TEMPLATE_PATH, check_self_contained, load_chat_template
@@ -70,7 +70,7 @@ from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "PAGEDLLM_API_KEY"
+API_KEY_ENV = envs.PAGEDLLM_API_KEY
 
 # Routes open without the API key (those of vLLM's PUBLIC_ENDPOINTS this server has): the health
 # probe, the version, metrics scraping, the API docs. With --api-key every other route needs it.
@@ -602,7 +602,7 @@ def run_server(ns: argparse.Namespace) -> int:
 
     chat_template = load_chat_template(ns.chat_template)
     args = engine_args_from_cli(ns, getattr(ns, "model_tag", None))
-    api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = ns.api_key or envs.read(API_KEY_ENV)
     # After uvicorn's graceful shutdown it re-raises the signal: exit with status 0, not -15.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     state = build_state(args, ns.served_model_name, chat_template, api_key,

@@ -1,0 +1,28 @@
+"""The environment variables pagedllm reads, declared once (vLLM keeps its own in ``vllm/envs.py``).
+
+Each is read at the edge only: ``EngineArgs`` field defaults (``engine/arg_utils.py``), the
+server's ``--api-key`` default and the GGUF download folder; deeper code gets the values through
+its config. An error about a value names the variable that can feed it (README, "Environment
+variables").
+"""
+
+from __future__ import annotations
+
+import os
+
+PAGEDLLM_ATTENTION_BACKEND = "PAGEDLLM_ATTENTION_BACKEND"      # -> EngineArgs.attention_backend
+PAGEDLLM_CPU_GEMM = "PAGEDLLM_CPU_GEMM"                        # -> EngineArgs.cpu_gemm
+PAGEDLLM_CPU_ISA = "PAGEDLLM_CPU_ISA"                          # -> EngineArgs.cpu_isa
+PAGEDLLM_CPU_KVCACHE_SPACE = "PAGEDLLM_CPU_KVCACHE_SPACE"      # -> EngineArgs.cpu_kvcache_space (GiB)
+PAGEDLLM_PP_LAYER_PARTITION = "PAGEDLLM_PP_LAYER_PARTITION"    # -> EngineArgs.pp_layer_partition ("10,8")
+PAGEDLLM_CPU_THREADS_PER_RANK = "PAGEDLLM_CPU_THREADS_PER_RANK"  # -> EngineArgs.cpu_threads_per_rank
+# -> EngineArgs.profiler_config {"profiler": "torch", "torch_profiler_dir": ...}; vLLM's older name read too.
+TORCH_PROFILER_DIR = ("PAGEDLLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR")
+PAGEDLLM_API_KEY = "PAGEDLLM_API_KEY"                          # -> the server's --api-key
+PAGEDLLM_CACHE_DIR = "PAGEDLLM_CACHE_DIR"                      # -> loaders.model_files.default_cache_root
+
+
+def read(name: str) -> str | None:
+    """The variable's value stripped of spaces, or None when unset or blank."""
+    value = os.environ.get(name, "").strip()
+    return value or None
