@@ -121,8 +121,7 @@ class LLMEngine:
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._batch_queue: deque = deque()
         self.load_time_s = time.perf_counter() - t0
-        # "auto" resolved (the in-process driver worker knows it; other executors' workers log it).
-        resolved = getattr(getattr(self.executor, "driver_worker", None), "dtype", None)
+        resolved = self.executor.model_dtype   # "auto" resolved (None: the workers log it)
         dtype_note = model_cfg.dtype if resolved is None or model_cfg.dtype != "auto" else \
             f"auto ({str(resolved).replace('torch.', '')})"
         logger.info("Engine ready in %.2f s: model=%s dtype=%s quantization=%s device=%s executor=%s "

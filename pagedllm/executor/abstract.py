@@ -98,6 +98,12 @@ class Executor(ABC):
         self.collective_rpc("initialize_cache", (num_blocks, num_cpu_blocks))
 
     @property
+    def model_dtype(self) -> Any:
+        """The ``torch.dtype`` the model runs in ("auto" resolved), where the executor knows it
+        without a call to its workers (an in-process one); else None (the workers log it)."""
+        return None
+
+    @property
     def max_concurrent_batches(self) -> int:
         """Steps the engine may have in flight at once (vLLM's ``max_concurrent_batches``): 1,
         or ``pipeline_parallel_size`` for an executor whose ``execute_model`` accepts

@@ -32,6 +32,10 @@ class UniProcExecutor(Executor):
         """``[getattr(worker, method)(*args, **kwargs)]`` on the one worker."""
         return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]
 
+    @property
+    def model_dtype(self) -> Any:
+        return self.driver_worker.dtype
+
     def initialize(self) -> None:
         self.collective_rpc("init_device")
         self.collective_rpc("load_model")

@@ -31,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-from pagedllm.layers.linear import KernelLinear
+from pagedllm.layers.kernel_linear import KernelLinear
 from pagedllm.platforms.cpu import CpuIsa, cpu_flags, resolve_cpu_isa
 from pagedllm.platforms.cpu_extension import CpuExtension, kernel_unavailable, load_extension
 

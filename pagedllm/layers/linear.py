@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.kernel_linear import KernelLinear
 from pagedllm.platforms.cpu import CPU_GEMM_ENV, CpuGemm, parse_cpu_gemm  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
+
 
 @functools.lru_cache(maxsize=None)
 def onednn_linear_available(dtype: torch.dtype) -> bool:
@@ -88,16 +90,6 @@ class MergedLinear(nn.Linear):
             rows[name] = (start, size)
             start += size
         return rows
-
-
-class KernelLinear(nn.Module):
-    """Base of the layers that replace ``nn.Linear`` after loading with a kernel of their own
-    (``PackedLinear`` here, ``layers.quantization.Int8DynamicLinear``): code that looks for the
-    model's linear layers matches ``(nn.Linear, KernelLinear)``. Subclasses set ``in_features``
-    and ``out_features``."""
-
-    in_features: int
-    out_features: int
 
 
 def replace_linear_layers(model: nn.Module, make_layer, make_head=None) -> tuple[int, bool]:

@@ -15,7 +15,6 @@ from pagedllm.entrypoints.openai.tool_parsers.abstract import ExtractedToolCalls
 from pagedllm.utils.text import may_open
 
 TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
 
