@@ -14,9 +14,8 @@ from typing import Any
 from pagedllm import envs
 from pagedllm.platforms.cpu import CpuGemm, CpuIsa, parse_cpu_gemm, parse_cpu_isa
 
-# CPU defaults: a step of the default model (Gemma 3 270M) over 1024 tokens takes about 3 s on two
-# cores. 1024 rather than 512 gives 3.6% more output tokens/s on the shared workload (fewer steps in
-# which a prompt chunk shares the batch with decodes; docs/performance.md, step 3); 2048 gives no more.
+# CPU defaults: 1024 tokens per step rather than 512 means fewer steps in which a prompt chunk
+# shares the batch with decodes; 2048 gave no more (the measurements: docs/performance.md).
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_BLOCK_SIZE = 16

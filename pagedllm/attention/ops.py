@@ -74,8 +74,8 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
 
 
-# Pure decode batches of at most this many sequences take ``_build_decode_metadata`` (Python lists:
-# at batch 1, 13 us against the numpy path's 28 us, single-thread CPU time, docs/performance.md step 18).
+# Pure decode batches of at most this many sequences take ``_build_decode_metadata`` (Python lists,
+# faster than the numpy path at small batches; the timings are in docs/performance.md).
 SMALL_DECODE_SEQS = 8
 
 

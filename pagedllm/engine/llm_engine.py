@@ -68,7 +68,7 @@ class LLMEngine:
         executor_class = executor_class or Executor.get_class(parallel_cfg)
         # The tokenizer (a 33 MB tokenizer.json for Gemma) loads in a thread while the weights load:
         # in parallel with worker processes; with the in-process worker hardly at all, since the
-        # tokenizers loader holds the GIL throughout (docs/performance.md, "Step 19").
+        # tokenizers loader holds the GIL throughout (docs/performance.md, start-up).
         spec = self.speculative_config
         draft_cfg = None
         if spec is not None and spec.uses_draft_model:

@@ -51,7 +51,7 @@ def _cmd_generate(ns) -> int:
     if ns.owns_process:
         # The ~10^6 objects these imports (torch's) make live as long as the process: no
         # collection during the imports, and none walks them again later (docs/performance.md,
-        # "Step 19: start-up, again").
+        # start-up).
         gc.disable()
     from pagedllm.engine.arg_utils import engine_args_from_cli
     from pagedllm.entrypoints.llm import LLM

@@ -9,8 +9,8 @@ once after loading (the plain weight is not kept, except the tied embedding the 
   ``vdpbf16ps`` on 8 rows x 32 outputs of float32 accumulators per call, the next weight tile
   prefetched while the current one is used. At the 8-32 rows of a decode step oneDNN's kernel
   used about half of the machine's ``vdpbf16ps`` rate with the weights streaming from memory;
-  this one takes 1.2-1.5x less time on the default model's 72 decoder layers there and ties
-  oneDNN from 128 rows up (docs/performance.md, session 10; ``benchmarks/cpu_paths.py --parts linear``).
+  this one takes less time there and ties oneDNN on prompt chunks (docs/performance.md;
+  ``benchmarks/cpu_paths.py --parts linear``).
 
 Both accumulate in float32 and round the result to bfloat16 to nearest even; they differ only in
 the order of the float32 additions (as oneDNN's own kernels do between row counts), so a bf16

@@ -5,7 +5,7 @@ linear layers (Llama / Qwen fewer, with the same kinds): RMSNorms (torch's is co
 casts), residual adds, per-head q/k norms, RoPE, GELU and the gate multiply. Each reads and writes
 its whole tensor and pays torch's per-op dispatch. The C++ ops here do each group in one pass per
 row, with float32 sums and bfloat16 rounded exactly where the eager code rounds (vLLM fuses the
-same groups, on the CPU through torch.compile, which docs/performance.md step 4 measured and
+same groups, on the CPU through torch.compile, which docs/performance.md measured and
 rejected). The eager torch code stays the reference: it runs off the CPU, in other dtypes, when
 the extension cannot be built (no compiler: one WARNING), and with ``cpu_fused_ops="off"``.
 
@@ -70,7 +70,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor | None:
     """Each row's greedy token through the C++ op (the sampler's plain greedy rows, handed to
     ``sample.Sampler`` by the model runner when the model runs the fused ops): torch's
     ``max(dim=-1).indices`` exactly (first maximum; first NaN; it only compares), in a quarter of
-    its time on a 262,144-token row (docs/performance.md step 18).
+    its time on a 262,144-token row (docs/performance.md).
 
     Args:
         logits: [N, V] float32 / bfloat16, contiguous, on the CPU.

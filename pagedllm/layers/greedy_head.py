@@ -111,7 +111,7 @@ such products is at least 2^-298 in magnitude, so it never rounds to zero).
 
 Which kind, and when: ``choose_greedy_head``, from the single-thread CPU times of the full head
 vs the cheap pass + bound + re-score on Gemma 3 270M's 262,144 x 640 head and real hidden rows
-(docs/performance.md, session 7 step 14; ``benchmarks/greedy_head.py``).
+(docs/performance.md; ``benchmarks/greedy_head.py``).
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ MAX_CANDIDATES = 64
 # are read again), and the most blocks per row read that way (more: the bound for the whole row).
 _BLOCK = 256
 MAX_HIT_BLOCKS = 64
-# The same two limits for "int8_vnni" (module docstring): its bound leaves a median of 60 and at
-# most 1,681 candidates on 133 real hidden rows of the default model (docs/performance.md, step 21).
+# The same two limits for "int8_vnni" (module docstring): its bound leaves far fewer candidates on
+# the default model's hidden rows (docs/performance.md).
 MAX_CANDIDATES_VNNI = 4096
 MAX_HIT_BLOCKS_VNNI = 2048
 _U_BF16 = 2.0 ** -8   # bf16: 8 significant bits, round to nearest
@@ -522,7 +522,7 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
       ``"int8_vnni"``, fused in C++ (``_argmax_fused``), for steps with up to ``INT8_VNNI_MAX_ROWS``
       plain greedy rows. Measured on the default model's head and real hidden rows (full head +
       argmax vs the fused pass): 1.9-3.3x less head time at M = 1-64 on one thread, 1.8-3.4x on two
-      (docs/performance.md, session 9 step 23).
+      (docs/performance.md).
     - float32 model, native bf16 (``onednn_linear_available(bfloat16)``), no VNNI: ``"bf16"`` for steps
       with up to ``BF16_MAX_ROWS`` plain greedy rows. Measured on Gemma 3 270M's head and real
       hidden rows (AVX-512 bf16, one thread): 1.55x less head time at M = 1, 1.31x at 8, 1.09x
@@ -538,7 +538,7 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
       bf16 GEMM of ``layers/bf16_gemm.py`` is faster still at 8-32 rows),
       the bf16 pass is the bf16 head itself, and torch's int8 kernel is no faster.
 
-    Numbers: docs/performance.md, session 7 step 14 and session 9 step 23.
+    Numbers: docs/performance.md.
 
     Returns:
         (kind or None for off, max rows, why) -- ``why`` for the log line.
@@ -572,8 +572,8 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
     return None, 0, "float32 model without native bf16 (the int8 pass's bound is too wide to pay; measured)"
 
 
-# Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md, session 7 step 14).
+# Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md).
 BF16_MAX_ROWS = 8
-# The same for the int8 VNNI pass, fused in C++ (docs/performance.md, session 9 step 23): it wins at
+# The same for the int8 VNNI pass, fused in C++ (docs/performance.md): it wins at
 # every row count measured (1-64), so the limit is only what its per-row scratch allows.
 INT8_VNNI_MAX_ROWS = 1024

@@ -13,10 +13,10 @@
   file's header.
 
 Why a kernel of our own: at one to eight rows both torch's kernel and a bfloat16-dot-product
-kernel spend more time widening int8 weights to floats than the memory takes to deliver them
-(~30 GB/s against ~58 GB/s of plain reads on a 2-core Zen 4); this one reads the weights at
-50+ GB/s at one row and keeps up with oneDNN's bfloat16 GEMM at 256 rows (docs/performance.md,
-session 8; ``pagedllm bench kernels --backends int8_wo,int8_wo_torch``).
+kernel spend more time widening int8 weights to floats than the memory takes to deliver
+them; this one reads the weights near the memory's rate at one row and keeps up with oneDNN's
+bfloat16 GEMM at prompt-chunk sizes (docs/performance.md; ``pagedllm bench kernels --backends
+int8_wo,int8_wo_torch``).
 
 ``cpu_isa`` (``ModelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) = ``avx2`` or ``portable`` forces the torch
 kernel on any CPU (how tests compare the two).

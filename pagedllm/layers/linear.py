@@ -1,9 +1,8 @@
 """Linear layers on the CPU through oneDNN with weights reordered once after loading.
 
-torch's ``F.linear`` on the CPU calls MKL's sgemm. On this project's machine (AMD EPYC, AVX2)
-MKL reaches 9-27 GFLOP/s at the row counts of a decode step (M = 1..64), while oneDNN's inner
-product with the weight reordered ("packed") into its blocked layout reaches 41-65 GFLOP/s for
-the same shapes (docs/performance.md, step 1). The packed weight is made once, after the
+torch's ``F.linear`` on the CPU calls MKL's sgemm, which is slow at the row counts of a decode
+step; oneDNN's inner product with the weight reordered ("packed") into its blocked layout is
+several times faster for the same shapes (the numbers: docs/performance.md). The packed weight is made once, after the
 checkpoint is loaded (vLLM's ``process_weights_after_loading``), and replaces the plain weight,
 so the model holds no second copy; only a tied LM head keeps both, because the embedding lookup
 needs the plain matrix.

@@ -91,7 +91,7 @@ class GemmaRMSNorm(nn.Module):
             return fused.gemma_rms_norm(x, self.scale(), self.eps)
         if x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:
             # One fused op, bitwise equal to the three steps below (tests/layers/test_norm.py), and
-            # faster at decode sizes; slower on prompt chunks (docs/performance.md, session 6).
+            # faster at decode sizes; slower on prompt chunks (docs/performance.md).
             return F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).type_as(x)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -36,10 +36,8 @@ logger = logging.getLogger(__name__)
 
 # Weights use 7 of int8's bits (|q| <= 63) so that activations can use all 8 (uint8 0..255):
 # AVX2's vpmaddubsw adds two uint8 x int8 products into a saturating int16, and
-# 255 * 63 * 2 = 32130 < 2**15, where 255 * 127 * 2 would overflow (measured: x = W = ones gave
-# half the right answer). On the default model (the shared workload's first 16 prompts), 7-bit
-# weights with 8-bit activations raised the perplexity 5% where 8-bit weights with 7-bit
-# activations raised it 14% (docs/performance.md, step 6).
+# 255 * 63 * 2 = 32130 < 2**15, where 255 * 127 * 2 would overflow. 7-bit weights with 8-bit
+# activations cost less perplexity than 8-bit weights with 7-bit activations (docs/performance.md).
 WEIGHT_QMAX = 63
 
 

@@ -7,7 +7,7 @@ name them (``Int8WeightOnlyConfig`` / ``"int8_weight_only"``, ``Int4WeightOnlyCo
 - ``int8_weight_only``: ``W[o, i] ~= q[o, i] * s[o]`` with ``q`` int8 in [-127, 127] and one
   scale per output channel, ``s[o] = max_i |W[o, i]| / 127`` (symmetric, zero point 0). Kernels:
   on CPUs with AVX-512 VNNI our own (``layers/int8_gemm.py``: the activation row in 16-bit fixed
-  point, exact integer sums, 1.6-2.7x faster than torch's at 1-16 rows); elsewhere, or with
+  point, exact integer sums, faster than torch's at decode row counts); elsewhere, or with
   ``cpu_isa`` below ``avx512``, torch's ``aten._weight_int8pack_mm(x, q, s)`` (the kernel behind
   torchao's int8 weight-only layout on the CPU).
 - ``int4_weight_only``: ``W[o, i] ~= (q[o, i] - 8) * s[o, g] + z[o, g]`` with ``q`` in [0, 15]
@@ -20,8 +20,8 @@ name them (``Int8WeightOnlyConfig`` / ``"int8_weight_only"``, ``Int4WeightOnlyCo
 Activations are not quantized to 8 or 4 bits: the error is the weights' rounding plus the
 activation row's rounding to bfloat16 (torch's kernels) or to 16-bit fixed point (the VNNI kernel,
 finer for every element above max|x| / 128), and a request's result does not depend on the rest of
-the batch. torch's kernels take the activation in the same dtype as the scales (``compute_dtype``). In torch 2.13 their float32 paths are 10-100x slower than their
-bfloat16 paths at M = 1..8 (measured: docs/performance.md, session 6), so a float32 model runs
+the batch. torch's kernels take the activation in the same dtype as the scales (``compute_dtype``). In torch 2.13 their float32 paths are much slower than their
+bfloat16 paths at decode row counts (docs/performance.md), so a float32 model runs
 these layers with bfloat16 inputs and scales by default (``WEIGHT_ONLY_COMPUTE_DTYPE``): the
 input row is rounded to bfloat16, products are accumulated in float32 by the kernel, and the
 output is rounded to bfloat16, then widened back to the model dtype.
@@ -29,8 +29,7 @@ output is rounded to bfloat16, then widened back to the model dtype.
 Every ``nn.Linear`` of the decoder and the LM head are replaced (a tied head gets its own
 quantized copy; the float embedding stays for the token lookup). In ``int4_weight_only`` the LM
 head is int8 per channel (``HEAD_MODE``), as llama.cpp's Q4_K_M files keep their output / token
-embedding matrix at 8 bits: on the workload the 4-bit head took the perplexity ratio from 1.258 to
-1.314 (``bench accuracy``, docs/benchmarks.md, session 7). Most of int4's cost is the decoder
+embedding matrix at 8 bits: a 4-bit head costs perplexity (``bench accuracy``, docs/benchmarks.md). Most of int4's cost is the decoder
 layers: the default model's "Q4_K_M" GGUF stores q/k/v/gate/up in Q5_0 and half of v / down in
 Q8_0 / Q6_K, so 4 bits per weight is less than the file has.
 """
@@ -52,7 +51,7 @@ INT8_WEIGHT_ONLY = "int8_weight_only"
 INT4_WEIGHT_ONLY = "int4_weight_only"
 WEIGHT_ONLY_MODES = (INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY)
 # Input columns that share one (scale, zero) pair in int4 (GGUF Q4_K's sub-block; torchao's
-# default is 128: docs/performance.md, session 6, compares the perplexity cost).
+# default is 128: docs/performance.md compares the perplexity cost).
 INT4_GROUP_SIZE = 32
 # The LM head's mode under each mode (see the module docstring).
 HEAD_MODE = {INT8_WEIGHT_ONLY: INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY: INT8_WEIGHT_ONLY}

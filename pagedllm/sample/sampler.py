@@ -114,7 +114,7 @@ class Sampler:
             # Plain greedy rows, no logprobs: the argmax of the logits in their own dtype. ``max``'s
             # indices are the first maximum, as ``argmax``'s; a bfloat16 row widened to float32 has
             # the same order, so this is the float32 path's answer without the [N, V] conversion
-            # (and torch's bfloat16 ``max`` is 5x faster than its bfloat16 ``argmax``).
+            # (and torch's bfloat16 ``max`` is faster than its bfloat16 ``argmax``).
             sampled = self.greedy_argmax(logits) if self.greedy_argmax is not None else None
             if sampled is None:
                 sampled = logits.max(dim=-1).indices

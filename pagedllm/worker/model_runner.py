@@ -91,11 +91,11 @@ class ModelRunner:
         # In-process logits processors of the next step's new requests (never in the message; see
         # ``add_logits_processors``), moved into the request's state by that step.
         self._logits_processors: dict[str, list[LogitsProcessor]] = {}
-        # -- tensor / pipeline parallelism (issue 14) --
+        # -- tensor / pipeline parallelism --
         self.parallel = parallel or ParallelContext()
         self.is_driver = self.parallel.is_driver
         self.hidden_size, self.dtype = hidden_size, dtype
-        # Exact greedy head (issue 18 item 4): plain greedy rows skip the full head.
+        # Exact greedy head: plain greedy rows skip the full head.
         self.greedy_head = greedy_head
         # Class-based logits processors (vLLM V1's interface; ``set_batch_logits_processors``).
         self.batch_logits_processors: BatchLogitsProcessors | None = None
@@ -168,7 +168,7 @@ class ModelRunner:
             positions = torch.from_numpy(np.arange(num_tokens, dtype=np.int64) + shift).to(self.device)
         md = build_attention_metadata(query_lens, context_lens, [r.block_table for r in reqs],
                                       self.block_size, self.device)
-        # -- pipeline parallelism (issue 14): a later stage starts from the previous stage's output --
+        # -- pipeline parallelism: a later stage starts from the previous stage's output --
         if self.parallel.is_first_stage:
             hidden = self.model(input_ids, positions, self.kv_caches, md)      # [T, H]
         else:
