@@ -212,7 +212,7 @@ class EngineArgs:
             ValueError: for unsupported values (naming the argument, and the environment
                 variable it came from) or out-of-range numbers.
         """
-        from pagedllm.config import hf_architecture_fields
+        from pagedllm.loaders.hf_config import hf_architecture_fields
         from pagedllm.loaders.hf_overrides import apply_hf_overrides
 
         if hf_config is not None:

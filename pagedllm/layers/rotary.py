@@ -50,7 +50,7 @@ def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None
         return _yarn_inv_freq(head_dim, rope_theta, rope_scaling)
     if rope_type == "dynamic":
         # Dynamic NTK (transformers' ``_compute_dynamic_ntk_parameters``) at sequence lengths up to
-        # ``max_position_embeddings`` (filled in by config.hf_architecture_fields): the base times
+        # ``max_position_embeddings`` (filled in by loaders.hf_config.hf_architecture_fields): the base times
         # (factor * L / L - (factor - 1)) ** (D / (D - 2)), i.e. plain RoPE, in transformers' ops.
         factor, length = float(rope_scaling["factor"]), rope_scaling["max_position_embeddings"]
         base = rope_theta * ((factor * length / length) - (factor - 1)) ** (head_dim / (head_dim - 2))
@@ -63,7 +63,7 @@ def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None
 def _longrope_short_inv_freq(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
     """LongRoPE (Ding et al. 2024; Phi-3) within the original context: the short factors, as
     transformers' ``_compute_longrope_parameters`` below ``original_max_position_embeddings``.
-    ``factor`` and ``original_max_position_embeddings`` are filled in by ``config.hf_architecture_fields``."""
+    ``factor`` and ``original_max_position_embeddings`` are filled in by ``loaders.hf_config.hf_architecture_fields``."""
     factor = float(scaling["factor"])
     original_max = float(scaling["original_max_position_embeddings"])
     attention_factor = scaling.get("attention_factor")

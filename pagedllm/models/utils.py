@@ -1,5 +1,5 @@
 """Helpers shared by model implementations: loading checkpoint weights (the architecture is read
-once into ``ModelConfig`` by ``config.hf_architecture_fields``)."""
+once into ``ModelConfig`` by ``loaders.hf_config.hf_architecture_fields``)."""
 
 from __future__ import annotations
 

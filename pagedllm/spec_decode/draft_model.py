@@ -41,7 +41,7 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
             return dataclasses.replace(target, quantization="int8_weight_only", exact_greedy_head="off")
         except ValueError as e:
             raise ValueError(f"speculative_config: method 'self_int8': {e}") from e
-    from pagedllm.config import hf_architecture_fields
+    from pagedllm.loaders.hf_config import hf_architecture_fields
     from pagedllm.loaders import load_config, resolve_model
 
     try:
