@@ -177,7 +177,7 @@ class AsyncFrontEnd:
     """What ``AsyncLLM`` and ``DPAsyncLLM`` (``engine/dp_client.py``) share: the read-only
     information, request validation, ``add_request`` and ``generate``.
 
-    Subclasses set ``_core`` (the ``LLMEngine`` or ``DPEngineClient``: it has ``tokenizer``,
+    Subclasses set ``_core`` (the ``LLMEngine`` or ``EngineCoreClient``: it has ``tokenizer``,
     ``max_model_len``, ``scheduler_config``, ``vocab_size`` and ``input_processor``), ``_thread``,
     ``_stopping`` and ``_ids``, and define ``add_requests``, ``abort`` and ``data_parallel_size``.
     """

@@ -1,7 +1,7 @@
 """Data parallelism: ``data_parallel_size`` engine replicas in their own processes behind one front
 end (vLLM's DP engine-core client and ``AsyncLLM`` with ``data_parallel_size > 1``).
 
-``DPEngineClient`` (synchronous; ``LLM(data_parallel_size=D)`` uses it like an ``LLMEngine``):
+``EngineCoreClient`` (synchronous; ``LLM(data_parallel_size=D)`` uses it like an ``LLMEngine``):
 
 - tokenizes and validates in the front end (one ``InputProcessor``), converts a GGUF model once,
   then spawns D replica processes (``engine/core_proc.py``), each an ``LLMEngine`` with its own
@@ -61,8 +61,9 @@ def replica_threads(engine_args: EngineArgs, world_size: int, cpu_count: int | N
     return max(1, (cpu_count or 1) // (engine_args.data_parallel_size * world_size))
 
 
-class DPEngineClient:
-    """Spawns and drives ``engine_args.data_parallel_size`` replicas.
+class EngineCoreClient:
+    """Spawns and drives ``engine_args.data_parallel_size`` engine-core processes (one for
+    ``pagedllm serve``'s engine process too); vLLM's name for its client of engine cores.
 
     Args:
         engine_args: the engine settings; every replica gets them with ``data_parallel_size=1``.
@@ -445,20 +446,24 @@ class DPEngineClient:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
-def _shutdown_at_exit(ref: "weakref.ref[DPEngineClient]") -> None:
+# The name before the rename (branches in flight still use it).
+DPEngineClient = EngineCoreClient
+
+
+def _shutdown_at_exit(ref: "weakref.ref[EngineCoreClient]") -> None:
     client = ref()
     if client is not None:
         client.shutdown()
 
 
 class DPAsyncLLM(AsyncFrontEnd):
-    """``AsyncLLM``'s interface over ``DPEngineClient``: many asyncio callers, D replicas.
+    """``AsyncLLM``'s interface over ``EngineCoreClient``: many asyncio callers, D replicas.
 
     Args:
         client: the started replicas.
     """
 
-    def __init__(self, client: DPEngineClient) -> None:
+    def __init__(self, client: EngineCoreClient) -> None:
         self.client = client
         self._lock = threading.Lock()
         self._sinks: dict[str, _Sink] = {}
@@ -469,10 +474,10 @@ class DPAsyncLLM(AsyncFrontEnd):
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "DPAsyncLLM":
-        return cls(DPEngineClient(args))
+        return cls(EngineCoreClient(args))
 
     @property
-    def _core(self) -> DPEngineClient:
+    def _core(self) -> EngineCoreClient:
         return self.client
 
     @property
@@ -494,7 +499,7 @@ class DPAsyncLLM(AsyncFrontEnd):
                 else self.client._deaths())
 
     def health(self) -> dict:
-        """See ``DPEngineClient.health``."""
+        """See ``EngineCoreClient.health``."""
         return self.client.health()
 
     def check_health(self) -> None:

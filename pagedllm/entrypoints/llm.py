@@ -38,8 +38,8 @@ class LLM:
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         if self.engine_args.data_parallel_size > 1:
             # D replica processes; a batch is spread over them by load and prefix (README, "Data parallelism").
-            from pagedllm.engine.dp_client import DPEngineClient
-            self.llm_engine = DPEngineClient(self.engine_args)
+            from pagedllm.engine.dp_client import EngineCoreClient
+            self.llm_engine = EngineCoreClient(self.engine_args)
         else:
             self.llm_engine = LLMEngine(self.engine_args)
         self._counter = 0

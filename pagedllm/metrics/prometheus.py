@@ -175,9 +175,9 @@ class PrometheusStatLogger:
     @classmethod
     def attach(cls, engine, model_name: str, registry: CollectorRegistry) -> list["PrometheusStatLogger"]:
         """Add a logger per engine to ``engine``'s stat loggers: an ``LLMEngine`` (one) or a
-        ``DPEngineClient`` (one per replica, ``engine`` labels "0".."D-1"). Returns them."""
+        ``EngineCoreClient`` (one per replica, ``engine`` labels "0".."D-1"). Returns them."""
         sizes = (engine.max_model_len, engine.scheduler_config.max_num_batched_tokens)
-        if hasattr(engine, "initial_stats"):   # DPEngineClient: stat loggers per replica
+        if hasattr(engine, "initial_stats"):   # EngineCoreClient: stat loggers per replica
             loggers = cls.for_engines(model_name, *sizes, registry, initial=engine.initial_stats)
             for replica_loggers, logger in zip(engine.stat_loggers, loggers):
                 replica_loggers.append(logger)

@@ -129,14 +129,14 @@ def test_every_request_answered_and_disconnects_free_everything(form, make_tiny_
 
 @pytest.mark.timeout(300)
 def test_engine_client_delivers_a_burst_to_a_stopped_replica(make_tiny_checkpoint):
-    """The offline front end (``DPEngineClient``, as ``LLM(data_parallel_size=...)`` drives it):
+    """The offline front end (``EngineCoreClient``, as ``LLM(data_parallel_size=...)`` drives it):
     3,000 separate ``add_request`` calls while its replica is stopped; every one finishes."""
     from pagedllm import SamplingParams
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.engine.dp_client import DPEngineClient
+    from pagedllm.engine.dp_client import EngineCoreClient
 
     folder = make_tiny_checkpoint("llama")
-    client = DPEngineClient(EngineArgs(model=folder, dtype="float32", max_model_len=128, block_size=8,
+    client = EngineCoreClient(EngineArgs(model=folder, dtype="float32", max_model_len=128, block_size=8,
                                        kv_cache_memory_bytes=4 << 20, data_parallel_size=1))
     try:
         replica = psutil.Process(client.processes[0].pid)

@@ -214,9 +214,9 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
     registry = CollectorRegistry()
     if engine_args.data_parallel_size > 1 or engine_process:
         # D replica processes behind this server (engine/dp_client.py); metrics carry engine="i".
-        from pagedllm.engine.dp_client import DPAsyncLLM, DPEngineClient
+        from pagedllm.engine.dp_client import DPAsyncLLM, EngineCoreClient
 
-        engine = DPEngineClient(engine_args)
+        engine = EngineCoreClient(engine_args)
         names = list(served_model_names or default_served_model_names(engine_args, engine.model_files))
         PrometheusStatLogger.attach(engine, names[0], registry)
         if log_stats_interval_s:   # one periodic line per engine, as the in-process engine logs
