@@ -82,10 +82,14 @@ class StepBreakdown:
         from torch import nn
 
         from pagedllm.attention import Attention
-        from pagedllm.layers.linear import KernelLinear
+        from pagedllm.layers.kernel_linear import KernelLinear
 
         eng = self.engine
-        runner = eng.executor.driver_worker.model_runner  # an in-process worker (UniProcExecutor)
+        worker = eng.executor.local_worker
+        if worker is None:
+            raise ValueError("--breakdown needs the in-process executor (tensor_parallel_size=1, "
+                             "pipeline_parallel_size=1, distributed_executor_backend=None)")
+        runner = worker.model_runner
         model = runner.model
         self._patch(eng, "step", "step")
         self._patch(eng.scheduler, "schedule", "scheduler")

@@ -123,7 +123,7 @@ def _cmd_throughput(ns) -> int:
                   dataset=ns.dataset, engine_load_time_s=engine.load_time_s, n_separate=ns.n_separate)
     model_folder = engine.model_files.folder
     sched = engine.scheduler_config
-    driver = getattr(engine.executor, "driver_worker", None)  # uniproc; else vLLM gets our default budget
+    driver = engine.executor.local_worker  # in-process; else vLLM gets our default budget
     kv_bytes = engine.num_blocks * driver.kv_shape.bytes_per_block if driver is not None else 4 << 30
     del llm, engine
     gc.collect()

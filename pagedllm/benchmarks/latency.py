@@ -209,11 +209,10 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
         "dataset": dataset,
         **spec_decode_summary(spec_before, None if engine.spec_decoder is None else engine.spec_decoder.stats,
                               batch_size * output_len * num_iters, num_decoding_steps),
-        "dtype": str(getattr(getattr(engine.executor, "driver_worker", None), "dtype",
-                             engine.model_config.dtype)).replace("torch.", ""),
+        "dtype": str(engine.executor.model_dtype or engine.model_config.dtype).replace("torch.", ""),
         "quantization": engine.model_config.quantization,
     }
-    worker = getattr(engine.executor, "driver_worker", None)   # in-process executors only
+    worker = engine.executor.local_worker   # in-process executors only
     if worker is not None:
         from pagedllm.layers.fused_moe import parameter_bytes
 
@@ -226,7 +225,7 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
         result["breakdown_ms_per_step"] = per_step
         result["overhead_ms_per_step"] = sum(v for k, v in per_step.items() if k not in ("linear layers", "LM head"))
     if ceiling:
-        c = linear_ceiling(engine.executor.driver_worker.model, batch_size)
+        c = linear_ceiling(engine.executor.local_worker.model, batch_size)
         result.update(c)
         result["measured_over_ceiling"] = (result["decode_tokens_per_s"] / c["ceiling_tokens_per_s"]
                                            if result["decode_tokens_per_s"] else None)

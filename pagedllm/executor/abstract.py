@@ -98,6 +98,13 @@ class Executor(ABC):
         self.collective_rpc("initialize_cache", (num_blocks, num_cpu_blocks))
 
     @property
+    def local_worker(self) -> Any:
+        """The in-process ``Worker`` (its ``model``, ``model_runner``, ``kv_shape``), or None
+        where the workers live in other processes. The supported way for tools (``pagedllm bench
+        latency --breakdown``, ``bench throughput``'s KV budget) to reach the model in process."""
+        return None
+
+    @property
     def model_dtype(self) -> Any:
         """The ``torch.dtype`` the model runs in ("auto" resolved), where the executor knows it
         without a call to its workers (an in-process one); else None (the workers log it)."""

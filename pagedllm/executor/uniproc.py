@@ -33,6 +33,10 @@ class UniProcExecutor(Executor):
         return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]
 
     @property
+    def local_worker(self) -> Any:
+        return self.driver_worker
+
+    @property
     def model_dtype(self) -> Any:
         return self.driver_worker.dtype
 
