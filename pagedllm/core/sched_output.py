@@ -34,6 +34,7 @@ class NewRequestData:
             sample that ran the prompt: that sample's id. The fork computes nothing this step
             (it is not in ``num_scheduled_tokens``); its first token is drawn from the parent's
             logits row, with its own params and generator.
+        lora_request: the request's ``LoRARequest`` (name, id, path: plain data), or None.
     """
 
     req_id: str
@@ -43,6 +44,7 @@ class NewRequestData:
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     forked_from: str | None = None
+    lora_request: Any = None
 
 
 @dataclass
