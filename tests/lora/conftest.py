@@ -2,6 +2,7 @@
 with PEFT's own ``save_pretrained`` (so the files are exactly what PEFT writes)."""
 
 import pytest
+from lora_utils import NEW_TOKENS, PROMPTS
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -67,3 +68,17 @@ def peft_greedy():
         return ids, logprobs
 
     return run
+
+
+@pytest.fixture(scope="session")
+def llama_lora(make_tiny_checkpoint, make_adapter, peft_greedy):
+    """The tiny Llama, three adapters (ranks 8 / 4 / 16: all seven targets / q,v,down /
+    k,o,gate,up with rsLoRA) and PEFT's greedy ids for ``PROMPTS``: dict with ``base``,
+    ``adapters``, ``refs`` (per adapter, per prompt), ``base_ref``."""
+    base = make_tiny_checkpoint("llama")
+    adapters = [make_adapter(base, 1, r=8), make_adapter(base, 2, r=4, targets=["q_proj", "v_proj", "down_proj"]),
+                make_adapter(base, 3, r=16, alpha=8.0, use_rslora=True,
+                             targets=["k_proj", "o_proj", "up_proj", "gate_proj"])]
+    return {"base": base, "adapters": adapters,
+            "refs": [peft_greedy(base, a, PROMPTS, NEW_TOKENS)[0] for a in adapters],
+            "base_ref": peft_greedy(base, None, PROMPTS, NEW_TOKENS)[0]}

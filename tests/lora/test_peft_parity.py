@@ -5,16 +5,13 @@ mixed batch of three adapters and the base model gives each request what it gets
 
 import pytest
 
-from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm import LLM, LoRARequest
 
-PROMPTS = [[5, 17, 42, 9, 33, 71, 8], [100, 3, 3, 250, 61], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
-NEW = 8
-PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
+from lora_utils import GREEDY as PARAMS, NEW_TOKENS as NEW, PROMPTS, lora_engine_args
 
 
 def _llm(path, **kw):
-    return LLM(path, dtype="float32", enable_lora=True, max_lora_rank=16, enable_prefix_caching=False,
-               kv_cache_memory_bytes=8 << 20, **kw)
+    return LLM(**lora_engine_args(path, **kw))
 
 
 def _ids(outs):
@@ -41,18 +38,12 @@ def test_greedy_equals_peft(arch, make_tiny_checkpoint, make_adapter, peft_greed
     assert _close(_logprobs(outs), ref_lps)
 
 
-def test_three_adapters_equal_peft_and_mixed_batch_equals_alone(make_tiny_checkpoint, make_adapter, peft_greedy):
-    """Ranks 8 / 4 / 16, all seven targets / q,v,down / k,o,gate,up with rsLoRA; then every
-    prompt with every adapter and with none, in one batch."""
-    base = make_tiny_checkpoint("llama")
-    adapters = [make_adapter(base, 1, r=8), make_adapter(base, 2, r=4, targets=["q_proj", "v_proj", "down_proj"]),
-                make_adapter(base, 3, r=16, alpha=8.0, use_rslora=True,
-                             targets=["k_proj", "o_proj", "up_proj", "gate_proj"])]
-    refs = [peft_greedy(base, a, PROMPTS, NEW)[0] for a in adapters]
-    base_ref = peft_greedy(base, None, PROMPTS, NEW)[0]
+def test_three_adapters_equal_peft_and_mixed_batch_equals_alone(llama_lora):
+    """Each adapter alone equals PEFT; then every prompt with every adapter and with none, in one batch."""
+    refs, base_ref = llama_lora["refs"], llama_lora["base_ref"]
     assert all(ref != base_ref for ref in refs)
-    llm = _llm(base, max_loras=3)
-    loras = [LoRARequest(f"a{i}", i + 1, a) for i, a in enumerate(adapters)]
+    llm = _llm(llama_lora["base"], max_loras=3)
+    loras = [LoRARequest(f"a{i}", i + 1, a) for i, a in enumerate(llama_lora["adapters"])]
     for lora, ref in zip(loras, refs):
         assert _ids(llm.generate(PROMPTS, PARAMS, lora_request=lora, use_tqdm=False)) == ref
     mixed = [(p, lo) for lo in [*loras, None] for p in PROMPTS]
