@@ -102,6 +102,8 @@ class LoRALinear(nn.Module):
             for k, j in enumerate(order):
                 start, size = self.slices[j]
                 d = h[:, k * rank:(k + 1) * rank] @ self.lora_b[j][slot, :, :rank].t()  # [n, out_j]: expand
+                if d.dtype != y.dtype:   # a weight-only base layer answers in its compute dtype
+                    d = d.to(y.dtype)
                 if rows is None:
                     y[:, start:start + size] += d
                 else:
