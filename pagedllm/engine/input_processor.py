@@ -39,12 +39,15 @@ class ProcessedInput:
         max_tokens: tokens this request may generate (max_tokens, or what fits in max_model_len);
             at least 1 (a prompt-only request, ``SamplingParams._prompt_only``, samples one token,
             which the output processor drops).
+        lora_request: [LoRA] the adapter the request runs with (the server sets it from the
+            request's ``model``), or None.
     """
 
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+    lora_request: object = None
 
 
 class InputProcessor:

@@ -216,6 +216,7 @@ class LLMEngine:
             if params is not None:
                 raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")
             processed = prompt
+            lora_request = lora_request or processed.lora_request
         else:
             processed = self.input_processor.process(prompt, params)
         if lora_request is not None:

@@ -190,6 +190,7 @@ class OpenAIServingChat(OpenAIServing):
             base = SamplingParams(max_tokens=max_tokens, temperature=0.0) if beam_search else \
                 self.sampling_params(request, max_tokens, num_top, kind, structured_outputs=structured_outputs)
             processed = await self.run_in_pool(self.engine.process_inputs, prompt, base)
+            processed.lora_request = self.models.lora_for(model_name)   # [LoRA] the adapter `model` names
             ids = processed.prompt_token_ids
             # The processed request owns its params copy: record the effective limit there.
             processed.params.max_tokens = self.check_max_tokens(len(ids), max_tokens, what="messages",

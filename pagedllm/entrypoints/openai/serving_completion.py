@@ -140,6 +140,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, (processed, info) in enumerate(processed_prompts):
                 request_id = f"{cmpl_id}-{i}"
                 beam = self.beam_search_params(request, processed.params.max_tokens) if beam_search else None
+                processed.lora_request = self.models.lora_for(model_name)   # [LoRA] the adapter `model` names
                 engine_requests.append((request_id, processed, beam))
                 infos.append(info)
                 self.log_request(request_id, processed.prompt, len(info.token_ids), processed.params)

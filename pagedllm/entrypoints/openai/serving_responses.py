@@ -331,6 +331,7 @@ class OpenAIServingResponses(OpenAIServing):
             params = self.sampling_params(chat, request.max_output_tokens, None, kind,
                                           structured_outputs=structured_outputs)
             processed = await self.run_in_pool(self.engine.process_inputs, prompt, params)
+            processed.lora_request = self.models.lora_for(model_name)   # [LoRA] the adapter `model` names
             num_input = len(processed.prompt_token_ids)
             processed.params.max_tokens = self.check_max_tokens(num_input, request.max_output_tokens, what="input",
                                                                 field="max_output_tokens")
