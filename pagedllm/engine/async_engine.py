@@ -329,6 +329,10 @@ class AsyncFrontEnd:
                 raise ValueError(f"{name}={value!r} is not supported by pagedllm (only {default!r})")
         params = SamplingParams() if sampling_params is None else sampling_params
         if lora_request is not None:   # [LoRA] the processed request carries its adapter to the engine
+            from pagedllm.lora.request import LoRARequest
+
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
             prompt = self.process_inputs(prompt, params)
             prompt.lora_request, params = lora_request, None
         stream = self.add_request(request_id, prompt, params)

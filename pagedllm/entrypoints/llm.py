@@ -167,11 +167,14 @@ class LLM:
         # Validate and tokenize everything first (once), so a bad prompt loses nothing.
         processed = [self.llm_engine.input_processor.process(prompt, params)
                      for prompt, params in zip(prompts, params_list)]
-        for lora in set(lo for lo in loras if lo is not None):
-            self.llm_engine.check_lora_request(lora)
-        ids = []
+        check = getattr(self.llm_engine, "check_lora_request", None)   # data parallel: each replica checks
         for request, lora in zip(processed, loras):
-            ids.append(self.llm_engine.add_request(f"llm-{self._counter}", request, lora_request=lora))
+            if lora is not None and check is not None:
+                check(lora)
+            request.lora_request = lora   # [LoRA] the processed request carries its adapter
+        ids = []
+        for request in processed:
+            ids.append(self.llm_engine.add_request(f"llm-{self._counter}", request))
             self._counter += 1
         return self._run_engine(ids, use_tqdm)
 
