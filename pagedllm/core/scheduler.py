@@ -961,4 +961,7 @@ class Scheduler:
             prefix_cache_queries_total=kv.prefix_cache_stats.queries,  # [prefix caching]
             prefix_cache_hits_total=kv.prefix_cache_stats.hits,
             spec_decoding_stats=None if self.spec_decoder is None else self.spec_decoder.stats.copy(),
+            running_lora_adapters=sorted({r.lora_request.lora_name for r in self.running if r.lora_request}),
+            waiting_lora_adapters=sorted({r.lora_request.lora_name for r in self.waiting if r.lora_request}),
+            max_lora=self.max_loras,
         )

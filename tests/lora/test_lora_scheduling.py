@@ -103,3 +103,32 @@ def test_config_and_adapter_errors_name_the_field(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({**good, "use_rslora": True}))
     cfg = read_peft_config(str(tmp_path), max_lora_rank=16)
     assert cfg.target_modules == ("q_proj", "v_proj") and cfg.scaling == pytest.approx(16 / 8 ** 0.5)
+
+
+def test_lora_requests_info_gauge_shows_the_current_adapters():
+    from prometheus_client import CollectorRegistry
+
+    from pagedllm.core.sched_output import SchedulerStats
+    from pagedllm.metrics.prometheus import PrometheusStatLogger
+    from pagedllm.metrics.stats import IterationStats
+
+    sched, _ = make(max_loras=1)
+    for rid, lora in (("a1", A), ("b1", B), ("n1", None)):
+        sched.add_request(req(rid, [1, 2, 3], lora))
+    sched.schedule()
+    stats = sched.make_stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters, stats.max_lora) == (["a"], ["b"], 1)
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger("m", 64, 64, registry)
+
+    def series():
+        return [(s.labels["running_lora_adapters"], s.labels["waiting_lora_adapters"], s.labels["max_lora"])
+                for metric in registry.collect() if metric.name == "pagedllm:lora_requests_info"
+                for s in metric.samples]
+
+    logger.record(stats, IterationStats())
+    assert series() == [("a", "b", "1")]
+    logger.record(SchedulerStats(running_lora_adapters=["a", "b"], max_lora=1), IterationStats())
+    assert series() == [("a,b", "", "1")]   # one series: the previous one is removed
+    logger.record(SchedulerStats(), IterationStats())   # LoRA off: nothing changes
+    assert series() == [("a,b", "", "1")]
