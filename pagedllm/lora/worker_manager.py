@@ -155,6 +155,7 @@ class LoRAWorkerManager:
         """Set the step's mapping: request ``i`` (in batch order) runs ``num_tokens[i]`` rows with
         adapter ``loras[i]`` (None: the base model alone)."""
         keep = {lo.lora_int_id for lo in loras if lo is not None}
+        self.mapping.row_mask = None
         if not keep:
             self.mapping.groups = []
             return
@@ -168,3 +169,6 @@ class LoRAWorkerManager:
         self.mapping.groups = [
             (slot, torch.from_numpy(np.flatnonzero(row_slots == slot)).to(self.device))
             for slot in sorted(set(slot_of.values()))]
+        # [T, slots, 1, 1]: 1 where the row uses the slot (the mixed pass, ``LoRALinear``).
+        one_hot = row_slots[:, None] == np.arange(self.config.max_loras)[None, :]
+        self.mapping.row_mask = torch.from_numpy(one_hot).to(self.device, self.dtype)[:, :, None, None]

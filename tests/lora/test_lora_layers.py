@@ -60,6 +60,12 @@ def test_mixed_rows_equal_the_hand_computed_deltas(kind):
     tol = 1e-4 if dtype == torch.float32 and kind == "float32" else 0.1
     assert torch.allclose(y, want, atol=tol, rtol=2e-2), (y - want).abs().max()
     assert (y - y_base).abs().max() > 1.0   # the deltas are there
+    # The engine's mixed pass (one shrink and one expand per slice over all slots, masked per row).
+    mapping.row_mask = (slots[:, None] == torch.arange(3)[None]).to(dtype)[:, :, None, None]
+    with torch.inference_mode():
+        y_mixed = layer(x).double()
+    assert torch.allclose(y_mixed, want, atol=tol, rtol=2e-2), (y_mixed - want).abs().max()
+    mapping.row_mask = None
     # One adapter for every row: the same values without the row gather.
     mapping.groups = [(1, None)]
     with torch.inference_mode():
