@@ -270,10 +270,13 @@ class LLMEngine:
         first) and vLLM's ``BeamSearchSequence``s in ``beam_sequences``.
 
         Raises:
-            ValueError: invalid prompt or params, a duplicate id, or ``beam_width`` above ``max_num_seqs``.
+            ValueError: invalid prompt or params, a duplicate id, ``beam_width`` above ``max_num_seqs``,
+                or a LoRA adapter.
         """
         processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(
             prompt, SamplingParams(max_tokens=params.max_tokens))
+        if processed.lora_request is not None:
+            raise ValueError("lora_request: beam search does not run with LoRA adapters")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.has_request(request_id) or self.beam_search.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")

@@ -58,6 +58,9 @@ def test_adapters_through_the_openai_client(llama_lora):
         with pytest.raises(openai.NotFoundError) as err:
             await complete(client, "a2")
         assert err.value.body["code"] == "model_not_found"
+        with pytest.raises(openai.BadRequestError, match="beam"):
+            await client.completions.create(model="a0", prompt=PROMPTS[0], max_tokens=2, n=2,
+                                            extra_body={"use_beam_search": True})
         r = await http.post("/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": a2})
         assert r.status_code == 200, r.text
         assert await complete(client, "a2") == decode(llama_lora["refs"][2][0])

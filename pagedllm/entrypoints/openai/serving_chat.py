@@ -164,6 +164,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_unsupported_fields(request, CHAT_UNSUPPORTED_FIELDS)
         self.warn_unknown_fields(request, CHAT_UNSUPPORTED_FIELDS)
         beam_search = self.check_beam_search(request)
+        if beam_search and self.models.lora_for(model_name) is not None:
+            raise bad_request("use_beam_search does not run with LoRA adapters", param="use_beam_search")
         stream = bool(request.stream)
         n = 1 if request.n is None else request.n
         self.check_n(n)

@@ -97,6 +97,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("suffix is not supported: no model served here can insert text (fill-in-the-middle)",
                               param="suffix")
         beam_search = self.check_beam_search(request)
+        if beam_search and self.models.lora_for(model_name) is not None:
+            raise bad_request("use_beam_search does not run with LoRA adapters", param="use_beam_search")
         stream = bool(request.stream)
         n = 1 if request.n is None else request.n
         self.check_n(n, request.best_of)
