@@ -277,7 +277,7 @@ def _cmd_serving(ns) -> int:
     records, duration, model = run_serving(ns.base_url, ns.model, requests, request_rate=ns.request_rate,
                                            max_concurrency=ns.max_concurrency, burstiness=ns.burstiness,
                                            seed=ns.dataset_seed, ignore_eos=not ns.no_ignore_eos,
-                                           progress=not ns.no_progress)
+                                           progress=not ns.no_progress, lora_names=ns.lora_modules)
     result = summarize(records, duration, itl=True, goodput_slos=slos)
     result.update(model=model, base_url=ns.base_url, request_rate=ns.request_rate, burstiness=ns.burstiness,
                   max_concurrency=ns.max_concurrency, dataset=ns.dataset,
@@ -467,6 +467,8 @@ def add_bench_parser(subparsers) -> None:
     sv.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                     help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50")
     sv.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict servers)")
+    sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                    help="served LoRA adapter names: request i names adapter i %% N as its model")
     sv.add_argument("--output-json", default=None)
     sv.set_defaults(func=_cmd_serving)
 
