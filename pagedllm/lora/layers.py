@@ -130,10 +130,14 @@ class LoRALinear(nn.Module):
     def _add_mixed(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         T, S, r, n = x.shape[0], self.max_loras, self.max_rank, len(self.slices)
         h = x @ self.lora_a.view(S * n * r, self.in_features).t()                  # [T, S * n * r]: shrink
-        h = h.view(T, S, n, r) * mask                                              # each row's own slot only
+        h = h.view(T, S, n, r).mul_(mask)                                          # each row's own slot only
         for j, (start, size) in enumerate(self.slices):
-            d = h[:, :, j].reshape(T, S * r) @ self.lora_b[j].view(size, S * r).t()  # [T, out_j]: expand
-            y[:, start:start + size] += d if d.dtype == y.dtype else d.to(y.dtype)
+            hj = h[:, :, j].reshape(T, S * r)                                      # [T, S * r]
+            bj = self.lora_b[j].view(size, S * r).t()
+            if y.dtype == hj.dtype:
+                y[:, start:start + size].addmm_(hj, bj)                            # expand, added in place
+            else:   # a weight-only base layer answers in its compute dtype
+                y[:, start:start + size] += (hj @ bj).to(y.dtype)
         return y
 
     def extra_repr(self) -> str:
