@@ -8,6 +8,7 @@ the scheduler tests) stay torch-light.
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.inputs import TextPrompt, TokensPrompt
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.lora.request import LoRARequest
 from pagedllm.version import __version__
 
 # name -> (module, attribute), imported on first access.
@@ -21,7 +22,7 @@ _LAZY = {
 }
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "TextPrompt", "TokensPrompt",
+           "TextPrompt", "TokensPrompt", "LoRARequest",
            "EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLM", "AsyncLLMEngine", "__version__"]
 
 

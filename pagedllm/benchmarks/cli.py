@@ -115,8 +115,18 @@ def _cmd_throughput(ns) -> int:
                 sum(r.max_tokens for r in requests), ns.dataset, dtype)
     if ns.structured_output:
         return _structured_throughput(ns, llm, requests, dtype)
+    loras = None
+    if getattr(ns, "lora_modules", None):   # [LoRA] request i on adapter i % N
+        from pagedllm.entrypoints.openai.serving_lora import parse_lora_modules
+        from pagedllm.lora.request import LoRARequest
+
+        if not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        modules = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(parse_lora_modules(ns.lora_modules))]
+        loras = [modules[i % len(modules)] for i in range(len(requests))]
     result, prompt_ids = run_throughput(llm, requests, warmup=not ns.no_warmup, breakdown=ns.breakdown,
-                                        progress=not ns.no_progress, n=ns.n, separate=ns.n_separate)
+                                        progress=not ns.no_progress, n=ns.n, separate=ns.n_separate,
+                                        lora_requests=loras)
     result.update(model=engine.model_files.source, dtype=dtype, block_size=engine.cache_config.block_size,
                   num_blocks=engine.num_blocks, max_num_seqs=engine.scheduler_config.max_num_seqs,
                   max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
@@ -267,7 +277,7 @@ def _cmd_serving(ns) -> int:
     records, duration, model = run_serving(ns.base_url, ns.model, requests, request_rate=ns.request_rate,
                                            max_concurrency=ns.max_concurrency, burstiness=ns.burstiness,
                                            seed=ns.dataset_seed, ignore_eos=not ns.no_ignore_eos,
-                                           progress=not ns.no_progress)
+                                           progress=not ns.no_progress, lora_names=ns.lora_modules)
     result = summarize(records, duration, itl=True, goodput_slos=slos)
     result.update(model=model, base_url=ns.base_url, request_rate=ns.request_rate, burstiness=ns.burstiness,
                   max_concurrency=ns.max_concurrency, dataset=ns.dataset,
@@ -439,6 +449,8 @@ def add_bench_parser(subparsers) -> None:
     tp.add_argument("--structured-output", choices=["json"], default=None,
                     help="constrain request i to the i %% 8-th of 8 JSON schemas (benchmarks/structured.py): "
                          "report grammar compile time per schema and output tokens/s with vs without constraints")
+    tp.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="LoRA adapters (PEFT folders; needs --enable-lora): request i runs with adapter i %% N")
     tp.add_argument("--output-json", default=None, help="write the results here")
     add_engine_cli_args(tp)
     tp.set_defaults(func=_cmd_throughput)
@@ -455,6 +467,8 @@ def add_bench_parser(subparsers) -> None:
     sv.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                     help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50")
     sv.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict servers)")
+    sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                    help="served LoRA adapter names: request i names adapter i %% N as its model")
     sv.add_argument("--output-json", default=None)
     sv.set_defaults(func=_cmd_serving)
 

@@ -158,10 +158,13 @@ async def run_requests(base_url: str, model: str | None, requests: Sequence[Benc
                        request_rate: float = math.inf, max_concurrency: int | None = None,
                        burstiness: float = 1.0, seed: int = 0, ignore_eos: bool = True, client=None,
                        timeout_s: float = DEFAULT_TIMEOUT_S,
-                       progress: bool = False) -> tuple[list[RequestRecord], float, str]:
+                       progress: bool = False,
+                       lora_names: Sequence[str] | None = None) -> tuple[list[RequestRecord], float, str]:
     """Send the workload; returns (records in request order, duration in s, model name).
 
     Args:
+        lora_names: [LoRA] served adapter names: request ``i`` names ``lora_names[i % N]`` as its
+            ``model`` (None: every request names ``model``).
         client: an ``httpx.AsyncClient`` (tests pass one with a mock transport); None = a new one.
         progress: a progress bar of finished requests (tqdm, on stderr).
     Raises:
@@ -184,12 +187,15 @@ async def run_requests(base_url: str, model: str | None, requests: Sequence[Benc
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
 
+        index = {id(r): i for i, r in enumerate(requests)}
+
         async def one(req: BenchRequest) -> RequestRecord:
+            name = lora_names[index[id(req)] % len(lora_names)] if lora_names else model
             try:
                 if sem is None:
-                    return await send_completion(client, url, model, req, ignore_eos)
+                    return await send_completion(client, url, name, req, ignore_eos)
                 async with sem:
-                    return await send_completion(client, url, model, req, ignore_eos)
+                    return await send_completion(client, url, name, req, ignore_eos)
             finally:
                 bar.update(1)
 

@@ -98,7 +98,8 @@ def to_engine_prompt(req: BenchRequest):
 def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
                    breakdown: bool = False, progress: bool = False, n: int = 1,
                    separate: bool = False,
-                   structured_outputs: list | None = None) -> tuple[dict, list[list[int]]]:
+                   structured_outputs: list | None = None,
+                   lora_requests: list | None = None) -> tuple[dict, list[list[int]]]:
     """Run the workload through ``llm`` (a ``pagedllm.LLM``) with everything submitted at once.
 
     Args:
@@ -115,6 +116,7 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
             instead of one request whose samples fork.
         structured_outputs: a ``StructuredOutputsParams`` per request (``--structured-output``),
             or None. Constrained requests do not ignore EOS: they end where their grammar does.
+        lora_requests: [LoRA] a ``LoRARequest`` (or None) per request, or None: the base model.
     Returns:
         (result, prompt_token_ids): the flat result dict (``metrics.summarize``'s keys plus
         ``n``, ``peak_blocks_used``, ``peak_kv_usage``, ``kv_utilization``, ``num_preemptions``, ``prefix_cache_hit_rate``
@@ -135,6 +137,8 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
                      SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if lora_requests is not None and (n != 1 or len(lora_requests) != len(requests)):
+        raise ValueError("--lora-modules runs one sample per prompt, one adapter (or none) per request")
     if structured_outputs is not None and n != 1:
         raise ValueError("--structured-output runs one sample per prompt: it cannot be combined with --n > 1")
     if structured_outputs is not None:
@@ -165,7 +169,7 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
     try:
         with timer if timer is not None else nullcontext():
             t0 = time.monotonic()
-            outputs = llm.generate(prompts, params, use_tqdm=progress)
+            outputs = llm.generate(prompts, params, use_tqdm=progress, lora_request=lora_requests)
             duration = time.monotonic() - t0
     finally:
         engine.stat_loggers.remove(stat_logger)

@@ -175,7 +175,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs],
+                                            request.block_hash_extra_keys))
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest run of registered full blocks matching the request from its first token.

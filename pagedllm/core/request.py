@@ -107,6 +107,8 @@ class Request:
         group_id: beam search: the id shared by the beams of one prompt, else None.
         group_width: seats of ``max_num_seqs`` the group takes as soon as one of its beams runs
             (the beam width: its beams fork up to it between steps); 1 without a group.
+        lora_request: the LoRA adapter it runs with (``lora.request.LoRARequest``, plain data), or
+            None for the base model.
     Raises:
         ValueError: for an empty prompt or ``max_tokens < 1``.
     """
@@ -119,6 +121,7 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         structured_output_request: StructuredOutputHandle | None = None,
+        lora_request=None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"prompt_token_ids must not be empty (request {request_id!r})")
@@ -152,6 +155,14 @@ class Request:
         self.paused = False
         self.group_id: str | None = None
         self.group_width = 1
+        self.lora_request = lora_request
+
+    @property
+    def block_hash_extra_keys(self) -> tuple | None:
+        """What the K/V depends on besides the tokens (``kv_cache_utils.hash_block_tokens``): the
+        adapter, so two adapters never share KV for the same prompt; None for the base model."""
+        lora = self.lora_request
+        return None if lora is None else ("lora", lora.lora_int_id, lora.lora_path)
 
     @property
     def all_token_ids(self) -> list[int]:

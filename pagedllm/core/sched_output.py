@@ -34,6 +34,7 @@ class NewRequestData:
             sample that ran the prompt: that sample's id. The fork computes nothing this step
             (it is not in ``num_scheduled_tokens``); its first token is drawn from the parent's
             logits row, with its own params and generator.
+        lora_request: the request's ``LoRARequest`` (name, id, path: plain data), or None.
     """
 
     req_id: str
@@ -43,6 +44,7 @@ class NewRequestData:
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     forked_from: str | None = None
+    lora_request: Any = None
 
 
 @dataclass
@@ -228,6 +230,8 @@ class SchedulerStats:
             ran with, before finished requests free theirs; benchmarks take its peak).
         spec_decoding_stats: [speculative decoding] the running ``SpecDecodingStats`` (a copy),
             or None without speculative decoding.
+        running_lora_adapters / waiting_lora_adapters: [LoRA] adapter names of the running /
+            waiting requests, sorted; max_lora: the slots (0: LoRA off).
     """
 
     num_running: int = 0
@@ -250,3 +254,7 @@ class SchedulerStats:
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
     num_used_blocks_scheduled: int = 0
     spec_decoding_stats: Any = None
+    # [LoRA] the adapters (names) of the running and waiting requests, and the slots; max_lora 0: LoRA off.
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    max_lora: int = 0

@@ -63,7 +63,8 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_concurrent_batches: int = 1, spec_decoder: "SpecDecodeController | None" = None) -> None:
+                 max_concurrent_batches: int = 1, spec_decoder: "SpecDecodeController | None" = None,
+                 max_loras: int = 0) -> None:
         self.scheduler_config = scheduler_config
         # Batches the engine keeps in flight (pipeline stages); above 1 a batch takes at most
         # ceil(unfinished requests / max_concurrent_batches) requests, so each stage gets work.
@@ -106,6 +107,8 @@ class Scheduler:
         # the worker must cut its copy to (blocks given back after rejected drafts).
         self.spec_decoder = spec_decoder
         self._worker_blocks_kept: dict[str, int] = {}
+        # [LoRA] most distinct adapters among the running requests (the worker's slots); 0: no LoRA.
+        self.max_loras = max_loras
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -265,9 +268,12 @@ class Scheduler:
             # open: their siblings behind them must run to close the round) and [structured
             # output] requests whose grammar is still compiling.
             skipped: list[Request] = []
+            loras = self.running_lora_ids()
             while self.waiting and budget > 0 and len(output.num_scheduled_tokens) < max_batch_reqs:
                 request = self.waiting[0]
-                if request.paused:
+                if request.paused or not self._lora_fits(request, loras):
+                    # [LoRA] its adapter would need a slot while all hold running adapters: it
+                    # waits, keeping its place, and requests for resident adapters go ahead.
                     skipped.append(self.waiting.popleft())
                     continue
                 if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
@@ -292,6 +298,8 @@ class Scheduler:
                     seats += self._take_seats(request, need, groups)
                     self.waiting.popleft()
                     self.running.append(request)
+                    if request.lora_request is not None:
+                        loras.add(request.lora_request.lora_int_id)
                     request.status = RequestStatus.RUNNING
                     self._schedule_request(request, num_new, output)
                     num_prefill_tokens += num_new
@@ -323,6 +331,8 @@ class Scheduler:
                 seats += self._take_seats(request, need, groups)
                 self.waiting.popleft()
                 self.running.append(request)
+                if request.lora_request is not None:
+                    loras.add(request.lora_request.lora_int_id)
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
@@ -353,6 +363,19 @@ class Scheduler:
             num_decode_tokens, len(preempted_ids), len(self.running), len(self.waiting),
             self.kv_cache_manager.num_free_blocks, self.kv_cache_manager.num_blocks)
         return output
+
+    def running_lora_ids(self) -> set[int]:
+        """[LoRA] The adapters (``lora_int_id``) of the running requests."""
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def waiting_lora_ids(self) -> set[int]:
+        """[LoRA] The adapters of the waiting requests."""
+        return {r.lora_request.lora_int_id for r in self.waiting if r.lora_request is not None}
+
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """[LoRA] Whether admitting ``request`` keeps the running adapters within ``max_loras``."""
+        lora = request.lora_request
+        return lora is None or not self.max_loras or lora.lora_int_id in loras or len(loras) < self.max_loras
 
     def _propose_drafts(self, request: Request, budget: int) -> list[int]:
         """[speculative decoding] Draft tokens for a decoding request to verify this step: as many
@@ -493,7 +516,8 @@ class Scheduler:
                 output.scheduled_new_reqs.append(NewRequestData(
                     req_id=child.request_id, prompt_token_ids=list(child.prompt_token_ids),
                     sampling_params=params, block_ids=table,
-                    num_computed_tokens=child.num_computed_tokens, forked_from=parent_id))
+                    num_computed_tokens=child.num_computed_tokens, forked_from=parent_id,
+                    lora_request=child.lora_request))
                 self._worker_num_tokens[child.request_id] = child.num_tokens
                 self._worker_num_blocks[child.request_id] = len(table)
                 self._worker_last_block[child.request_id] = table[-1]
@@ -598,7 +622,8 @@ class Scheduler:
             output.scheduled_new_reqs.append(NewRequestData(
                 req_id=req_id, prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
                 block_ids=block_table, num_computed_tokens=start,
-                output_token_ids=list(request.output_token_ids)))  # a beam forked between steps
+                output_token_ids=list(request.output_token_ids),  # a beam forked between steps
+                lora_request=request.lora_request))
             self._worker_num_tokens[req_id] = request.num_tokens
         else:
             resumed = req_id in self._preempted_since_scheduled
@@ -936,4 +961,7 @@ class Scheduler:
             prefix_cache_queries_total=kv.prefix_cache_stats.queries,  # [prefix caching]
             prefix_cache_hits_total=kv.prefix_cache_stats.hits,
             spec_decoding_stats=None if self.spec_decoder is None else self.spec_decoder.stats.copy(),
+            running_lora_adapters=sorted({r.lora_request.lora_name for r in self.running if r.lora_request}),
+            waiting_lora_adapters=sorted({r.lora_request.lora_name for r in self.waiting if r.lora_request}),
+            max_lora=self.max_loras,
         )

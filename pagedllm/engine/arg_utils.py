@@ -108,6 +108,8 @@ class EngineArgs:
         speculative_config: vLLM's speculative decoding settings: a dict of
             ``config.SpeculativeConfig`` fields (``{"method": "ngram", "num_speculative_tokens":
             4}``) or a ``SpeculativeConfig``; None: no speculative decoding.
+        enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_dtype: LoRA adapters
+            (``lora.config.LoRAConfig``: slots, their rank, adapters cached on the host, dtype).
     """
 
     model: str | None = None
@@ -161,6 +163,11 @@ class EngineArgs:
     profiler_config: Any = field(default_factory=_profiler_config_from_env)
     logits_processors: list[Any] | None = None
     speculative_config: Any = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -305,6 +312,23 @@ class EngineArgs:
 
         return StructuredOutputsConfig.from_any(self.structured_outputs_config, backend=self.structured_outputs_backend,
                                                 max_grammar_cache=self.max_structured_output_grammar_cache)
+
+    def create_lora_config(self):
+        """The ``LoRAConfig`` (None without ``enable_lora``), checked before any weight loads.
+
+        Raises:
+            ValueError: naming the field: a bad size; LoRA with speculative decoding.
+        """
+        if not self.enable_lora:
+            return None
+        from pagedllm.lora.config import LoRAConfig
+
+        config = LoRAConfig(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype)
+        if self.speculative_config is not None:
+            raise ValueError("enable_lora with speculative_config: LoRA adapters do not run with speculative "
+                             "decoding (the drafts and their verification would need the adapter too)")
+        return config
 
     def create_speculative_config(self):
         """The ``SpeculativeConfig`` of ``speculative_config`` (None: no speculative decoding),
@@ -486,6 +510,12 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                         "or '{\"method\": \"suffix\"}' or '{\"method\": \"self_int8\", \"num_speculative_tokens\": 4}' "
                         "(README, \"Speculative decoding\"; default: off)")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (README, \"LoRA adapters\")")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters in one batch (slots; default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded on the host, LRU (default: --max-loras)")
+    g.add_argument("--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--structured-outputs-config", type=_json_dict, default=None,
                    help="vLLM's JSON form of the structured-output settings, laid over the two flags "
                         "above, e.g. '{\"backend\": \"xgrammar\", \"disable_additional_properties\": false}'")

@@ -248,6 +248,18 @@ class AsyncFrontEnd:
         callers."""
         raise NotImplementedError
 
+    async def add_lora(self, lora_request) -> bool:
+        """[LoRA] Load an adapter on every engine now (vLLM's ``add_lora``); False if loaded already.
+
+        Raises:
+            ValueError: as ``LLMEngine.add_lora``.
+        """
+        return all(await self._engine_call("add_lora", lora_request=lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """[LoRA] Forget an adapter on every engine (vLLM's ``remove_lora``)."""
+        return any(await self._engine_call("remove_lora", lora_id=lora_id))
+
     def _check_not_paused(self) -> None:
         if self._pause_mode in ("abort", "wait"):
             raise EnginePausedError(f"generation is paused (mode {self._pause_mode!r}); retry after "
@@ -303,20 +315,27 @@ class AsyncFrontEnd:
             sampling_params: the request's params (None: ``SamplingParams()``);
                 ``output_kind`` decides what each output holds (``DELTA`` for streaming).
             request_id: the caller's id (None: a fresh one).
-            lora_request, tokenization_kwargs, trace_headers: vLLM's; only None is supported.
+            lora_request: the ``LoRARequest`` it runs with, or None (the base model).
+            tokenization_kwargs, trace_headers: vLLM's; only None is supported.
             priority: vLLM's priority scheduling; only 0 (first come, first served).
             data_parallel_rank: vLLM's; only None (the balancer picks the replica).
         Raises:
             ValueError: at the first ``__anext__``, for a bad prompt or params, or an unsupported
                 keyword (naming it; use :meth:`add_request` to get errors synchronously).
         """
-        for name, value, default in (("lora_request", lora_request, None), ("tokenization_kwargs", tokenization_kwargs, None),
+        for name, value, default in (("tokenization_kwargs", tokenization_kwargs, None),
                                      ("trace_headers", trace_headers, None), ("priority", priority, 0),
                                      ("data_parallel_rank", data_parallel_rank, None)):
             if value != default and not (name == "tokenization_kwargs" and value == {}):
                 raise ValueError(f"{name}={value!r} is not supported by pagedllm (only {default!r})")
-        stream = self.add_request(request_id, prompt,
-                                  SamplingParams() if sampling_params is None else sampling_params)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if lora_request is not None:   # [LoRA] the processed request carries its adapter to the engine
+            from pagedllm.lora.request import LoRARequest
+
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            prompt, params = self.process_inputs(prompt, params).with_lora(lora_request), None
+        stream = self.add_request(request_id, prompt, params)
         try:
             async for out in stream:
                 yield out

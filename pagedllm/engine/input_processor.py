@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence, Union
 
 from pagedllm.config import StructuredOutputsConfig
@@ -67,12 +67,19 @@ class ProcessedInput:
         max_tokens: tokens this request may generate (max_tokens, or what fits in max_model_len);
             at least 1 (a prompt-only request, ``SamplingParams._prompt_only``, samples one token,
             which the output processor drops).
+        lora_request: [LoRA] the adapter the request runs with (the server sets it from the
+            request's ``model``), or None.
     """
 
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+    lora_request: object = None
+
+    def with_lora(self, lora_request) -> "ProcessedInput":
+        """A copy that runs with ``lora_request`` (a ``LoRARequest`` or None); this one is unchanged."""
+        return self if lora_request is self.lora_request else replace(self, lora_request=lora_request)
 
 
 class InputProcessor:

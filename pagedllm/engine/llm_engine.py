@@ -56,6 +56,7 @@ class LLMEngine:
         self.structured_outputs_config = args.create_structured_outputs_config()
         get_backend_class(self.structured_outputs_config.backend)
         self.speculative_config = args.create_speculative_config()
+        self.lora_config = args.create_lora_config()   # [LoRA] None without enable_lora
         files = resolve_model(args.model)
         self.model_files = files
         model_cfg, cache_cfg, sched_cfg, parallel_cfg = args.create_engine_config(
@@ -85,6 +86,8 @@ class LLMEngine:
             self.executor.initialize()
             if draft_cfg is not None:
                 self.executor.collective_rpc("load_draft_model", (draft_cfg, spec.method == "self_int8"))
+            if self.lora_config is not None:   # [LoRA] the target layers get their adapter slots
+                self.executor.collective_rpc("init_lora", (self.lora_config,))
             self.tokenizer = tokenizer_future.result()
         self.num_blocks = self.executor.determine_num_blocks()
         self.num_cpu_blocks = self.executor.determine_num_cpu_blocks()
@@ -101,7 +104,10 @@ class LLMEngine:
             self.speculative_config, make_proposer(self.speculative_config))
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager,
                                    max_concurrent_batches=self.executor.max_concurrent_batches,
-                                   spec_decoder=self.spec_decoder)
+                                   spec_decoder=self.spec_decoder,
+                                   max_loras=0 if self.lora_config is None else self.lora_config.max_loras)
+        # [LoRA] adapters checked so far: lora_int_id -> its LoRARequest (one name and path per id).
+        self._lora_requests: dict = {}
         self.profiler_config = args.create_profiler_config()
         self.structured_output_manager = StructuredOutputManager(
             self.structured_outputs_config, self.tokenizer, self.vocab_size, sched_cfg.max_num_seqs)
@@ -141,8 +147,52 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
+    def check_lora_request(self, lora_request) -> None:
+        """Check an adapter before its requests queue: LoRA enabled, ``adapter_config.json``
+        supported and within ``max_lora_rank``, one name and path per ``lora_int_id``.
+
+        Raises:
+            ValueError: naming the field.
+        """
+        from pagedllm.lora.adapter import read_peft_config
+        from pagedllm.lora.request import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora_config is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True")
+        known = self._lora_requests.get(lora_request.lora_int_id)
+        if known == lora_request:
+            return
+        if known is not None:
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already adapter {known.lora_name!r} "
+                             f"({known.lora_path}); remove_lora it first")
+        read_peft_config(lora_request.lora_path, self.lora_config.max_lora_rank)
+        self._lora_requests[lora_request.lora_int_id] = lora_request
+
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter on every worker now (vLLM's ``add_lora``), rather than on its first
+        request; False if it was loaded already.
+
+        Raises:
+            ValueError: as ``check_lora_request``, or weights that do not fit the model.
+        """
+        self.check_lora_request(lora_request)
+        return all(self.executor.collective_rpc("add_lora", (lora_request,)))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (vLLM's ``remove_lora``): out of the workers' slots and host caches;
+        requests still running with it load it again. False if it was not known."""
+        known = self._lora_requests.pop(lora_id, None) is not None
+        return any(self.executor.collective_rpc("remove_lora", (lora_id,))) or known
+
+    def list_loras(self) -> set[int]:
+        """The adapters this engine knows (``lora_int_id``)."""
+        return set(self._lora_requests)
+
     def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    lora_request=None) -> str:
         """Queue a request (n > 1 / best_of become that many samples).
 
         ``prompt`` is either a raw prompt, validated and tokenized here with ``params``, or a
@@ -151,7 +201,8 @@ class LLMEngine:
 
         Sample ``i`` gets engine id ``f"{i}_{request_id}"`` and, if ``params.seed`` is set, seed
         ``params.seed + i``. Sample 0 computes the prompt once; the others fork its KV blocks
-        (copy-on-write) and draw their first token from the same logits row.
+        (copy-on-write) and draw their first token from the same logits row. ``lora_request``:
+        the adapter every sample runs with (``check_lora_request``), or None.
 
         Returns:
             The request id.
@@ -164,8 +215,11 @@ class LLMEngine:
             if params is not None:
                 raise ValueError("params must be None when the prompt is a ProcessedInput (it carries its params)")
             processed = prompt
+            lora_request = lora_request or processed.lora_request
         else:
             processed = self.input_processor.process(prompt, params)
+        if lora_request is not None:
+            self.check_lora_request(lora_request)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.has_request(request_id) or self.beam_search.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -197,7 +251,8 @@ class LLMEngine:
             grammar = (self.structured_output_manager.make_request(sp.structured_outputs)
                        if sp.structured_outputs is not None else None)
             requests.append(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
-                                    arrival_time=arrival_time, structured_output_request=grammar))
+                                    arrival_time=arrival_time, structured_output_request=grammar,
+                                    lora_request=lora_request))
         # Sample 0 computes the prompt; the others fork its blocks when it is done (Scheduler.add_request).
         try:
             self.scheduler.add_request(requests[0], forks=requests[1:])
@@ -214,9 +269,12 @@ class LLMEngine:
         first) and vLLM's ``BeamSearchSequence``s in ``beam_sequences``.
 
         Raises:
-            ValueError: invalid prompt or params, a duplicate id, or ``beam_width`` above ``max_num_seqs``.
+            ValueError: invalid prompt or params, a duplicate id, ``beam_width`` above ``max_num_seqs``,
+                or a LoRA adapter.
         """
         processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(prompt, params)
+        if processed.lora_request is not None:
+            raise ValueError("lora_request: beam search does not run with LoRA adapters")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.has_request(request_id) or self.beam_search.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")

@@ -134,7 +134,7 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Generate completions for all prompts, submitted together and batched continuously.
 
         Args:
@@ -143,11 +143,14 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt; None =
                 ``get_default_sampling_params()`` (the model's generation config, else ``SamplingParams()``).
             use_tqdm: show a progress bar with output tokens/s.
+            lora_request: a ``LoRARequest`` for all prompts, one (or None) per prompt, or None
+                (the base model); needs ``enable_lora=True``.
         Returns:
             One finished ``RequestOutput`` per prompt, in input order.
         Raises:
-            ValueError: a bad prompt or params (checked for every prompt before any runs), or a
-                params list whose length differs from the prompts'.
+            ValueError: a bad prompt or params (checked for every prompt before any runs), a
+                params or ``lora_request`` list whose length differs from the prompts', or a bad
+                adapter.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -158,9 +161,17 @@ class LLM:
             else list(sampling_params)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_request entries for {len(prompts)} prompts")
         # Validate and tokenize everything first (once), so a bad prompt loses nothing.
         processed = [self.llm_engine.input_processor.process(prompt, params)
                      for prompt, params in zip(prompts, params_list)]
+        check = getattr(self.llm_engine, "check_lora_request", None)   # data parallel: each replica checks
+        for lora in loras:
+            if lora is not None and check is not None:
+                check(lora)
+        processed = [request.with_lora(lora) for request, lora in zip(processed, loras)]   # each carries its adapter
         ids = []
         for request in processed:
             ids.append(self.llm_engine.add_request(f"llm-{self._counter}", request))

@@ -25,6 +25,7 @@ exist are exported.
 | pagedllm:iteration_tokens_total | histogram | tokens in one forward (prefill + decode) |
 | pagedllm:request_prompt_tokens | histogram | prompt length of finished requests |
 | pagedllm:request_generation_tokens | histogram | generated tokens of finished requests |
+| pagedllm:lora_requests_info{max_lora,running_lora_adapters,waiting_lora_adapters} | gauge | LoRA (vLLM's): the adapters (comma-separated names) of running and waiting requests; the value is the time (s) of the last change; only with LoRA on |
 | pagedllm:spec_decode_num_drafts_total | counter | speculative decoding: verification steps with drafts |
 | pagedllm:spec_decode_num_draft_tokens_total | counter | draft tokens verified |
 | pagedllm:spec_decode_num_accepted_tokens_total | counter | draft tokens accepted (acceptance rate = accepted / draft tokens) |
@@ -32,6 +33,8 @@ exist are exported.
 """
 
 from __future__ import annotations
+
+import time
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -93,6 +96,9 @@ def _make_families(registry: CollectorRegistry, max_model_len: int, max_num_batc
     f["spec_decode_num_accepted_tokens_per_pos"] = Counter(
         "pagedllm:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted drafts by position.",
         labels + ["position"], registry=r)
+    f["lora_requests_info"] = Gauge(
+        "pagedllm:lora_requests_info", "LoRA adapters of the running and waiting requests (value: time of the change).",
+        labels + ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
     f["request_success"] = Counter("pagedllm:request_success", "Finished requests, by finish reason.",
                                    labels + ["finished_reason"], registry=r)
     for name, doc, buckets in (
@@ -128,7 +134,10 @@ class PrometheusStatLogger:
         self._labels = {"model_name": model_name, "engine": str(engine_index)}
         self.engine_index = engine_index
         child = {name: family.labels(**self._labels) for name, family in fam.items()
-                 if name not in ("num_preemptions", "request_success", "spec_decode_num_accepted_tokens_per_pos")}
+                 if name not in ("num_preemptions", "request_success", "spec_decode_num_accepted_tokens_per_pos",
+                                 "lora_requests_info")}
+        self._lora_info = fam["lora_requests_info"]
+        self._lora_labels: tuple[str, str, str] | None = None   # the series shown now
         self.num_requests_running = child["num_requests_running"]
         self.num_requests_waiting = child["num_requests_waiting"]
         self.kv_cache_usage = child["kv_cache_usage_perc"]
@@ -194,6 +203,16 @@ class PrometheusStatLogger:
         self.num_total_blocks.set(s.num_blocks)
         self.num_requests_swapped.set(s.num_swapped)
 
+    def _record_lora(self, s: SchedulerStats) -> None:
+        """[LoRA] One ``lora_requests_info`` series: the current adapters (the last one is removed)."""
+        labels = (str(s.max_lora), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters))
+        if labels == self._lora_labels:
+            return
+        if self._lora_labels is not None:
+            self._lora_info.remove(*self._labels.values(), *self._lora_labels)
+        self._lora_labels = labels
+        self._lora_info.labels(*self._labels.values(), *labels).set(time.time())
+
     def _record_spec_decoding(self, stats) -> None:
         """Advance the speculative-decoding counters to the scheduler's running totals."""
         for name, counter in self.spec_decode.items():
@@ -211,6 +230,8 @@ class PrometheusStatLogger:
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self._set_gauges(scheduler_stats)
         s = scheduler_stats
+        if s.max_lora:
+            self._record_lora(s)
         if s.prefix_cache_queries_total > self._queries_seen:
             self.prefix_cache_queries.inc(s.prefix_cache_queries_total - self._queries_seen)
             self._queries_seen = s.prefix_cache_queries_total

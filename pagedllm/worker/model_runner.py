@@ -99,6 +99,8 @@ class ModelRunner:
         self.greedy_head = greedy_head
         # Class-based logits processors (vLLM V1's interface; ``set_batch_logits_processors``).
         self.batch_logits_processors: BatchLogitsProcessors | None = None
+        # [LoRA] the worker's slots (``lora/worker_manager.py``), set by ``Worker.init_lora``; None: no LoRA.
+        self.lora_manager = None
 
     def set_batch_logits_processors(self, processors: BatchLogitsProcessors | None) -> None:
         """Run these class-based processors on every step's sampled rows (driver rank only);
@@ -168,6 +170,8 @@ class ModelRunner:
             positions = torch.from_numpy(np.arange(num_tokens, dtype=np.int64) + shift).to(self.device)
         md = build_attention_metadata(query_lens, context_lens, [r.block_table for r in reqs],
                                       self.block_size, self.device)
+        if self.lora_manager is not None:   # this step's rows per adapter slot
+            self.lora_manager.prepare([r.state.lora_request for r in reqs], query_lens)
         # -- pipeline parallelism: a later stage starts from the previous stage's output --
         if self.parallel.is_first_stage:
             hidden = self.model(input_ids, positions, self.kv_caches, md)      # [T, H]

@@ -35,6 +35,7 @@ class CachedRequestState:
         draft_kv_tokens: [draft models] the drafts whose draft K/V follows those positions (the
             first ``k - 1`` drafts of the last drafting); they count as computed as far as they
             match the real tokens (``draft_valid_prefix``).
+        lora_request: [LoRA] the request's adapter (``LoRARequest``), or None.
     """
 
     req_id: str
@@ -47,6 +48,7 @@ class CachedRequestState:
     generator: Any = None
     draft_num_computed: int = 0
     draft_kv_tokens: list[int] = field(default_factory=list)
+    lora_request: Any = None
 
     def draft_valid_prefix(self, token_ids: list[int]) -> int:
         """[draft models] Positions of ``token_ids`` (the request's real tokens) whose draft K/V
@@ -150,7 +152,7 @@ class RequestStates:
                 sampling_params=new.sampling_params,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 output_token_ids=list(new.output_token_ids), block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens)
+                num_computed_tokens=new.num_computed_tokens, lora_request=new.lora_request)
             if new.forked_from is not None:
                 self.forks.append((new.forked_from, state))
         for cached in sched.scheduled_cached_reqs:

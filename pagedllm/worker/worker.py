@@ -168,6 +168,7 @@ class Worker:
         self.draft_model: nn.Module | None = None
         self.draft_kv_shape: KVCacheShape | None = None
         self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.lora_manager = None   # [LoRA] ``init_lora``
 
     def init_device(self) -> None:
         """Pick the device and dtype, seed the global RNGs with the engine's seed
@@ -383,6 +384,7 @@ class Worker:
                                         parallel=self.parallel, hidden_size=self.model_config.hidden_size,
                                         dtype=self.dtype, host_kv_caches=self.host_kv_caches,
                                         greedy_head=self.greedy_head, draft=draft)
+        self.model_runner.lora_manager = self.lora_manager
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (``ModelRunner.execute_model``), timed into ``parallel.step_times``; while
@@ -456,6 +458,34 @@ class Worker:
         if "load_format" in overrides.get("load_config", {}):
             self.model_config = dataclasses.replace(self.model_config,
                                                     load_format=overrides["load_config"]["load_format"])
+
+    # -- [LoRA] adapters (lora/worker_manager.py) ----------------------------------------------
+
+    def init_lora(self, lora_config) -> None:
+        """Wrap the model's target layers with ``max_loras`` empty adapter slots (after
+        ``load_model``, before ``initialize_cache``)."""
+        from pagedllm.lora.worker_manager import LoRAWorkerManager
+
+        self.lora_manager = LoRAWorkerManager(self.model, lora_config, self.dtype, self.device)
+        if self.model_runner is not None:
+            self.model_runner.lora_manager = self.lora_manager
+
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter into the host cache (vLLM's ``add_lora``); False if already there.
+
+        Raises:
+            ValueError: LoRA not enabled, or a bad adapter.
+        """
+        if self.lora_manager is None:
+            raise ValueError("add_lora needs enable_lora=True")
+        return self.lora_manager.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from its slot and the host cache; False if it was not loaded."""
+        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return [] if self.lora_manager is None else self.lora_manager.list_loras()
 
     def reload_weights(self) -> None:
         """Build the model again from the checkpoint (``model_config.load_format``), in place of

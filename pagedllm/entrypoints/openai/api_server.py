@@ -62,6 +62,7 @@ from pagedllm.entrypoints.openai.serving_responses import (DEFAULT_MAX_STORED_RE
                                                            ResponseStore)
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_from_exception
 from pagedllm.entrypoints.openai.serving_engine import DEFAULT_MAX_N, run_until_disconnect
+from pagedllm.entrypoints.openai.serving_lora import parse_lora_modules
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
@@ -118,6 +119,7 @@ class ServerState:
     request_exit: Callable[[], None] | None = None
     exit_code: int = 0
     responses: OpenAIServingResponses | None = None
+    enable_runtime_lora_updating: bool = False   # [LoRA] the load / unload routes (serving_lora.py)
 
 
 # Seconds between two looks at whether the engine died (``watch_engine``).
@@ -159,7 +161,9 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                 reasoning_parser: str | None = None,
                 trust_request_chat_template: bool = False,
                 max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
-                max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> ServerState:
+                max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+                lora_modules: list[tuple[str, str]] = (),
+                enable_runtime_lora_updating: bool = False) -> ServerState:
     """Load the model and wire the handlers.
 
     Args:
@@ -187,6 +191,10 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
         max_request_body_bytes: the largest request body (bytes; 413 above); None or 0: no limit.
         max_stored_responses: the most ``/v1/responses`` responses kept in memory for
             ``previous_response_id`` and ``GET`` (least recently used dropped first; 0: none).
+        lora_modules: [LoRA] (name, PEFT folder) adapters served beside the base model (the
+            request's ``model`` picks one); needs ``engine_args.enable_lora``.
+        enable_runtime_lora_updating: [LoRA] serve ``/v1/load_lora_adapter`` and
+            ``/v1/unload_lora_adapter``.
     Raises:
         ValueError: bad engine arguments, an unparsable chat template, ``max_n < 1``, an unknown
             tool-call parser, ``enable_auto_tool_choice`` without one, or a negative body limit or
@@ -196,6 +204,13 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
 
     if max_n is not None and (not isinstance(max_n, int) or max_n < 1):
         raise ValueError(f"max_n must be an int >= 1, got {max_n!r}")
+    if (lora_modules or enable_runtime_lora_updating) and not engine_args.enable_lora:
+        raise ValueError("--lora-modules and --enable-runtime-lora-updating need --enable-lora")
+    if lora_modules:   # a bad adapter folder fails before the model loads
+        from pagedllm.lora.adapter import read_peft_config
+
+        for _, path in lora_modules:
+            read_peft_config(path, engine_args.max_lora_rank)
     if max_request_body_bytes is not None and (not isinstance(max_request_body_bytes, int)
                                                or max_request_body_bytes < 0):
         raise ValueError(f"--max-request-body-bytes must be an int >= 0 (0: no limit), got {max_request_body_bytes!r}")
@@ -230,7 +245,7 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
         async_engine = AsyncLLM(engine, log_stats_interval_s=log_stats_interval_s)
     root = engine_args.model if engine_args.model not in (None, "default") else \
         (engine.model_files.gguf_path or engine.model_files.folder)
-    models = OpenAIServingModels(names, root, engine.max_model_len)
+    models = OpenAIServingModels(names, root, engine.max_model_len, lora_modules)
     max_num_seqs = engine.scheduler_config.max_num_seqs
     if max_n is None:
         max_n = min(DEFAULT_MAX_N, max_num_seqs)
@@ -250,7 +265,8 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                                        store=response_store)
     return ServerState(engine=async_engine, models=models, completion=completion, chat=chat,
                        tokenization=OpenAIServingTokenization(chat), registry=registry, api_key=api_key,
-                       pool=pool, max_request_body_bytes=max_request_body_bytes or None, responses=responses)
+                       pool=pool, max_request_body_bytes=max_request_body_bytes or None, responses=responses,
+                       enable_runtime_lora_updating=enable_runtime_lora_updating)
 
 
 def is_public_path(path: str) -> bool:
@@ -416,6 +432,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def show_models():
         return JSONResponse(state.models.show_available_models().model_dump())
 
+    if state.enable_runtime_lora_updating:   # [LoRA] vLLM's load / unload routes
+        from pagedllm.entrypoints.openai.serving_lora import add_lora_routes
+
+        add_lora_routes(app, state)
+
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
         return await run_until_disconnect(state.completion.create_completion(request, raw_request), raw_request)
@@ -512,6 +533,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"most /v1/responses responses kept in memory for previous_response_id and GET "
                         f"/v1/responses/{{id}} (least recently used dropped first; default: "
                         f"{DEFAULT_MAX_STORED_RESPONSES}; 0: none stored)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served beside the model, as name=path or "
+                        "'{\"name\": ..., \"path\": ...}'; a request's model picks one (needs --enable-lora)")
+    g.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: off)")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     g.add_argument("--max-n", type=int, default=None,
                    help=f"most samples one request may ask for with n or best_of, at most --max-num-seqs "
@@ -614,7 +640,9 @@ def run_server(ns: argparse.Namespace) -> int:
                         engine_process=not ns.engine_in_process,
                         trust_request_chat_template=ns.trust_request_chat_template,
                         max_request_body_bytes=ns.max_request_body_bytes,
-                        max_stored_responses=ns.max_stored_responses)
+                        max_stored_responses=ns.max_stored_responses,
+                        lora_modules=parse_lora_modules(ns.lora_modules),
+                        enable_runtime_lora_updating=ns.enable_runtime_lora_updating)
     app = build_app(state)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             access_log=not ns.disable_uvicorn_access_log,

@@ -165,6 +165,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_unsupported_fields(request, CHAT_UNSUPPORTED_FIELDS)
         self.warn_unknown_fields(request, CHAT_UNSUPPORTED_FIELDS)
         beam_search = self.check_beam_search(request)
+        if beam_search and self.models.lora_for(model_name) is not None:
+            raise bad_request("use_beam_search does not run with LoRA adapters", param="use_beam_search")
         stream = bool(request.stream)
         n = 1 if request.n is None else request.n
         self.check_n(n)
@@ -192,6 +194,7 @@ class OpenAIServingChat(OpenAIServing):
                 self.sampling_params(request, max_tokens, num_top, kind, structured_outputs=structured_outputs)
             processed = await self.run_in_pool(self.engine.process_inputs, prompt, base,
                                                LengthCheck(max_tokens_field, "messages"))
+            processed = processed.with_lora(self.models.lora_for(model_name))   # the adapter `model` names
             ids = processed.prompt_token_ids
             self.log_request(request_id, processed.prompt, len(ids), processed.params)
             beam = self.beam_search_params(request, processed.params.max_tokens) if beam_search else None

@@ -97,6 +97,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("suffix is not supported: no model served here can insert text (fill-in-the-middle)",
                               param="suffix")
         beam_search = self.check_beam_search(request)
+        if beam_search and self.models.lora_for(model_name) is not None:
+            raise bad_request("use_beam_search does not run with LoRA adapters", param="use_beam_search")
         stream = bool(request.stream)
         n = 1 if request.n is None else request.n
         self.check_n(n, request.best_of)
@@ -140,6 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, (processed, info) in enumerate(processed_prompts):
                 request_id = f"{cmpl_id}-{i}"
                 beam = self.beam_search_params(request, processed.params.max_tokens) if beam_search else None
+                processed = processed.with_lora(self.models.lora_for(model_name))   # the adapter `model` names
                 engine_requests.append((request_id, processed, beam))
                 infos.append(info)
                 self.log_request(request_id, processed.prompt, len(info.token_ids), processed.params)

@@ -334,6 +334,7 @@ class OpenAIServingResponses(OpenAIServing):
                                           structured_outputs=structured_outputs)
             processed = await self.run_in_pool(self.engine.process_inputs, prompt, params,
                                                LengthCheck("max_output_tokens", "input"))
+            processed = processed.with_lora(self.models.lora_for(model_name))   # the adapter `model` names
             num_input = len(processed.prompt_token_ids)
             self.log_request(response_id, processed.prompt, num_input, processed.params)
             outputs = self.engine.add_request(response_id, processed, arrival_time=arrival_time)
