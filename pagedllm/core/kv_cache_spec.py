@@ -135,6 +135,22 @@ class KVCacheGroups:
         return total
 
 
+    def max_concurrency(self, num_blocks: int, num_tokens: int, block_size: int,
+                        max_num_batched_tokens: int = 0) -> float:
+        """Requests of ``num_tokens`` tokens that ``num_blocks`` pages hold at once.
+
+        One group: ``num_blocks * block_size / num_tokens`` (today's startup line). Hybrid: the
+        pool less the null block and one step's prefill chunk (``max_num_batched_tokens``
+        tokens, transiently held by every sliding group before its out-of-window blocks go
+        back), over ``max_blocks_per_request(num_tokens, block_size)``.
+        """
+        if not self.is_hybrid:
+            return num_blocks * block_size / num_tokens
+        num_sliding = sum(1 for g in self.groups if g.sliding_window is not None)
+        usable = num_blocks - 1 - num_sliding * cdiv(max_num_batched_tokens, block_size)
+        return max(usable, 0) / self.max_blocks_per_request(num_tokens, block_size)
+
+
 def single_group(num_layers: int, reason: str | None = None) -> KVCacheGroups:
     """Today's layout: one full-attention group of every layer (one table, one tensor pair per layer)."""
     return KVCacheGroups((KVCacheGroupSpec(tuple(range(num_layers)), None),), num_layers, reason)
@@ -188,3 +204,39 @@ def split_group_block_ids(block_ids: Sequence[int], num_groups: int) -> list[lis
     if num_groups < 1 or len(block_ids) % num_groups:
         raise ValueError(f"a table of {len(block_ids)} ids does not split into {num_groups} groups")
     return [list(block_ids[g::num_groups]) for g in range(num_groups)]
+
+
+def resolve_kv_cache_groups(layer_windows: Sequence[int | None], *, disable_hybrid: bool = False,
+                            preemption_mode: str = "recompute", pipeline_parallel_size: int = 1,
+                            uses_draft_model: bool = False) -> KVCacheGroups:
+    """The engine's and every worker's layout (same inputs, same answer on both sides).
+
+    The hybrid layout (``make_kv_cache_groups``) unless a setting it does not cover asks for
+    today's single table, named in ``fallback_reason``: ``disable_hybrid_kv_cache_manager``,
+    swap preemption (no per-group host pool), pipeline parallelism (stages with different layer
+    groups), a draft model (its own pool indexed by the target's tables).
+    """
+    groups = make_kv_cache_groups(layer_windows)
+    if not groups.is_hybrid:
+        return groups
+    n = len(layer_windows)
+    if disable_hybrid:
+        return single_group(n, "disable_hybrid_kv_cache_manager is set")
+    if preemption_mode == "swap":
+        return single_group(n, "preemption_mode='swap' is not supported by the hybrid KV cache manager")
+    if pipeline_parallel_size > 1:
+        return single_group(n, "pipeline parallelism is not supported by the hybrid KV cache manager")
+    if uses_draft_model:
+        return single_group(n, "a draft model is not supported by the hybrid KV cache manager")
+    return groups
+
+
+def kv_cache_groups_for(model_config, cache_config, scheduler_config, parallel_config,
+                        uses_draft_model: bool = False) -> KVCacheGroups:
+    """``resolve_kv_cache_groups`` from the engine's configs (``ModelConfig.layer_sliding_windows``,
+    ``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig``)."""
+    windows = tuple(model_config.layer_sliding_windows) or (None,) * model_config.num_hidden_layers
+    return resolve_kv_cache_groups(
+        windows, disable_hybrid=cache_config.disable_hybrid_kv_cache_manager,
+        preemption_mode=scheduler_config.preemption_mode,
+        pipeline_parallel_size=parallel_config.pipeline_parallel_size, uses_draft_model=uses_draft_model)
