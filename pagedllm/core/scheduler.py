@@ -927,6 +927,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_group_usage=self.kv_cache_manager.group_usage(),
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_blocks=self.kv_cache_manager.num_blocks,
             num_preemptions=s.num_preemptions,

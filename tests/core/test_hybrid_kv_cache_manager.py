@@ -158,3 +158,23 @@ def test_allocation_fails_without_changing_the_tables():
     with pytest.raises(RuntimeError, match="out of the window"):
         kv.check_integrity({"a": a})
     kv.check_integrity()
+
+
+def test_scheduler_stats_and_prometheus_show_per_group_usage():
+    from prometheus_client import generate_latest
+
+    from pagedllm.config import SchedulerConfig
+    from pagedllm.core.scheduler import Scheduler
+    from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+    kv = HybridKVCacheManager(4, 21, make_kv_cache_groups([None, 8]))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
+    sched.add_request(req("a", 14))
+    out = sched.schedule()
+    # 4 logical blocks in each group, interleaved in the one table the message carries.
+    assert out.scheduled_new_reqs[0].block_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    stats = sched.make_stats()
+    assert stats.kv_cache_group_usage == [0.2, 0.2] and stats.kv_cache_usage == 0.4
+    prom = PrometheusStatLogger("m", 64, 64, initial=stats)
+    text = generate_latest(prom.registry).decode()
+    assert 'pagedllm:kv_cache_group_usage_perc{engine="0",kv_cache_group="1",model_name="m"} 0.2' in text
