@@ -89,6 +89,9 @@ class CacheConfig:
             prefix caching, as vLLM V1; on by default).
         swap_space_bytes: host memory for swapped-out KV blocks (bytes per worker; vLLM's
             ``swap_space``, GiB there). Allocated only with ``preemption_mode="swap"``.
+        disable_hybrid_kv_cache_manager: one block table for all layers even when some have a
+            sliding window (vLLM's flag); by default sliding-window layers get their own tables
+            and keep only their window (``core/kv_cache_spec.py``).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -98,6 +101,7 @@ class CacheConfig:
     cpu_kvcache_space_bytes: int | None = None
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 0
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:

@@ -316,6 +316,29 @@ def _cmd_latency(ns) -> int:
 
 # -- memory --------------------------------------------------------------------------------------
 
+def _layer_windows(spec: str | None) -> list[int | None] | None:
+    """``--layer-windows``: comma-separated per-layer windows, ``full`` for full attention, ``X*N``
+    for N layers of X (Gemma 3 270M: ``512*5,full,512*5,full,512*5,full``).
+
+    Raises:
+        ValueError: naming the flag, for an item that is not ``full`` or a positive int.
+    """
+    if not spec:
+        return None
+    out: list[int | None] = []
+    for item in spec.split(","):
+        kind, _, count = item.strip().partition("*")
+        try:
+            n = int(count) if count else 1
+            window = None if kind == "full" else int(kind)
+        except ValueError:
+            raise ValueError(f"--layer-windows: {item!r} is not 'full', a window or 'X*N'") from None
+        if n < 1 or (window is not None and window < 1):
+            raise ValueError(f"--layer-windows: {item!r} needs a positive window and count")
+        out.extend([window] * n)
+    return out
+
+
 def _cmd_memory(ns) -> int:
     from pagedllm.benchmarks.datasets import dataset_file, load_jsonl_requests, resample_lengths
     from pagedllm.benchmarks.memory import format_memory_table, simulate_kv_concurrency
@@ -328,7 +351,8 @@ def _cmd_memory(ns) -> int:
     sizes = sorted(set(ns.block_sizes) | {ns.block_size})
     results = [simulate_kv_concurrency(lengths, block_size=bs, max_model_len=ns.max_model_len,
                                        static_concurrency=ns.static_concurrency, max_num_seqs=ns.max_num_seqs,
-                                       max_num_batched_tokens=ns.max_num_batched_tokens) for bs in sizes]
+                                       max_num_batched_tokens=ns.max_num_batched_tokens,
+                                       layer_windows=_layer_windows(ns.layer_windows)) for bs in sizes]
     head = next(r for r in results if r.block_size == ns.block_size)
     print(f"==== KV memory: {ns.num_prompts} requests resampled from {path} (seed {ns.dataset_seed}); "
           f"scheduler + KV cache manager, no model ====")
@@ -503,6 +527,10 @@ def add_bench_parser(subparsers) -> None:
     mm.add_argument("--block-sizes", type=_int_list, default=[8, 16, 32], help="block-size sweep (default 8,16,32)")
     mm.add_argument("--max-num-seqs", type=int, default=256)
     mm.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    mm.add_argument("--layer-windows", default=None,
+                    help="hybrid KV cache: per-layer sliding windows ('full' = full attention, X*N = N layers), "
+                         "e.g. 512*5,full,512*5,full,512*5,full for Gemma 3 270M; the budget's bytes then "
+                         "hold pages of one layer group (default: one table per request)")
     mm.add_argument("--output-json", default=None)
     mm.set_defaults(func=_cmd_memory)
 

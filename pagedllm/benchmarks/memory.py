@@ -19,7 +19,9 @@ import logging
 from dataclasses import asdict, dataclass
 
 from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
+from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_spec import make_kv_cache_groups
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
@@ -75,7 +77,8 @@ class MemorySimResult:
 
 def simulate_kv_concurrency(lengths: list[tuple[int, int]], block_size: int = 16, max_model_len: int = 2048,
                             static_concurrency: int = 8, max_num_seqs: int = 256,
-                            max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_steps: int | None = None) -> MemorySimResult:
+                            max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_steps: int | None = None,
+                            layer_windows: list[int | None] | None = None) -> MemorySimResult:
     """Run ``lengths`` = [(prompt_len, max_tokens), ...] through the scheduler, all arriving at once.
 
     Args:
@@ -86,6 +89,10 @@ def simulate_kv_concurrency(lengths: list[tuple[int, int]], block_size: int = 16
         max_num_seqs: most requests per step (keep it high so blocks are the limit).
         max_num_batched_tokens: token budget per step (default: the engine's).
         max_steps: give up after this many steps (None: 100 x the total token count).
+        layer_windows: [hybrid KV cache] per layer, its sliding window (``None`` = full); with a
+            window the same budget (bytes) becomes ``num_layers / group_size`` times as many
+            pages of ``group_size`` layers, run by ``HybridKVCacheManager`` (``num_blocks`` then
+            counts pages, the null page included). None: one table per request.
     Raises:
         ValueError: for bad sizes, an empty workload, a request longer than ``max_model_len``, or
             a budget that is not a whole number of blocks.
@@ -106,7 +113,12 @@ def simulate_kv_concurrency(lengths: list[tuple[int, int]], block_size: int = 16
             raise ValueError(f"request {i}: prompt_len={p}, max_tokens={n} must be >= 1 and sum to "
                              f"<= max_model_len={max_model_len}")
     num_blocks = budget // block_size
-    kv = KVCacheManager(block_size, num_blocks)
+    groups = make_kv_cache_groups(layer_windows) if layer_windows else None
+    if groups is not None and groups.is_hybrid:
+        num_blocks = num_blocks * groups.num_layers // groups.group_size
+        kv = HybridKVCacheManager(block_size, num_blocks, groups)
+    else:
+        kv = KVCacheManager(block_size, num_blocks)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len), kv)
     for i, (p, n) in enumerate(lengths):

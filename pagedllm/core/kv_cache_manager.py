@@ -88,6 +88,9 @@ class KVCacheManager:
         self._dev_to_cpu: dict[int, int] = {}
         self._cpu_to_dev: dict[int, int] = {}
 
+    #: Block tables per request (the hybrid manager has one per KV cache group, interleaved).
+    num_kv_cache_groups = 1
+
     # -- sizes -----------------------------------------------------------------------------
 
     @property
@@ -104,6 +107,10 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
         return self.block_pool.get_usage()
+
+    def group_usage(self) -> list[float]:
+        """Per KV cache group, the fraction of the pool its tables hold (one group here: ``usage``)."""
+        return [self.usage]
 
     # -- allocation ------------------------------------------------------------------------
 
@@ -469,7 +476,20 @@ class KVCacheManager:
         logger.debug("CoW for request %s: block %d -> %d", request.request_id, src, dst)
         return src, dst
 
+    def cow_last_blocks_if_shared(self, request: Request) -> list[tuple[int, int]]:
+        """``cow_last_block_if_shared`` as a list of (src, dst) pairs to copy (one per KV cache
+        group whose block written next is shared; empty when none is)."""
+        pair = self.cow_last_block_if_shared(request)
+        return [] if pair is None else [pair]
+
     # -- invariants ------------------------------------------------------------------------
+
+    def _holders(self) -> Counter[int]:
+        """How many table entries hold each block (what its ref_cnt must be)."""
+        holders: Counter[int] = Counter()
+        for table in self.block_tables.values():
+            holders.update(table)
+        return holders
 
     def check_integrity(self, requests: Mapping[str, Request] | None = None) -> None:
         """Check the pool against the tables and the prefix cache.
@@ -487,9 +507,7 @@ class KVCacheManager:
                 table is not exactly ``cdiv(num_computed_tokens, block_size)`` blocks long.
         """
         pool = self.block_pool
-        holders: Counter[int] = Counter()
-        for table in self.block_tables.values():
-            holders.update(table)
+        holders = self._holders()
         free_ids = pool.free_block_ids()
         if len(free_ids) != pool.get_num_free_blocks():
             raise RuntimeError(

@@ -208,6 +208,8 @@ class SchedulerStats:
         num_running: requests in the running queue.
         num_waiting: requests in the waiting queue (new and preempted).
         kv_cache_usage: fraction of KV blocks in use, in [0, 1].
+        kv_cache_group_usage: [hybrid KV cache] per KV cache group, the fraction of the pool its
+            tables hold (one entry, ``kv_cache_usage``, with a single table).
         num_free_blocks: KV blocks in the free queue.
         num_blocks: KV blocks in the pool.
         num_preemptions: requests preempted in this step.
@@ -237,6 +239,7 @@ class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    kv_cache_group_usage: list[float] = field(default_factory=list)
     num_free_blocks: int = 0
     num_blocks: int = 0
     num_preemptions: int = 0

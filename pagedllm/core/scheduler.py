@@ -91,7 +91,7 @@ class Scheduler:
         # scheduled and removed when it finishes; preemption empties its block count.
         self._worker_num_tokens: dict[str, int] = {}
         self._worker_num_blocks: dict[str, int] = {}
-        self._worker_last_block: dict[str, int] = {}  # the last block id the worker holds
+        self._worker_last_block: dict[str, tuple[int, ...]] = {}  # the last block id per group the worker holds
         self._preempted_since_scheduled: set[str] = set()
         # [structured output] requests finished inside schedule() (their grammar failed to
         # compile): their outputs go out with the next update_from_output.
@@ -220,12 +220,12 @@ class Scheduler:
             # [draft models] slots for the draft model's K/V past the step's tokens.
             lookahead = self._num_lookahead(request, num_new)
             num_new += len(drafts)
-            cow_pair = None
+            cow_pairs: list[tuple[int, int]] = []
             while True:
                 new_blocks = None
                 try:
                     # Its next token goes into a block another table shares (a fork): copy first.
-                    cow_pair = self.kv_cache_manager.cow_last_block_if_shared(request) or cow_pair
+                    cow_pairs = self.kv_cache_manager.cow_last_blocks_if_shared(request) or cow_pairs
                     new_blocks = self.kv_cache_manager.allocate_slots(request, num_new + lookahead)
                 except NoFreeBlocksError:
                     pass
@@ -247,8 +247,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # the request preempted itself; the pool cannot fit anything more
-            if cow_pair is not None:
-                output.blocks_to_copy.append(cow_pair)
+            output.blocks_to_copy.extend(cow_pairs)
             if drafts:
                 output.scheduled_spec_decode_tokens[request.request_id] = drafts
             if lookahead:
@@ -520,7 +519,7 @@ class Scheduler:
                     lora_request=child.lora_request))
                 self._worker_num_tokens[child.request_id] = child.num_tokens
                 self._worker_num_blocks[child.request_id] = len(table)
-                self._worker_last_block[child.request_id] = table[-1]
+                self._worker_last_block[child.request_id] = self._last_blocks(table)
                 if child.structured_output_request is not None:
                     # [structured output] its own matcher (the parent's grammar is compiled, so the
                     # shared compile is done) and its own bitmask row for the parent's logits row.
@@ -594,6 +593,10 @@ class Scheduler:
         request.all_token_ids[-1] = token_id
         del request.block_hashes[(request.num_tokens - 1) // self.kv_cache_manager.block_size:]
 
+    def _last_blocks(self, table: list[int]) -> tuple[int, ...]:
+        """The last logical block of each KV cache group (the table's last G entries)."""
+        return tuple(table[-self.kv_cache_manager.num_kv_cache_groups:])
+
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens to compute for ``request`` this step: the rest of its known tokens, capped by
         the token budget (chunked prefill) and by ``max_model_len``; 0 while it is paused."""
@@ -632,9 +635,13 @@ class Scheduler:
             known_tokens = self._worker_num_tokens[req_id]
             known_blocks = 0 if resumed else self._worker_num_blocks[req_id]
             replaced = []
-            if known_blocks and block_table[known_blocks - 1] != self._worker_last_block[req_id]:
-                # Copy-on-write swapped the last block the worker holds (only ever that one).
-                replaced.append((known_blocks - 1, block_table[known_blocks - 1]))
+            if known_blocks:
+                # Copy-on-write swapped the last block the worker holds (only ever that one, per
+                # KV cache group: the table's last ``num_kv_cache_groups`` entries).
+                last = self._worker_last_block[req_id]
+                first = known_blocks - len(last)
+                replaced = [(first + j, block_table[first + j]) for j, b in enumerate(last)
+                            if block_table[first + j] != b]
             output.scheduled_cached_reqs.append(CachedRequestData(
                 req_id=req_id, resumed_from_preemption=resumed,
                 new_token_ids=request.all_token_ids[known_tokens:],
@@ -643,7 +650,7 @@ class Scheduler:
             self._worker_num_tokens[req_id] = request.num_tokens
         self._worker_num_blocks[req_id] = len(block_table)
         if block_table:
-            self._worker_last_block[req_id] = block_table[-1]
+            self._worker_last_block[req_id] = self._last_blocks(block_table)
         output.num_scheduled_tokens[req_id] = num_new
         request.num_computed_tokens = start + num_new
         if request.structured_output_request is not None and request.num_computed_tokens == request.num_tokens:
@@ -857,7 +864,7 @@ class Scheduler:
             self._worker_num_blocks[req_id] = num_blocks
             self._worker_blocks_kept[req_id] = min(num_blocks, self._worker_blocks_kept.get(req_id, num_blocks))
             if num_blocks:
-                self._worker_last_block[req_id] = self.kv_cache_manager.get_block_table(req_id)[-1]
+                self._worker_last_block[req_id] = self._last_blocks(self.kv_cache_manager.get_block_table(req_id))
 
     def _check_stop(self, request: Request) -> bool:
         """Set a FINISHED_* status if the last token ends the request; True when it does."""
@@ -945,6 +952,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_group_usage=self.kv_cache_manager.group_usage(),
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_blocks=self.kv_cache_manager.num_blocks,
             num_preemptions=s.num_preemptions,

@@ -57,6 +57,8 @@ class EngineArgs:
             activations; not exact, see README).
         enable_prefix_caching: automatic prefix caching (content-hashed full blocks shared
             across requests); on by default, as in vLLM.
+        disable_hybrid_kv_cache_manager: one block table for all layers, also for models with
+            sliding-window layers (``CacheConfig``).
         attention_backend: what attention layers built with "auto" use: "auto" (the C++ paged
             kernel) or a name from ``attention.backends.BACKEND_NAMES``; default
             ``$PAGEDLLM_ATTENTION_BACKEND`` or "auto".
@@ -139,6 +141,7 @@ class EngineArgs:
     swap_space: float = 4.0
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     quantization: str | None = None
     served_model_name: list[str] | str | None = field(default=None)
     attention_backend: str = field(default_factory=lambda: envs.read(envs.PAGEDLLM_ATTENTION_BACKEND) or "auto")
@@ -268,7 +271,8 @@ class EngineArgs:
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
                             cpu_kvcache_space_bytes=space,
                             enable_prefix_caching=bool(self.enable_prefix_caching),
-                            swap_space_bytes=_gib_to_bytes(self.swap_space))
+                            swap_space_bytes=_gib_to_bytes(self.swap_space),
+                            disable_hybrid_kv_cache_manager=bool(self.disable_hybrid_kv_cache_manager))
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
                                 preemption_mode=self.preemption_mode)
@@ -465,6 +469,9 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                    help="on a full KV pool: recompute the preempted request later, or swap its blocks to the host")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share full KV blocks across requests by content hash (default: on)")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=False,
+                   help="one KV block table for all layers, also when some layers have a sliding window "
+                        "(default: those layers keep only their window's blocks)")
     g.add_argument("--quantization", "-q", default=None, choices=[q for q in SUPPORTED_QUANTIZATION if q],
                    help="int8: CPU linear layers and LM head in int8 with dynamic activation "
                         "quantization (faster at decode batch sizes, not exact); int8_weight_only / "

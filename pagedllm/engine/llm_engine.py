@@ -8,7 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 
+from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_spec import kv_cache_groups_for
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
@@ -97,9 +99,19 @@ class LLMEngine:
         if self.logits_processor_classes:
             self.executor.collective_rpc("init_batch_logits_processors", (self.logits_processor_classes,))
         self.vocab_size = model_cfg.vocab_size
-        self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
-                                               enable_caching=cache_cfg.enable_prefix_caching,
-                                               num_cpu_blocks=self.num_cpu_blocks)
+        # Hybrid KV cache: sliding-window layers get their own tables (the workers chose the same).
+        self.kv_cache_groups = kv_cache_groups_for(model_cfg, cache_cfg, sched_cfg, parallel_cfg,
+                                                   uses_draft_model=spec is not None and spec.uses_draft_model)
+        if self.kv_cache_groups.fallback_reason:
+            logger.info("Hybrid KV cache manager off (one block table for all layers): %s",
+                        self.kv_cache_groups.fallback_reason)
+        if self.kv_cache_groups.is_hybrid:
+            self.kv_cache_manager = HybridKVCacheManager(cache_cfg.block_size, self.num_blocks, self.kv_cache_groups,
+                                                         enable_caching=cache_cfg.enable_prefix_caching)
+        else:
+            self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
+                                                   enable_caching=cache_cfg.enable_prefix_caching,
+                                                   num_cpu_blocks=self.num_cpu_blocks)
         self.spec_decoder = None if self.speculative_config is None else SpecDecodeController(
             self.speculative_config, make_proposer(self.speculative_config))
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager,

@@ -92,6 +92,9 @@ class LoggingStatLogger:
                     "Preemptions: %d, Prefix cache hit rate: %.1f%%", prompt_tps, gen_tps, s.num_running,
                     s.num_waiting, 100.0 * s.kv_cache_usage, s.num_free_blocks, s.num_blocks,
                     self._preemptions_total, 100.0 * hits / queries if queries else 0.0)
+        if len(s.kv_cache_group_usage) > 1:
+            logger.info("KV cache usage per group: %s", ", ".join(
+                f"{g}: {100.0 * u:.1f}%" for g, u in enumerate(s.kv_cache_group_usage)))
         if spec:
             logger.info(spec)
         return True

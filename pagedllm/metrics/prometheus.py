@@ -10,6 +10,7 @@ exist are exported.
 | pagedllm:num_requests_running | gauge | requests in the running queue |
 | pagedllm:num_requests_waiting | gauge | requests waiting (new and preempted) |
 | pagedllm:kv_cache_usage_perc | gauge | fraction of KV blocks in use, 0..1 |
+| pagedllm:kv_cache_group_usage_perc | gauge | per KV cache group (label ``kv_cache_group``): fraction of the pool its tables hold |
 | pagedllm:num_free_blocks | gauge | KV blocks in the free queue |
 | pagedllm:num_total_blocks | gauge | KV blocks in the pool |
 | pagedllm:num_requests_swapped | gauge | requests whose KV blocks are in the host pool (swap preemption) |
@@ -91,6 +92,10 @@ def _make_families(registry: CollectorRegistry, max_model_len: int, max_num_batc
             ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."),
             ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")):
         f[name] = Counter(f"pagedllm:{name}", doc, labels, registry=r)
+    f["kv_cache_group_usage_perc"] = Gauge(
+        "pagedllm:kv_cache_group_usage_perc",
+        "Hybrid KV cache: fraction of KV blocks held by one group's tables (1 = 100%).",
+        labels + ["kv_cache_group"], registry=r)
     f["num_preemptions"] = Counter("pagedllm:num_preemptions", "Requests preempted, by mode (recompute, swap).",
                                    labels + ["mode"], registry=r)
     f["spec_decode_num_accepted_tokens_per_pos"] = Counter(
@@ -135,9 +140,10 @@ class PrometheusStatLogger:
         self.engine_index = engine_index
         child = {name: family.labels(**self._labels) for name, family in fam.items()
                  if name not in ("num_preemptions", "request_success", "spec_decode_num_accepted_tokens_per_pos",
-                                 "lora_requests_info")}
+                                 "lora_requests_info", "kv_cache_group_usage_perc")}
         self._lora_info = fam["lora_requests_info"]
         self._lora_labels: tuple[str, str, str] | None = None   # the series shown now
+        self._group_usage = fam["kv_cache_group_usage_perc"]
         self.num_requests_running = child["num_requests_running"]
         self.num_requests_waiting = child["num_requests_waiting"]
         self.kv_cache_usage = child["kv_cache_usage_perc"]
@@ -199,6 +205,8 @@ class PrometheusStatLogger:
         self.num_requests_running.set(s.num_running)
         self.num_requests_waiting.set(s.num_waiting)
         self.kv_cache_usage.set(s.kv_cache_usage)
+        for g, usage in enumerate(s.kv_cache_group_usage):
+            self._group_usage.labels(kv_cache_group=str(g), **self._labels).set(usage)
         self.num_free_blocks.set(s.num_free_blocks)
         self.num_total_blocks.set(s.num_blocks)
         self.num_requests_swapped.set(s.num_swapped)

@@ -123,19 +123,22 @@ def run_decoder_layers(model: nn.Module, layers, rope_of, hidden_states: torch.T
     With ``fused`` (``layers.fused_ops.fused_ops_for`` found the C++ ops), each residual add runs
     inside the norms around it (``layer.forward_fused``: one pass per sub-block boundary), else each
     layer's eager ``forward``. ``rope_of(layer)`` is the (cos, sin) the layer uses (one per RoPE
-    kind). ``model`` has ``ctx`` (the stage) and ``model.norm``.
+    kind). ``model`` has ``ctx`` (the stage) and ``model.norm``. ``attn_metadata`` is one
+    ``AttentionMetadata`` for every layer, or a list with one per layer (the hybrid KV cache: each
+    layer reads its group's block table).
 
     Returns:
         [T, hidden]: the final-normed hidden states (last stage) or the residual stream.
     """
     last = model.ctx.is_last_stage
+    mds = attn_metadata if isinstance(attn_metadata, (list, tuple)) else [attn_metadata] * len(layers)
     if layers and fused:
         final_norm = model.model.norm if last else None
         residual, x = hidden_states, layers[0].input_layernorm(hidden_states)
-        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+        for i, (layer, kv_cache, md) in enumerate(zip(layers, kv_caches, mds)):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-            residual, x = layer.forward_fused(rope_of(layer), x, residual, kv_cache, attn_metadata, next_norm)
+            residual, x = layer.forward_fused(rope_of(layer), x, residual, kv_cache, md, next_norm)
         return x if last else residual
-    for layer, kv_cache in zip(layers, kv_caches):
-        hidden_states = layer(rope_of(layer), hidden_states, kv_cache, attn_metadata)
+    for layer, kv_cache, md in zip(layers, kv_caches, mds):
+        hidden_states = layer(rope_of(layer), hidden_states, kv_cache, md)
     return model.model.norm(hidden_states) if last else hidden_states

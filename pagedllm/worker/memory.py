@@ -15,7 +15,8 @@ class KVCacheShape:
     """Geometry of the paged KV cache.
 
     Attributes:
-        num_layers: decoder layers (each has its own K and V pool).
+        num_layers: K/V tensor pairs: decoder layers (each has its own K and V pool), or the
+            layers per group of a hybrid KV cache (a block is one page of that many layers).
         num_kv_heads: key/value heads per layer.
         head_dim: elements per head.
         block_size: tokens per block.
@@ -75,15 +76,18 @@ def kv_bytes_from_utilization(total_device_bytes: int, gpu_memory_utilization: f
     return budget
 
 
-def num_blocks_for_budget(budget_bytes: int, shape: KVCacheShape, max_model_len: int) -> int:
-    """Blocks that fit in ``budget_bytes``; at least one request of ``max_model_len`` must fit.
+def num_blocks_for_budget(budget_bytes: int, shape: KVCacheShape, max_model_len: int,
+                          blocks_per_request: int | None = None) -> int:
+    """Blocks that fit in ``budget_bytes``; at least one request of ``max_model_len`` must fit
+    (``blocks_per_request`` blocks; default ``cdiv(max_model_len, block_size)``; the hybrid KV
+    cache passes its per-group count).
 
     Raises:
         ValueError: if fewer than ceil(max_model_len / block_size) blocks fit; the message gives the
             largest max_model_len that would fit and the bytes needed.
     """
     num_blocks = budget_bytes // shape.bytes_per_block
-    needed = -(-max_model_len // shape.block_size)
+    needed = -(-max_model_len // shape.block_size) if blocks_per_request is None else blocks_per_request
     if num_blocks < needed:
         largest = num_blocks * shape.block_size
         raise ValueError(

@@ -69,6 +69,9 @@ class ModelRunner:
             or None. After the step's sampling the driver drafts ``num_lookahead_tokens`` tokens
             for each sampled request (``ModelRunnerOutput.draft_token_ids``); copy-on-write
             copies the draft pool's blocks too.
+        layer_groups: [hybrid KV cache] per layer of the model, its KV cache group; the tables
+            arrive interleaved (``core/kv_cache_spec.py``), and each layer's attention gets the
+            metadata built from its group's table. None: one group (today's single table).
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -76,8 +79,11 @@ class ModelRunner:
                  parallel: ParallelContext | None = None, hidden_size: int = 0,
                  dtype: torch.dtype | None = None,
                  host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 greedy_head: ExactGreedyHead | None = None, draft=None) -> None:
+                 greedy_head: ExactGreedyHead | None = None, draft=None,
+                 layer_groups: list[int] | None = None) -> None:
         self.model = model
+        self.layer_groups = layer_groups
+        self.num_kv_cache_groups = 1 if layer_groups is None else max(layer_groups) + 1
         self.draft = draft
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches or []
@@ -168,8 +174,14 @@ class ModelRunner:
             q = np.asarray(query_lens, dtype=np.int64)
             shift = np.repeat(np.asarray(context_lens, dtype=np.int64) - np.asarray(starts[:-1], dtype=np.int64), q)
             positions = torch.from_numpy(np.arange(num_tokens, dtype=np.int64) + shift).to(self.device)
-        md = build_attention_metadata(query_lens, context_lens, [r.block_table for r in reqs],
-                                      self.block_size, self.device)
+        G = self.num_kv_cache_groups
+        if G == 1:
+            md = build_attention_metadata(query_lens, context_lens, [r.block_table for r in reqs],
+                                          self.block_size, self.device)
+        else:   # [hybrid KV cache] one metadata per group (its table: every G-th id), one per layer
+            group_mds = [build_attention_metadata(query_lens, context_lens, [r.block_table[g::G] for r in reqs],
+                                                  self.block_size, self.device) for g in range(G)]
+            md = [group_mds[g] for g in self.layer_groups]
         if self.lora_manager is not None:   # this step's rows per adapter slot
             self.lora_manager.prepare([r.state.lora_request for r in reqs], query_lens)
         # -- pipeline parallelism: a later stage starts from the previous stage's output --
@@ -505,6 +517,8 @@ class ModelRunner:
         src = torch.as_tensor([p[0] for p in pairs], device=self.device)
         dst = torch.as_tensor([p[1] for p in pairs], device=self.device)
         draft_caches = self.draft.kv_caches if self.draft is not None else []
-        for k_cache, v_cache in [*self.kv_caches, *draft_caches]:
+        # Layers of different groups share tensors (hybrid KV cache): copy each tensor once.
+        unique = {id(k): (k, v) for k, v in [*self.kv_caches, *draft_caches]}
+        for k_cache, v_cache in unique.values():
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]

@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.attention.backends import prepare_backend
 from pagedllm.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.core.kv_cache_spec import NULL_BLOCK_ID, KVCacheGroups, kv_cache_groups_for
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
 from pagedllm.layers.fused_ops import prepare_fused_ops
@@ -169,6 +170,8 @@ class Worker:
         self.draft_kv_shape: KVCacheShape | None = None
         self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lora_manager = None   # [LoRA] ``init_lora``
+        # [hybrid KV cache] the layer groups (``_apply_kv_cache_groups``, after any draft model loads).
+        self.kv_cache_groups: KVCacheGroups | None = None
 
     def init_device(self) -> None:
         """Pick the device and dtype, seed the global RNGs with the engine's seed
@@ -324,10 +327,13 @@ class Worker:
             ValueError: if the budget cannot hold one request of ``max_model_len`` tokens.
         """
         cache_config, scheduler_config = self.cache_config, self.scheduler_config
+        groups = self._apply_kv_cache_groups()
+        per_request = groups.max_blocks_per_request(scheduler_config.max_model_len, cache_config.block_size) + 1 \
+            if groups.is_hybrid else None
         shape = self.kv_shape if self.draft_kv_shape is None else _CombinedKVShape(self.kv_shape, self.bytes_per_block)
         if cache_config.num_gpu_blocks_override is not None:
             num = cache_config.num_gpu_blocks_override
-            return num_blocks_for_budget(num * shape.bytes_per_block, shape, scheduler_config.max_model_len)
+            return num_blocks_for_budget(num * shape.bytes_per_block, shape, scheduler_config.max_model_len, per_request)
         if cache_config.kv_cache_memory_bytes is not None:
             budget = cache_config.kv_cache_memory_bytes
         elif self.device.type == "cpu":
@@ -342,7 +348,19 @@ class Worker:
             budget = kv_bytes_from_utilization(
                 torch.cuda.get_device_properties(self.device).total_memory,
                 cache_config.gpu_memory_utilization, self._profile_peak_bytes(scheduler_config))
-        return num_blocks_for_budget(budget, shape, scheduler_config.max_model_len)
+        return num_blocks_for_budget(budget, shape, scheduler_config.max_model_len, per_request)
+
+    def _apply_kv_cache_groups(self) -> KVCacheGroups:
+        """[hybrid KV cache] Choose the layer groups (the engine makes the same choice from the same
+        configs) and size a block accordingly: a page of ``group_size`` layers when hybrid, of
+        every layer otherwise."""
+        groups = kv_cache_groups_for(self.model_config, self.cache_config, self.scheduler_config,
+                                     self.parallel_config, uses_draft_model=self.draft_model is not None)
+        self.kv_cache_groups = groups
+        pairs = groups.group_size if groups.is_hybrid else self.model.num_layers
+        if self.kv_shape.num_layers != pairs:
+            self.kv_shape = dataclasses.replace(self.kv_shape, num_layers=pairs)
+        return groups
 
     def determine_num_cpu_blocks(self) -> int:
         """Host blocks for swap preemption: ``swap_space_bytes`` // bytes per block with
@@ -357,6 +375,7 @@ class Worker:
         model's pool has the same ``num_blocks`` (indexed by the same tables); the host pool holds
         the target's K/V only (a preempted request's draft K/V is recomputed)."""
         self.num_blocks = num_blocks
+        groups = self._apply_kv_cache_groups()
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self.host_kv_caches = self._allocate_kv_caches(num_cpu_blocks, torch.device("cpu")) if num_cpu_blocks else []
         if num_cpu_blocks:
@@ -374,16 +393,23 @@ class Worker:
                                self.model_config.vocab_size, max_len)
             draft_note = (f" (target {self.kv_shape.bytes_per_block} + draft model "
                           f"{self.draft_kv_shape.bytes_per_block} B/block)")
+        hybrid_note = ""
+        if groups.is_hybrid:
+            hybrid_note = (f", hybrid: {groups.num_groups} groups of {groups.group_size} layers, windows "
+                           f"{'/'.join('full' if w is None else str(w) for w in groups.sliding_windows)}, "
+                           f"{groups.max_blocks_per_request(max_len, block_size)} blocks per request")
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token%s); maximum concurrency for "
+            "KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token%s%s); maximum concurrency for "
             "%d-token requests: %.2fx", num_blocks, block_size,
             num_blocks * self.bytes_per_block / 2**20, self.bytes_per_block // block_size, draft_note,
-            max_len, num_blocks * block_size / max_len)
+            hybrid_note, max_len, groups.max_concurrency(num_blocks, max_len, block_size,
+                                                         self.scheduler_config.max_num_batched_tokens))
         self.model_runner = ModelRunner(self.model, self.kv_caches, block_size, self.device,
                                         self.model_config.vocab_size, seed=self.model_config.seed,
                                         parallel=self.parallel, hidden_size=self.model_config.hidden_size,
                                         dtype=self.dtype, host_kv_caches=self.host_kv_caches,
-                                        greedy_head=self.greedy_head, draft=draft)
+                                        greedy_head=self.greedy_head, draft=draft,
+                                        layer_groups=groups.layer_group() if groups.num_groups > 1 else None)
         self.model_runner.lora_manager = self.lora_manager
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -538,5 +564,14 @@ class Worker:
         pin = device.type == "cpu" and self.device.type == "cuda"
         # Uninitialised on purpose (pages are touched on first write): attention only reads slots
         # written through the slot mapping, and masks (and zeroes) the rest of a gathered block.
-        return [(torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin),
-                 torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin)) for _ in range(s.num_layers)]
+        pairs = [(torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin),
+                  torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin)) for _ in range(s.num_layers)]
+        groups = self.kv_cache_groups
+        if s is self.kv_shape and groups is not None and groups.is_hybrid:
+            # [hybrid KV cache] group_size pairs; the j-th layer of every group uses pair j. The null
+            # block is zeroed: a window never reaches it, but a reader that masks late sees zeros.
+            for k, v in pairs:
+                k[NULL_BLOCK_ID].zero_()
+                v[NULL_BLOCK_ID].zero_()
+            return [pairs[j] for j in groups.layer_tensor_index()]
+        return pairs

@@ -83,3 +83,24 @@ def test_make_stats_stored_tokens_and_allocated_slots():
     sched.update_from_output(out, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[7, 7]))
     st = sched.make_stats()
     assert (st.num_stored_tokens, st.num_allocated_slots) == (17, 20)  # 11 + 6, no new block
+
+
+def test_hybrid_layer_windows_run_more_long_requests_at_once():
+    """Gemma-3-like layers (5 sliding of window 64 per full one, 12 layers): the same byte budget
+    as 4 requests of 1,024 tokens holds 4 x 64 blocks of 12 layers = 4 x 64 x 6 pages of 2 layers;
+    a 1,000-token request holds at most 63 full pages + 5 x (cdiv(63 + 1, 16) + 1) = 88 pages while
+    decoding, so about 15 requests fit instead of 4."""
+    from pagedllm.benchmarks.cli import _layer_windows
+    from pagedllm.benchmarks.memory import simulate_kv_concurrency
+
+    windows = _layer_windows("64*5,full,64*5,full")
+    assert windows == [64] * 5 + [None] + [64] * 5 + [None]
+    lengths = [(1000, 24)] * 32
+    one = simulate_kv_concurrency(lengths, block_size=16, max_model_len=1024, static_concurrency=4)
+    hybrid = simulate_kv_concurrency(lengths, block_size=16, max_model_len=1024, static_concurrency=4,
+                                     layer_windows=windows)
+    assert one.num_blocks == 256 and hybrid.num_blocks == 256 * 6
+    assert 4 <= one.peak_concurrency <= 5   # 4 fit; a fifth is admitted on its first chunk, then preempted
+    assert hybrid.mean_concurrency >= 3 * one.mean_concurrency
+    with pytest.raises(ValueError, match="--layer-windows"):
+        _layer_windows("64*0")

@@ -56,7 +56,7 @@ def sampled(seed, n=1, **kw):
 def assert_pool_empty(engine: LLM) -> None:
     kv = engine.llm_engine.kv_cache_manager
     kv.check_integrity(engine.llm_engine.scheduler.requests)
-    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 def test_n4_seeded_equals_four_requests_prompt_once_stored_once(llm):

@@ -55,7 +55,7 @@ def assert_pool_empty(state) -> None:
     engine = state.engine.engine
     kv = engine.kv_cache_manager
     kv.check_integrity(engine.scheduler.requests)
-    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 @pytest.mark.parametrize("width, max_tokens, extra", [

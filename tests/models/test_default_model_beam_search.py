@@ -30,4 +30,4 @@ def test_beam_search_matches_transformers_float32(default_model_reference):
             assert seq.cum_logprob == pytest.approx(hf_score * n, abs=1e-3)
     kv = llm.llm_engine.kv_cache_manager
     kv.check_integrity(llm.llm_engine.scheduler.requests)
-    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    assert kv.num_free_blocks == kv.num_blocks

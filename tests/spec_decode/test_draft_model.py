@@ -91,7 +91,7 @@ def _run(model: str, prompts=PROMPTS, params=PARAMS, spec=None, dtype="float32",
     engine = llm.llm_engine
     kv = engine.kv_cache_manager
     kv.check_integrity(engine.scheduler.requests)
-    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    assert kv.num_free_blocks == kv.num_blocks
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
     return tokens, engine
 
