@@ -20,7 +20,7 @@ Batch invariance: this kernel sums each output in one fixed order (k ascending, 
 row groups and threads only decide *which* rows and outputs a call computes), so a row's result
 is the same bits at any row count and beside any other rows: a greedy bf16 request gives the same
 tokens alone, in any batch, with prefix caching on or off, across chunked-prefill boundaries
-(``tests/layers/test_batch_invariance.py``, ``tests/models/test_default_model_greedy.py``). oneDNN
+(``tests/layers/test_linear_batch_invariance.py``, ``tests/models/test_default_model_greedy.py``). oneDNN
 does not promise that (its float32 one-row call rounds differently at K = 2048 here, see
 ``PackedLinear``; on AMX its bf16 tile kernels, issue 29: 7/12 and 10/12 prompts the same
 concurrent as alone). So CPUs with AMX (they all have

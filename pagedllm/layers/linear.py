@@ -180,7 +180,7 @@ class PackedLinear(KernelLinear):
     M = 2..1100, which all agree); a lone row is therefore computed as two copies of itself and
     the first kept, so a row's result does not depend on how many rows share the call (the call
     stays bound by reading the weight: a second row costs little). Checked per shape by
-    ``tests/layers/test_batch_invariance.py``.
+    ``tests/layers/test_linear_batch_invariance.py``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:

@@ -80,7 +80,7 @@ def test_bfloat16_greedy_does_not_depend_on_the_batch():
     then with every prompt's full blocks cached (a prompt's rest then runs as a chunk over cached
     context). oneDNN's kernels change their rounding with
     the batch (issue 29: 7/12 and 10/12 on AMX); the bf16 GEMM and the paged-attention kernel
-    do not (tests/layers/, tests/attention/test_batch_invariance.py)."""
+    do not (tests/layers/, tests/attention/test_attention_batch_invariance.py)."""
     import gc
     import json
 

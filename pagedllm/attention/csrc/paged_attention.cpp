@@ -38,7 +38,7 @@
 // multiples of kKeyChunk for every tile; a row's own visible range picks its chunk's keys, its
 // softmax steps and the vector-exp path; every score is one dot product summed in one order
 // (dot_4x4's and dot_rows' reductions share reduce16's tree); keys a row cannot see add exactly 0
-// to its accumulators. tests/attention/test_batch_invariance.py checks it bit for bit.
+// to its accumulators. tests/attention/test_attention_batch_invariance.py checks it bit for bit.
 
 #include <torch/extension.h>
 
