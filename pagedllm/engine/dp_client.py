@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -51,6 +52,29 @@ logger = logging.getLogger(__name__)
 REPLICA_START_TIMEOUT_S = 600.0
 # Seconds replicas get to leave after "shutdown" before they are terminated.
 REPLICA_STOP_TIMEOUT_S = 10.0
+
+
+# The environment every engine-core process starts with, unless the user set the variable: its
+# OpenMP threads sleep when a parallel region ends instead of spinning (libgomp's default spins).
+# The front end (the API server's event loop, tokenizer, SSE writes) runs on the same cores; the
+# spinning threads took its time slices and every token's trip through it waited for them (one
+# streaming client: 2.7 against 23.5 output tok/s on 2 cores, docs/benchmarks.md, issue 29).
+ENGINE_PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@contextlib.contextmanager
+def engine_process_env(environ=os.environ):
+    """Within the block, ``environ`` holds each ``ENGINE_PROCESS_ENV`` variable it lacks (a spawned
+    process inherits it: libgomp reads it when torch loads there); afterwards they are removed
+    again. A variable the user set is left as it is."""
+    added = [key for key in ENGINE_PROCESS_ENV if key not in environ]
+    for key in added:
+        environ[key] = ENGINE_PROCESS_ENV[key]
+    try:
+        yield
+    finally:
+        for key in added:
+            environ.pop(key, None)
 
 
 def replica_threads(engine_args: EngineArgs, world_size: int, cpu_count: int | None) -> int:
@@ -134,7 +158,8 @@ class EngineCoreClient:
             proc = ctx.Process(target=run_engine_core, args=(replica_args, i, address, output_address, threads,
                                                              logging.getLogger("pagedllm").getEffectiveLevel()),
                                name=f"pagedllm-dp-{i}", daemon=False)
-            proc.start()
+            with engine_process_env():
+                proc.start()
             self.processes.append(proc)
         if self.num_replicas == 1:
             logger.info("engine core process (pid %d): %d rank(s), %d thread(s) per rank",
@@ -445,9 +470,6 @@ class EngineCoreClient:
             self._ctx.term()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
-
-# The name before the rename (branches in flight still use it).
-DPEngineClient = EngineCoreClient
 
 
 def _shutdown_at_exit(ref: "weakref.ref[EngineCoreClient]") -> None:

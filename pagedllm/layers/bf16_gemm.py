@@ -13,10 +13,19 @@ once after loading (the plain weight is not kept, except the tied embedding the 
   ``benchmarks/cpu_paths.py --parts linear``).
 
 Both accumulate in float32 and round the result to bfloat16 to nearest even; they differ only in
-the order of the float32 additions (as oneDNN's own kernels do between row counts), so a bf16
-model's outputs can differ between them where a logit or activation lies at a bf16 rounding
-boundary. CPUs with AMX keep oneDNN (its tile kernels are not this kernel's league at prefill
-row counts; not measured on AMX here).
+the order of the float32 additions, so a bf16 model's outputs can differ between them where a
+logit or activation lies at a bf16 rounding boundary.
+
+Batch invariance: this kernel sums each output in one fixed order (k ascending, no split-K; the
+row groups and threads only decide *which* rows and outputs a call computes), so a row's result
+is the same bits at any row count and beside any other rows: a greedy bf16 request gives the same
+tokens alone, in any batch, with prefix caching on or off, across chunked-prefill boundaries
+(``tests/layers/test_linear_batch_invariance.py``, ``tests/models/test_default_model_greedy.py``). oneDNN
+does not promise that (its float32 one-row call rounds differently at K = 2048 here, see
+``PackedLinear``; on AMX its bf16 tile kernels, issue 29: 7/12 and 10/12 prompts the same
+concurrent as alone). So CPUs with AMX (they all have
+``avx512_bf16``) run this kernel by default too; ``bf16_kernel_for(batch_invariant=False)`` keeps
+oneDNN's tile kernels there (faster at prefill row counts; neither side measured on AMX here).
 
 ``cpu_isa`` (``ModelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) below ``avx512_bf16`` forces oneDNN (how
 tests compare the two).
@@ -52,12 +61,15 @@ def load_bf16_gemm() -> ModuleType | None:
     return load_extension(EXTENSION)
 
 
-def bf16_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None) -> tuple[str, str]:
+def bf16_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None,
+                    batch_invariant: bool = True) -> tuple[str, str]:
     """Which kernel runs a bf16 model's linear layers here, and why.
 
     Args:
         cpu_isa: ``ModelConfig.cpu_isa``: "auto", or a ``CpuIsa`` name (below ``avx512_bf16`` forces oneDNN).
         flags: the CPU's flags (default: this machine's).
+        batch_invariant: False lets a CPU with AMX keep oneDNN's tile kernels (a row's result
+            may then depend on the batch); the default runs this kernel wherever it can.
     Returns:
         (``"avx512_bf16"`` or ``"onednn"``, the reason in words, for the log).
     Raises:
@@ -65,10 +77,13 @@ def bf16_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None) 
     """
     flags = cpu_flags() if flags is None else flags
     isa = resolve_cpu_isa(cpu_isa, flags)
-    if "amx_bf16" in flags:
-        return ONEDNN_KERNEL, "the CPU has AMX (oneDNN's tile kernels)"
+    amx = "amx_bf16" in flags
+    if amx and not batch_invariant:
+        return ONEDNN_KERNEL, "the CPU has AMX and batch invariance is off (oneDNN's tile kernels)"
     why = kernel_unavailable(EXTENSION, BF16_KERNEL, isa, (CpuIsa.AVX512_BF16,), BF16_GEMM_FLAGS, flags)
-    return (ONEDNN_KERNEL, why) if why else (BF16_KERNEL, "avx512_bf16 without AMX")
+    if why:
+        return ONEDNN_KERNEL, why
+    return BF16_KERNEL, "avx512_bf16, batch-invariant" + (" (AMX present: oneDNN's tile kernels are not)" if amx else "")
 
 
 class Bf16Linear(KernelLinear):

@@ -141,6 +141,13 @@ class PackedLinear(KernelLinear):
         batch_hint: the row count the layout is tuned for (``max_num_seqs``: decode steps).
     Shapes:
         x: [..., in_features] -> [..., out_features], the weight's dtype.
+
+    Batch invariance: oneDNN runs a one-row call through another kernel than every larger row
+    count, and at some shapes it rounds differently (float32, K = 2048 on AVX-512: M = 1 against
+    M = 2..1100, which all agree); a lone row is therefore computed as two copies of itself and
+    the first kept, so a row's result does not depend on how many rows share the call (the call
+    stays bound by reading the weight: a second row costs little). Checked per shape by
+    ``tests/layers/test_linear_batch_invariance.py``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:
@@ -151,9 +158,11 @@ class PackedLinear(KernelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
+        x2 = x.reshape(-1, self.in_features)
+        lone = x2.shape[0] == 1
+        x2 = x2.expand(2, -1).contiguous() if lone else x2.contiguous()   # a lone row as two (class docstring)
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, self.bias, "none", [], "")
-        return y.view(*lead, self.out_features)
+        return (y[:1] if lone else y).view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -165,9 +174,9 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
     LM head, set ``model.packed_lm_head`` (read by ``compute_logits``). A no-op unless the device
     is the CPU, ``cpu_gemm`` is ``onednn`` and ``onednn_linear_available(dtype)``.
 
-    The packed layer is ``PackedLinear`` (oneDNN), or for bfloat16 on AVX-512 BF16 CPUs without
-    AMX ``layers.bf16_gemm.Bf16Linear`` (``bf16_kernel_for(cpu_isa)``; layers with an odd input
-    width stay on oneDNN).
+    The packed layer is ``PackedLinear`` (oneDNN), or for bfloat16 on AVX-512 BF16 CPUs (with or
+    without AMX) the batch-invariant ``layers.bf16_gemm.Bf16Linear`` (``bf16_kernel_for(cpu_isa)``;
+    layers with an odd input width stay on oneDNN).
 
     Returns:
         Bytes of packed copies added next to the weights the model keeps (the tied LM head), 0

@@ -31,17 +31,20 @@ def test_kernel_choice_follows_flags_and_cpu_isa():
     assert kernel == ONEDNN_KERNEL and "avx512vl" in why                 # the missing flag is named
     kernel, why = bf16_kernel_for("avx512", AVX512_BF16)
     assert kernel == ONEDNN_KERNEL and "avx512" in why                   # a forced lower path
-    kernel, why = bf16_kernel_for("auto", AVX512_BF16 | {"amx_bf16", "amx_tile"})
+    amx = AVX512_BF16 | {"amx_bf16", "amx_tile"}
+    if load_bf16_gemm() is not None:                                     # AMX CPUs run it too (batch invariance)
+        kernel, why = bf16_kernel_for("auto", amx)
+        assert kernel == BF16_KERNEL and "AMX" in why
+    kernel, why = bf16_kernel_for("auto", amx, batch_invariant=False)   # the opt-out keeps oneDNN's tiles
     assert kernel == ONEDNN_KERNEL and "AMX" in why
     with pytest.raises(ValueError, match="avx512_bf16"):
         bf16_kernel_for("avx512_bf16", AVX512_BF16 - {"avx512_bf16"})
 
 
 @needs_bf16_gemm
-def test_kernel_is_chosen_where_the_cpu_has_avx512_bf16_without_amx():
+def test_kernel_is_chosen_where_the_cpu_has_avx512_bf16():
     _ext()
-    want = ONEDNN_KERNEL if "amx_bf16" in cpu_flags() else BF16_KERNEL
-    assert bf16_kernel_for("auto")[0] == want
+    assert bf16_kernel_for("auto")[0] == BF16_KERNEL   # with or without AMX
 
 
 @needs_bf16_gemm
@@ -155,7 +158,7 @@ def test_pack_linear_layers_picks_the_kernel_by_cpu_isa(tied_toy):
     want = F.linear(x.float(), model.model.embed_tokens.weight.float())
     want_proj = F.linear(x.float(), model.model.proj.weight.float(), model.model.proj.bias.float())
     extra = pack_linear_layers(model, torch.bfloat16, torch.device("cpu"), batch_hint=8)
-    expected = PackedLinear if "amx_bf16" in cpu_flags() else Bf16Linear
+    expected = Bf16Linear
     assert isinstance(model.model.proj, expected) and isinstance(model.packed_lm_head, expected)
     assert extra == 50 * 32 * 2
     torch.testing.assert_close(lm_head_logits(model, x).float(), want, rtol=1.6e-2, atol=2e-2)

@@ -31,14 +31,18 @@ from pagedllm.attention import ops
 from pagedllm.attention.backends import AttentionSpec, cpu_sdpa
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.platforms.cpu import CpuIsa, resolve_cpu_isa
-from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
+from pagedllm.platforms.cpu_extension import DEFAULT_CFLAGS, CpuExtension, load_extension
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-# Built and loaded by the shared builder (platforms/cpu_extension.py), default flags.
-EXTENSION = CpuExtension("paged_attention", SOURCE, "cpu_paged attention kernel", "cpu_sdpa")
+# Built and loaded by the shared builder (platforms/cpu_extension.py), default flags plus
+# -ffp-contract=off: the compiler must not fuse a scalar loop's a * b + c into an FMA in one
+# inlined copy of a loop and not in another (a row's result would then depend on the micro-kernel
+# its tile picked: the kernel's batch invariance, csrc header); the intrinsics' FMAs stay FMAs.
+EXTENSION = CpuExtension("paged_attention", SOURCE, "cpu_paged attention kernel", "cpu_sdpa",
+                         extra_cflags=DEFAULT_CFLAGS + ("-ffp-contract=off",))
 
 
 @functools.cache

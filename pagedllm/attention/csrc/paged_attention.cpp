@@ -32,6 +32,13 @@
 // Only positions [first key of the tile, last query position of the tile] are read, all of which
 // the cache holds for this step, and a row's masked keys get probability exactly 0 without their
 // score being used, so NaN in never-written (or masked) slots cannot leak into the output.
+//
+// Batch invariance: a query row's output is the same bits whichever tile, step or batch holds it
+// (alone as a decode, inside any prefill chunk, beside any other sequences). Key chunks start at
+// multiples of kKeyChunk for every tile; a row's own visible range picks its chunk's keys, its
+// softmax steps and the vector-exp path; every score is one dot product summed in one order
+// (dot_4x4's and dot_rows' reductions share reduce16's tree); keys a row cannot see add exactly 0
+// to its accumulators. tests/attention/test_attention_batch_invariance.py checks it bit for bit.
 
 #include <torch/extension.h>
 
@@ -194,6 +201,16 @@ inline __m512 reduce16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
 }
 
+// One horizontal sum in reduce16's order (per 128-bit lane (e0 + e2) + (e1 + e3), then (L0 + L1) +
+// (L2 + L3)), so that a score is the same bits whether a 4 x 4 call or dot_rows computed it: which
+// kernel scores a key depends on the tile's rows and keys, and a row's result must not.
+inline float reduce1(__m512 v) {
+  __m512 t = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4e));   // e0 + e2, e1 + e3 (twice)
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1));           // (e0 + e2) + (e1 + e3) in every element
+  const __m512 u = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, 0xb1));  // L0 + L1, L2 + L3
+  return _mm512_cvtss_f32(_mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, 0x4e)));
+}
+
 // Scores of 4 query rows (float32, row stride d) against 4 key rows: s[r * s_ld + k] = q[r] . key[k].
 // 16 independent FMA chains; each loaded key vector serves 4 rows, each query vector 4 keys; one
 // reduce16 for all 16 sums. d must be a multiple of 16.
@@ -246,7 +263,7 @@ inline void dot_rows(const float* q, int64_t d, const T* const* keys, float* s, 
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int k = 0; k < NK; ++k) acc[r][k] = _mm512_reduce_add_ps(a[r][k]);
+      for (int k = 0; k < NK; ++k) acc[r][k] = reduce1(a[r][k]);
   }
 #endif
 #if PAGEDLLM_AVX2
@@ -297,7 +314,7 @@ inline void dot_rows_bf16(const c10::BFloat16* qb, int64_t d, const c10::BFloat1
   }
   for (int r = 0; r < R; ++r) {
     for (int k = 0; k < NK; ++k) {
-      float acc = _mm512_reduce_add_ps(a[r][k]);
+      float acc = reduce1(a[r][k]);
       for (int64_t t = i; t < d; ++t) acc += to_float(qb[r * d + t]) * to_float(keys[k][t]);
       s[r * s_ld + k] = acc * scale;
     }
@@ -535,7 +552,11 @@ void run_item(const Item& it, const Geometry& g, const T* q_base, T* o_base, con
   // Positions of the tile's first and last query tokens; the keys any row of the tile may see.
   const int64_t pos_first = ctx_len + (it.tok_begin - q_start);
   const int64_t pos_last = pos_first + num_tok - 1;
-  const int64_t key_lo = g.window > 0 ? std::max<int64_t>(0, pos_first - g.window + 1) : 0;
+  // Chunks start at multiples of kKeyChunk (the tile's first visible key rounded down), so a row
+  // meets the same chunks, hence the same online-softmax steps, in any tile: alone as a decode,
+  // in any prefill chunk, beside any other rows. The keys before the first visible one are
+  // addressed but never read (every row's visible range starts later).
+  const int64_t key_lo = g.window > 0 ? std::max<int64_t>(0, pos_first - g.window + 1) / kKeyChunk * kKeyChunk : 0;
   const int64_t key_hi = pos_last;  // inclusive
 
   const int64_t head_off = it.kv_head * g.c_stride_head;
