@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -77,19 +78,27 @@ def kv_bytes_from_utilization(total_device_bytes: int, gpu_memory_utilization: f
 
 
 def num_blocks_for_budget(budget_bytes: int, shape: KVCacheShape, max_model_len: int,
-                          blocks_per_request: int | None = None) -> int:
-    """Blocks that fit in ``budget_bytes``; at least one request of ``max_model_len`` must fit
-    (``blocks_per_request`` blocks; default ``cdiv(max_model_len, block_size)``; the hybrid KV
-    cache passes its per-group count).
+                          blocks_per_request: Callable[[int], int] | None = None) -> int:
+    """Blocks that fit in ``budget_bytes``; at least one request of ``max_model_len`` must fit.
 
+    Args:
+        blocks_per_request: blocks one request of a given number of tokens needs (the hybrid KV
+            cache passes its per-group sum); default ``cdiv(num_tokens, block_size)``.
     Raises:
-        ValueError: if fewer than ceil(max_model_len / block_size) blocks fit; the message gives the
-            largest max_model_len that would fit and the bytes needed.
+        ValueError: if fewer blocks fit than one request of ``max_model_len`` tokens needs; the
+            message gives the largest max_model_len that would fit and the bytes needed.
     """
+    if blocks_per_request is None:
+        def blocks_per_request(num_tokens: int) -> int:
+            return -(-num_tokens // shape.block_size)
     num_blocks = budget_bytes // shape.bytes_per_block
-    needed = -(-max_model_len // shape.block_size) if blocks_per_request is None else blocks_per_request
+    needed = blocks_per_request(max_model_len)
     if num_blocks < needed:
-        largest = num_blocks * shape.block_size
+        lo, hi = 0, max_model_len   # largest length that fits: blocks_per_request is non-decreasing
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if blocks_per_request(mid) <= num_blocks else (lo, mid - 1)
+        largest = lo
         raise ValueError(
             f"the KV cache budget of {budget_bytes / _GIB:.3f} GiB holds {num_blocks} blocks "
             f"({largest} tokens), fewer than one request of max_model_len={max_model_len} needs "

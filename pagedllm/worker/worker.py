@@ -328,8 +328,8 @@ class Worker:
         """
         cache_config, scheduler_config = self.cache_config, self.scheduler_config
         groups = self._apply_kv_cache_groups()
-        per_request = groups.max_blocks_per_request(scheduler_config.max_model_len, cache_config.block_size) + 1 \
-            if groups.is_hybrid else None
+        per_request = (lambda n: groups.max_blocks_per_request(n, cache_config.block_size) + 1) \
+            if groups.is_hybrid else None   # + 1: the hybrid pool's null block
         shape = self.kv_shape if self.draft_kv_shape is None else _CombinedKVShape(self.kv_shape, self.bytes_per_block)
         if cache_config.num_gpu_blocks_override is not None:
             num = cache_config.num_gpu_blocks_override

@@ -42,6 +42,15 @@ def test_kv_budget_too_small_says_largest_max_model_len(make_tiny_checkpoint):
         LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 10)
 
 
+def test_hybrid_kv_budget_too_small_says_largest_max_model_len(make_tiny_checkpoint):
+    path = make_tiny_checkpoint("gemma3")   # two groups of 2 layers: full and a window of 8 tokens
+    # A request of L tokens holds cdiv(L, 16) full blocks + min(cdiv(L, 16), cdiv(8 - 1 + 1, 16) + 1)
+    # window blocks, plus the pool's null block: 128 tokens need 8 + 2 + 1 = 11 pages; 5 pages hold
+    # L = 32 (2 + 2 + 1), not 48 (3 + 2 + 1).
+    with pytest.raises(ValueError, match=r"holds 5 blocks .*needs \(11 blocks.*max_model_len <= 32 "):
+        LLM(path, dtype="float32", max_model_len=128, block_size=16, num_gpu_blocks_override=5)
+
+
 def test_vllm_compat_arguments_are_accepted(make_tiny_checkpoint):
     llm = LLM(make_tiny_checkpoint("llama"), dtype="float32", max_model_len=64, kv_cache_memory_bytes=8 << 20,
               trust_remote_code=True, enforce_eager=True, tensor_parallel_size=1, gpu_memory_utilization=0.5,

@@ -43,11 +43,13 @@ def test_greedy_matches_transformers_float32(greedy_ref):
 
 
 def test_greedy_with_chunked_prefill_and_preemption(greedy_ref):
-    """16-token prefill chunks and an 8-block pool (preemption) give transformers' tokens."""
-    llm = LLM(None, dtype="float32", max_model_len=128, num_gpu_blocks_override=8,
+    """16-token prefill chunks and a pool of 128 tokens per layer (preemption) give transformers' tokens."""
+    # The hybrid KV cache groups the 18 layers into 6 groups of 3 (1 full, 5 window-512); a page
+    # holds 16 tokens of one group, so 8 pages per group plus the null block = 128 tokens a layer.
+    llm = LLM(None, dtype="float32", max_model_len=128, num_gpu_blocks_override=6 * 8 + 1,
               max_num_batched_tokens=16, max_num_seqs=8)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    # Each prompt needs 3-4 blocks of 16 at the end; five at once need about 16.
+    # Each prompt needs 3-4 blocks of 16 a group at the end; five at once need about 16 a group.
     outs = llm.generate([r["prompt"] for r in greedy_ref], params, use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
     for out, ref in zip(outs, greedy_ref):
