@@ -353,21 +353,49 @@ def test_build_failure_warns_once_and_runs_eager(ops, monkeypatch, caplog, make_
     assert "off, eager torch ops (the extension could not be built (see the warning above))" in caplog.text
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("march, isa", [("x86-64-v3", "avx2"), ("x86-64", "portable")])
-def test_narrower_builds_match_too(ops, march, isa):
-    """The AVX2 and portable code paths (what a CPU without AVX-512 builds with -march=native),
-    built here with an explicit -march, pass the same op checks (about 20 s per build, once),
-    the sampler's greedy argmax included."""
-    import platform
+NARROW_BUILDS = {"avx2": "x86-64-v3", "portable": "x86-64"}   # isa -> -march
+# Run here and in the build processes, so both name the same extension (the name hashes the flags).
+_NARROW_EXTENSION_SOURCE = """
+from pagedllm.layers import fused_ops
+from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
 
-    from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
+
+def narrow_extension(isa, march):
+    return CpuExtension(f"fused_ops_{isa}", fused_ops.SOURCE, f"fused CPU ops (-march={march})", "nothing",
+                        extra_cflags=("-O3", f"-march={march}", "-fopenmp", "-ffp-contract=off"))
+"""
+
+
+@pytest.fixture(scope="module")
+def narrow_builds():
+    """Build both narrower extensions at once, each in its own process (a build is one
+    single-threaded compiler run, ~20 s), so that the tests below load them from the cache.
+
+    Returns:
+        isa -> ``CpuExtension`` (what the processes built)."""
+    import platform
+    import subprocess
+    import sys
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"-march={march} is an x86-64 target; this machine is {platform.machine()}")
-    ext = CpuExtension(f"fused_ops_{isa}", fused_ops.SOURCE, f"fused CPU ops (-march={march})", "nothing",
-                       extra_cflags=("-O3", f"-march={march}", "-fopenmp", "-ffp-contract=off"))
-    narrow = load_extension(ext)
+        pytest.skip(f"-march={'/'.join(NARROW_BUILDS.values())} are x86-64 targets; this machine is {platform.machine()}")
+    build = _NARROW_EXTENSION_SOURCE + "import sys\nsys.exit(load_extension(narrow_extension(*sys.argv[1:3])) is None)\n"
+    procs = [subprocess.Popen([sys.executable, "-c", build, isa, march]) for isa, march in NARROW_BUILDS.items()]
+    assert [p.wait(timeout=600) for p in procs] == [0] * len(procs)
+    scope: dict = {}
+    exec(_NARROW_EXTENSION_SOURCE, scope)
+    return {isa: scope["narrow_extension"](isa, march) for isa, march in NARROW_BUILDS.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", list(NARROW_BUILDS))
+def test_narrower_builds_match_too(ops, narrow_builds, isa):
+    """The AVX2 and portable code paths (what a CPU without AVX-512 builds with -march=native),
+    built here with an explicit -march, pass the same op checks (about 20 s per build, once, both
+    built at once), the sampler's greedy argmax included."""
+    from pagedllm.platforms.cpu_extension import load_extension
+
+    narrow = load_extension(narrow_builds[isa])
     assert narrow is not None and narrow.compiled_isas() == [isa]
     for dtype in DTYPES:
         for rows in (1, 7):

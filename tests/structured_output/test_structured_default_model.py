@@ -1,5 +1,5 @@
 """Constrained decoding with the real default model (Gemma 3 270M, a base model): the 20 schemas
-of tests/data x 4 samples at temperature 1.0, then regex and choice. At least 95% of the samples
+of tests/data x 2 samples at temperature 1.0, then regex and choice. At least 95% of the samples
 finish with "stop" and every one that does parses and validates (``jsonschema``). All requests
 go in one ``generate`` call (the engine batches them) with a small ``max_tokens``. With the
 default backend (llguidance)."""
@@ -42,7 +42,8 @@ def test_default_model_json_regex_choice_at_temperature_one(llm):
     prompts, params = [], []
     for i, schema in enumerate(SCHEMAS):
         prompts.append(f"Here is a JSON object matching the schema {json.dumps(schema)}:\n")
-        params.append(SamplingParams(n=4, temperature=1.0, seed=1000 + i, max_tokens=MAX_TOKENS,
+        # n=2: with the regex and choice samples, 48 sequences: one wave of max_num_seqs=48 (n=4: two).
+        params.append(SamplingParams(n=2, temperature=1.0, seed=1000 + i, max_tokens=MAX_TOKENS,
                                      structured_outputs=StructuredOutputsParams(json=schema)))
     prompts += ["The price and the currency code: ", "The review 'I loved it!' is"]
     params += [SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=24,
@@ -52,13 +53,13 @@ def test_default_model_json_regex_choice_at_temperature_one(llm):
     outs = llm.generate(prompts, params, use_tqdm=False)
     finish = [[c.finish_reason for c in out.outputs] for out in outs]
     # The measured rates, for docs/structured_output.md (shown with ``pytest -rP``).
-    print(f"json: {sum(f == 'stop' for r in finish[:-2] for f in r)}/80 stop; regex: "
+    print(f"json: {sum(f == 'stop' for r in finish[:-2] for f in r)}/40 stop; regex: "
           f"{finish[-2].count('stop')}/4 stop; choice: {finish[-1].count('stop')}/4 stop")
 
     json_samples = [(schema, c) for schema, out in zip(SCHEMAS, outs) for c in out.outputs]
-    assert len(json_samples) == 80
+    assert len(json_samples) == 40
     stopped = [(schema, c) for schema, c in json_samples if c.finish_reason == "stop"]
-    assert len(stopped) >= 76, [(c.finish_reason, c.text[-60:]) for _, c in json_samples if c.finish_reason != "stop"]
+    assert len(stopped) >= 38, [(c.finish_reason, c.text[-60:]) for _, c in json_samples if c.finish_reason != "stop"]
     for schema, c in stopped:
         jsonschema.validate(json.loads(c.text), schema)
     for c in json_samples:
