@@ -33,8 +33,8 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_pool import NoFreeBlocksError
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                        NewRequestData, SchedulerOutput, SchedulerStats)
+from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from pagedllm.core.worker_diffs import WorkerDiffTracker
 
 if TYPE_CHECKING:
     from pagedllm.spec_decode.controller import SpecDecodeController
@@ -86,13 +86,9 @@ class Scheduler:
         self.num_preemptions_by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
         self._logged_swap_fallback = False
         self._step_stats = SchedulerStats()
-        # What the worker holds of each request it has seen (the per-step message sends only what
-        # it lacks): tokens and block-table entries, by request id. A request is added when first
-        # scheduled and removed when it finishes; preemption empties its block count.
-        self._worker_num_tokens: dict[str, int] = {}
-        self._worker_num_blocks: dict[str, int] = {}
-        self._worker_last_block: dict[str, tuple[int, ...]] = {}  # the last block id per group the worker holds
-        self._preempted_since_scheduled: set[str] = set()
+        # What the worker holds of each request it has seen: the per-step message sends only what
+        # it lacks (new requests in full once, then diffs).
+        self.worker_diffs = WorkerDiffTracker(kv_cache_manager.num_kv_cache_groups)
         # [structured output] requests finished inside schedule() (their grammar failed to
         # compile): their outputs go out with the next update_from_output.
         self._finished_in_schedule: list[EngineCoreOutput] = []
@@ -103,10 +99,8 @@ class Scheduler:
         # (scheduled, output not back). They are neither scheduled again nor preempted until
         # ``update_from_output`` gets that batch. Empty between steps when one batch runs at a time.
         self._in_flight: set[str] = set()
-        # [speculative decoding] the drafts' sizing and proposer; request id -> the table length
-        # the worker must cut its copy to (blocks given back after rejected drafts).
+        # [speculative decoding] the drafts' sizing and proposer.
         self.spec_decoder = spec_decoder
-        self._worker_blocks_kept: dict[str, int] = {}
         # [LoRA] most distinct adapters among the running requests (the worker's slots); 0: no LoRA.
         self.max_loras = max_loras
 
@@ -509,17 +503,8 @@ class Scheduler:
                 child.status = RequestStatus.RUNNING
                 child.first_scheduled_time = now
                 self.running.append(child)
-                params = child.sampling_params.clone()
-                params.logits_processors = None
-                table = self.kv_cache_manager.get_block_table(child.request_id)
-                output.scheduled_new_reqs.append(NewRequestData(
-                    req_id=child.request_id, prompt_token_ids=list(child.prompt_token_ids),
-                    sampling_params=params, block_ids=table,
-                    num_computed_tokens=child.num_computed_tokens, forked_from=parent_id,
-                    lora_request=child.lora_request))
-                self._worker_num_tokens[child.request_id] = child.num_tokens
-                self._worker_num_blocks[child.request_id] = len(table)
-                self._worker_last_block[child.request_id] = self._last_blocks(table)
+                output.scheduled_new_reqs.append(self.worker_diffs.new_request_data(
+                    child, self.kv_cache_manager.get_block_table(child.request_id), forked_from=parent_id))
                 if child.structured_output_request is not None:
                     # [structured output] its own matcher (the parent's grammar is compiled, so the
                     # shared compile is done) and its own bitmask row for the parent's logits row.
@@ -593,10 +578,6 @@ class Scheduler:
         request.all_token_ids[-1] = token_id
         del request.block_hashes[(request.num_tokens - 1) // self.kv_cache_manager.block_size:]
 
-    def _last_blocks(self, table: list[int]) -> tuple[int, ...]:
-        """The last logical block of each KV cache group (the table's last G entries)."""
-        return tuple(table[-self.kv_cache_manager.num_kv_cache_groups:])
-
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens to compute for ``request`` this step: the rest of its known tokens, capped by
         the token budget (chunked prefill) and by ``max_model_len``; 0 while it is paused."""
@@ -614,45 +595,16 @@ class Scheduler:
         ``admitted``: the request comes from the waiting queue this step (new or preempted; its
         ``num_computed_tokens`` is its prefix-cache hit, possibly 0)."""
         req_id = request.request_id
-        start = request.num_computed_tokens
         if admitted:
             # A fresh (re)computation: the runner will produce prompt logprobs from the start.
             request.num_prompt_logprobs_seen = 0
         block_table = self.kv_cache_manager.get_block_table(req_id)
-        if req_id not in self._worker_num_tokens:
-            params = request.sampling_params.clone()
-            params.logits_processors = None  # callables stay in this process (Executor docs)
-            output.scheduled_new_reqs.append(NewRequestData(
-                req_id=req_id, prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
-                block_ids=block_table, num_computed_tokens=start,
-                output_token_ids=list(request.output_token_ids),  # a beam forked between steps
-                lora_request=request.lora_request))
-            self._worker_num_tokens[req_id] = request.num_tokens
+        if req_id not in self.worker_diffs:
+            output.scheduled_new_reqs.append(self.worker_diffs.new_request_data(request, block_table))
         else:
-            resumed = req_id in self._preempted_since_scheduled
-            self._preempted_since_scheduled.discard(req_id)
-            kept = self._worker_blocks_kept.pop(req_id, None)
-            known_tokens = self._worker_num_tokens[req_id]
-            known_blocks = 0 if resumed else self._worker_num_blocks[req_id]
-            replaced = []
-            if known_blocks:
-                # Copy-on-write swapped the last block the worker holds (only ever that one, per
-                # KV cache group: the table's last ``num_kv_cache_groups`` entries).
-                last = self._worker_last_block[req_id]
-                first = known_blocks - len(last)
-                replaced = [(first + j, block_table[first + j]) for j, b in enumerate(last)
-                            if block_table[first + j] != b]
-            output.scheduled_cached_reqs.append(CachedRequestData(
-                req_id=req_id, resumed_from_preemption=resumed,
-                new_token_ids=request.all_token_ids[known_tokens:],
-                new_block_ids=block_table[known_blocks:], num_computed_tokens=start,
-                replaced_block_ids=replaced, num_blocks_kept=None if resumed else kept))
-            self._worker_num_tokens[req_id] = request.num_tokens
-        self._worker_num_blocks[req_id] = len(block_table)
-        if block_table:
-            self._worker_last_block[req_id] = self._last_blocks(block_table)
+            output.scheduled_cached_reqs.append(self.worker_diffs.cached_request_data(request, block_table))
         output.num_scheduled_tokens[req_id] = num_new
-        request.num_computed_tokens = start + num_new
+        request.num_computed_tokens += num_new
         if request.structured_output_request is not None and request.num_computed_tokens == request.num_tokens:
             # [structured output] it samples this step: the engine fills its bitmask row.
             output.structured_output_request_ids[req_id] = len(output.structured_output_request_ids)
@@ -725,8 +677,7 @@ class Scheduler:
             kv.free(request)
             request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        if request.request_id in self._worker_num_tokens:
-            self._preempted_since_scheduled.add(request.request_id)
+        self.worker_diffs.preempt(request.request_id)
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.num_preemptions_by_mode[mode] += 1
@@ -858,13 +809,8 @@ class Scheduler:
     def _trim_blocks(self, request: Request) -> None:
         """[speculative decoding] Free the blocks past the request's computed tokens, and have the
         worker cut its copy of the table on the request's next diff."""
-        num_blocks = self.kv_cache_manager.trim(request)
-        req_id = request.request_id
-        if req_id in self._worker_num_blocks and num_blocks < self._worker_num_blocks[req_id]:
-            self._worker_num_blocks[req_id] = num_blocks
-            self._worker_blocks_kept[req_id] = min(num_blocks, self._worker_blocks_kept.get(req_id, num_blocks))
-            if num_blocks:
-                self._worker_last_block[req_id] = self._last_blocks(self.kv_cache_manager.get_block_table(req_id))
+        self.kv_cache_manager.trim(request)
+        self.worker_diffs.trim(request.request_id, self.kv_cache_manager.get_block_table(request.request_id))
 
     def _check_stop(self, request: Request) -> bool:
         """Set a FINISHED_* status if the last token ends the request; True when it does."""
@@ -892,11 +838,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
-        self._worker_num_tokens.pop(request.request_id, None)
-        self._worker_num_blocks.pop(request.request_id, None)
-        self._worker_last_block.pop(request.request_id, None)
-        self._preempted_since_scheduled.discard(request.request_id)
-        self._worker_blocks_kept.pop(request.request_id, None)
+        self.worker_diffs.forget(request.request_id)
         if self.spec_decoder is not None:
             self.spec_decoder.finish_request(request.request_id, request.all_token_ids, request.num_prompt_tokens)
         # A parent finished before its prompt was computed (abort): its waiting samples no
