@@ -496,13 +496,9 @@ class Scheduler:
             if parent.num_computed_tokens != parent.num_tokens or parent.status != RequestStatus.RUNNING:
                 continue  # a non-final prompt chunk
             for child in self._pending_forks.pop(parent_id):
-                self.kv_cache_manager.fork(parent, child)
-                child.num_computed_tokens = parent.num_computed_tokens
                 child.num_cached_tokens = parent.num_cached_tokens
                 child.block_hashes = list(parent.block_hashes)
-                child.status = RequestStatus.RUNNING
-                child.first_scheduled_time = now
-                self.running.append(child)
+                self._fork(parent, child, now)
                 output.scheduled_new_reqs.append(self.worker_diffs.new_request_data(
                     child, self.kv_cache_manager.get_block_table(child.request_id), forked_from=parent_id))
                 if child.structured_output_request is not None:
@@ -558,10 +554,17 @@ class Scheduler:
             # The parent was preempted meanwhile (no device blocks): the child computes its tokens.
             self.waiting.append(child)
             return
+        self._fork(parent, child, time.monotonic())
+
+    def _fork(self, parent: Request, child: Request, now: float) -> None:
+        """Run ``child`` on the parent's blocks: ``KVCacheManager.fork`` (one more reference per
+        block, the partial last one included; copy-on-write before the first write into it), the
+        parent's computed tokens, RUNNING at the back of ``running``. Both fork paths end here:
+        n > 1 / best_of samples (``_fork_pending``) and beams (``fork_request``)."""
         self.kv_cache_manager.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
-        child.first_scheduled_time = time.monotonic()
+        child.first_scheduled_time = now
         self.running.append(child)
 
     def replace_last_token(self, request_id: str, token_id: int) -> None:
