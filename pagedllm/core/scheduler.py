@@ -277,50 +277,14 @@ class Scheduler:
                 need = self._seats_needed(request, groups)
                 if seats + need > self.max_num_seqs:
                     break  # a group (its samples or beams will fork) enters only with room for all
-                if self.kv_cache_manager.is_swapped(request):
-                    # Swapped out: back into fresh device blocks, nothing recomputed.
-                    num_new = self._num_new_tokens(request, budget)
-                    if num_new <= 0:
-                        break
-                    pairs = self.kv_cache_manager.swap_in(request, num_new)
-                    if pairs is None:
-                        if self._preempt_paused(output, preempted_ids):
-                            continue
-                        break
-                    output.blocks_to_swap_in.extend(pairs)
-                    seats += self._take_seats(request, need, groups)
-                    self.waiting.popleft()
-                    self.running.append(request)
-                    if request.lora_request is not None:
-                        loras.add(request.lora_request.lora_int_id)
-                    request.status = RequestStatus.RUNNING
-                    self._schedule_request(request, num_new, output)
-                    num_prefill_tokens += num_new
-                    budget -= num_new
-                    continue
-                # [prefix caching] hit blocks from the prompt start (a waiting request has none).
-                computed = self.kv_cache_manager.get_computed_blocks(request)
-                request.num_computed_tokens = computed.num_computed_tokens  # for the budget math
-                num_new = self._num_new_tokens(request, budget)
-                request.num_computed_tokens = 0  # allocate_slots adds the hit itself
-                if not self.enable_chunked_prefill and request.num_tokens - computed.num_computed_tokens > budget:
-                    break
-                if num_new <= 0:
-                    break
-                # [draft models] slots for the draft model's K/V past the prompt, when they fit.
-                request.num_computed_tokens = computed.num_computed_tokens
-                lookahead = self._num_lookahead(request, num_new)
-                request.num_computed_tokens = 0
-                if lookahead and self.kv_cache_manager.allocate_slots(request, num_new + lookahead, computed) is not None:
-                    output.num_lookahead_tokens[request.request_id] = lookahead
-                elif self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
+                swapped = self.kv_cache_manager.is_swapped(request)
+                num_new = self._allocate_admitted(request, budget, output)
+                if num_new is None:
                     if self._preempt_paused(output, preempted_ids):
                         continue  # blocks held by an idle beam were freed: try again
                     break  # FCFS: do not let later requests skip ahead
-                request.num_computed_tokens = computed.num_computed_tokens
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = computed.num_computed_tokens
-                # [/prefix caching]
+                if num_new == 0:
+                    break  # it does not fit the budget (FCFS)
                 seats += self._take_seats(request, need, groups)
                 self.waiting.popleft()
                 self.running.append(request)
@@ -329,7 +293,8 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
-                self._schedule_request(request, num_new, output, admitted=True)
+                # A swapped-in request resumes its computation; any other starts it (again).
+                self._schedule_request(request, num_new, output, admitted=not swapped)
                 num_prefill_tokens += num_new
                 budget -= num_new
             self.waiting.extendleft(reversed(skipped))
@@ -356,6 +321,49 @@ class Scheduler:
             num_decode_tokens, len(preempted_ids), len(self.running), len(self.waiting),
             self.kv_cache_manager.num_free_blocks, self.kv_cache_manager.num_blocks)
         return output
+
+    def _allocate_admitted(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
+        """Blocks for the step of a waiting request about to be admitted.
+
+        A swapped-out request goes back into device blocks (``swap_in``; its pairs join
+        ``output.blocks_to_swap_in``), nothing recomputed. Any other takes its prefix-cache hit
+        (``get_computed_blocks``: whole blocks from the prompt start) and ``allocate_slots`` for
+        the rest, [draft models] with lookahead slots when they fit; its ``num_computed_tokens``
+        becomes the hit.
+
+        Returns:
+            The tokens it computes this step; 0 when it does not fit ``budget`` (tokens), or
+            ``None`` when the pool lacks blocks (nothing changed in either case).
+        """
+        kv = self.kv_cache_manager
+        if kv.is_swapped(request):
+            num_new = self._num_new_tokens(request, budget)
+            if num_new <= 0:
+                return 0
+            pairs = kv.swap_in(request, num_new)
+            if pairs is None:
+                return None
+            output.blocks_to_swap_in.extend(pairs)
+            return num_new
+        # [prefix caching] hit blocks from the prompt start (a waiting request has none).
+        computed = kv.get_computed_blocks(request)
+        request.num_computed_tokens = computed.num_computed_tokens  # for the budget math
+        num_new = self._num_new_tokens(request, budget)
+        fits = num_new > 0 and (self.enable_chunked_prefill
+                                or request.num_tokens - computed.num_computed_tokens <= budget)
+        # [draft models] slots for the draft model's K/V past the prompt, when they fit.
+        lookahead = self._num_lookahead(request, num_new) if fits else 0
+        request.num_computed_tokens = 0  # allocate_slots adds the hit itself
+        if not fits:
+            return 0
+        if lookahead and kv.allocate_slots(request, num_new + lookahead, computed) is not None:
+            output.num_lookahead_tokens[request.request_id] = lookahead
+        elif kv.allocate_slots(request, num_new, computed) is None:
+            return None
+        request.num_computed_tokens = computed.num_computed_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = computed.num_computed_tokens
+        return num_new
 
     def running_lora_ids(self) -> set[int]:
         """[LoRA] The adapters (``lora_int_id``) of the running requests."""
