@@ -147,12 +147,16 @@ class KVCacheManager:
         table.extend(new_ids)
         if new_computed_blocks is not None:
             self.num_cached_block[rid] = len(hits)
-            if new_computed_blocks.num_query_tokens:
-                stats = self.prefix_cache_stats
-                stats.num_requests += 1
-                stats.queries += new_computed_blocks.num_query_tokens
-                stats.hits += new_computed_blocks.num_computed_tokens
+            self._record_lookup(new_computed_blocks)
         return new_ids
+
+    def _record_lookup(self, computed: ComputedBlocks) -> None:
+        """Count an admitted request's prefix-cache lookup in ``prefix_cache_stats`` (tokens)."""
+        if computed.num_query_tokens:
+            stats = self.prefix_cache_stats
+            stats.num_requests += 1
+            stats.queries += computed.num_query_tokens
+            stats.hits += computed.num_computed_tokens
 
     # -- prefix caching --------------------------------------------------------------------
 
@@ -437,7 +441,9 @@ class KVCacheManager:
         return holders
 
     def check_integrity(self, requests: Mapping[str, Request] | None = None) -> None:
-        """Check the pool against the tables and the prefix cache.
+        """Check the pool against the tables and the prefix cache, and the host pool against the
+        swapped-out tables (``SwapSpace.check``): the one integrity check (tests call it after
+        steps; subclasses refine its parts, ``_holders`` and ``_check_prefix_cache``).
 
         Args:
             requests: the live requests by id, if known (the scheduler's); enables the checks
@@ -449,7 +455,8 @@ class KVCacheManager:
                 cached hash does not map to exactly one block storing that hash, or a block is
                 registered at a table position the request may still write (past its
                 ``num_cached_block``, or past its computed tokens); with ``requests``, also if a
-                table is not exactly ``cdiv(num_computed_tokens, block_size)`` blocks long.
+                table is not exactly ``cdiv(num_computed_tokens, block_size)`` blocks long; and as
+                ``SwapSpace.check``.
         """
         pool = self.block_pool
         holders = self._holders()
@@ -478,11 +485,13 @@ class KVCacheManager:
             if pool.blocks[block_id].ref_cnt != 0:
                 raise RuntimeError(f"free block {block_id} has ref_cnt {pool.blocks[block_id].ref_cnt}")
         if self.swap_space is not None:
-            self.swap_space.check_integrity(self.block_tables, self.block_size, requests)
+            self.swap_space.check(self.block_tables, self.block_size, requests)
+        self._check_cached_hashes()
         self._check_prefix_cache(requests)
 
-    def _check_prefix_cache(self, requests: Mapping[str, Request] | None) -> None:
-        pool, bs = self.block_pool, self.block_size
+    def _check_cached_hashes(self) -> None:
+        """The pool's hash -> block map against the hashes the blocks store."""
+        pool = self.block_pool
         for block_hash, block in pool.cached_block_hash_to_block.items():
             if block.block_hash != block_hash:
                 raise RuntimeError(f"cached hash {block_hash[:4].hex()} maps to block {block.block_id}, "
@@ -493,6 +502,10 @@ class KVCacheManager:
                                f"{len(pool.cached_block_hash_to_block)} hashes")
         if hashed and not self.enable_caching:
             raise RuntimeError(f"{len(hashed)} blocks are registered with prefix caching off")
+
+    def _check_prefix_cache(self, requests: Mapping[str, Request] | None) -> None:
+        """Per table: registered blocks only where no owner writes, under the request's hashes."""
+        pool, bs = self.block_pool, self.block_size
         if set(self.num_cached_block) - set(self.block_tables):
             raise RuntimeError("num_cached_block lists requests without a table")
         for rid, table in self.block_tables.items():

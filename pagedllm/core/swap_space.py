@@ -155,9 +155,10 @@ class SwapSpace:
             self.cpu_block_pool.free_blocks(cpu_table)
             self.forget_freed(cpu_ids=cpu_table)
 
-    def check_integrity(self, device_tables: Mapping[str, list[int]], block_size: int,
-                        requests: Mapping[str, Request] | None = None) -> None:
-        """Check the host pool against the host tables and the copy records.
+    def check(self, device_tables: Mapping[str, list[int]], block_size: int,
+              requests: Mapping[str, Request] | None = None) -> None:
+        """Check the host pool against the host tables and the copy records (the swap part of
+        ``KVCacheManager.check_integrity``).
 
         Args:
             device_tables: the device block tables (no request may hold both kinds).
