@@ -330,9 +330,9 @@ class KVCacheManager:
             the device pool lacks blocks (nothing changes then).
         """
         rid, pool = request.request_id, self.block_pool
-        hashes = request.block_hashes
         if self.enable_caching:
             self._update_block_hashes(request)
+        hashes = request.block_hashes
 
         def cached_block(i: int) -> int | None:
             return pool.get_cached_block(hashes[i]) if self.enable_caching and i < len(hashes) else None
