@@ -169,11 +169,7 @@ class HybridKVCacheManager(KVCacheManager):
                     skipped[g] += 1
         if new_computed_blocks is not None:
             self.num_cached_block[rid] = num_hit
-            if new_computed_blocks.num_query_tokens:
-                stats = self.prefix_cache_stats
-                stats.num_requests += 1
-                stats.queries += new_computed_blocks.num_query_tokens
-                stats.hits += new_computed_blocks.num_computed_tokens
+            self._record_lookup(new_computed_blocks)
         return new_ids
 
     # -- prefix caching --------------------------------------------------------------------
@@ -357,15 +353,6 @@ class HybridKVCacheManager(KVCacheManager):
         pool, bs, G = self.block_pool, self.block_size, self.num_kv_cache_groups
         if pool.blocks[NULL_BLOCK_ID].block_hash is not None:
             raise RuntimeError("the null block is registered in the prefix cache")
-        for block_hash, block in pool.cached_block_hash_to_block.items():
-            if block.block_hash != block_hash:
-                raise RuntimeError(f"cached hash maps to block {block.block_id}, which stores another hash")
-        hashed = sum(1 for b in pool.blocks if b.block_hash is not None)
-        if hashed != len(pool.cached_block_hash_to_block):
-            raise RuntimeError(f"{hashed} blocks store a hash but the cache maps "
-                               f"{len(pool.cached_block_hash_to_block)} hashes")
-        if hashed and not self.enable_caching:
-            raise RuntimeError(f"{hashed} blocks are registered with prefix caching off")
         if set(self.num_cached_block) - set(self.block_tables) or set(self._num_skipped) != set(self.block_tables):
             raise RuntimeError("num_cached_block / skipped counts list requests without a table")
         for rid, table in self.block_tables.items():

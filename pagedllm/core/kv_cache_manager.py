@@ -12,13 +12,9 @@ registered in the pool under that hash. A new request first asks ``get_computed_
 longest run of registered blocks from its start and passes them to ``allocate_slots``, which
 takes a reference to each (reviving freed ones) and allocates only the rest.
 
-Swap preemption (vLLM's ``preemption_mode="swap"``): a second ``BlockPool`` of host blocks
-(``num_cpu_blocks``; the worker holds their tensors). ``swap_out`` moves a request's table to host
-blocks and frees its device blocks; ``swap_in`` moves it back into fresh device blocks. Both return
-the (src, dst) pairs the worker copies before the next forward. A full block shared by several
-requests is copied once each way: ``_dev_to_cpu`` / ``_cpu_to_dev`` remember where a full
-block's copy went while both ends are held (full blocks are never written again, so the copy
-stays exact), and the next sharer takes a reference to it instead of copying again.
+Swap preemption (vLLM's ``preemption_mode="swap"``): with host blocks (``num_cpu_blocks``) the
+manager owns a ``SwapSpace`` (``swap_space.py``: the host pool, the swapped-out requests' host
+tables and the copy records); ``swap_out`` / ``swap_in`` move a request's table there and back.
 """
 
 from __future__ import annotations
@@ -28,27 +24,12 @@ from collections import Counter
 from typing import Mapping
 
 from pagedllm.core.block_pool import BlockPool, NoFreeBlocksError
+from pagedllm.core.kv_cache_spec import cdiv
 from pagedllm.core.kv_cache_utils import ComputedBlocks, PrefixCacheStats, hash_block_tokens
 from pagedllm.core.request import Request
+from pagedllm.core.swap_space import SwapSpace
 
 logger = logging.getLogger(__name__)
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative ints."""
-    return -(-a // b)
-
-
-def _forget(pool: BlockPool, block_ids, forward: dict[int, int], backward: dict[int, int]) -> None:
-    """Drop the copy records of the blocks of ``pool`` among ``block_ids`` that are now free:
-    their entries in ``forward`` (keyed by them) and in ``backward`` (pointing at them)."""
-    freed = {b for b in block_ids if pool.blocks[b].ref_cnt == 0}
-    if freed:
-        for b in freed:
-            forward.pop(b, None)
-        for other, b in list(backward.items()):
-            if b in freed:
-                del backward[other]
 
 
 class KVCacheManager:
@@ -68,6 +49,8 @@ class KVCacheManager:
         num_cached_block: request id -> how many of its leading blocks are registered in the
             prefix cache (or were found there); blocks past that index may still be written.
         prefix_cache_stats: running totals of lookups and hits (tokens).
+        swap_space: [swap preemption] the host pool and the swapped-out tables (``SwapSpace``),
+            or None without host blocks.
     """
 
     def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = False,
@@ -83,10 +66,7 @@ class KVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         # Swap preemption: host blocks and the tables of swapped-out requests.
-        self.cpu_block_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
-        self.cpu_block_tables: dict[str, list[int]] = {}
-        self._dev_to_cpu: dict[int, int] = {}
-        self._cpu_to_dev: dict[int, int] = {}
+        self.swap_space = SwapSpace(num_cpu_blocks, self.block_pool) if num_cpu_blocks else None
 
     #: Block tables per request (the hybrid manager has one per KV cache group, interleaved).
     num_kv_cache_groups = 1
@@ -167,12 +147,16 @@ class KVCacheManager:
         table.extend(new_ids)
         if new_computed_blocks is not None:
             self.num_cached_block[rid] = len(hits)
-            if new_computed_blocks.num_query_tokens:
-                stats = self.prefix_cache_stats
-                stats.num_requests += 1
-                stats.queries += new_computed_blocks.num_query_tokens
-                stats.hits += new_computed_blocks.num_computed_tokens
+            self._record_lookup(new_computed_blocks)
         return new_ids
+
+    def _record_lookup(self, computed: ComputedBlocks) -> None:
+        """Count an admitted request's prefix-cache lookup in ``prefix_cache_stats`` (tokens)."""
+        if computed.num_query_tokens:
+            stats = self.prefix_cache_stats
+            stats.num_requests += 1
+            stats.queries += computed.num_query_tokens
+            stats.hits += computed.num_computed_tokens
 
     # -- prefix caching --------------------------------------------------------------------
 
@@ -252,12 +236,15 @@ class KVCacheManager:
         table = self.block_tables.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         if table:
-            self.block_pool.free_blocks(reversed(table))
-            self._forget_freed(table, ())
-        cpu_table = self.cpu_block_tables.pop(request.request_id, None)
-        if cpu_table:
-            self.cpu_block_pool.free_blocks(cpu_table)
-            self._forget_freed((), cpu_table)
+            self._free_device_blocks(table)
+        if self.swap_space is not None:
+            self.swap_space.free(request.request_id)
+
+    def _free_device_blocks(self, block_ids: list[int]) -> None:
+        """One reference less to each block, in reverse order; copy records to freed ones go."""
+        self.block_pool.free_blocks(reversed(block_ids))
+        if self.swap_space is not None:
+            self.swap_space.forget_freed(device_ids=block_ids)
 
     def trim(self, request: Request) -> int:
         """[speculative decoding] Give back the blocks past ``cdiv(num_computed_tokens,
@@ -282,8 +269,7 @@ class KVCacheManager:
                     raise RuntimeError(f"request {request.request_id!r}: block {block_id} past its computed "
                                        f"tokens is shared (ref_cnt {block.ref_cnt}) or cached")
             del table[keep:]
-            self.block_pool.free_blocks(reversed(extra))
-            self._forget_freed(extra, ())
+            self._free_device_blocks(extra)
         return len(table)
 
     # -- swap preemption ---------------------------------------------------------------------
@@ -291,29 +277,29 @@ class KVCacheManager:
     @property
     def num_cpu_blocks(self) -> int:
         """Host blocks for swap preemption (0 without a host pool)."""
-        return 0 if self.cpu_block_pool is None else self.cpu_block_pool.num_blocks
+        return 0 if self.swap_space is None else self.swap_space.num_cpu_blocks
+
+    @property
+    def cpu_block_pool(self) -> BlockPool | None:
+        """The host pool (``swap_space.cpu_block_pool``), or None without host blocks."""
+        return None if self.swap_space is None else self.swap_space.cpu_block_pool
+
+    @property
+    def cpu_block_tables(self) -> Mapping[str, list[int]]:
+        """Request id -> host block ids of the swapped-out requests (empty without host blocks)."""
+        return {} if self.swap_space is None else self.swap_space.cpu_block_tables
 
     def is_swapped(self, request: Request) -> bool:
         """True while the request's blocks are in the host pool."""
-        return request.request_id in self.cpu_block_tables
-
-    def _forget_freed(self, device_ids, cpu_ids) -> None:
-        """Drop copy records whose device or host end was just freed (it may be reused)."""
-        _forget(self.block_pool, device_ids, self._dev_to_cpu, self._cpu_to_dev)
-        _forget(self.cpu_block_pool, cpu_ids, self._cpu_to_dev, self._dev_to_cpu)
-
-    def _num_full(self, request: Request) -> int:
-        return request.num_computed_tokens // self.block_size
+        return self.swap_space is not None and self.swap_space.is_swapped(request.request_id)
 
     def can_swap_out(self, request: Request) -> bool:
         """True when the host pool has room for the request's blocks (shared full blocks already
         copied there count once)."""
         table = self.block_tables.get(request.request_id)
-        if self.cpu_block_pool is None or not table:
+        if self.swap_space is None or not table:
             return False
-        n_full = self._num_full(request)
-        need = sum(1 for i, d in enumerate(table) if not (i < n_full and d in self._dev_to_cpu))
-        return need <= self.cpu_block_pool.get_num_free_blocks()
+        return self.swap_space.can_swap_out(table, request.num_computed_tokens // self.block_size)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's blocks to the host pool and free its device blocks.
@@ -327,79 +313,42 @@ class KVCacheManager:
         """
         if not self.can_swap_out(request):
             raise NoFreeBlocksError(f"the host pool cannot take request {request.request_id!r}")
-        rid, cpu = request.request_id, self.cpu_block_pool
+        rid = request.request_id
         table = self.block_tables.pop(rid)
         self.num_cached_block.pop(rid, None)
-        n_full = self._num_full(request)
-        cpu_table, pairs = [], []
-        for i, d in enumerate(table):
-            c = self._dev_to_cpu.get(d) if i < n_full else None
-            if c is not None:
-                cpu.incr_ref([c])
-            else:
-                (c,) = cpu.get_new_blocks(1)
-                pairs.append((d, c))
-                if i < n_full:
-                    self._dev_to_cpu[d] = c
-            cpu_table.append(c)
-        self.cpu_block_tables[rid] = cpu_table
-        self.block_pool.free_blocks(reversed(table))
-        self._forget_freed(table, ())
-        return pairs
+        return self.swap_space.swap_out(rid, table, request.num_computed_tokens // self.block_size)
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Move a swapped-out request back into device blocks and allocate its next tokens' slots.
 
-        The full blocks it gets are registered in the prefix cache again (their K/V arrives
-        before the next forward).
+        A full block still on the device (held by a sharer, or registered in the prefix cache
+        under its hash) is taken instead of copied. The full blocks it gets are registered in the
+        prefix cache again (their K/V arrives before the next forward).
 
         Returns:
             (host block, device block) pairs to copy before the next forward, or ``None`` when
             the device pool lacks blocks (nothing changes then).
         """
         rid, pool = request.request_id, self.block_pool
-        cpu_table = self.cpu_block_tables[rid]
-        n_full = self._num_full(request)
-        # A full block whose device copy is still held (by a sharer that stayed, or one swapped
-        # in earlier) is shared again instead of copied.
-        on_device = {c: d for d, c in self._dev_to_cpu.items()}
-        on_device.update(self._cpu_to_dev)
-        # Otherwise a full block registered in the prefix cache under its hash is taken as a hit.
         if self.enable_caching:
             self._update_block_hashes(request)
-        source: list[int | None] = []
-        for i, c in enumerate(cpu_table):
-            d = None
-            if i < n_full:
-                d = on_device.get(c)
-                if d is None and self.enable_caching and i < len(request.block_hashes):
-                    d = pool.get_cached_block(request.block_hashes[i])
-            source.append(d)
-        num_revived = sum(1 for d in source if d is not None and pool.ref_cnt(d) == 0)
-        need = source.count(None) + num_revived + max(
-            cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(cpu_table), 0)
-        if need > pool.get_num_free_blocks():
+        hashes = request.block_hashes
+
+        def cached_block(i: int) -> int | None:
+            return pool.get_cached_block(hashes[i]) if self.enable_caching and i < len(hashes) else None
+
+        num_extra = max(cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+                        - len(self.swap_space.cpu_block_tables[rid]), 0)
+        moved = self.swap_space.swap_in(rid, request.num_computed_tokens // self.block_size, num_extra,
+                                        cached_block)
+        if moved is None:
             return None
-        # Hits first: a new allocation must not evict a free cached block taken below.
-        pool.touch([d for d in source if d is not None])
-        table, pairs = [], []
-        for i, c in enumerate(cpu_table):
-            if source[i] is not None:
-                d = source[i]
-            else:
-                (d,) = pool.get_new_blocks(1)
-                pairs.append((c, d))
-                if i < n_full:
-                    self._cpu_to_dev[c] = d
-            table.append(d)
-        del self.cpu_block_tables[rid]
-        self.cpu_block_pool.free_blocks(cpu_table)
-        self._forget_freed((), cpu_table)
-        self.block_tables[rid] = table
+        self.block_tables[rid], pairs = moved
         self.num_cached_block[rid] = 0
         self.cache_blocks(request)
         if self.allocate_slots(request, num_new_tokens) is None:
-            raise RuntimeError(f"request {rid!r}: {need} free blocks were counted but allocation failed")
+            raise RuntimeError(f"request {rid!r}: {num_extra} free blocks past its swapped table were "
+                               "counted but allocation failed")
         return pairs
 
     def num_stored_tokens(self, requests: Mapping[str, Request]) -> int:
@@ -492,7 +441,9 @@ class KVCacheManager:
         return holders
 
     def check_integrity(self, requests: Mapping[str, Request] | None = None) -> None:
-        """Check the pool against the tables and the prefix cache.
+        """Check the pool against the tables and the prefix cache, and the host pool against the
+        swapped-out tables (``SwapSpace.check``): the one integrity check (tests call it after
+        steps; subclasses refine its parts, ``_holders`` and ``_check_prefix_cache``).
 
         Args:
             requests: the live requests by id, if known (the scheduler's); enables the checks
@@ -504,7 +455,8 @@ class KVCacheManager:
                 cached hash does not map to exactly one block storing that hash, or a block is
                 registered at a table position the request may still write (past its
                 ``num_cached_block``, or past its computed tokens); with ``requests``, also if a
-                table is not exactly ``cdiv(num_computed_tokens, block_size)`` blocks long.
+                table is not exactly ``cdiv(num_computed_tokens, block_size)`` blocks long; and as
+                ``SwapSpace.check``.
         """
         pool = self.block_pool
         holders = self._holders()
@@ -532,43 +484,14 @@ class KVCacheManager:
         for block_id in free_ids:
             if pool.blocks[block_id].ref_cnt != 0:
                 raise RuntimeError(f"free block {block_id} has ref_cnt {pool.blocks[block_id].ref_cnt}")
-        self._check_cpu_pool(requests)
+        if self.swap_space is not None:
+            self.swap_space.check(self.block_tables, self.block_size, requests)
+        self._check_cached_hashes()
         self._check_prefix_cache(requests)
 
-    def _check_cpu_pool(self, requests: Mapping[str, Request] | None) -> None:
-        both = set(self.block_tables) & set(self.cpu_block_tables)
-        if both:
-            raise RuntimeError(f"{len(both)} requests hold both device and host blocks")
-        cpu = self.cpu_block_pool
-        if cpu is None:
-            if self.cpu_block_tables:
-                raise RuntimeError(f"{len(self.cpu_block_tables)} swapped tables without a host pool")
-            return
-        holders: Counter[int] = Counter()
-        for table in self.cpu_block_tables.values():
-            holders.update(table)
-        used = sum(1 for b in cpu.blocks if b.ref_cnt > 0)
-        if used + cpu.get_num_free_blocks() != cpu.num_blocks:
-            raise RuntimeError(f"host pool: free ({cpu.get_num_free_blocks()}) + used ({used}) != "
-                               f"total ({cpu.num_blocks})")
-        for block in cpu.blocks:
-            if block.ref_cnt != holders.get(block.block_id, 0):
-                raise RuntimeError(f"host block {block.block_id} has ref_cnt {block.ref_cnt} but "
-                                   f"{holders.get(block.block_id, 0)} swapped tables hold it")
-        for d, c in self._dev_to_cpu.items():
-            if self.block_pool.blocks[d].ref_cnt == 0 or cpu.blocks[c].ref_cnt == 0:
-                raise RuntimeError(f"copy record device {d} -> host {c} outlived one of its blocks")
-        for c, d in self._cpu_to_dev.items():
-            if self.block_pool.blocks[d].ref_cnt == 0 or cpu.blocks[c].ref_cnt == 0:
-                raise RuntimeError(f"copy record host {c} -> device {d} outlived one of its blocks")
-        for rid, table in self.cpu_block_tables.items():
-            request = None if requests is None else requests.get(rid)
-            if request is not None and len(table) != cdiv(request.num_computed_tokens, self.block_size):
-                raise RuntimeError(f"swapped request {rid!r}: {len(table)} host blocks for "
-                                   f"{request.num_computed_tokens} computed tokens")
-
-    def _check_prefix_cache(self, requests: Mapping[str, Request] | None) -> None:
-        pool, bs = self.block_pool, self.block_size
+    def _check_cached_hashes(self) -> None:
+        """The pool's hash -> block map against the hashes the blocks store."""
+        pool = self.block_pool
         for block_hash, block in pool.cached_block_hash_to_block.items():
             if block.block_hash != block_hash:
                 raise RuntimeError(f"cached hash {block_hash[:4].hex()} maps to block {block.block_id}, "
@@ -579,6 +502,10 @@ class KVCacheManager:
                                f"{len(pool.cached_block_hash_to_block)} hashes")
         if hashed and not self.enable_caching:
             raise RuntimeError(f"{len(hashed)} blocks are registered with prefix caching off")
+
+    def _check_prefix_cache(self, requests: Mapping[str, Request] | None) -> None:
+        """Per table: registered blocks only where no owner writes, under the request's hashes."""
+        pool, bs = self.block_pool, self.block_size
         if set(self.num_cached_block) - set(self.block_tables):
             raise RuntimeError("num_cached_block lists requests without a table")
         for rid, table in self.block_tables.items():

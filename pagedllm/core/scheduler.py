@@ -33,8 +33,8 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_pool import NoFreeBlocksError
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                        NewRequestData, SchedulerOutput, SchedulerStats)
+from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from pagedllm.core.worker_diffs import WorkerDiffTracker
 
 if TYPE_CHECKING:
     from pagedllm.spec_decode.controller import SpecDecodeController
@@ -86,13 +86,9 @@ class Scheduler:
         self.num_preemptions_by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
         self._logged_swap_fallback = False
         self._step_stats = SchedulerStats()
-        # What the worker holds of each request it has seen (the per-step message sends only what
-        # it lacks): tokens and block-table entries, by request id. A request is added when first
-        # scheduled and removed when it finishes; preemption empties its block count.
-        self._worker_num_tokens: dict[str, int] = {}
-        self._worker_num_blocks: dict[str, int] = {}
-        self._worker_last_block: dict[str, tuple[int, ...]] = {}  # the last block id per group the worker holds
-        self._preempted_since_scheduled: set[str] = set()
+        # What the worker holds of each request it has seen: the per-step message sends only what
+        # it lacks (new requests in full once, then diffs).
+        self.worker_diffs = WorkerDiffTracker(kv_cache_manager.num_kv_cache_groups)
         # [structured output] requests finished inside schedule() (their grammar failed to
         # compile): their outputs go out with the next update_from_output.
         self._finished_in_schedule: list[EngineCoreOutput] = []
@@ -103,10 +99,8 @@ class Scheduler:
         # (scheduled, output not back). They are neither scheduled again nor preempted until
         # ``update_from_output`` gets that batch. Empty between steps when one batch runs at a time.
         self._in_flight: set[str] = set()
-        # [speculative decoding] the drafts' sizing and proposer; request id -> the table length
-        # the worker must cut its copy to (blocks given back after rejected drafts).
+        # [speculative decoding] the drafts' sizing and proposer.
         self.spec_decoder = spec_decoder
-        self._worker_blocks_kept: dict[str, int] = {}
         # [LoRA] most distinct adapters among the running requests (the worker's slots); 0: no LoRA.
         self.max_loras = max_loras
 
@@ -283,50 +277,14 @@ class Scheduler:
                 need = self._seats_needed(request, groups)
                 if seats + need > self.max_num_seqs:
                     break  # a group (its samples or beams will fork) enters only with room for all
-                if self.kv_cache_manager.is_swapped(request):
-                    # Swapped out: back into fresh device blocks, nothing recomputed.
-                    num_new = self._num_new_tokens(request, budget)
-                    if num_new <= 0:
-                        break
-                    pairs = self.kv_cache_manager.swap_in(request, num_new)
-                    if pairs is None:
-                        if self._preempt_paused(output, preempted_ids):
-                            continue
-                        break
-                    output.blocks_to_swap_in.extend(pairs)
-                    seats += self._take_seats(request, need, groups)
-                    self.waiting.popleft()
-                    self.running.append(request)
-                    if request.lora_request is not None:
-                        loras.add(request.lora_request.lora_int_id)
-                    request.status = RequestStatus.RUNNING
-                    self._schedule_request(request, num_new, output)
-                    num_prefill_tokens += num_new
-                    budget -= num_new
-                    continue
-                # [prefix caching] hit blocks from the prompt start (a waiting request has none).
-                computed = self.kv_cache_manager.get_computed_blocks(request)
-                request.num_computed_tokens = computed.num_computed_tokens  # for the budget math
-                num_new = self._num_new_tokens(request, budget)
-                request.num_computed_tokens = 0  # allocate_slots adds the hit itself
-                if not self.enable_chunked_prefill and request.num_tokens - computed.num_computed_tokens > budget:
-                    break
-                if num_new <= 0:
-                    break
-                # [draft models] slots for the draft model's K/V past the prompt, when they fit.
-                request.num_computed_tokens = computed.num_computed_tokens
-                lookahead = self._num_lookahead(request, num_new)
-                request.num_computed_tokens = 0
-                if lookahead and self.kv_cache_manager.allocate_slots(request, num_new + lookahead, computed) is not None:
-                    output.num_lookahead_tokens[request.request_id] = lookahead
-                elif self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
+                swapped = self.kv_cache_manager.is_swapped(request)
+                num_new = self._allocate_admitted(request, budget, output)
+                if num_new is None:
                     if self._preempt_paused(output, preempted_ids):
                         continue  # blocks held by an idle beam were freed: try again
                     break  # FCFS: do not let later requests skip ahead
-                request.num_computed_tokens = computed.num_computed_tokens
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = computed.num_computed_tokens
-                # [/prefix caching]
+                if num_new == 0:
+                    break  # it does not fit the budget (FCFS)
                 seats += self._take_seats(request, need, groups)
                 self.waiting.popleft()
                 self.running.append(request)
@@ -335,7 +293,8 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
-                self._schedule_request(request, num_new, output, admitted=True)
+                # A swapped-in request resumes its computation; any other starts it (again).
+                self._schedule_request(request, num_new, output, admitted=not swapped)
                 num_prefill_tokens += num_new
                 budget -= num_new
             self.waiting.extendleft(reversed(skipped))
@@ -362,6 +321,49 @@ class Scheduler:
             num_decode_tokens, len(preempted_ids), len(self.running), len(self.waiting),
             self.kv_cache_manager.num_free_blocks, self.kv_cache_manager.num_blocks)
         return output
+
+    def _allocate_admitted(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
+        """Blocks for the step of a waiting request about to be admitted.
+
+        A swapped-out request goes back into device blocks (``swap_in``; its pairs join
+        ``output.blocks_to_swap_in``), nothing recomputed. Any other takes its prefix-cache hit
+        (``get_computed_blocks``: whole blocks from the prompt start) and ``allocate_slots`` for
+        the rest, [draft models] with lookahead slots when they fit; its ``num_computed_tokens``
+        becomes the hit.
+
+        Returns:
+            The tokens it computes this step; 0 when it does not fit ``budget`` (tokens), or
+            ``None`` when the pool lacks blocks (nothing changed in either case).
+        """
+        kv = self.kv_cache_manager
+        if kv.is_swapped(request):
+            num_new = self._num_new_tokens(request, budget)
+            if num_new <= 0:
+                return 0
+            pairs = kv.swap_in(request, num_new)
+            if pairs is None:
+                return None
+            output.blocks_to_swap_in.extend(pairs)
+            return num_new
+        # [prefix caching] hit blocks from the prompt start (a waiting request has none).
+        computed = kv.get_computed_blocks(request)
+        request.num_computed_tokens = computed.num_computed_tokens  # for the budget math
+        num_new = self._num_new_tokens(request, budget)
+        fits = num_new > 0 and (self.enable_chunked_prefill
+                                or request.num_tokens - computed.num_computed_tokens <= budget)
+        # [draft models] slots for the draft model's K/V past the prompt, when they fit.
+        lookahead = self._num_lookahead(request, num_new) if fits else 0
+        request.num_computed_tokens = 0  # allocate_slots adds the hit itself
+        if not fits:
+            return 0
+        if lookahead and kv.allocate_slots(request, num_new + lookahead, computed) is not None:
+            output.num_lookahead_tokens[request.request_id] = lookahead
+        elif kv.allocate_slots(request, num_new, computed) is None:
+            return None
+        request.num_computed_tokens = computed.num_computed_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = computed.num_computed_tokens
+        return num_new
 
     def running_lora_ids(self) -> set[int]:
         """[LoRA] The adapters (``lora_int_id``) of the running requests."""
@@ -502,24 +504,11 @@ class Scheduler:
             if parent.num_computed_tokens != parent.num_tokens or parent.status != RequestStatus.RUNNING:
                 continue  # a non-final prompt chunk
             for child in self._pending_forks.pop(parent_id):
-                self.kv_cache_manager.fork(parent, child)
-                child.num_computed_tokens = parent.num_computed_tokens
                 child.num_cached_tokens = parent.num_cached_tokens
                 child.block_hashes = list(parent.block_hashes)
-                child.status = RequestStatus.RUNNING
-                child.first_scheduled_time = now
-                self.running.append(child)
-                params = child.sampling_params.clone()
-                params.logits_processors = None
-                table = self.kv_cache_manager.get_block_table(child.request_id)
-                output.scheduled_new_reqs.append(NewRequestData(
-                    req_id=child.request_id, prompt_token_ids=list(child.prompt_token_ids),
-                    sampling_params=params, block_ids=table,
-                    num_computed_tokens=child.num_computed_tokens, forked_from=parent_id,
-                    lora_request=child.lora_request))
-                self._worker_num_tokens[child.request_id] = child.num_tokens
-                self._worker_num_blocks[child.request_id] = len(table)
-                self._worker_last_block[child.request_id] = self._last_blocks(table)
+                self._fork(parent, child, now)
+                output.scheduled_new_reqs.append(self.worker_diffs.new_request_data(
+                    child, self.kv_cache_manager.get_block_table(child.request_id), forked_from=parent_id))
                 if child.structured_output_request is not None:
                     # [structured output] its own matcher (the parent's grammar is compiled, so the
                     # shared compile is done) and its own bitmask row for the parent's logits row.
@@ -573,10 +562,17 @@ class Scheduler:
             # The parent was preempted meanwhile (no device blocks): the child computes its tokens.
             self.waiting.append(child)
             return
+        self._fork(parent, child, time.monotonic())
+
+    def _fork(self, parent: Request, child: Request, now: float) -> None:
+        """Run ``child`` on the parent's blocks: ``KVCacheManager.fork`` (one more reference per
+        block, the partial last one included; copy-on-write before the first write into it), the
+        parent's computed tokens, RUNNING at the back of ``running``. Both fork paths end here:
+        n > 1 / best_of samples (``_fork_pending``) and beams (``fork_request``)."""
         self.kv_cache_manager.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
-        child.first_scheduled_time = time.monotonic()
+        child.first_scheduled_time = now
         self.running.append(child)
 
     def replace_last_token(self, request_id: str, token_id: int) -> None:
@@ -592,10 +588,6 @@ class Scheduler:
         request.output_token_ids[-1] = token_id
         request.all_token_ids[-1] = token_id
         del request.block_hashes[(request.num_tokens - 1) // self.kv_cache_manager.block_size:]
-
-    def _last_blocks(self, table: list[int]) -> tuple[int, ...]:
-        """The last logical block of each KV cache group (the table's last G entries)."""
-        return tuple(table[-self.kv_cache_manager.num_kv_cache_groups:])
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens to compute for ``request`` this step: the rest of its known tokens, capped by
@@ -614,45 +606,16 @@ class Scheduler:
         ``admitted``: the request comes from the waiting queue this step (new or preempted; its
         ``num_computed_tokens`` is its prefix-cache hit, possibly 0)."""
         req_id = request.request_id
-        start = request.num_computed_tokens
         if admitted:
             # A fresh (re)computation: the runner will produce prompt logprobs from the start.
             request.num_prompt_logprobs_seen = 0
         block_table = self.kv_cache_manager.get_block_table(req_id)
-        if req_id not in self._worker_num_tokens:
-            params = request.sampling_params.clone()
-            params.logits_processors = None  # callables stay in this process (Executor docs)
-            output.scheduled_new_reqs.append(NewRequestData(
-                req_id=req_id, prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
-                block_ids=block_table, num_computed_tokens=start,
-                output_token_ids=list(request.output_token_ids),  # a beam forked between steps
-                lora_request=request.lora_request))
-            self._worker_num_tokens[req_id] = request.num_tokens
+        if req_id not in self.worker_diffs:
+            output.scheduled_new_reqs.append(self.worker_diffs.new_request_data(request, block_table))
         else:
-            resumed = req_id in self._preempted_since_scheduled
-            self._preempted_since_scheduled.discard(req_id)
-            kept = self._worker_blocks_kept.pop(req_id, None)
-            known_tokens = self._worker_num_tokens[req_id]
-            known_blocks = 0 if resumed else self._worker_num_blocks[req_id]
-            replaced = []
-            if known_blocks:
-                # Copy-on-write swapped the last block the worker holds (only ever that one, per
-                # KV cache group: the table's last ``num_kv_cache_groups`` entries).
-                last = self._worker_last_block[req_id]
-                first = known_blocks - len(last)
-                replaced = [(first + j, block_table[first + j]) for j, b in enumerate(last)
-                            if block_table[first + j] != b]
-            output.scheduled_cached_reqs.append(CachedRequestData(
-                req_id=req_id, resumed_from_preemption=resumed,
-                new_token_ids=request.all_token_ids[known_tokens:],
-                new_block_ids=block_table[known_blocks:], num_computed_tokens=start,
-                replaced_block_ids=replaced, num_blocks_kept=None if resumed else kept))
-            self._worker_num_tokens[req_id] = request.num_tokens
-        self._worker_num_blocks[req_id] = len(block_table)
-        if block_table:
-            self._worker_last_block[req_id] = self._last_blocks(block_table)
+            output.scheduled_cached_reqs.append(self.worker_diffs.cached_request_data(request, block_table))
         output.num_scheduled_tokens[req_id] = num_new
-        request.num_computed_tokens = start + num_new
+        request.num_computed_tokens += num_new
         if request.structured_output_request is not None and request.num_computed_tokens == request.num_tokens:
             # [structured output] it samples this step: the engine fills its bitmask row.
             output.structured_output_request_ids[req_id] = len(output.structured_output_request_ids)
@@ -725,8 +688,7 @@ class Scheduler:
             kv.free(request)
             request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        if request.request_id in self._worker_num_tokens:
-            self._preempted_since_scheduled.add(request.request_id)
+        self.worker_diffs.preempt(request.request_id)
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.num_preemptions_by_mode[mode] += 1
@@ -858,13 +820,8 @@ class Scheduler:
     def _trim_blocks(self, request: Request) -> None:
         """[speculative decoding] Free the blocks past the request's computed tokens, and have the
         worker cut its copy of the table on the request's next diff."""
-        num_blocks = self.kv_cache_manager.trim(request)
-        req_id = request.request_id
-        if req_id in self._worker_num_blocks and num_blocks < self._worker_num_blocks[req_id]:
-            self._worker_num_blocks[req_id] = num_blocks
-            self._worker_blocks_kept[req_id] = min(num_blocks, self._worker_blocks_kept.get(req_id, num_blocks))
-            if num_blocks:
-                self._worker_last_block[req_id] = self._last_blocks(self.kv_cache_manager.get_block_table(req_id))
+        self.kv_cache_manager.trim(request)
+        self.worker_diffs.trim(request.request_id, self.kv_cache_manager.get_block_table(request.request_id))
 
     def _check_stop(self, request: Request) -> bool:
         """Set a FINISHED_* status if the last token ends the request; True when it does."""
@@ -892,11 +849,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
-        self._worker_num_tokens.pop(request.request_id, None)
-        self._worker_num_blocks.pop(request.request_id, None)
-        self._worker_last_block.pop(request.request_id, None)
-        self._preempted_since_scheduled.discard(request.request_id)
-        self._worker_blocks_kept.pop(request.request_id, None)
+        self.worker_diffs.forget(request.request_id)
         if self.spec_decoder is not None:
             self.spec_decoder.finish_request(request.request_id, request.all_token_ids, request.num_prompt_tokens)
         # A parent finished before its prompt was computed (abort): its waiting samples no

@@ -104,7 +104,7 @@ def test_shared_full_blocks_swapped_once_and_stay_shared():
     kv.free(c2)
     kv.check_integrity({})
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks) and all(b.ref_cnt == 0 for b in kv.cpu_block_pool.blocks)
-    assert not kv._dev_to_cpu and not kv._cpu_to_dev
+    assert not kv.swap_space.dev_to_cpu and not kv.swap_space.cpu_to_dev
 
 
 def test_forks_swapped_under_pressure_finish_with_their_tokens():
@@ -142,5 +142,5 @@ def test_abort_mid_swap_frees_host_and_device_blocks():
     assert kv.is_swapped(b)
     sched.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
     kv.check_integrity(sched.requests)
-    assert not kv.cpu_block_tables and not kv._dev_to_cpu and not kv._cpu_to_dev
+    assert not kv.cpu_block_tables and not kv.swap_space.dev_to_cpu and not kv.swap_space.cpu_to_dev
     assert all(x.ref_cnt == 0 for x in kv.block_pool.blocks) and all(x.ref_cnt == 0 for x in kv.cpu_block_pool.blocks)

@@ -147,7 +147,7 @@ def test_small_pool_preemption_prefix_caching_and_forks(make_tiny_checkpoint, mo
     sched = llm.llm_engine.scheduler
     assert sched.num_preemptions_by_mode[mode] > 0
     assert llm.llm_engine.spec_decoder.stats.num_accepted_tokens > 0
-    assert not sched._worker_blocks_kept
+    assert not sched.worker_diffs.blocks_kept
 
 
 def test_prefix_cache_holds_only_accepted_tokens(make_tiny_checkpoint):

@@ -197,7 +197,7 @@ def test_abort_leaves_no_matcher_and_no_bitmask_row(llm):
     assert list(sched.structured_output_request_ids) == ["keep"]
     # Undo the manual schedule: finish "keep" too, then let the engine drain.
     engine.abort_request("keep")
-    engine.scheduler._worker_num_tokens.clear()
+    engine.scheduler.worker_diffs.num_tokens.clear()
     gc.collect()
     assert handle() is None
     while engine.has_unfinished_requests():
