@@ -117,6 +117,12 @@ class HybridKVCacheManager(KVCacheManager):
 
     # -- allocation ------------------------------------------------------------------------
 
+    null_block_id = NULL_BLOCK_ID
+
+    def _max_blocks_for(self, num_tokens: int, chunk_tokens: int) -> int:
+        """Summed over the groups; a sliding group holds its window plus one chunk."""
+        return self.groups.max_blocks_per_request(num_tokens, self.block_size, chunk_tokens)
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: ComputedBlocks | None = None) -> list[int] | None:
         """``KVCacheManager.allocate_slots`` per group: first the sliding groups' blocks out of

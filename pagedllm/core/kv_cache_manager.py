@@ -94,6 +94,28 @@ class KVCacheManager:
 
     # -- allocation ------------------------------------------------------------------------
 
+    #: the placeholder id of a table entry with no block behind it (the hybrid manager's); none here.
+    null_block_id: int | None = None
+
+    def _max_blocks_for(self, num_tokens: int, chunk_tokens: int) -> int:
+        """Blocks one table holds at most for ``num_tokens`` tokens (one group: every block)."""
+        return cdiv(num_tokens, self.block_size)
+
+    def can_admit(self, request: Request, computed: ComputedBlocks, chunk_tokens: int) -> bool:
+        """Whether the pool can hold all of a waiting request's tokens (its prompt, and its
+        outputs after a preemption), counting its prefix-cache hit ``computed`` (vLLM V0's
+        ``can_allocate``): admitting on the first prefill chunk alone would let later chunks
+        preempt the requests admitted beside it.
+
+        Args:
+            chunk_tokens: the largest prefill chunk (``max_num_batched_tokens``); a sliding
+                window group holds its window plus one chunk.
+        """
+        real_hits = [b for b in computed.block_ids if b != self.null_block_id]
+        free_hits = sum(1 for b in real_hits if self.block_pool.ref_cnt(b) == 0)
+        need = self._max_blocks_for(request.num_tokens, chunk_tokens) - len(real_hits) + free_hits
+        return need <= self.block_pool.get_num_free_blocks()
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: ComputedBlocks | None = None) -> list[int] | None:
         """Make the request's table cover the tokens it computes in the coming step.

@@ -356,6 +356,8 @@ class Scheduler:
         request.num_computed_tokens = 0  # allocate_slots adds the hit itself
         if not fits:
             return 0
+        if self.running and not kv.can_admit(request, computed, self.max_num_batched_tokens):
+            return None   # its whole prompt does not fit beside the running requests (alone, it may start)
         if lookahead and kv.allocate_slots(request, num_new + lookahead, computed) is not None:
             output.num_lookahead_tokens[request.request_id] = lookahead
         elif kv.allocate_slots(request, num_new, computed) is None:

@@ -178,3 +178,18 @@ def test_scheduler_stats_and_prometheus_show_per_group_usage():
     prom = PrometheusStatLogger("m", 64, 64, initial=stats)
     text = generate_latest(prom.registry).decode()
     assert 'pagedllm:kv_cache_group_usage_perc{engine="0",kv_cache_group="1",model_name="m"} 0.2' in text
+
+
+def test_can_admit_counts_the_whole_prompt_and_only_the_window_plus_a_chunk():
+    groups = make_kv_cache_groups([None, 8])
+    kv = HybridKVCacheManager(4, 21, groups)   # 20 usable blocks
+    assert kv.allocate_slots(req("a", 8), 8) is not None and kv.num_free_blocks == 16
+
+    def can_admit(n, chunk):
+        r = req(f"r{n}", n)
+        return kv.can_admit(r, kv.get_computed_blocks(r), chunk)
+    # 4-token chunks: full group cdiv(n, 4), window group cdiv(8 - 1 + 4, 4) + 1 = 4.
+    assert can_admit(48, 4) and not can_admit(52, 4)         # 12 + 4 = 16; 13 + 4 = 17
+    # 8-token chunks: the window group holds cdiv(15, 4) + 1 = 5.
+    assert can_admit(44, 8) and not can_admit(48, 8)         # 11 + 5 = 16; 12 + 5 = 17
+    assert can_admit(8, 64)                                   # short: min(2, ...) per group

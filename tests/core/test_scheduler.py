@@ -403,3 +403,44 @@ def test_make_stats():
     assert st.num_scheduled_requests == 2 and st.num_preemptions == 0
     assert st.kv_cache_usage == pytest.approx((2 + 2) / 16)
     assert st.num_blocks == 16 and st.num_free_blocks == 12
+
+
+def test_a_prompt_is_admitted_only_when_all_of_it_fits_beside_the_running():
+    # 8 blocks x 4 tokens, 8-token chunks. a (8-token prompt, 8 outputs) runs; b's 28-token
+    # prompt needs 7 blocks: its first chunk (2 blocks) would fit the 6 free ones, but its later
+    # chunks would not, so admitting it would preempt a (vLLM V0's can_allocate rule).
+    sched, kv = make_scheduler(num_blocks=8, max_num_batched_tokens=8, max_model_len=40)
+    a = make_request("a", 8, max_tokens=8, eos=False)
+    b = make_request("b", 28, max_tokens=2, eos=False)
+    sched.add_request(a)
+    out, _ = step(sched)
+    assert [s.request_id for s in out.scheduled] == ["a"] and kv.num_free_blocks == 6
+    sched.add_request(b)
+    seen_b = False
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        ids = [s.request_id for s in out.scheduled]
+        if "b" in ids:
+            if not seen_b:
+                assert a.is_finished() and ids == ["b"]   # b starts alone, after a
+            seen_b = True
+        else:
+            assert ids == ["a"]
+        assert not out.preempted_req_ids
+        kv.check_integrity()
+    assert seen_b and sched.num_preemptions_total == 0
+    assert a.num_output_tokens == 8 and b.num_output_tokens == 2 and kv.num_free_blocks == 8
+
+
+def test_a_prompt_whose_tail_fits_beside_the_running_is_admitted_in_chunks():
+    # Same pool; b's 20-token prompt needs 5 blocks of the 6 free: it joins a at once.
+    sched, kv = make_scheduler(num_blocks=8, max_num_batched_tokens=8, max_model_len=40)
+    a = make_request("a", 8, max_tokens=4, eos=False)
+    b = make_request("b", 20, max_tokens=2, eos=False)
+    sched.add_request(a)
+    step(sched)
+    sched.add_request(b)
+    out, _ = step(sched)
+    assert [(s.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 1), ("b", 7)]
+    run_to_completion(sched)
+    assert sched.num_preemptions_total == 0 and kv.num_free_blocks == 8
