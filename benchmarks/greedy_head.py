@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from pagedllm.layers.greedy_head import ExactGreedyHead
+from pagedllm.sample.greedy_head import ExactGreedyHead
 from pagedllm.layers.linear import PackedLinear
 
 TEXTS = [

@@ -37,7 +37,7 @@ SUPPORTED_CPU_ISAS = ("auto",) + tuple(i.value for i in CpuIsa)
 # ``ModelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
 SUPPORTED_LOAD_FORMATS = ("auto", "dummy")   # vLLM's names; dummy: random weights
-SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")   # layers/greedy_head.py EXACT_GREEDY_HEAD_MODES
+SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")   # sample/greedy_head.py EXACT_GREEDY_HEAD_MODES
 # RoPE scaling types ``layers/rotary.compute_inv_freq`` implements (transformers' names; "su" is
 # Phi-3's old name of "longrope"). "dynamic" (NTK) and "longrope" pick their frequencies from each
 # batch's longest sequence in transformers; implemented where that choice is fixed
@@ -492,7 +492,7 @@ class ModelConfig:
         load_format: "auto" (the checkpoint's weights) or "dummy" (vLLM's: every weight drawn
             uniformly from [-1e-3, 1e-3], e.g. to start an engine whose real weights come later
             through ``reload_weights``; the checkpoint still fixes the shapes).
-        exact_greedy_head: "auto" or "off". "auto": where it is cheaper (``layers/greedy_head.py``
+        exact_greedy_head: "auto" or "off". "auto": where it is cheaper (``sample/greedy_head.py``
             ``choose_greedy_head``: a float32 model on a CPU with native bf16, at most
             ``BF16_MAX_ROWS`` plain greedy rows in the step), plain greedy rows take the argmax of
             the exact head through a bf16 pass + proven bound + exact re-score instead of the

@@ -92,7 +92,8 @@ def _cmd_throughput(ns) -> int:
     from pagedllm.benchmarks.throughput import run_throughput
     from pagedllm.engine.arg_utils import engine_args_from_cli
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.worker.worker import resolve_device, resolve_dtype
+    from pagedllm.worker.kernel_plan import choose_dtype
+    from pagedllm.worker.worker import resolve_device
 
     if ns.baseline == "openai" and not ns.base_url:
         raise ValueError("--baseline openai needs --base-url")
@@ -109,8 +110,8 @@ def _cmd_throughput(ns) -> int:
     engine = llm.llm_engine
     requests = build_requests(ns.dataset, ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
                               ns.dataset_seed, engine.vocab_size, engine.max_model_len)
-    dtype = str(resolve_dtype(engine.model_config.dtype, engine.model_config,
-                              resolve_device(engine.model_config.device))).replace("torch.", "")
+    dtype = str(choose_dtype(engine.model_config.dtype, engine.model_config,
+                             resolve_device(engine.model_config.device))[0]).replace("torch.", "")
     logger.info("throughput: %d requests (%d output tokens) from %s, dtype %s", len(requests),
                 sum(r.max_tokens for r in requests), ns.dataset, dtype)
     if ns.structured_output:
@@ -407,11 +408,12 @@ def _cmd_accuracy(ns) -> int:
     import torch
 
     from pagedllm.loaders.model_files import load_config, resolve_model
-    from pagedllm.worker.worker import resolve_device, resolve_dtype
+    from pagedllm.worker.kernel_plan import choose_dtype
+    from pagedllm.worker.worker import resolve_device
 
-    candidate_dtype = resolve_dtype(candidate_args.dtype, load_config(resolve_model(candidate_args.model).folder),
-                                    resolve_device(candidate_args.device),
-                                    candidate_args.cpu_isa)   # the engine's own rule for "auto"
+    candidate_dtype = choose_dtype(candidate_args.dtype, load_config(resolve_model(candidate_args.model).folder),
+                                   resolve_device(candidate_args.device),
+                                   candidate_args.cpu_isa)[0]   # the engine's own rule for "auto"
     if candidate_dtype == torch.float32 and candidate_args.quantization in (None, "gguf"):
         raise ValueError("the candidate settings are the float32 reference itself; pass --quantization "
                          "(int8, int8_weight_only, int4_weight_only) or --dtype bfloat16")

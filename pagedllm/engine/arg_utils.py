@@ -68,7 +68,7 @@ class EngineArgs:
             "avx512" / "avx512_bf16" (``platforms/cpu.py``; forces the attention kernel's path and
             with it what ``dtype="auto"`` means); default ``$PAGEDLLM_CPU_ISA`` or "auto".
         exact_greedy_head: "auto" (plain greedy rows through the cheaper exact head where it
-            pays, ``layers/greedy_head.py``) or "off" (``ModelConfig.exact_greedy_head``).
+            pays, ``sample/greedy_head.py``) or "off" (``ModelConfig.exact_greedy_head``).
         load_format: "auto" or "dummy" (random weights; ``ModelConfig.load_format``).
         enable_trace_replay: accept requests with ``SamplingParams.trace_decode_token_ids``
             (vLLM's trace replay: the given tokens are emitted, their logprobs are the model's).

@@ -15,21 +15,19 @@ lies that close to a rounding boundary; the activations use torch's own formula 
 tanh / exp, so they round as torch does.
 
 The extension is built and loaded by the shared builder (``platforms.cpu_extension``); the
-worker calls :func:`prepare_fused_ops` at engine start, before any progress bar.
+kernel plan (``worker/kernel_plan.py``) calls :func:`prepare_fused_ops` at engine start, before any
+progress bar.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from pagedllm.platforms.cpu_extension import DEFAULT_CFLAGS, CpuExtension, load_extension
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.cpp"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -83,26 +81,22 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor | None:
     return ops.greedy_argmax(logits)
 
 
-def prepare_fused_ops(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Load (building on a first start) the fused ops the model will run, and log once whether
-    they run and why (one INFO line).
+def prepare_fused_ops(mode: str, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Load (building on a first start) the fused ops the model will run: whether they run, and why
+    (the kernel plan's row, ``worker/kernel_plan.py``; nothing is logged).
 
     Args:
         mode: ``ModelConfig.cpu_fused_ops``, "auto" or "off".
         device, dtype: where and in what the model runs.
     Returns:
-        True if the layers will run the fused ops.
+        (True if the layers will run the fused ops; the reason in words).
     """
     if mode == "off":
-        on, why = False, "cpu_fused_ops='off'"
-    elif device.type != "cpu":
-        on, why = False, f"they run on the CPU only, not {device.type}"
-    elif dtype not in SUPPORTED_DTYPES:
-        on, why = False, f"they take float32 or bfloat16, not {dtype}"
-    elif load_fused_ops() is None:
-        on, why = False, "the extension could not be built (see the warning above)"
-    else:
-        on, why = True, f"{', '.join(load_fused_ops().compiled_isas())} code for {str(dtype).replace('torch.', '')}"
-    logger.info("Fused CPU ops (norms, residual adds, q/k norm + RoPE, gated activations): %s (%s)",
-                "on" if on else "off, eager torch ops", why)
-    return on
+        return False, "cpu_fused_ops='off'"
+    if device.type != "cpu":
+        return False, f"they run on the CPU only, not {device.type}"
+    if dtype not in SUPPORTED_DTYPES:
+        return False, f"they take float32 or bfloat16, not {dtype}"
+    if load_fused_ops() is None:
+        return False, "the extension could not be built (see the warning above)"
+    return True, f"{', '.join(load_fused_ops().compiled_isas())} code for {str(dtype).replace('torch.', '')}"

@@ -168,34 +168,66 @@ class PackedLinear(KernelLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device,
-                       batch_hint: int, cpu_gemm: str = CpuGemm.ONEDNN.value, cpu_isa: str = "auto") -> int:
+def packed_kernel_for(dtype: torch.dtype, device: torch.device, cpu_gemm: str = CpuGemm.ONEDNN.value,
+                      cpu_isa: str = "auto", flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """Which kernel runs an unquantized model's linear layers here, and why.
+
+    Args:
+        dtype, device: the model's.
+        cpu_gemm: ``ModelConfig.cpu_gemm``.
+        cpu_isa: ``ModelConfig.cpu_isa`` (a bf16 model's choice between oneDNN and the bf16 GEMM).
+        flags: the CPU's flags (default: this machine's).
+    Returns:
+        (``"torch"`` (``F.linear``, nothing packed), ``"onednn"`` (``PackedLinear``) or
+        ``"avx512_bf16"`` (``layers.bf16_gemm.Bf16Linear``); the reason in words).
+    Raises:
+        ValueError: for a bad ``cpu_gemm``, or as ``bf16_kernel_for`` for a ``cpu_isa`` the CPU lacks.
+    """
+    if device.type != "cpu":
+        return CpuGemm.TORCH.value, f"not on the CPU ({device.type})"
+    if parse_cpu_gemm(cpu_gemm) is not CpuGemm.ONEDNN:
+        return CpuGemm.TORCH.value, f"cpu_gemm={cpu_gemm!r} (${CPU_GEMM_ENV})"
+    if not onednn_linear_available(dtype):
+        return CpuGemm.TORCH.value, f"oneDNN has no {str(dtype).replace('torch.', '')} inner product here"
+    if dtype != torch.bfloat16:
+        return CpuGemm.ONEDNN.value, f"{str(dtype).replace('torch.', '')}: oneDNN's packed inner product"
+    from pagedllm.layers.bf16_gemm import bf16_kernel_for
+
+    kernel, why = bf16_kernel_for(cpu_isa, flags)
+    return kernel, why if kernel != CpuGemm.ONEDNN.value else f"not the bf16 GEMM: {why}"
+
+
+def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device, batch_hint: int,
+                       cpu_gemm: str = CpuGemm.ONEDNN.value, cpu_isa: str = "auto", kernel: str | None = None) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a packed layer and, for a model with a tied
-    LM head, set ``model.packed_lm_head`` (read by ``compute_logits``). A no-op unless the device
-    is the CPU, ``cpu_gemm`` is ``onednn`` and ``onednn_linear_available(dtype)``.
+    LM head, set ``model.packed_lm_head`` (read by ``compute_logits``), with the kernel
+    ``packed_kernel_for`` picks: a no-op for ``"torch"`` (off the CPU, ``cpu_gemm`` ``torch``, or
+    no oneDNN inner product for ``dtype``).
 
     The packed layer is ``PackedLinear`` (oneDNN), or for bfloat16 on AVX-512 BF16 CPUs (with or
-    without AMX) the batch-invariant ``layers.bf16_gemm.Bf16Linear`` (``bf16_kernel_for(cpu_isa)``;
-    layers with an odd input width stay on oneDNN).
+    without AMX) the batch-invariant ``layers.bf16_gemm.Bf16Linear`` (layers with an odd input
+    width stay on oneDNN).
 
+    Args:
+        kernel: the kernel already chosen (the kernel plan's); None: ``packed_kernel_for(dtype,
+            device, cpu_gemm, cpu_isa)``.
     Returns:
         Bytes of packed copies added next to the weights the model keeps (the tied LM head), 0
         when nothing was packed.
     Raises:
         ValueError: for a bad ``cpu_gemm``.
     """
-    if device.type != "cpu" or parse_cpu_gemm(cpu_gemm) is not CpuGemm.ONEDNN or not onednn_linear_available(dtype):
+    if kernel is None:
+        kernel = packed_kernel_for(dtype, device, cpu_gemm, cpu_isa)[0]
+    if kernel == CpuGemm.TORCH.value:
         return 0
     hint = max(1, int(batch_hint))
-    kernel, why = "onednn", ""
-    if dtype == torch.bfloat16:
-        from pagedllm.layers.bf16_gemm import Bf16Linear, bf16_kernel_for, load_bf16_gemm
-
-        kernel, why = bf16_kernel_for(cpu_isa)
-    if kernel == "onednn":
+    if kernel == CpuGemm.ONEDNN.value:
         def make(weight, bias):
             return PackedLinear(weight, bias, hint)
     else:
+        from pagedllm.layers.bf16_gemm import Bf16Linear, load_bf16_gemm
+
         module = load_bf16_gemm()
 
         def make(weight, bias):
@@ -205,12 +237,8 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
     replaced, tied = replace_linear_layers(model, make)
     weight = model.get_input_embeddings().weight if tied else None
     extra = weight.numel() * weight.element_size() if tied else 0
-    if kernel == "onednn":
-        label, detail = "oneDNN", f"batch hint {hint}" + (f"; not the bf16 GEMM: {why}" if why else "")
-    else:
-        label, detail = f"the {kernel} GEMM", why
-    logger.info("%s packed %d linear layers%s (%s)", label, replaced,
-                f" and the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "", detail)
+    logger.debug("%s packed %d linear layers%s", kernel, replaced,
+                 f" and the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "")
     return extra
 
 

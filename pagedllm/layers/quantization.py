@@ -144,7 +144,6 @@ def quantize_linear_layers(model: nn.Module) -> int:
     before = replaceable_weight_bytes(model)
     replaced, tied = replace_linear_layers(model, Int8DynamicLinear)
     delta = sum(m.weight_bytes for m in model.modules() if isinstance(m, Int8DynamicLinear)) - before
-    logger.info("int8: quantized %d linear layers%s (%+.0f MiB)", replaced,
-                " and the tied LM head" if tied else "",
-                delta / 2**20)
+    logger.debug("int8: quantized %d linear layers%s (%+.0f MiB)", replaced,
+                 " and the tied LM head" if tied else "", delta / 2**20)
     return delta

@@ -291,14 +291,14 @@ def make_weight_only_layer(mode: str, weight: torch.Tensor, bias: torch.Tensor |
     raise ValueError(f"quantization must be one of {WEIGHT_ONLY_MODES} here, got {mode!r}")
 
 
-def quantize_weight_only(model: nn.Module, mode: str, cpu_isa: str = "auto") -> int:
+def quantize_weight_only(model: nn.Module, mode: str, cpu_isa: str = "auto", int8_kernel: str | None = None) -> int:
     """Replace every ``nn.Linear`` of ``model`` by the ``mode`` weight-only layer and give a tied
     LM head its own quantized copy (``model.packed_lm_head``, read by ``lm_head_logits``), in
     ``HEAD_MODE[mode]``.
 
     The torch kernels run in bfloat16 for a float32 or bfloat16 model (``WEIGHT_ONLY_COMPUTE_DTYPE``);
-    int8 layers (and the head) run the AVX-512 VNNI kernel where ``layers.int8_gemm.int8_kernel_for
-    (cpu_isa)`` picks it.
+    int8 layers (and the head) run ``int8_kernel`` (the kernel plan's; None: the one
+    ``layers.int8_gemm.int8_kernel_for(cpu_isa)`` picks, the AVX-512 VNNI kernel where it can).
 
     Returns:
         Weight bytes held after quantization by the replaced layers and the head's copy, minus
@@ -314,14 +314,15 @@ def quantize_weight_only(model: nn.Module, mode: str, cpu_isa: str = "auto") -> 
     if not weight_only_available(mode):
         raise ValueError(f"quantization={mode!r}: torch's CPU kernel does not run here (torch {torch.__version__})")
     before = replaceable_weight_bytes(model)
-    int8_kernel, why = int8_kernel_for(cpu_isa)
+    if int8_kernel is None:
+        int8_kernel = int8_kernel_for(cpu_isa)[0]
     replaced, tied = replace_linear_layers(
         model, lambda weight, bias: make_weight_only_layer(mode, weight, bias, WEIGHT_ONLY_COMPUTE_DTYPE, int8_kernel),
         make_head=lambda weight, bias: make_weight_only_layer(HEAD_MODE[mode], weight, bias,
                                                               WEIGHT_ONLY_COMPUTE_DTYPE, int8_kernel))
     delta = sum(m.weight_bytes for m in model.modules() if isinstance(m, _WeightOnlyLinear)) - before
-    logger.info("%s: quantized %d linear layers%s, the LM head in %s (%+.0f MiB against the model's float "
-                "linear layers); int8 kernel: %s (%s)", mode,
-                replaced, " (and the tied LM head's copy)" if tied else "", HEAD_MODE[mode], delta / 2**20,
-                int8_kernel, why)
+    logger.debug("%s: quantized %d linear layers%s, the LM head in %s (%+.0f MiB against the model's float "
+                 "linear layers); int8 kernel: %s", mode,
+                 replaced, " (and the tied LM head's copy)" if tied else "", HEAD_MODE[mode], delta / 2**20,
+                 int8_kernel)
     return delta

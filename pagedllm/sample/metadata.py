@@ -256,6 +256,47 @@ def _allowed_ids(p: SamplingParams, num_output_tokens: int) -> list[int]:
     return list(p.allowed_token_ids)
 
 
+# Per row, the rules ``_build_adjustments`` applies (and ``is_plain_greedy`` reads): one place each.
+
+def _restricts_tokens(p: SamplingParams) -> bool:
+    """``allowed_token_ids`` or a trace to replay: a ``[vocab]`` mask of the tokens it may take."""
+    return p.allowed_token_ids is not None or bool(p.trace_decode_token_ids)
+
+
+def _masked_ids(p: SamplingParams, num_output_tokens: int) -> set[int]:
+    """Token ids set to -inf: bad words, and EOS + stop ids while under ``min_tokens``."""
+    ids: set[int] = set(p.bad_words_token_ids or ())
+    if num_output_tokens < p.min_tokens:
+        ids.update(p.eos_token_ids)
+        ids.update(p.stop_token_ids or ())
+    return ids
+
+
+def _has_repetition_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0
+
+
+def _has_output_penalties(p: SamplingParams, output_token_ids: Sequence[int]) -> bool:
+    """Presence / frequency penalties with output tokens to penalise."""
+    return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and bool(output_token_ids)
+
+
+def is_plain_greedy(p: SamplingParams, output_token_ids: Sequence[int]) -> bool:
+    """Whether the sampler's token for this row is the plain argmax of its raw logits and nothing
+    else is read from them: greedy, no sampled logprob (``logprobs``, ``best_of`` > ``n``), and
+    none of ``_build_adjustments``' edits in effect (``allowed_token_ids``, trace, bad words,
+    ``min_tokens`` masking, ``logit_bias``, logits processors, penalties), by the same rules.
+    The model runner adds its own (grammar masks, batch-level logits processors).
+
+    Args:
+        p: the row's params.
+        output_token_ids: the tokens it has generated so far.
+    """
+    return (p.sampling_type_greedy and not p.needs_sampled_logprobs and not _restricts_tokens(p)
+            and not _masked_ids(p, len(output_token_ids)) and not p.logit_bias and not p.logits_processors
+            and not _has_repetition_penalty(p) and not _has_output_penalties(p, output_token_ids))
+
+
 def _build_adjustments(params: Sequence[SamplingParams], output_token_ids: Sequence[list[int]],
                        prompt_token_ids: Sequence[list[int]], vocab_size: int,
                        device) -> LogitsAdjustments | None:
@@ -264,7 +305,7 @@ def _build_adjustments(params: Sequence[SamplingParams], output_token_ids: Seque
     used = False
 
     # Trace replay: a row may emit only its trace's next token (logprobs stay the raw logits').
-    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None or p.trace_decode_token_ids]
+    allowed = [i for i, p in enumerate(params) if _restricts_tokens(p)]
     if allowed:
         # The input processor has checked the ids, so the flat keys stay in their rows.
         keys = _flat_keys(list(range(len(allowed))),
@@ -278,10 +319,7 @@ def _build_adjustments(params: Sequence[SamplingParams], output_token_ids: Seque
     mask_rows: list[int] = []
     mask_ids: list[list[int]] = []
     for i, p in enumerate(params):
-        ids: set[int] = set(p.bad_words_token_ids or ())
-        if len(output_token_ids[i]) < p.min_tokens:
-            ids.update(p.eos_token_ids)
-            ids.update(p.stop_token_ids or ())
+        ids = _masked_ids(p, len(output_token_ids[i]))
         if ids:
             mask_rows.append(i)
             mask_ids.append(sorted(ids))
@@ -303,7 +341,7 @@ def _build_adjustments(params: Sequence[SamplingParams], output_token_ids: Seque
             adj.logits_processors.append((i, list(p.logits_processors), output_token_ids[i]))
             used = True
 
-    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    rep_rows = [i for i, p in enumerate(params) if _has_repetition_penalty(p)]
     if rep_rows:
         keys = _flat_keys(rep_rows, [list(prompt_token_ids[i]) + list(output_token_ids[i])
                                      for i in rep_rows], vocab_size, device)
@@ -314,9 +352,7 @@ def _build_adjustments(params: Sequence[SamplingParams], output_token_ids: Seque
         adj.repetition_penalties = per_row[keys // vocab_size]
         used = True
 
-    pen_rows = [i for i, p in enumerate(params)
-                if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
-                and output_token_ids[i]]
+    pen_rows = [i for i, p in enumerate(params) if _has_output_penalties(p, output_token_ids[i])]
     if pen_rows:
         keys, counts = torch.unique(
             _flat_keys(pen_rows, [list(output_token_ids[i]) for i in pen_rows], vocab_size, device),

@@ -16,10 +16,10 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.communication import recv_from_prev_stage, send_to_next_stage
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.fused_ops import greedy_argmax
-from pagedllm.layers.greedy_head import ExactGreedyHead
+from pagedllm.sample.greedy_head import ExactGreedyHead
 from pagedllm.outputs import Logprob
 from pagedllm.sample.batch_logits_processors import BatchLogitsProcessors
-from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.metadata import SamplingMetadata, is_plain_greedy
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from pagedllm.sampling_params import LogitsProcessor, SamplingParams
 from pagedllm.structured_output.bitmask import apply_step_bitmask, forbidden_tokens
@@ -63,7 +63,7 @@ class ModelRunner:
             compute the logits (a collective), but only the driver rank samples.
         host_kv_caches: the host-side pool for swap preemption, per layer (k, v), each
             [num_cpu_blocks, block_size, Hkv, D] on the CPU (pinned on CUDA); None without swap.
-        greedy_head: the exact greedy head (``layers/greedy_head.py``), or None (every sampled
+        greedy_head: the exact greedy head (``sample/greedy_head.py``), or None (every sampled
             row through ``compute_logits``); built by the worker only with one tensor rank.
         draft: [draft models] the draft model and its KV pool (``spec_decode/draft_model.py``),
             or None. After the step's sampling the driver drafts ``num_lookahead_tokens`` tokens
@@ -200,14 +200,7 @@ class ModelRunner:
             states, src, h = self._sampling_rows(reqs, sample_rows, hidden, ends)
             speculative = len(h) > len(sample_rows)
             saved = self._save_seeded_generators(reqs, sample_rows) if speculative and self.is_driver else {}
-            if self.greedy_head is not None and self.is_driver:
-                self._sample_with_greedy_head(sched, states, src, h, output)
-            else:
-                logits = self.model.compute_logits(h)                          # [rows, V]
-                if self.is_driver:  # the other ranks of the last stage only joined the gather
-                    if len(src) > logits.shape[0]:   # forks read their parent's row
-                        logits = logits.index_select(0, torch.as_tensor(src, device=self.device))
-                    self._sample_logits(sched, states, logits, output)
+            self._sample(sched, states, src, h, output)
             if speculative and self.is_driver:
                 self._accept_drafts(reqs, sample_rows, output, saved)
         self._prompt_logprobs(reqs, hidden, starts, output)
@@ -376,69 +369,87 @@ class ModelRunner:
         output.sampled_logprobs = sampled.sampled_logprobs.tolist()
         output.top_logprobs = self._top_logprobs(states, sampled)
 
-    @staticmethod
-    def is_plain_greedy(state, structured_ids: dict[str, int], grammar_ok: bool = False) -> bool:
-        """Whether the state's next token is the plain argmax of the raw logits and nothing else
-        is read from its logits this step: greedy, no logprobs (nor ``best_of`` > ``n``), no
-        penalties, ``logit_bias``, ``allowed_token_ids``, bad words, logits processors, grammar
-        (unless ``grammar_ok``: then the argmax over the tokens its grammar allows), and no
-        ``min_tokens`` EOS / stop masking in effect (``SamplingMetadata`` applies exactly these
-        to a greedy row)."""
-        p = state.sampling_params
-        if not p.sampling_type_greedy or p.logprobs is not None or p.needs_sampled_logprobs:
-            return False
-        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            return False
-        if p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids or p.logits_processors \
-                or p.trace_decode_token_ids:
-            return False
-        if not grammar_ok and (p.structured_outputs is not None or state.req_id in structured_ids):
-            return False
-        return not (len(state.output_token_ids) < p.min_tokens and (p.eos_token_ids or p.stop_token_ids))
+    def _sample(self, sched: SchedulerOutput, states: list, src: list[int], h: torch.Tensor,
+                output: ModelRunnerOutput) -> None:
+        """The step's one sampling path, on the rows ``_sampling_rows`` returns (``states`` /
+        ``src`` / ``h``); fills the output's per-request lists in the states' order.
 
-    def _sample_with_greedy_head(self, sched: SchedulerOutput, states: list, src: list[int], h: torch.Tensor,
-                                 output: ModelRunnerOutput) -> None:
-        """Sampling on the driver with the exact greedy head (``layers/greedy_head.py``; only with
-        one tensor rank): plain greedy rows (``is_plain_greedy``) take the exact head's argmax
-        when at most ``greedy_head.max_rows`` of them sample this step; their
-        ``sampled_logprobs`` entry is NaN (not asked for, as the sampler gives such rows) and their
-        ``top_logprobs`` None. The other rows, and the greedy head's fallback rows, go through the
-        full head and the sampler as before. ``states`` / ``src`` / ``h``: as ``_sampling_rows``
-        returns them. Output order: the states' order."""
-        plain = [] if self.batch_logits_processors is not None and self.batch_logits_processors.non_argmax_invariant \
-            else [k for k, st in enumerate(states) if self.is_plain_greedy(st, sched.structured_output_request_ids)]
-        plain_rows = sorted({src[k] for k in plain})
-        tokens: dict[int, int] = {}
-        if plain and len(plain_rows) <= self.greedy_head.max_rows:
-            ids, fallback = self.greedy_head.argmax(h[torch.as_tensor(plain_rows, device=self.device)])
-            got = {r: int(t) for r, t, fb in zip(plain_rows, ids.tolist(), fallback.tolist()) if not fb}
-            tokens = {k: got[src[k]] for k in plain if src[k] in got}
-        # [structured output] greedy rows whose only edit is their grammar's mask: the exact
-        # argmax over the allowed tokens (one row per state: forks have their own masks).
-        grammar_rows = sched.structured_output_request_ids
-        masked = [] if sched.grammar_bitmask is None or (self.batch_logits_processors is not None
-                                                          and self.batch_logits_processors.non_argmax_invariant) \
-            else [k for k, st in enumerate(states) if st.req_id in grammar_rows
-                  and self.is_plain_greedy(st, grammar_rows, grammar_ok=True)]
-        if masked and len(masked) <= self.greedy_head.max_rows:
-            forbidden = forbidden_tokens(sched.grammar_bitmask[[grammar_rows[states[k].req_id] for k in masked]],
-                                         self.greedy_head.vocab_size, self.device)
-            ids, fallback = self.greedy_head.argmax(h[torch.as_tensor([src[k] for k in masked], device=self.device)],
-                                                    forbidden)
-            tokens.update({k: int(t) for k, t, fb in zip(masked, ids.tolist(), fallback.tolist()) if not fb})
-        rest = [k for k in range(len(states)) if k not in tokens]
+        With the exact greedy head (driver rank, one tensor rank), plain greedy rows take its
+        tokens (``_exact_greedy_tokens``): their ``sampled_logprobs`` entry is NaN (not asked
+        for, as the sampler gives such rows) and their ``top_logprobs`` None. Every other row,
+        and the head's fallback rows, go through the full head (``compute_logits``, once per
+        distinct hidden row: forks read their parent's logits) and the sampler. On the other
+        ranks of the last stage this only joins the logits' gather.
+        """
+        tokens = self._exact_greedy_tokens(sched, states, src, h) if self.greedy_head is not None and self.is_driver \
+            else {}
+        if not tokens:   # every row: h holds one row per state before the forks, in order
+            rest, rest_src = None, src
+            unique = h.shape[0]
+        else:
+            rest = [k for k in range(len(states)) if k not in tokens]
+            rest_src = [src[k] for k in rest]
+            unique = len(set(rest_src))
+        logits = index = None
+        if rest is None:
+            logits = self.model.compute_logits(h)                                  # [R, V]
+            index = src if len(src) > unique else None                             # forks read their parent's row
+        elif rest:
+            rows = sorted(set(rest_src))
+            logits = self.model.compute_logits(h[torch.as_tensor(rows, device=self.device)])
+            at = {r: j for j, r in enumerate(rows)}
+            index = [at[r] for r in rest_src] if len(rest_src) > unique or rows != rest_src else None
+        if not self.is_driver:   # the other ranks of the last stage only joined the gather
+            return
+        if index is not None:
+            logits = logits.index_select(0, torch.as_tensor(index, device=self.device))
+        if rest is None:
+            self._sample_logits(sched, states, logits, output)
+            return
         sub = ModelRunnerOutput()
         if rest:
-            logits = self.model.compute_logits(h[torch.as_tensor([src[k] for k in rest], device=self.device)])
             rest_ids = {states[k].req_id for k in rest}
             self._sample_logits(sched, [states[k] for k in rest], logits, sub,
-                                {rid: row for rid, row in grammar_rows.items() if rid in rest_ids})
+                                {rid: row for rid, row in sched.structured_output_request_ids.items() if rid in rest_ids})
         pos = {k: j for j, k in enumerate(rest)}
         order = range(len(states))
         output.req_ids = [st.req_id for st in states]
         output.sampled_token_ids = [tokens[k] if k in tokens else sub.sampled_token_ids[pos[k]] for k in order]
         output.sampled_logprobs = [math.nan if k in tokens else sub.sampled_logprobs[pos[k]] for k in order]
         output.top_logprobs = [None if k in tokens else sub.top_logprobs[pos[k]] for k in order]
+
+    def _exact_greedy_tokens(self, sched: SchedulerOutput, states: list, src: list[int],
+                             h: torch.Tensor) -> dict[int, int]:
+        """The exact greedy head's tokens (``sample/greedy_head.py``), state index -> token id, for
+        the plain greedy states (``sample.metadata.is_plain_greedy``, no grammar) when at most
+        ``greedy_head.max_rows`` distinct rows of them sample this step, and for the greedy
+        states whose only edit is their grammar's mask (the exact argmax over the allowed tokens;
+        one row per state: forks have their own masks) likewise. Fallback rows are left out; none
+        with class-based logits processors that can change an argmax."""
+        processors = self.batch_logits_processors
+        if processors is not None and processors.non_argmax_invariant:
+            return {}
+        grammar_rows = sched.structured_output_request_ids
+        plain, masked = [], []
+        for k, st in enumerate(states):
+            if is_plain_greedy(st.sampling_params, st.output_token_ids):
+                if st.sampling_params.structured_outputs is None and st.req_id not in grammar_rows:
+                    plain.append(k)
+                elif st.req_id in grammar_rows and sched.grammar_bitmask is not None:
+                    masked.append(k)
+        head = self.greedy_head
+        tokens: dict[int, int] = {}
+        plain_rows = sorted({src[k] for k in plain})
+        if plain and len(plain_rows) <= head.max_rows:
+            ids, fallback = head.argmax(h[torch.as_tensor(plain_rows, device=self.device)])
+            got = {r: int(t) for r, t, fb in zip(plain_rows, ids.tolist(), fallback.tolist()) if not fb}
+            tokens = {k: got[src[k]] for k in plain if src[k] in got}
+        if masked and len(masked) <= head.max_rows:
+            forbidden = forbidden_tokens(sched.grammar_bitmask[[grammar_rows[states[k].req_id] for k in masked]],
+                                         head.vocab_size, self.device)
+            ids, fallback = head.argmax(h[torch.as_tensor([src[k] for k in masked], device=self.device)], forbidden)
+            tokens.update({k: int(t) for k, t, fb in zip(masked, ids.tolist(), fallback.tolist()) if not fb})
+        return tokens
 
     def _top_logprobs(self, reqs: list[ScheduledRequest], sampled) -> list[dict[int, Logprob] | None]:
         if sampled.topk_token_ids is None:

@@ -11,29 +11,21 @@ import time
 import torch
 from torch import nn
 
-from pagedllm.attention.backends import prepare_backend
 from pagedllm.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.kv_cache_spec import NULL_BLOCK_ID, KVCacheGroups, kv_cache_groups_for
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
-from pagedllm.layers.fused_ops import prepare_fused_ops
-from pagedllm.layers.greedy_head import ExactGreedyHead, choose_greedy_head
-from pagedllm.layers.linear import CpuGemm, onednn_linear_available, pack_linear_layers, parse_cpu_gemm
-from pagedllm.layers.quantization import quantize_linear_layers
-from pagedllm.layers.weight_only import WEIGHT_ONLY_MODES, quantize_weight_only
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.registry import get_model_class
 from pagedllm.profiler import ProfilerConfig, WorkerProfiler
+from pagedllm.sample.greedy_head import ExactGreedyHead
 from pagedllm.utils.torch_utils import set_random_seed
+from pagedllm.worker.kernel_plan import KernelPlan, apply_linear, choose_kernel_plan, choose_linear
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.memory import (KVCacheShape, default_cpu_kv_cache_bytes, kv_bytes_from_utilization,
                                     num_blocks_for_budget)
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
-
 
 def resolve_device(device: str | None) -> torch.device:
     """``None`` -> cuda if available, else cpu.
@@ -47,47 +39,6 @@ def resolve_device(device: str | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} was asked for but CUDA is not available")
     return dev
-
-
-def resolve_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.device,
-                  cpu_isa: str | None = None) -> torch.dtype:
-    """"auto" -> on the CPU, bfloat16 where the CPU multiplies it natively (``avx512_bf16`` or
-    AMX, and ``ModelConfig.cpu_isa`` does not force a path without them), else float32 (one INFO
-    line says which and why); on CUDA, the checkpoint's ``dtype`` / ``torch_dtype``
-    (``ModelConfig.checkpoint_dtype``; float32 -> bfloat16 not applied).
-
-    Args:
-        dtype: the asked dtype name.
-        model_config: the model's config (or its config.json dict).
-        device: where the model runs.
-        cpu_isa: overrides ``model_config.cpu_isa`` (for a dict: default "auto").
-    Raises:
-        ValueError: as ``platforms.cpu.native_bf16`` (a forced ``cpu_isa`` this CPU lacks).
-    """
-    from pagedllm.platforms.cpu import native_bf16
-
-    if cpu_isa is None:
-        cpu_isa = "auto" if isinstance(model_config, dict) else model_config.cpu_isa
-    if dtype == "auto" and not isinstance(model_config, dict) and model_config.quantization == "int8":
-        return torch.float32  # int8 layers take float32 activations (layers/quantization.py)
-    if dtype != "auto":
-        # The CPU's own flags: a forced cpu_isa below avx512_bf16 still leaves oneDNN's bf16
-        # kernels native (only the attention kernel's bf16 micro-kernels are not used).
-        if device.type == "cpu" and _DTYPES[dtype] in (torch.bfloat16, torch.float16) \
-                and not native_bf16("auto")[0]:
-            logger.warning("%s on a CPU without native bf16 (%s): its matmuls run several times slower "
-                           "than float32 here (docs/performance.md); --dtype float32 is faster",
-                           dtype, native_bf16("auto")[1])
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        bf16, why = native_bf16(cpu_isa)
-        logger.info("dtype auto -> %s on the CPU: %s", "bfloat16" if bf16 else "float32", why)
-        return torch.bfloat16 if bf16 else torch.float32
-    if isinstance(model_config, dict):
-        name = model_config.get("dtype") or model_config.get("torch_dtype")
-    else:
-        name = model_config.checkpoint_dtype
-    return _DTYPES.get(str(name or "bfloat16").replace("torch.", ""), torch.bfloat16)
 
 
 class _CombinedKVShape:
@@ -163,6 +114,7 @@ class Worker:
         self._weight_bytes = 0
         self.distributed_init_method = distributed_init_method
         self.parallel: ParallelContext | None = None
+        self.kernel_plan: KernelPlan | None = None   # chosen by the first ``load_model``
         self.greedy_head: ExactGreedyHead | None = None
         self.profiler: WorkerProfiler | None = None
         # [draft models] the draft model, its KV geometry and pool (``load_draft_model``).
@@ -174,7 +126,7 @@ class Worker:
         self.kv_cache_groups: KVCacheGroups | None = None
 
     def init_device(self) -> None:
-        """Pick the device and dtype, seed the global RNGs with the engine's seed
+        """Pick the device, seed the global RNGs with the engine's seed
         (``utils.torch_utils.set_random_seed``); with more than one rank, join the process group
         (gloo on the CPU, NCCL on CUDA, where rank ``r`` takes ``cuda:r``).
 
@@ -187,21 +139,28 @@ class Worker:
         if world > 1 and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(self.model_config.dtype, self.model_config, self.device)
         self.parallel = init_parallel_context(
             self.parallel_config, self.rank, self.model_config.num_hidden_layers, self.distributed_init_method,
             "nccl" if self.device.type == "cuda" else "gloo")
 
     def load_model(self) -> None:
-        """Build the model on the device, load the weights, and move linear layers into their
-        kernels' layouts (int8, or oneDNN packing on the CPU).
+        """Choose the kernel plan on a first call (``worker/kernel_plan.py``: dtype, linear layers,
+        exact greedy head, attention backend, fused ops; built on a first start, logged once as a
+        table), build the model on the device in its dtype, load the weights, and apply the plan.
 
         Raises:
-            ValueError: unsupported architecture, mismatching checkpoint, or int8 where fbgemm
-                does not run.
+            ValueError: unsupported architecture, mismatching checkpoint, a kernel setting this CPU
+                cannot run, or int8 where fbgemm does not run.
         """
         from pagedllm.loaders import iterate_safetensors_slices, iterate_weights
 
+        if self.kernel_plan is None:
+            plan = choose_kernel_plan(self.model_config, self.device, self.parallel)
+            logger.info("%s", plan.table())
+            for line in plan.warnings:
+                logger.warning("%s", line)
+            self.kernel_plan = plan
+        self.dtype = self.kernel_plan.dtype
         t0 = time.perf_counter()
         weights = self._weights
         if weights is None:
@@ -217,37 +176,22 @@ class Worker:
                         p.uniform_(-1e-3, 1e-3)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # Before packing: the exact greedy head keeps a reference to the head weight as stored.
-        weight_bytes += self._build_greedy_head()
-        weight_bytes += self._prepare_linear_layers(self.model, self.model_config)
+        head_bytes = self._build_greedy_head()
+        linear_bytes = apply_linear(self.model, self.kernel_plan.linear, self.dtype, self.device,
+                                    self.scheduler_config.max_num_seqs)
+        weight_bytes += head_bytes + linear_bytes
         self._weight_bytes = weight_bytes
         self.weights_load_s = time.perf_counter() - t0
         quant = self.model_config.quantization
-        quant_note = f", {quant} weights" if quant not in (None, "gguf") else ""
+        notes = (f", {quant} weights" if quant not in (None, "gguf") else "") \
+            + (f"; linear layers {linear_bytes / 2**20:+.0f} MiB" if linear_bytes else "") \
+            + (f"; exact greedy head +{head_bytes / 2**20:.0f} MiB" if head_bytes else "")
         logger.info("Model weights: %.1f MiB (%s%s) on %s, loaded in %.2f s", weight_bytes / 2**20,
-                    str(self.dtype).replace("torch.", ""), quant_note, self.device, self.weights_load_s)
-        prepare_backend(self.model_config.attention_backend, self.device, self.dtype,
-                        self.model_config.cpu_isa)  # compiles the CPU kernel on a first start
-        prepare_fused_ops(self.model_config.cpu_fused_ops, self.device, self.dtype)  # likewise the fused ops
+                    str(self.dtype).replace("torch.", ""), notes, self.device, self.weights_load_s)
         self.kv_shape = KVCacheShape(
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim, block_size=self.cache_config.block_size,
             dtype_bytes=torch.tensor([], dtype=self.dtype).element_size())
-
-    def _prepare_linear_layers(self, model: nn.Module, model_config: ModelConfig) -> int:
-        """Move ``model``'s linear layers into their kernels' layouts (``model_config.quantization``:
-        int8, weight-only int8 / int4, else oneDNN / bf16 packing on the CPU).
-
-        Returns:
-            Bytes added (negative when quantization saved memory).
-        """
-        if model_config.quantization == "int8":  # int8 linear layers and LM head (layers/quantization.py)
-            return quantize_linear_layers(model)
-        if model_config.quantization in WEIGHT_ONLY_MODES:  # int8 / int4 weights (layers/weight_only.py)
-            return quantize_weight_only(model, model_config.quantization, model_config.cpu_isa)
-        # CPU float32 (and bfloat16 where native): linear layers move into a packed layout (layers/linear.py:
-        # oneDNN, or for bf16 the batch-invariant bf16 GEMM of layers/bf16_gemm.py).
-        return pack_linear_layers(model, self.dtype, self.device, self.scheduler_config.max_num_seqs,
-                                  model_config.cpu_gemm, model_config.cpu_isa)
 
     def load_draft_model(self, draft_config: ModelConfig, share_embedding: bool = False) -> None:
         """[draft models] Build the draft model (``spec_decode/draft_model.py``) beside the target,
@@ -269,7 +213,8 @@ class Worker:
         t0 = time.perf_counter()
         draft = build_model(draft_config, iterate_weights(draft_config.model_folder), self.dtype, self.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
-        weight_bytes += self._prepare_linear_layers(draft, draft_config)
+        linear, linear_reason = choose_linear(draft_config, self.dtype, self.device)
+        weight_bytes += apply_linear(draft, linear, self.dtype, self.device, self.scheduler_config.max_num_seqs)
         shared = False
         if share_embedding:
             mine, theirs = draft.get_input_embeddings(), self.model.get_input_embeddings()
@@ -284,10 +229,11 @@ class Worker:
             num_layers=draft.num_layers, num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim,
             block_size=self.cache_config.block_size, dtype_bytes=self.kv_shape.dtype_bytes)
         self._weight_bytes += weight_bytes
-        logger.info("Draft model: %.1f MiB (%s, %d layers%s%s), loaded in %.2f s", weight_bytes / 2**20,
-                    str(self.dtype).replace("torch.", ""), draft.num_layers,
+        logger.info("Draft model: %.1f MiB (%s, %d layers%s%s; linear layers: %s (%s)), loaded in %.2f s",
+                    weight_bytes / 2**20, str(self.dtype).replace("torch.", ""), draft.num_layers,
                     f", {draft_config.quantization} weights" if draft_config.quantization not in (None, "gguf") else "",
-                    ", embedding shared with the target" if shared else "", time.perf_counter() - t0)
+                    ", embedding shared with the target" if shared else "", linear.describe(), linear_reason,
+                    time.perf_counter() - t0)
 
     @property
     def bytes_per_block(self) -> int:
@@ -296,27 +242,22 @@ class Worker:
         return self.kv_shape.bytes_per_block + draft
 
     def _build_greedy_head(self) -> int:
-        """Build the exact greedy head (``ModelConfig.exact_greedy_head``, ``choose_greedy_head``)
-        on the model's head weight as stored; log whether it runs and why.
+        """Build the exact greedy head the kernel plan chose (``sample/greedy_head.py``) on the
+        model's head weight as stored.
 
         Returns:
-            Bytes it adds: its bf16 / int8 copy, plus an untied head's float weight where oneDNN
-            packing would otherwise drop it (0 when off).
+            Bytes it adds: its bf16 / int8 copy, plus an untied head's float weight where packing
+            would otherwise drop it (0 when off).
         """
-        kind, max_rows, why = choose_greedy_head(
-            self.model_config.exact_greedy_head, self.dtype, self.device, self.parallel.tp_size,
-            self.model_config.quantization, self.parallel.is_last_stage, self.model_config.cpu_isa)
-        if kind is None:
-            logger.info("exact greedy head: off (%s)", why)
+        plan = self.kernel_plan
+        if plan.greedy_head is None:
             return 0
         weight = self.model.get_lm_head().weight
-        self.greedy_head = ExactGreedyHead(weight, kind, self.scheduler_config.max_num_seqs, max_rows=max_rows)
+        self.greedy_head = ExactGreedyHead(weight, plan.greedy_head, self.scheduler_config.max_num_seqs,
+                                           max_rows=plan.greedy_head_max_rows)
         extra = self.greedy_head.extra_bytes
-        if not self.model.tie_word_embeddings and parse_cpu_gemm(self.model_config.cpu_gemm) is CpuGemm.ONEDNN \
-                and onednn_linear_available(self.dtype):
+        if not self.model.tie_word_embeddings and plan.linear.kind in ("onednn", "avx512_bf16"):
             extra += weight.numel() * weight.element_size()  # the packed lm_head replaces it; this keeps it
-        logger.info("exact greedy head: on, %s cheap pass for up to %d plain greedy rows (%s; +%.0f MiB)",
-                    kind, max_rows, why, extra / 2**20)
         return extra
 
     def determine_num_blocks(self) -> int:

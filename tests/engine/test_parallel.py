@@ -97,7 +97,8 @@ def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_k
             concurrency = engine.num_blocks * 8 / 128
         assert re.search(rf"rank{driver} INFO pagedllm\.worker\.worker: KV cache: {engine.num_blocks} blocks x 8 "
                          rf"tokens .*maximum concurrency for 128-token requests: {concurrency:.2f}x", log), log
-        assert re.search(rf"rank{driver} INFO pagedllm\.attention\.backends: Attention backend: ", log), log
+        assert re.search(rf"rank{driver} INFO pagedllm\.worker\.worker: Kernel plan:\n(  .*\n)*  attention backend ",
+                         log), log
         assert re.search(rf"rank{driver} INFO pagedllm\.worker\.worker: Model weights: ", log), log
         assert not re.search(rf"rank(?!{driver} )\d+ INFO", log), log
         assert_same_outputs(_run(engine), _REFERENCE[arch])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -96,16 +97,19 @@ def test_gpu_memory_utilization_line_only_when_set(tiny_dir, caplog, monkeypatch
 
 
 def test_start_log_names_the_attention_backend_and_why(tiny_dir, caplog, monkeypatch):
+    """The kernel plan's table, once: its attention row names the backend and why."""
     from pagedllm.attention.backends.cpu_paged import load_kernel
     from pagedllm.platforms.cpu import cpu_flags, missing_flags, CpuIsa
-    expected = ("cpu_paged (the default on the CPU: the C++ paged-attention kernel;" if load_kernel() is not None
-                else "cpu_sdpa (the cpu_paged kernel could not be built")
+    expected = (r"cpu_paged +\(the default on the CPU: the C\+\+ paged-attention kernel;" if load_kernel() is not None
+                else r"cpu_sdpa +\(the cpu_paged kernel could not be built")
     log = _start_log(tiny_dir, caplog)
-    assert f"Attention backend: {expected}" in log
+    assert log.count("Kernel plan:") == 1
+    assert re.search(rf"Kernel plan:\n(  .*\n)*  attention backend +{expected}", log), log
     if load_kernel() is not None:  # which micro-kernels run, and which path "auto" chose from the CPU's flags
         best = "avx512" if not missing_flags(CpuIsa.AVX512, cpu_flags()) else \
             "avx2" if not missing_flags(CpuIsa.AVX2, cpu_flags()) else "portable"
         assert f"{best} micro-kernels for float32 (cpu_isa 'auto' -> " in log
     caplog.clear()
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "cpu_sdpa")
-    assert "Attention backend: cpu_sdpa (set by attention_backend='cpu_sdpa' / $PAGEDLLM_ATTENTION_BACKEND)" in _start_log(tiny_dir, caplog)
+    assert re.search(r"\n  attention backend +cpu_sdpa +\(set by attention_backend='cpu_sdpa' / "
+                     r"\$PAGEDLLM_ATTENTION_BACKEND\)", _start_log(tiny_dir, caplog))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from pagedllm.layers.bf16_gemm import (BF16_GEMM_FLAGS, BF16_KERNEL, ONEDNN_KERNEL, Bf16Linear, bf16_kernel_for,
                                        load_bf16_gemm)
-from pagedllm.layers.greedy_head import gamma
+from pagedllm.sample.greedy_head import gamma
 from pagedllm.layers.linear import PackedLinear, lm_head_logits, onednn_linear_available, pack_linear_layers
 from pagedllm.platforms.cpu import cpu_flags
 from tests.cpp_build import require_built_extension

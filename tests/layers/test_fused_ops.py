@@ -19,6 +19,7 @@ Tolerances, and why:
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -297,20 +298,16 @@ def test_gemma_norm_caches_one_plus_weight():
     assert math.isclose(float(norm.scale()[0]), 1.0 + float(norm.weight[0]), rel_tol=1e-7)
 
 
-def test_prepare_logs_what_runs_and_config_validates(ops, caplog):
-    import logging
-
+def test_prepare_says_what_runs_and_config_validates(ops):
+    """``prepare_fused_ops`` says whether the ops run and why (the kernel plan's row)."""
     from pagedllm.config import ModelConfig
     from pagedllm.engine.arg_utils import EngineArgs, add_engine_cli_args, engine_args_from_cli
 
-    with caplog.at_level(logging.INFO, logger=fused_ops.__name__):
-        assert fused_ops.prepare_fused_ops("auto", torch.device("cpu"), torch.bfloat16) is True
-        assert fused_ops.prepare_fused_ops("off", torch.device("cpu"), torch.float32) is False
-        assert fused_ops.prepare_fused_ops("auto", torch.device("cpu"), torch.float16) is False
-    text = caplog.text
-    assert f"Fused CPU ops (norms, residual adds, q/k norm + RoPE, gated activations): on ({ops.compiled_isas()[0]} code for bfloat16)" in text
-    assert "off, eager torch ops (cpu_fused_ops='off')" in text
-    assert "off, eager torch ops (they take float32 or bfloat16, not torch.float16)" in text
+    cpu = torch.device("cpu")
+    assert fused_ops.prepare_fused_ops("auto", cpu, torch.bfloat16) == (True, f"{ops.compiled_isas()[0]} code for bfloat16")
+    assert fused_ops.prepare_fused_ops("off", cpu, torch.float32) == (False, "cpu_fused_ops='off'")
+    assert fused_ops.prepare_fused_ops("auto", cpu, torch.float16) == \
+        (False, "they take float32 or bfloat16, not torch.float16")
     with pytest.raises(ValueError, match="cpu_fused_ops must be one of"):
         ModelConfig(cpu_fused_ops="on")
     import argparse
@@ -348,9 +345,10 @@ def test_build_failure_warns_once_and_runs_eager(ops, monkeypatch, caplog, make_
 
     eager = run("off")
     monkeypatch.setattr(fused_ops, "load_fused_ops", lambda: None)
-    with caplog.at_level(logging.INFO, logger=fused_ops.__name__):
+    with caplog.at_level(logging.INFO, logger="pagedllm.worker.worker"):   # the kernel plan's table
         assert run("auto") == eager
-    assert "off, eager torch ops (the extension could not be built (see the warning above))" in caplog.text
+    assert re.search(r"\n  fused CPU ops +off, eager torch ops +\(the extension could not be built \(see the warning "
+                     r"above\)\)", caplog.text), caplog.text
 
 
 NARROW_BUILDS = {"avx2": "x86-64-v3", "portable": "x86-64"}   # isa -> -march

@@ -1,8 +1,6 @@
-"""CPU flags -> code path and what dtype="auto" means (platforms/cpu.py, worker.resolve_dtype)."""
+"""CPU flags -> code path and what dtype="auto" means (platforms/cpu.py, worker/kernel_plan.py choose_dtype)."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.platforms.cpu import (CpuIsa, best_cpu_isa, cpu_flags, missing_flags, native_bf16,
                                     read_cpu_flags, resolve_cpu_isa)
-from pagedllm.worker.worker import resolve_dtype
+from pagedllm.worker.kernel_plan import choose_dtype
 
 ZEN3 = frozenset("fpu sse2 avx avx2 fma bmi2".split())  # AVX2 only (the CI kind of the AMD EPYC)
 ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}  # AVX-512 with bf16, no AMX
@@ -62,18 +60,18 @@ def test_native_bf16(flags, cpu_isa, want):
     assert why  # the log's reason
 
 
-def test_auto_dtype_on_this_cpu(caplog):
-    """dtype="auto" on the CPU: bfloat16 exactly where this CPU has avx512_bf16 or AMX, and the log
-    says which and why; PAGEDLLM_CPU_ISA=avx2 (a path without bf16) gives float32 everywhere."""
+def test_auto_dtype_on_this_cpu():
+    """dtype="auto" on the CPU: bfloat16 exactly where this CPU has avx512_bf16 or AMX, and the
+    reason (the kernel plan's dtype row) says which and why; PAGEDLLM_CPU_ISA=avx2 (a path without
+    bf16) gives float32 everywhere."""
     native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-    with caplog.at_level(logging.INFO, logger="pagedllm.worker.worker"):
-        got = resolve_dtype("auto", ModelConfig(), torch.device("cpu"))
+    got, why = choose_dtype("auto", ModelConfig(), torch.device("cpu"))
     assert got == (torch.bfloat16 if native else torch.float32)
-    assert any(r.getMessage().startswith("dtype auto -> ") and "CPU" in r.getMessage() for r in caplog.records)
+    assert why.startswith("auto on the CPU: ") and "CPU" in why[len("auto on the CPU: "):]
     if "avx2" in cpu_flags():
-        assert resolve_dtype("auto", ModelConfig(cpu_isa="avx2"), torch.device("cpu")) == torch.float32
-    assert resolve_dtype("auto", ModelConfig(quantization="int8"), torch.device("cpu")) == torch.float32
-    assert resolve_dtype("float32", ModelConfig(), torch.device("cpu")) == torch.float32
+        assert choose_dtype("auto", ModelConfig(cpu_isa="avx2"), torch.device("cpu"))[0] == torch.float32
+    assert choose_dtype("auto", ModelConfig(quantization="int8"), torch.device("cpu"))[0] == torch.float32
+    assert choose_dtype("float32", ModelConfig(), torch.device("cpu"))[0] == torch.float32
 
 
 def test_cpu_isa_env_var(monkeypatch):

@@ -20,7 +20,6 @@ backend); this module reads no environment variable.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,8 +27,6 @@ import torch
 
 from pagedllm import envs
 from pagedllm.attention.metadata import AttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -129,17 +126,20 @@ def get_backend(name: str, cpu_isa: str = "auto") -> BackendForward:
     return cpu_sdpa.forward
 
 
-def prepare_backend(name: str, device: torch.device, dtype: torch.dtype, cpu_isa: str = "auto") -> str:
-    """Get backend ``name`` (``"auto"`` allowed) ready to run on ``device`` in ``dtype``, and log
-    which backend will run and why (one INFO line).
+def prepare_backend(name: str, device: torch.device, dtype: torch.dtype, cpu_isa: str = "auto",
+                    flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """Get backend ``name`` (``"auto"`` allowed) ready to run on ``device`` in ``dtype``: which
+    backend will run, and why (the kernel plan's row, ``worker/kernel_plan.py``; nothing is logged).
 
     For ``cpu_paged`` this loads the C++ kernel, compiling it first on a machine that has not yet
     (about 30 s, announced by its own log line), so that the cost falls at engine start and not
     inside the first forward; without a compiler, off the CPU, or in another dtype the layers
     run ``cpu_sdpa`` instead.
 
+    Args:
+        flags: the CPU's flags (default: this machine's), for ``cpu_isa`` "auto".
     Returns:
-        The backend that will run: ``torch_ref``, ``cpu_sdpa`` or ``cpu_paged``.
+        (the backend that will run: ``torch_ref``, ``cpu_sdpa`` or ``cpu_paged``; the reason in words).
     Raises:
         ValueError: as :func:`resolve_backend_name`.
     """
@@ -157,9 +157,8 @@ def prepare_backend(name: str, device: torch.device, dtype: torch.dtype, cpu_isa
             resolved, why = "cpu_sdpa", "the cpu_paged kernel could not be built (see the warning above)"
         else:
             from pagedllm.platforms.cpu import resolve_cpu_isa
-            isa = resolve_cpu_isa(cpu_isa)
+            isa = resolve_cpu_isa(cpu_isa, flags)
             path = cpu_paged.kernel_path(cpu_paged.load_kernel(), isa, dtype)
             why = (f"set by {forced}" if forced else "the default on the CPU: the C++ paged-attention kernel") \
                 + f"; {path} micro-kernels for {str(dtype).replace('torch.', '')} (cpu_isa {cpu_isa!r} -> {isa.value})"
-    logger.info("Attention backend: %s (%s)", resolved, why)
-    return resolved
+    return resolved, why

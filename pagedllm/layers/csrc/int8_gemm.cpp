@@ -171,7 +171,7 @@ void quantize_rows(const WT* w, int64_t n, int64_t k, int8_t* q, float* scales, 
 // w [N, K] float32 or bfloat16 -> (q [N, K] int8, s [N] float32, E [N] float64, A [N] float64):
 // per row s = the smallest bfloat16 value >= max_i |w_i| / 127 (1 for a zero row), q_i =
 // round(w_i / s) to nearest even, clamped to [-127, 127], E = max_i |q_i s - w_i|, A = max_i |q_i s|
-// (each q_i s is exact in float32). The same numbers as layers/greedy_head.py's torch code, in one
+// (each q_i s is exact in float32). The same numbers as sample/greedy_head.py's torch code, in one
 // pass per row (that code allocates several float32 copies of the whole head).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_int8_rows(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16),
@@ -523,7 +523,7 @@ torch::Tensor int8_weight_only_mm(const torch::Tensor& x, const torch::Tensor& p
 #endif
 }
 
-// The exact greedy head's int8 pass (layers/greedy_head.py, kind "int8_vnni"; the bound and its
+// The exact greedy head's int8 pass (sample/greedy_head.py, kind "int8_vnni"; the bound and its
 // float32 evaluation are derived there): per row m of x [M, K] (float32 or bfloat16),
 //   c_j = this kernel's score of token j, B_j = row_n1[m] * err2[j] + row_term[m] * amax2[j] (float32),
 //   L = max_j (c_j - B_j), candidates {j : c_j + B_j >= L} (every exact maximum is one),
@@ -589,7 +589,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_weight_only_mm", &int8_weight_only_mm, "s * (x @ q^T) + bias", py::arg("x"), py::arg("packed"),
         py::arg("row_sums"), py::arg("scales"), py::arg("bias"), py::arg("n"));
   m.def("int8_greedy_argmax", &int8_greedy_argmax,
-        "exact greedy head, int8 pass: (tokens, status, candidates) per row (layers/greedy_head.py)", py::arg("x"),
+        "exact greedy head, int8 pass: (tokens, status, candidates) per row (sample/greedy_head.py)", py::arg("x"),
         py::arg("packed"), py::arg("row_sums"), py::arg("scales"), py::arg("n"), py::arg("weight"), py::arg("err2"),
         py::arg("amax2"), py::arg("row_n1"), py::arg("row_term"), py::arg("max_candidates"), py::arg("g64"));
   m.def("compiled_isas", &compiled_isas, "the code paths compiled in: avx512_vnni, or none");

@@ -1,4 +1,4 @@
-"""The exact greedy head (layers/greedy_head.py): the bound holds on every element, the two-pass
+"""The exact greedy head (sample/greedy_head.py): the bound holds on every element, the two-pass
 argmax equals the float64 argmax of the exact head (near-ties, ulp-level ties, duplicated rows:
 lowest index), and a tiny model's greedy tokens are the same with the switch on and off.
 
@@ -13,11 +13,11 @@ from fractions import Fraction
 import pytest
 import torch
 
-from pagedllm.layers.greedy_head import (MAX_CANDIDATES, ExactGreedyHead, choose_greedy_head, gamma,
-                                         round_up_to_bf16)
 from pagedllm.layers.int8_gemm import missing_vnni_flags
 from pagedllm.layers.linear import onednn_linear_available
 from pagedllm.layers.weight_only import weight_only_available
+from pagedllm.sample.greedy_head import (GREEDY_HEAD_MAX_ROWS, MAX_CANDIDATES, ExactGreedyHead, choose_greedy_head,
+                                         gamma, round_up_to_bf16)
 
 BF16_OK = onednn_linear_available(torch.bfloat16)
 INT8_OK = weight_only_available("int8_weight_only")
@@ -205,9 +205,10 @@ def test_choose_greedy_head_rules():
     assert choose_greedy_head("auto", torch.float32, cpu, 2, None)[0] is None
     assert choose_greedy_head("auto", torch.float32, cpu, 1, "int8")[0] is None
     assert choose_greedy_head("auto", torch.float32, cpu, 1, None, is_last_stage=False)[0] is None
-    kind, rows, _ = choose_greedy_head("auto", torch.float32, cpu, 1, None)
+    kind, why = choose_greedy_head("auto", torch.float32, cpu, 1, None)
     want = "int8_vnni" if VNNI_OK else ("bf16" if BF16_OK else None)
-    assert (kind, rows > 0) == (want, want is not None)
+    assert kind == want and why
+    assert kind is None or GREEDY_HEAD_MAX_ROWS[kind] > 0
     if VNNI_OK:   # a forced path below avx512 leaves the VNNI kernel out: the bf16 pass (where native bf16)
         forced = choose_greedy_head("auto", torch.float32, cpu, 1, None, cpu_isa="avx2")[0]
         assert forced == ("bf16" if BF16_OK else None)
@@ -263,7 +264,7 @@ def test_tiny_model_tokens_same_on_and_off(arch, make_tiny_checkpoint):
 def test_whole_row_bound_path(kind, dtype, monkeypatch):
     """Rows whose window reaches more than MAX_HIT_BLOCKS blocks take the whole-row bound: forced
     here for every row (MAX_HIT_BLOCKS = 0), the tokens still equal the float64 argmax."""
-    import pagedllm.layers.greedy_head as greedy_head
+    import pagedllm.sample.greedy_head as greedy_head
 
     w = _weights(3000, 640, dtype, seed=7)
     x = _planted(w, 9, seed=8, noise=0.05 if kind == "bf16" else 0.01)
@@ -313,7 +314,7 @@ def test_int8_vnni_fused_candidates_and_statuses():
     xd = x.double()
     n1, xinf = xd.abs().sum(dim=1), xd.abs().amax(dim=1)
     term = head._vnni_row_term(n1, xinf)
-    from pagedllm.layers.greedy_head import _float32_up
+    from pagedllm.sample.greedy_head import _float32_up
 
     def call(limit):
         return head._ext.int8_greedy_argmax(x, head.packed, head.row_sums, head.scales, head.vocab_size,

@@ -71,7 +71,7 @@ kernel row's value before its output rounding is the exact sum plus ``e`` with
 
 and the code uses twice that (``B_j``): the factor 2 also covers the float64 rounding of
 computing ``B`` itself, and a looser bound only adds candidates, never drops the answer.
-``tests/layers/test_greedy_head.py`` checks ``|c - r| <= B`` on every element of thousands of rows.
+``tests/sample/test_greedy_head.py`` checks ``|c - r| <= B`` on every element of thousands of rows.
 
 For ``"int8_vnni"`` (the kernel's arithmetic: ``csrc/int8_gemm.cpp``'s header): with
 ``f = fl32(32767 / max|x|)``, each ``X_i = round(fl32(x_i f))`` is ``x_i f + e_i`` with ``|e_i| <= 0.5 +
@@ -177,7 +177,7 @@ class ExactGreedyHead:
         kind: "bf16" (oneDNN packed bf16 copy, +V K 2 bytes) or "int8" (int8 copy + bf16 scales,
             +V (K + 2) bytes).
         batch_hint: rows the oneDNN layout is tuned for (``max_num_seqs``).
-        max_rows: the most rows per step it is used for (``choose_greedy_head``; read by the
+        max_rows: the most rows per step it is used for (``GREEDY_HEAD_MAX_ROWS``; read by the
             model runner).
     Raises:
         ValueError: for another kind or weight dtype.
@@ -512,9 +512,10 @@ class ExactGreedyHead:
 
 
 def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device, tp_size: int,
-                       quantization: str | None, is_last_stage: bool = True,
-                       cpu_isa: str = "auto") -> tuple[str | None, int, str]:
-    """Whether the exact greedy head runs, with which cheap kind and up to how many rows.
+                       quantization: str | None, is_last_stage: bool = True, cpu_isa: str = "auto",
+                       flags: frozenset[str] | None = None) -> tuple[str | None, str]:
+    """Whether the exact greedy head runs, and with which cheap kind (it then runs for steps with up
+    to ``GREEDY_HEAD_MAX_ROWS[kind]`` plain greedy rows).
 
     ``auto`` on the CPU, one tensor rank, no quantization, last pipeline stage:
 
@@ -540,36 +541,38 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
 
     Numbers: docs/performance.md.
 
+    Args:
+        flags: the CPU's flags (default: this machine's).
     Returns:
-        (kind or None for off, max rows, why) -- ``why`` for the log line.
+        (kind, or None for off; the reason in words, for the kernel plan's table).
     Raises:
         ValueError: for a mode outside ``EXACT_GREEDY_HEAD_MODES``.
     """
     if mode not in EXACT_GREEDY_HEAD_MODES:
         raise ValueError(f"exact_greedy_head must be one of {EXACT_GREEDY_HEAD_MODES}, got {mode!r}")
     if mode == "off":
-        return None, 0, "exact_greedy_head='off' (--exact-greedy-head off)"
+        return None, "exact_greedy_head='off' (--exact-greedy-head off)"
     if device.type != "cpu":
-        return None, 0, "not on the CPU"
+        return None, "not on the CPU"
     if tp_size > 1:
-        return None, 0, "the head is split across tensor ranks"
+        return None, "the head is split across tensor ranks"
     if not is_last_stage:
-        return None, 0, "not the last pipeline stage"
+        return None, "not the last pipeline stage"
     if quantization not in (None, "gguf"):  # "gguf": dequantized weights in the model dtype
-        return None, 0, f"quantization={quantization} (the head itself is quantized)"
+        return None, f"quantization={quantization} (the head itself is quantized)"
     if model_dtype == torch.bfloat16:
-        return None, 0, ("bfloat16 model: its greedy token stays the argmax of its bf16 logits (the exact head "
+        return None, ("bfloat16 model: its greedy token stays the argmax of its bf16 logits (the exact head "
                          "would pick differently at their ties; and it ties the bf16 head at 12-48 rows, measured)")
     if model_dtype != torch.float32:
-        return None, 0, f"dtype {model_dtype}"
+        return None, f"dtype {model_dtype}"
     from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_kernel_for
     from pagedllm.layers.linear import onednn_linear_available
 
-    if int8_kernel_for(cpu_isa)[0] == VNNI_KERNEL:
-        return "int8_vnni", INT8_VNNI_MAX_ROWS, "float32 model, AVX-512 VNNI: int8 cheap pass"
+    if int8_kernel_for(cpu_isa, flags)[0] == VNNI_KERNEL:
+        return "int8_vnni", "float32 model, AVX-512 VNNI: int8 cheap pass"
     if onednn_linear_available(torch.bfloat16):
-        return "bf16", BF16_MAX_ROWS, "float32 model, native bf16: bf16 cheap pass"
-    return None, 0, "float32 model without native bf16 (the int8 pass's bound is too wide to pay; measured)"
+        return "bf16", "float32 model, native bf16: bf16 cheap pass"
+    return None, "float32 model without native bf16 (the int8 pass's bound is too wide to pay; measured)"
 
 
 # Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md).
@@ -577,3 +580,5 @@ BF16_MAX_ROWS = 8
 # The same for the int8 VNNI pass, fused in C++ (docs/performance.md): it wins at
 # every row count measured (1-64), so the limit is only what its per-row scratch allows.
 INT8_VNNI_MAX_ROWS = 1024
+# Per kind ``choose_greedy_head`` picks: the most plain greedy rows per step it is used for.
+GREEDY_HEAD_MAX_ROWS = {"bf16": BF16_MAX_ROWS, "int8_vnni": INT8_VNNI_MAX_ROWS}

@@ -1,0 +1,72 @@
+"""The kernel plan (pagedllm/worker/kernel_plan.py): each row is its chooser's answer, the table has
+one aligned line per decision, and the engine logs it once."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from pagedllm.attention.backends import prepare_backend
+from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import ParallelContext
+from pagedllm.layers.fused_ops import prepare_fused_ops
+from pagedllm.layers.linear import packed_kernel_for
+from pagedllm.sample.greedy_head import GREEDY_HEAD_MAX_ROWS, choose_greedy_head
+from pagedllm.worker.kernel_plan import LinearKernel, choose_dtype, choose_kernel_plan
+
+CPU = torch.device("cpu")
+AVX2_ONLY = frozenset("fpu sse2 avx avx2 fma bmi2".split())   # no native bf16
+
+
+def test_rows_are_the_choosers_answers():
+    config = ModelConfig(dtype="float32")
+    plan = choose_kernel_plan(config, CPU, ParallelContext())
+    assert (plan.dtype, plan.dtype_reason) == choose_dtype("float32", config, CPU)
+    kind, why = packed_kernel_for(torch.float32, CPU, config.cpu_gemm, config.cpu_isa)
+    assert (plan.linear, plan.linear_reason) == (LinearKernel(kind), why)
+    head, why = choose_greedy_head(config.exact_greedy_head, torch.float32, CPU, 1, None)
+    assert (plan.greedy_head, plan.greedy_head_reason) == (head, why)
+    assert plan.greedy_head_max_rows == GREEDY_HEAD_MAX_ROWS.get(head, 0)
+    assert (plan.attention_backend, plan.attention_reason) == prepare_backend("auto", CPU, torch.float32)
+    assert (plan.fused_ops, plan.fused_ops_reason) == prepare_fused_ops("auto", CPU, torch.float32)
+    assert plan.warnings == ()
+
+
+def test_table_has_one_aligned_row_per_decision():
+    plan = choose_kernel_plan(ModelConfig(dtype="float32", quantization="int8", cpu_fused_ops="off"), CPU,
+                              ParallelContext())
+    lines = plan.table().split("\n")
+    assert lines[0] == "Kernel plan:"
+    rows = [re.fullmatch(r"  (\S.*?) {2,}(\S.*?) {2,}\((.*)\)", line) for line in lines[1:]]
+    assert all(rows), lines
+    assert [m.group(1) for m in rows] == ["dtype", "linear layers", "exact greedy head", "attention backend",
+                                          "fused CPU ops"]
+    assert len({m.start(2) for m in rows}) == 1 and len({m.start(3) for m in rows}) == 1   # aligned columns
+    assert [m.group(2) for m in rows] == ["float32", "int8 W8A8 (fbgemm)", "off", plan.attention_backend,
+                                          "off, eager torch ops"]
+    assert rows[1].group(3) == "quantization='int8'" and rows[4].group(3) == "cpu_fused_ops='off'"
+
+
+def test_flags_choose_and_bf16_without_native_warns():
+    """The CPU's flags are the plan's: without avx512_bf16 / AMX "auto" is float32, and an asked
+    bfloat16 runs with a warning that float32 is faster."""
+    auto = choose_kernel_plan(ModelConfig(), CPU, ParallelContext(), flags=AVX2_ONLY)
+    assert auto.dtype == torch.float32 and auto.warnings == ()
+    forced = choose_kernel_plan(ModelConfig(dtype="bfloat16"), CPU, ParallelContext(), flags=AVX2_ONLY)
+    assert forced.dtype == torch.bfloat16 and forced.greedy_head is None
+    assert forced.linear.kind != "avx512_bf16"   # the bf16 GEMM needs the avx512_bf16 flags
+    assert len(forced.warnings) == 1 and "--dtype float32 is faster" in forced.warnings[0]
+
+
+def test_engine_logs_the_plan_once(make_tiny_checkpoint, caplog):
+    from pagedllm import LLM
+
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = LLM(make_tiny_checkpoint("llama"), dtype="float32", max_model_len=64, kv_cache_memory_bytes=8 << 20)
+        worker = llm.llm_engine.executor.driver_worker
+        worker.reload_weights()   # applies the same plan without choosing or logging it again
+    assert caplog.text.count("Kernel plan:") == 1
+    assert worker.kernel_plan.table() in caplog.text
+    assert (worker.greedy_head is None) == (worker.kernel_plan.greedy_head is None)
