@@ -27,6 +27,7 @@ from pagedllm.worker.memory import (KVCacheShape, default_cpu_kv_cache_bytes, kv
 
 logger = logging.getLogger(__name__)
 
+
 def resolve_device(device: str | None) -> torch.device:
     """``None`` -> cuda if available, else cpu.
 
