@@ -1,4 +1,4 @@
-"""Token sampling: per-step ``SamplingMetadata`` and the batched ``Sampler``."""
+"""Token sampling: per-step ``SamplingMetadata``, the batched ``Sampler``, the exact greedy head."""
 
 from pagedllm.sample.metadata import (TOP_P_CANDIDATE_CAP, LogitsAdjustments, RandomSampling,
                                       SamplingMetadata)

@@ -409,8 +409,8 @@ class ModelRunner:
         sub = ModelRunnerOutput()
         if rest:
             rest_ids = {states[k].req_id for k in rest}
-            self._sample_logits(sched, [states[k] for k in rest], logits, sub,
-                                {rid: row for rid, row in sched.structured_output_request_ids.items() if rid in rest_ids})
+            grammar_rows = {rid: row for rid, row in sched.structured_output_request_ids.items() if rid in rest_ids}
+            self._sample_logits(sched, [states[k] for k in rest], logits, sub, grammar_rows)
         pos = {k: j for j, k in enumerate(rest)}
         order = range(len(states))
         output.req_ids = [st.req_id for st in states]

@@ -304,7 +304,8 @@ def test_prepare_says_what_runs_and_config_validates(ops):
     from pagedllm.engine.arg_utils import EngineArgs, add_engine_cli_args, engine_args_from_cli
 
     cpu = torch.device("cpu")
-    assert fused_ops.prepare_fused_ops("auto", cpu, torch.bfloat16) == (True, f"{ops.compiled_isas()[0]} code for bfloat16")
+    assert fused_ops.prepare_fused_ops("auto", cpu, torch.bfloat16) == \
+        (True, f"{ops.compiled_isas()[0]} code for bfloat16")
     assert fused_ops.prepare_fused_ops("off", cpu, torch.float32) == (False, "cpu_fused_ops='off'")
     assert fused_ops.prepare_fused_ops("auto", cpu, torch.float16) == \
         (False, "they take float32 or bfloat16, not torch.float16")
