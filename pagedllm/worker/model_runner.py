@@ -69,9 +69,11 @@ class ModelRunner:
             or None. After the step's sampling the driver drafts ``num_lookahead_tokens`` tokens
             for each sampled request (``ModelRunnerOutput.draft_token_ids``); copy-on-write
             copies the draft pool's blocks too.
-        layer_groups: [hybrid KV cache] per layer of the model, its KV cache group; the tables
-            arrive interleaved (``core/kv_cache_spec.py``), and each layer's attention gets the
-            metadata built from its group's table. None: one group (today's single table).
+        layer_groups: [hybrid KV cache] per layer of the model (this pipeline stage's layers),
+            its KV cache group; the tables arrive interleaved (``core/kv_cache_spec.py``), and
+            each layer's attention gets the metadata built from its group's table. None: one
+            group (today's single table).
+        num_kv_cache_groups: the model's groups, all stages' (how the interleaved tables split).
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -80,10 +82,10 @@ class ModelRunner:
                  dtype: torch.dtype | None = None,
                  host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  greedy_head: ExactGreedyHead | None = None, draft=None,
-                 layer_groups: list[int] | None = None) -> None:
+                 layer_groups: list[int] | None = None, num_kv_cache_groups: int = 1) -> None:
         self.model = model
         self.layer_groups = layer_groups
-        self.num_kv_cache_groups = 1 if layer_groups is None else max(layer_groups) + 1
+        self.num_kv_cache_groups = 1 if layer_groups is None else num_kv_cache_groups
         self.draft = draft
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches or []
@@ -178,9 +180,9 @@ class ModelRunner:
         if G == 1:
             md = build_attention_metadata(query_lens, context_lens, [r.block_table for r in reqs],
                                           self.block_size, self.device)
-        else:   # [hybrid KV cache] one metadata per group (its table: every G-th id), one per layer
-            group_mds = [build_attention_metadata(query_lens, context_lens, [r.block_table[g::G] for r in reqs],
-                                                  self.block_size, self.device) for g in range(G)]
+        else:   # [hybrid KV cache] one metadata per group of this stage (its table: every G-th id), one per layer
+            group_mds = {g: build_attention_metadata(query_lens, context_lens, [r.block_table[g::G] for r in reqs],
+                                                     self.block_size, self.device) for g in set(self.layer_groups)}
             md = [group_mds[g] for g in self.layer_groups]
         if self.lora_manager is not None:   # this step's rows per adapter slot
             self.lora_manager.prepare([r.state.lora_request for r in reqs], query_lens)
