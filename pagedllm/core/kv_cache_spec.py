@@ -243,9 +243,10 @@ def resolve_kv_cache_groups(layer_windows: Sequence[int | None], *, disable_hybr
 
     The hybrid layout (``make_kv_cache_groups``) unless a setting it does not cover asks for
     today's single table, named in ``fallback_reason``: ``disable_hybrid_kv_cache_manager``,
-    swap preemption (no per-group host pool), a draft model (its own pool indexed by the target's
-    tables). Pipeline stages need no fallback: the groups are the whole model's, and each stage
-    allocates pairs for its own layers (``num_tensor_pairs``).
+    swap preemption (no per-group host pool), a draft model on a target without a full-attention
+    group (the draft's own pool is indexed by the full group's table, which every sliding group
+    lacks: its out-of-window blocks are gone). Pipeline stages need no fallback: the groups are
+    the whole model's, and each stage allocates pairs for its own layers (``num_tensor_pairs``).
     """
     groups = make_kv_cache_groups(layer_windows)
     if not groups.is_hybrid:
@@ -255,8 +256,9 @@ def resolve_kv_cache_groups(layer_windows: Sequence[int | None], *, disable_hybr
         return single_group(n, "disable_hybrid_kv_cache_manager is set")
     if preemption_mode == "swap":
         return single_group(n, "preemption_mode='swap' is not supported by the hybrid KV cache manager")
-    if uses_draft_model:
-        return single_group(n, "a draft model is not supported by the hybrid KV cache manager")
+    if uses_draft_model and groups.groups[0].sliding_window is not None:
+        return single_group(n, "a draft model reads the full-attention group's block table, and every layer "
+                               "of this model has a sliding window")
     return groups
 
 
