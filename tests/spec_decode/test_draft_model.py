@@ -52,22 +52,29 @@ def small_draft(tmp_path_factory, tiny_tokenizer_dir) -> str:
     return _save_llama(str(tmp_path_factory.mktemp("draft_small")), tiny_tokenizer_dir, 1, 7)
 
 
-@pytest.fixture(scope="module")
-def truncated_draft(tmp_path_factory, target) -> str:
-    """The target without its last decoder layer (2 of 3 layers): a smaller draft that agrees
-    with the target sometimes."""
+def _without_last_layer(target: str, path: str) -> str:
+    """Save ``target`` without its last decoder layer (and its ``layer_types`` entry, if any) and
+    its tokenizer files into ``path``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     model.model.layers = model.model.layers[:-1]
     model.config.num_hidden_layers = len(model.model.layers)
-    path = str(tmp_path_factory.mktemp("draft_truncated"))
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:-1]
     model.save_pretrained(path)
     for f in os.listdir(target):
         if f.startswith("tokenizer") or f == "special_tokens_map.json":
             shutil.copy(os.path.join(target, f), path)
     return path
+
+
+@pytest.fixture(scope="module")
+def truncated_draft(tmp_path_factory, target) -> str:
+    """The target without its last decoder layer (2 of 3 layers): a smaller draft that agrees
+    with the target sometimes."""
+    return _without_last_layer(target, str(tmp_path_factory.mktemp("draft_truncated")))
 
 
 @pytest.fixture(scope="module")
@@ -144,19 +151,7 @@ def hybrid_target(make_tiny_checkpoint) -> str:
 def hybrid_draft(tmp_path_factory, hybrid_target) -> str:
     """The Gemma 3 target without its last layer (sliding, full, sliding): a hybrid draft that
     agrees with the target often."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hybrid_target, dtype=torch.float32)
-    model.model.layers = model.model.layers[:-1]
-    model.config.num_hidden_layers = len(model.model.layers)
-    model.config.layer_types = model.config.layer_types[:-1]
-    path = str(tmp_path_factory.mktemp("draft_gemma3"))
-    model.save_pretrained(path)
-    for f in os.listdir(hybrid_target):
-        if f.startswith("tokenizer") or f == "special_tokens_map.json":
-            shutil.copy(os.path.join(hybrid_target, f), path)
-    return path
+    return _without_last_layer(hybrid_target, str(tmp_path_factory.mktemp("draft_gemma3")))
 
 
 def test_draft_models_keep_the_hybrid_kv_cache(hybrid_target, hybrid_draft, small_draft, caplog, monkeypatch):
