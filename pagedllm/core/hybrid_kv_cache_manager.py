@@ -16,7 +16,8 @@ the group index (different groups' blocks for the same tokens are different page
 the longest ``n`` for which both hold.
 
 Not supported here (``kv_cache_spec`` callers fall back to ``KVCacheManager``): swap
-preemption (no host pool), draft models.
+preemption (no host pool), draft models on a model without a full-attention group (a draft's
+pool is indexed by the full group's table).
 """
 
 from __future__ import annotations

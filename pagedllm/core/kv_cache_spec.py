@@ -101,20 +101,51 @@ class KVCacheGroups:
         """Per group: its window, ``None`` for full attention."""
         return tuple(g.sliding_window for g in self.groups)
 
-    def layer_tensor_index(self) -> list[int]:
-        """Per decoder layer: which of the ``group_size`` KV tensor pairs it uses."""
-        out = [0] * self.num_layers
+    def _stage_layers(self, start: int, end: int | None) -> range:
+        end = self.num_layers if end is None else end
+        if not 0 <= start < end <= self.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is not inside the model's {self.num_layers} layers")
+        return range(start, end)
+
+    def layer_tensor_index(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Per decoder layer of ``[start, end)`` (a pipeline stage; default all layers): which of
+        the stage's ``num_tensor_pairs(start, end)`` KV tensor pairs it uses (the j-th of a
+        group's layers in the range uses pair j).
+
+        Raises:
+            ValueError: if the range is empty or outside the model's layers.
+        """
+        stage = self._stage_layers(start, end)
+        out = [0] * len(stage)
         for g in self.groups:
-            for j, layer in enumerate(g.layer_indices):
-                out[layer] = j
+            for j, layer in enumerate(i for i in g.layer_indices if i in stage):
+                out[layer - start] = j
         return out
 
-    def layer_group(self) -> list[int]:
-        """Per decoder layer: the index of its group."""
-        out = [0] * self.num_layers
+    def num_tensor_pairs(self, start: int = 0, end: int | None = None) -> int:
+        """KV tensor pairs a stage holding layers ``[start, end)`` allocates: the most layers any
+        group has in the range (``group_size`` for the whole model). Groups are global, so every
+        stage pages the same block ids; a block is ``num_tensor_pairs`` layers on each stage.
+
+        Raises:
+            ValueError: as ``layer_tensor_index``.
+        """
+        stage = self._stage_layers(start, end)
+        return max(sum(1 for i in g.layer_indices if i in stage) for g in self.groups)
+
+    def layer_group(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Per decoder layer of ``[start, end)`` (default all layers): the index of its group
+        among all ``num_groups``.
+
+        Raises:
+            ValueError: as ``layer_tensor_index``.
+        """
+        stage = self._stage_layers(start, end)
+        out = [0] * len(stage)
         for gi, g in enumerate(self.groups):
             for layer in g.layer_indices:
-                out[layer] = gi
+                if layer in stage:
+                    out[layer - start] = gi
         return out
 
     def max_blocks_per_request(self, num_tokens: int, block_size: int, chunk_tokens: int | None = None) -> int:
@@ -207,14 +238,15 @@ def split_group_block_ids(block_ids: Sequence[int], num_groups: int) -> list[lis
 
 
 def resolve_kv_cache_groups(layer_windows: Sequence[int | None], *, disable_hybrid: bool = False,
-                            preemption_mode: str = "recompute", pipeline_parallel_size: int = 1,
-                            uses_draft_model: bool = False) -> KVCacheGroups:
+                            preemption_mode: str = "recompute", uses_draft_model: bool = False) -> KVCacheGroups:
     """The engine's and every worker's layout (same inputs, same answer on both sides).
 
     The hybrid layout (``make_kv_cache_groups``) unless a setting it does not cover asks for
     today's single table, named in ``fallback_reason``: ``disable_hybrid_kv_cache_manager``,
-    swap preemption (no per-group host pool), pipeline parallelism (stages with different layer
-    groups), a draft model (its own pool indexed by the target's tables).
+    swap preemption (no per-group host pool), a draft model on a target without a full-attention
+    group (the draft's own pool is indexed by the full group's table, which every sliding group
+    lacks: its out-of-window blocks are gone). Pipeline stages need no fallback: the groups are
+    the whole model's, and each stage allocates pairs for its own layers (``num_tensor_pairs``).
     """
     groups = make_kv_cache_groups(layer_windows)
     if not groups.is_hybrid:
@@ -224,19 +256,17 @@ def resolve_kv_cache_groups(layer_windows: Sequence[int | None], *, disable_hybr
         return single_group(n, "disable_hybrid_kv_cache_manager is set")
     if preemption_mode == "swap":
         return single_group(n, "preemption_mode='swap' is not supported by the hybrid KV cache manager")
-    if pipeline_parallel_size > 1:
-        return single_group(n, "pipeline parallelism is not supported by the hybrid KV cache manager")
-    if uses_draft_model:
-        return single_group(n, "a draft model is not supported by the hybrid KV cache manager")
+    if uses_draft_model and groups.groups[0].sliding_window is not None:
+        return single_group(n, "a draft model reads the full-attention group's block table, and every layer "
+                               "of this model has a sliding window")
     return groups
 
 
-def kv_cache_groups_for(model_config, cache_config, scheduler_config, parallel_config,
+def kv_cache_groups_for(model_config, cache_config, scheduler_config,
                         uses_draft_model: bool = False) -> KVCacheGroups:
     """``resolve_kv_cache_groups`` from the engine's configs (``ModelConfig.layer_sliding_windows``,
-    ``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig``)."""
+    ``CacheConfig``, ``SchedulerConfig``)."""
     windows = tuple(model_config.layer_sliding_windows) or (None,) * model_config.num_hidden_layers
     return resolve_kv_cache_groups(
         windows, disable_hybrid=cache_config.disable_hybrid_kv_cache_manager,
-        preemption_mode=scheduler_config.preemption_mode,
-        pipeline_parallel_size=parallel_config.pipeline_parallel_size, uses_draft_model=uses_draft_model)
+        preemption_mode=scheduler_config.preemption_mode, uses_draft_model=uses_draft_model)

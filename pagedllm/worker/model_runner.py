@@ -69,9 +69,11 @@ class ModelRunner:
             or None. After the step's sampling the driver drafts ``num_lookahead_tokens`` tokens
             for each sampled request (``ModelRunnerOutput.draft_token_ids``); copy-on-write
             copies the draft pool's blocks too.
-        layer_groups: [hybrid KV cache] per layer of the model, its KV cache group; the tables
-            arrive interleaved (``core/kv_cache_spec.py``), and each layer's attention gets the
-            metadata built from its group's table. None: one group (today's single table).
+        layer_groups: [hybrid KV cache] per layer of the model (this pipeline stage's layers),
+            its KV cache group; the tables arrive interleaved (``core/kv_cache_spec.py``), and
+            each layer's attention gets the metadata built from its group's table. None: one
+            group (today's single table).
+        num_kv_cache_groups: the model's groups, all stages' (how the interleaved tables split).
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -80,10 +82,10 @@ class ModelRunner:
                  dtype: torch.dtype | None = None,
                  host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  greedy_head: ExactGreedyHead | None = None, draft=None,
-                 layer_groups: list[int] | None = None) -> None:
+                 layer_groups: list[int] | None = None, num_kv_cache_groups: int = 1) -> None:
         self.model = model
         self.layer_groups = layer_groups
-        self.num_kv_cache_groups = 1 if layer_groups is None else max(layer_groups) + 1
+        self.num_kv_cache_groups = 1 if layer_groups is None else num_kv_cache_groups
         self.draft = draft
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches or []
@@ -93,7 +95,7 @@ class ModelRunner:
         # Plain greedy rows through the fused C++ argmax when the model runs the fused CPU ops.
         self.sampler = Sampler(greedy_argmax=greedy_argmax if getattr(model, "use_fused_ops", False) else None)
         self.default_generator = make_generator(seed, device)
-        self.requests = RequestStates(block_size)
+        self.requests = RequestStates(block_size, self.num_kv_cache_groups)
         # In-process logits processors of the next step's new requests (never in the message; see
         # ``add_logits_processors``), moved into the request's state by that step.
         self._logits_processors: dict[str, list[LogitsProcessor]] = {}
@@ -178,9 +180,9 @@ class ModelRunner:
         if G == 1:
             md = build_attention_metadata(query_lens, context_lens, [r.block_table for r in reqs],
                                           self.block_size, self.device)
-        else:   # [hybrid KV cache] one metadata per group (its table: every G-th id), one per layer
-            group_mds = [build_attention_metadata(query_lens, context_lens, [r.block_table[g::G] for r in reqs],
-                                                  self.block_size, self.device) for g in range(G)]
+        else:   # [hybrid KV cache] one metadata per group of this stage (its table: every G-th id), one per layer
+            group_mds = {g: build_attention_metadata(query_lens, context_lens, [r.block_table[g::G] for r in reqs],
+                                                     self.block_size, self.device) for g in set(self.layer_groups)}
             md = [group_mds[g] for g in self.layer_groups]
         if self.lora_manager is not None:   # this step's rows per adapter slot
             self.lora_manager.prepare([r.state.lora_request for r in reqs], query_lens)
@@ -216,7 +218,11 @@ class ModelRunner:
         A request's real tokens are now its known tokens, the accepted drafts and the new token
         (L); the draft computes its K/V from the first position it does not hold
         (``CachedRequestState.draft_valid_prefix``). Drafts are capped so that no K/V is written
-        past the request's table (``len(block_ids) * block_size`` tokens). Forks of this step and
+        past the request's table (its blocks times ``block_size`` tokens). [hybrid KV cache] The
+        draft's pool is indexed by the full-attention group's table (group 0, every
+        ``num_kv_cache_groups``-th id: ``resolve_kv_cache_groups`` keeps the hybrid layout with a
+        draft model only when there is one), which holds every position; a draft's own sliding
+        layers read it through their window. Forks of this step and
         their parents do not draft (they share a partial last block until their copy-on-write);
         no draft position reaches ``max_model_len``.
         """
@@ -235,11 +241,12 @@ class ModelRunner:
             st = r.state
             m = output.num_accepted_tokens.get(rid, 0)
             real = st.token_ids + r.spec_token_ids[:m] + [output.sampled_token_ids[index[rid]]]
-            k = min(k, len(st.block_ids) * self.block_size - len(real) + 1, self.draft.max_model_len - len(real) + 1)
+            table = st.block_ids[::self.num_kv_cache_groups]   # the full group's (the only one without hybrid)
+            k = min(k, len(table) * self.block_size - len(real) + 1, self.draft.max_model_len - len(real) + 1)
             if k <= 0:
                 continue
             start = min(st.draft_valid_prefix(real), len(real) - 1)
-            items.append(DraftInput(rid, real, start, st.block_ids, k))
+            items.append(DraftInput(rid, real, start, table, k))
         for item, drafts in zip(items, self.draft.propose(items)):
             st = self.requests.requests[item.req_id]
             st.draft_num_computed, st.draft_kv_tokens = len(item.token_ids), drafts[:-1]

@@ -114,12 +114,15 @@ class RequestStates:
     Args:
         block_size: tokens per block (for the draft K/V a cut table keeps; 0: unknown, a cut
             drops all of it).
+        num_kv_cache_groups: [hybrid KV cache] table entries per logical block (a cut keeps
+            ``num_blocks_kept // num_kv_cache_groups`` logical blocks).
     Attributes:
         requests: request id -> ``CachedRequestState``.
     """
 
-    def __init__(self, block_size: int = 0) -> None:
+    def __init__(self, block_size: int = 0, num_kv_cache_groups: int = 1) -> None:
         self.block_size = block_size
+        self.num_kv_cache_groups = num_kv_cache_groups
         self.requests: dict[str, CachedRequestState] = {}
         # The last update's forks: (parent id, fork's state); they sample from the parent's row.
         self.forks: list[tuple[str, CachedRequestState]] = []
@@ -167,7 +170,7 @@ class RequestStates:
             else:
                 if cached.num_blocks_kept is not None:   # blocks of rejected drafts went back
                     del state.block_ids[cached.num_blocks_kept:]
-                    state.cut_draft_kv(cached.num_blocks_kept * self.block_size)
+                    state.cut_draft_kv(cached.num_blocks_kept // self.num_kv_cache_groups * self.block_size)
                 for index, block_id in cached.replaced_block_ids:
                     if not 0 <= index < len(state.block_ids):
                         raise RuntimeError(f"request {cached.req_id!r}: replaced block index {index} outside "

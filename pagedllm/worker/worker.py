@@ -294,15 +294,20 @@ class Worker:
 
     def _apply_kv_cache_groups(self) -> KVCacheGroups:
         """[hybrid KV cache] Choose the layer groups (the engine makes the same choice from the same
-        configs) and size a block accordingly: a page of ``group_size`` layers when hybrid, of
-        every layer otherwise."""
+        configs) and size a block accordingly: a page of this stage's ``num_tensor_pairs`` layers
+        when hybrid (``group_size`` with one stage), of every layer of the stage otherwise."""
         groups = kv_cache_groups_for(self.model_config, self.cache_config, self.scheduler_config,
-                                     self.parallel_config, uses_draft_model=self.draft_model is not None)
+                                     uses_draft_model=self.draft_model is not None)
         self.kv_cache_groups = groups
-        pairs = groups.group_size if groups.is_hybrid else self.model.num_layers
+        pairs = groups.num_tensor_pairs(*self._stage_layers()) if groups.is_hybrid else self.model.num_layers
         if self.kv_shape.num_layers != pairs:
             self.kv_shape = dataclasses.replace(self.kv_shape, num_layers=pairs)
         return groups
+
+    def _stage_layers(self) -> tuple[int, int]:
+        """[start, end) global decoder layers this rank's model holds (its pipeline stage)."""
+        start = self.parallel.layer_start
+        return start, start + self.model.num_layers
 
     def determine_num_cpu_blocks(self) -> int:
         """Host blocks for swap preemption: ``swap_space_bytes`` // bytes per block with
@@ -351,7 +356,8 @@ class Worker:
                                         parallel=self.parallel, hidden_size=self.model_config.hidden_size,
                                         dtype=self.dtype, host_kv_caches=self.host_kv_caches,
                                         greedy_head=self.greedy_head, draft=draft,
-                                        layer_groups=groups.layer_group() if groups.num_groups > 1 else None)
+                                        layer_groups=groups.layer_group(*self._stage_layers())
+                                        if groups.num_groups > 1 else None, num_kv_cache_groups=groups.num_groups)
         self.model_runner.lora_manager = self.lora_manager
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -510,10 +516,11 @@ class Worker:
                   torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin)) for _ in range(s.num_layers)]
         groups = self.kv_cache_groups
         if s is self.kv_shape and groups is not None and groups.is_hybrid:
-            # [hybrid KV cache] group_size pairs; the j-th layer of every group uses pair j. The null
-            # block is zeroed: a window never reaches it, but a reader that masks late sees zeros.
+            # [hybrid KV cache] num_tensor_pairs pairs; the j-th of a group's layers on this stage
+            # uses pair j. The null block is zeroed: a window never reaches it, but a reader that
+            # masks late sees zeros.
             for k, v in pairs:
                 k[NULL_BLOCK_ID].zero_()
                 v[NULL_BLOCK_ID].zero_()
-            return [pairs[j] for j in groups.layer_tensor_index()]
+            return [pairs[j] for j in groups.layer_tensor_index(*self._stage_layers())]
         return pairs

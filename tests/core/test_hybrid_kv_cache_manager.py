@@ -4,7 +4,7 @@ import pytest
 
 from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_spec import (
-    NULL_BLOCK_ID, KVCacheGroupSpec, make_kv_cache_groups, split_group_block_ids)
+    NULL_BLOCK_ID, KVCacheGroupSpec, make_kv_cache_groups, resolve_kv_cache_groups, split_group_block_ids)
 from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -29,6 +29,29 @@ def test_gemma3_270m_grouping_and_per_request_blocks():
     assert groups.max_blocks_per_request(8192, 16) == 677
     # Pages of 3 layers instead of 18: 677 * 3 / (512 * 18) = 0.22 of today's bytes.
     assert 677 * 3 / (512 * 18) < 0.3
+
+
+def test_pipeline_stages_allocate_pairs_for_their_own_layers():
+    # Gemma 3 270M over two stages of 9 layers: the groups stay global (a stage pages the same
+    # block ids); each stage holds as many pairs as any group has layers on it.
+    groups = make_kv_cache_groups(gemma3_windows(18, 512))
+    assert groups.num_tensor_pairs() == groups.group_size == 3
+    # Stage 0: full (5), (0, 1, 2), (3, 4, 6), (7, 8): 3 pairs.
+    assert groups.num_tensor_pairs(0, 9) == 3
+    assert groups.layer_tensor_index(0, 9) == [0, 1, 2, 0, 1, 0, 2, 0, 1]
+    assert groups.layer_group(0, 9) == [1, 1, 1, 2, 2, 0, 2, 3, 3]
+    # Stage 1: (9), (10, 12, 13), full (11, 17), (14, 15, 16).
+    assert groups.num_tensor_pairs(9, 18) == 3
+    assert groups.layer_tensor_index(9, 18) == [0, 0, 0, 1, 2, 0, 1, 2, 1]
+    assert groups.layer_group(9, 18) == [3, 4, 0, 4, 4, 5, 5, 5, 0]
+    # Tiny Gemma 3 (sliding, full, sliding, full) over stages of 1 and 3 layers.
+    tiny = make_kv_cache_groups([8, None, 8, None])
+    assert (tiny.num_tensor_pairs(0, 1), tiny.layer_tensor_index(0, 1), tiny.layer_group(0, 1)) == (1, [0], [1])
+    assert (tiny.num_tensor_pairs(1, 4), tiny.layer_tensor_index(1, 4), tiny.layer_group(1, 4)) == \
+        (2, [0, 0, 1], [0, 1, 0])
+    with pytest.raises(ValueError, match="layer range \\[3, 3\\)"):
+        tiny.num_tensor_pairs(3, 3)
+    assert resolve_kv_cache_groups([8, None, 8, None]).is_hybrid
 
 
 def test_groupings_mistral_gemma2_and_fallbacks():

@@ -88,12 +88,12 @@ def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_k
         assert isinstance(engine.executor, MultiprocExecutor) and len(processes) == tp * pp
         # The start-up lines come from the driver rank's process (into the same stderr), once.
         log, driver = capfd.readouterr().err, engine.executor.driver_rank
-        if arch == "gemma3" and pp == 1:   # hybrid KV cache: a full group and a window-8 group of 2 layers
+        if arch == "gemma3":   # hybrid KV cache: a full group and a window-8 group of 2 layers
             # per 128-token request 128/8 full blocks + cdiv(8 - 1 + 1, 8) + 1 window blocks; the pool less
             # the null block and one step's prefill chunk (max_num_batched_tokens / 8) of the window group
             chunk_blocks = engine.scheduler_config.max_num_batched_tokens // 8
             concurrency = (engine.num_blocks - 1 - chunk_blocks) / (16 + 2)
-        else:   # one table (pipeline parallelism falls back to it): blocks x 8 tokens / 128 tokens
+        else:   # one table: blocks x 8 tokens / 128 tokens
             concurrency = engine.num_blocks * 8 / 128
         assert re.search(rf"rank{driver} INFO pagedllm\.worker\.worker: KV cache: {engine.num_blocks} blocks x 8 "
                          rf"tokens .*maximum concurrency for 128-token requests: {concurrency:.2f}x", log), log
@@ -109,6 +109,50 @@ def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_k
     finally:
         engine.shutdown()
     assert not any(p.is_alive() for p in processes)
+
+
+_HYBRID_REFERENCE: dict[str, dict] = {}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp,pp,partition", [
+    (1, 2, "1,3"),   # stage 0: one sliding layer (no full-attention layer), stage 1: 2 + 1
+    pytest.param(2, 1, None, marks=pytest.mark.slow),   # every rank holds every layer: same groups
+], ids=["pp2", "tp2"])
+def test_hybrid_kv_cache_split_over_ranks(make_tiny_checkpoint, hf_greedy, tp, pp, partition):
+    """Tiny Gemma 3 (sliding, full, sliding, full; window 8 = two 4-token blocks) with the hybrid KV
+    cache over two ranks: greedy float32 tokens equal one process's (also hybrid) and
+    transformers', with prompts several windows long, chunked prefill across window edges and a
+    prefix-cache hit; the engine's tables pass ``check_integrity`` and every block comes back."""
+    from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
+
+    folder = make_tiny_checkpoint("gemma3")
+    long = [(11 * j) % 250 + 3 for j in range(44)]
+    prompts = [long, [(7 * j) % 240 + 5 for j in range(30)], long[:40] + [5, 6, 7]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+    def engine(**kwargs) -> LLMEngine:
+        return LLMEngine(EngineArgs(model=folder, dtype="float32", max_model_len=96, seed=0, block_size=4,
+                                    kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=10,
+                                    enable_chunked_prefill=True, exact_greedy_head="off", **kwargs))
+
+    if not _HYBRID_REFERENCE:
+        single = engine()
+        assert isinstance(single.kv_cache_manager, HybridKVCacheManager)
+        _HYBRID_REFERENCE.update(run_requests(single, [(p, params) for p in prompts]))
+        single.shutdown()
+        assert [_HYBRID_REFERENCE[f"r{i}"][0] for i in range(3)] == hf_greedy(folder, prompts, MAX_TOKENS)
+    split = engine(tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_layer_partition=partition,
+                   cpu_threads_per_rank=1)
+    try:
+        kv = split.kv_cache_manager
+        assert isinstance(kv, HybridKVCacheManager) and kv.windows == (None, 8)
+        assert_same_outputs(run_requests(split, [(p, params) for p in prompts]), _HYBRID_REFERENCE)
+        assert kv.prefix_cache_stats.hits > 0
+        kv.check_integrity(split.scheduler.requests)
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        split.shutdown()
 
 
 def _run_many(engine: LLMEngine) -> dict:

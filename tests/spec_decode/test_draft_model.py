@@ -52,22 +52,29 @@ def small_draft(tmp_path_factory, tiny_tokenizer_dir) -> str:
     return _save_llama(str(tmp_path_factory.mktemp("draft_small")), tiny_tokenizer_dir, 1, 7)
 
 
-@pytest.fixture(scope="module")
-def truncated_draft(tmp_path_factory, target) -> str:
-    """The target without its last decoder layer (2 of 3 layers): a smaller draft that agrees
-    with the target sometimes."""
+def _without_last_layer(target: str, path: str) -> str:
+    """Save ``target`` without its last decoder layer (and its ``layer_types`` entry, if any) and
+    its tokenizer files into ``path``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     model.model.layers = model.model.layers[:-1]
     model.config.num_hidden_layers = len(model.model.layers)
-    path = str(tmp_path_factory.mktemp("draft_truncated"))
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:-1]
     model.save_pretrained(path)
     for f in os.listdir(target):
         if f.startswith("tokenizer") or f == "special_tokens_map.json":
             shutil.copy(os.path.join(target, f), path)
     return path
+
+
+@pytest.fixture(scope="module")
+def truncated_draft(tmp_path_factory, target) -> str:
+    """The target without its last decoder layer (2 of 3 layers): a smaller draft that agrees
+    with the target sometimes."""
+    return _without_last_layer(target, str(tmp_path_factory.mktemp("draft_truncated")))
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +93,8 @@ def other_tokenizer_draft(tmp_path_factory, tiny_tokenizer_dir) -> str:
 
 def _run(model: str, prompts=PROMPTS, params=PARAMS, spec=None, dtype="float32", **kw):
     kw.setdefault("kv_cache_memory_bytes", 1 << 22)
-    llm = LLM(model, dtype=dtype, max_model_len=128, block_size=8, seed=0, speculative_config=spec, **kw)
+    kw.setdefault("block_size", 8)
+    llm = LLM(model, dtype=dtype, max_model_len=128, seed=0, speculative_config=spec, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     engine = llm.llm_engine
     kv = engine.kv_cache_manager
@@ -131,6 +139,76 @@ def test_draft_model_equals_no_speculation(target, small_draft, truncated_draft,
     tokens, engine = _run(target, spec=_spec("draft_model", model=truncated_draft))
     assert tokens == baseline
     print("truncated draft:", _assert_drafted(engine))
+
+
+@pytest.fixture(scope="module")
+def hybrid_target(make_tiny_checkpoint) -> str:
+    """Tiny Gemma 3: sliding, full, sliding, full (window 8: two blocks of 4)."""
+    return make_tiny_checkpoint("gemma3")
+
+
+@pytest.fixture(scope="module")
+def hybrid_draft(tmp_path_factory, hybrid_target) -> str:
+    """The Gemma 3 target without its last layer (sliding, full, sliding): a hybrid draft that
+    agrees with the target often."""
+    return _without_last_layer(hybrid_target, str(tmp_path_factory.mktemp("draft_gemma3")))
+
+
+def test_draft_models_keep_the_hybrid_kv_cache(hybrid_target, hybrid_draft, small_draft, caplog, monkeypatch):
+    """The hybrid KV cache with a draft model: the draft's pool is indexed by the full group's
+    table, so a full-attention draft (llama), a hybrid one (truncated Gemma 3) and "self_int8"
+    (the target itself) all keep it; greedy and seeded tokens equal no speculation, with prompts
+    several windows long, rejected drafts cut back, prefix-cache hits and a small pool that
+    preempts (recompute)."""
+    from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
+    from pagedllm.core.kv_cache_spec import NULL_BLOCK_ID
+    from pagedllm.spec_decode.draft_model import DraftModel
+
+    tables = []   # the draft's tables: the full group's, never a sliding group's null block
+    propose = DraftModel.propose
+    monkeypatch.setattr(DraftModel, "propose", lambda self, items: (
+        tables.extend(list(it.block_table) for it in items), propose(self, items))[1])
+    long = [(11 * j) % 250 + 3 for j in range(44)]
+    prompts = [long, [(7 * j) % 240 + 5 for j in range(30)], long[:40] + [5, 6, 7], PROMPTS[0], PROMPTS[1],
+               PROMPTS[4]]
+    params = [PARAMS[0], PARAMS[1], PARAMS[2], PARAMS[4], PARAMS[3], PARAMS[0]]
+    for blocks in (41, 200):   # a pool that preempts (recompute), one where the shared prefix stays cached
+        kw = dict(block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=blocks)
+        want, engine = _run(hybrid_target, prompts, params, **kw)
+        assert isinstance(engine.kv_cache_manager, HybridKVCacheManager)
+        for spec in (_spec("draft_model", model=small_draft), _spec("draft_model", model=hybrid_draft),
+                     _spec("self_int8")):
+            with caplog.at_level("INFO", logger="pagedllm.engine.llm_engine"):
+                caplog.clear()
+                tokens, engine = _run(hybrid_target, prompts, params, spec=spec, **kw)
+            assert isinstance(engine.kv_cache_manager, HybridKVCacheManager), spec
+            assert "Hybrid KV cache manager off" not in caplog.text
+            assert tokens == want, (blocks, spec)
+            if blocks == 41:
+                assert engine.scheduler.num_preemptions_total > 0, spec
+            else:
+                assert engine.kv_cache_manager.prefix_cache_stats.hits > 0, spec
+            stats = engine.spec_decoder.stats
+            assert stats.num_draft_tokens > 0, spec
+            assert max(map(len, tables)) > 4 and not any(NULL_BLOCK_ID in t for t in tables), spec
+            tables.clear()
+            if spec.get("model") == small_draft:   # an unrelated draft: rejected drafts are cut back
+                assert stats.num_accepted_tokens < stats.num_draft_tokens, (spec, stats)
+            else:   # close drafts: accepted
+                assert stats.num_accepted_tokens > 0, (spec, stats)
+
+
+def test_draft_model_on_an_all_sliding_model_falls_back(make_tiny_checkpoint, small_draft, caplog):
+    """Mistral (every layer windowed: one sliding group) has no full table for the draft's pool."""
+    mistral = make_tiny_checkpoint("mistral")
+    want, _ = _run(mistral, PROMPTS[:2], PARAMS[:2], block_size=4)
+    with caplog.at_level("INFO", logger="pagedllm.engine.llm_engine"):
+        tokens, engine = _run(mistral, PROMPTS[:2], PARAMS[:2], spec=_spec("draft_model", model=small_draft),
+                              block_size=4)
+    assert engine.kv_cache_groups.fallback_reason is not None
+    assert "a draft model reads the full-attention group's block table, and every layer of this model has a " \
+           "sliding window" in caplog.text
+    assert tokens == want
 
 
 def test_target_as_its_own_draft_accepts_every_greedy_draft(target):
