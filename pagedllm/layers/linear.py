@@ -169,39 +169,47 @@ class PackedLinear(KernelLinear):
 
 
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device,
-                       batch_hint: int, cpu_gemm: str = CpuGemm.ONEDNN.value, cpu_isa: str = "auto") -> int:
+                       batch_hint: int, cpu_gemm: str = CpuGemm.ONEDNN.value, cpu_isa: str = "auto",
+                       cpu_bf16_gemm: str = "auto") -> int:
     """Replace every ``nn.Linear`` of ``model`` by a packed layer and, for a model with a tied
     LM head, set ``model.packed_lm_head`` (read by ``compute_logits``). A no-op unless the device
     is the CPU, ``cpu_gemm`` is ``onednn`` and ``onednn_linear_available(dtype)``.
 
-    The packed layer is ``PackedLinear`` (oneDNN), or for bfloat16 on AVX-512 BF16 CPUs (with or
-    without AMX) the batch-invariant ``layers.bf16_gemm.Bf16Linear`` (``bf16_kernel_for(cpu_isa)``;
-    layers with an odd input width stay on oneDNN).
+    The packed layer is ``PackedLinear`` (oneDNN), or for bfloat16 on AVX-512 BF16 CPUs the
+    batch-invariant ``layers.bf16_gemm.Bf16Linear`` on the AMX GEMM (AMX CPUs) or the AVX-512 GEMM
+    (``bf16_kernel_for(cpu_isa, kernel=cpu_bf16_gemm)``). A layer whose input width the kernel
+    cannot take (AMX: not a multiple of 32; AVX-512: odd) runs the next one (AVX-512 GEMM, then
+    oneDNN), fixed per layer, so the model stays batch-invariant wherever a GEMM of ours runs.
 
     Returns:
         Bytes of packed copies added next to the weights the model keeps (the tied LM head), 0
         when nothing was packed.
     Raises:
-        ValueError: for a bad ``cpu_gemm``.
+        ValueError: for a bad ``cpu_gemm`` or ``cpu_bf16_gemm``.
     """
     if device.type != "cpu" or parse_cpu_gemm(cpu_gemm) is not CpuGemm.ONEDNN or not onednn_linear_available(dtype):
         return 0
     hint = max(1, int(batch_hint))
     kernel, why = "onednn", ""
     if dtype == torch.bfloat16:
-        from pagedllm.layers.bf16_gemm import Bf16Linear, bf16_kernel_for, load_bf16_gemm
+        from pagedllm.layers.bf16_gemm import (BF16_KERNEL, Bf16Linear, bf16_kernel_for, bf16_module, k_multiple,
+                                               load_bf16_gemm)
 
-        kernel, why = bf16_kernel_for(cpu_isa)
+        kernel, why = bf16_kernel_for(cpu_isa, kernel=cpu_bf16_gemm)
     if kernel == "onednn":
         def make(weight, bias):
             return PackedLinear(weight, bias, hint)
     else:
-        module = load_bf16_gemm()
+        # the chosen GEMM, then (for input widths it cannot take) the AVX-512 GEMM, then oneDNN
+        modules = [bf16_module(kernel)]
+        if kernel != BF16_KERNEL and bf16_kernel_for(cpu_isa, kernel=BF16_KERNEL)[0] == BF16_KERNEL:
+            modules.append(load_bf16_gemm())
 
         def make(weight, bias):
-            if weight.shape[1] % 2:
-                return PackedLinear(weight, bias, hint)
-            return Bf16Linear(weight, bias, module)
+            for module in modules:
+                if weight.shape[1] % k_multiple(module) == 0:
+                    return Bf16Linear(weight, bias, module)
+            return PackedLinear(weight, bias, hint)
     replaced, tied = replace_linear_layers(model, make)
     weight = model.get_input_embeddings().weight if tied else None
     extra = weight.numel() * weight.element_size() if tied else 0

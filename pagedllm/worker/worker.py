@@ -245,9 +245,9 @@ class Worker:
         if model_config.quantization in WEIGHT_ONLY_MODES:  # int8 / int4 weights (layers/weight_only.py)
             return quantize_weight_only(model, model_config.quantization, model_config.cpu_isa)
         # CPU float32 (and bfloat16 where native): linear layers move into a packed layout (layers/linear.py:
-        # oneDNN, or for bf16 the batch-invariant bf16 GEMM of layers/bf16_gemm.py).
+        # oneDNN, or for bf16 the batch-invariant GEMMs of layers/bf16_gemm.py and layers/amx_gemm.py).
         return pack_linear_layers(model, self.dtype, self.device, self.scheduler_config.max_num_seqs,
-                                  model_config.cpu_gemm, model_config.cpu_isa)
+                                  model_config.cpu_gemm, model_config.cpu_isa, model_config.cpu_bf16_gemm)
 
     def load_draft_model(self, draft_config: ModelConfig, share_embedding: bool = False) -> None:
         """[draft models] Build the draft model (``spec_decode/draft_model.py``) beside the target,
