@@ -1,34 +1,41 @@
-"""bfloat16 linear layers on AVX-512 BF16 CPUs through a kernel of our own (``csrc/bf16_gemm.cpp``).
+"""bfloat16 linear layers on AVX-512 BF16 CPUs through kernels of our own (``csrc/bf16_gemm.cpp``;
+on AMX CPUs ``csrc/amx_gemm.cpp``, ``layers/amx_gemm.py``), and which kernel runs (``bf16_kernel_for``).
 
-A bf16 model's linear layers and LM head run on one of two kernels, both with the weight packed
+A bf16 model's linear layers and LM head run on one of three kernels, all with the weight packed
 once after loading (the plain weight is not kept, except the tied embedding the token lookup reads):
 
-- ``"onednn"``: oneDNN's packed inner product (``layers/linear.py``'s ``PackedLinear``; AVX-512
-  bf16 or AMX tiles).
+- ``"amx_bf16"`` (CPUs with AMX, the default there): our AMX GEMM, ``Bf16Linear`` with the
+  ``amx_gemm`` module: ``tdpbf16ps`` on 16-row tiles, the same packed weight. Measured on a 2-core
+  Xeon with AMX (docs/benchmarks.md, "AMX: bf16 kernels per M"): at least as fast as the AVX-512
+  GEMM at every M = 1..512 (the same at 1-8 rows, where the weights stream from memory; 2-6x
+  faster from 16 rows) and as oneDNN's AMX kernels at most.
 - ``"avx512_bf16"`` (CPUs with ``avx512f avx512bw avx512vl avx512_bf16`` and no AMX): ``Bf16Linear``,
   ``vdpbf16ps`` on 8 rows x 32 outputs of float32 accumulators per call, the next weight tile
   prefetched while the current one is used. At the 8-32 rows of a decode step oneDNN's kernel
   used about half of the machine's ``vdpbf16ps`` rate with the weights streaming from memory;
   this one takes less time there and ties oneDNN on prompt chunks (docs/performance.md;
   ``benchmarks/cpu_paths.py --parts linear``).
+- ``"onednn"``: oneDNN's packed inner product (``layers/linear.py``'s ``PackedLinear``; AVX-512
+  bf16 or AMX tiles).
 
-Both accumulate in float32 and round the result to bfloat16 to nearest even; they differ only in
+All accumulate in float32 and round the result to bfloat16 to nearest even; they differ only in
 the order of the float32 additions, so a bf16 model's outputs can differ between them where a
 logit or activation lies at a bf16 rounding boundary.
 
-Batch invariance: this kernel sums each output in one fixed order (k ascending, no split-K; the
-row groups and threads only decide *which* rows and outputs a call computes), so a row's result
-is the same bits at any row count and beside any other rows: a greedy bf16 request gives the same
+Batch invariance: both GEMMs sum each output in one fixed order (k ascending, no split-K; the row
+groups and threads only decide *which* rows and outputs a call computes), so a row's result is
+the same bits at any row count and beside any other rows: a greedy bf16 request gives the same
 tokens alone, in any batch, with prefix caching on or off, across chunked-prefill boundaries
-(``tests/layers/test_linear_batch_invariance.py``, ``tests/models/test_default_model_greedy.py``). oneDNN
-does not promise that (its float32 one-row call rounds differently at K = 2048 here, see
-``PackedLinear``; on AMX its bf16 tile kernels, issue 29: 7/12 and 10/12 prompts the same
-concurrent as alone). So CPUs with AMX (they all have
-``avx512_bf16``) run this kernel by default too; ``bf16_kernel_for(batch_invariant=False)`` keeps
-oneDNN's tile kernels there (faster at prefill row counts; neither side measured on AMX here).
+(``tests/layers/test_linear_batch_invariance.py``, ``tests/layers/test_amx_gemm.py``,
+``tests/models/test_default_model_greedy.py``). A model runs one kernel for every M (never one
+by row count). oneDNN does not promise that (its float32 one-row call rounds differently at
+K = 2048 here, see ``PackedLinear``; on AMX its bf16 tile kernels, issue 29: 7/12 and 10/12
+prompts the same concurrent as alone), so it runs bf16 only where neither GEMM can, with
+``bf16_kernel_for(batch_invariant=False)`` on AMX, or when forced.
 
-``cpu_isa`` (``ModelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) below ``avx512_bf16`` forces oneDNN (how
-tests compare the two).
+``cpu_isa`` (``ModelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) below ``avx512_bf16`` forces oneDNN;
+``cpu_bf16_gemm`` (``ModelConfig.cpu_bf16_gemm``, ``$PAGEDLLM_CPU_BF16_GEMM``: ``amx_bf16``,
+``avx512_bf16``, ``onednn``) forces one kernel (how benchmarks and tests compare them).
 """
 
 from __future__ import annotations
