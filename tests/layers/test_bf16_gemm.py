@@ -172,3 +172,14 @@ def test_pack_linear_layers_picks_the_kernel_by_cpu_isa(tied_toy):
     assert extra == 50 * 32 * 2
     torch.testing.assert_close(lm_head_logits(model, x).float(), want, rtol=1.6e-2, atol=2e-2)
     torch.testing.assert_close(model.model.proj(x).float(), want_proj, rtol=1.6e-2, atol=2e-2)
+
+
+def test_cpu_bf16_gemm_setting_is_checked_and_read_from_the_environment(monkeypatch):
+    from pagedllm.config import ModelConfig
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_BF16_GEMM"):
+        ModelConfig(model="m", cpu_bf16_gemm="mkl")
+    assert ModelConfig(model="m", cpu_bf16_gemm="onednn").cpu_bf16_gemm == "onednn"
+    monkeypatch.setenv("PAGEDLLM_CPU_BF16_GEMM", "AVX512_BF16")
+    assert EngineArgs().cpu_bf16_gemm == "avx512_bf16"
