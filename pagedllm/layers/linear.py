@@ -200,15 +200,15 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
         def make(weight, bias):
             return PackedLinear(weight, bias, hint)
     else:
-        # the chosen GEMM, then (for input widths it cannot take) the AVX-512 GEMM, then oneDNN
-        modules = [bf16_module(kernel)]
-        if kernel != BF16_KERNEL and bf16_kernel_for(cpu_isa, kernel=BF16_KERNEL)[0] == BF16_KERNEL:
-            modules.append(load_bf16_gemm())
+        module = bf16_module(kernel)
 
         def make(weight, bias):
-            for module in modules:
-                if weight.shape[1] % k_multiple(module) == 0:
-                    return Bf16Linear(weight, bias, module)
+            # the chosen GEMM, then (for input widths it cannot take) the AVX-512 GEMM, then oneDNN
+            if weight.shape[1] % k_multiple(module) == 0:
+                return Bf16Linear(weight, bias, module)
+            if kernel != BF16_KERNEL and weight.shape[1] % 2 == 0 \
+                    and bf16_kernel_for(cpu_isa, kernel=BF16_KERNEL)[0] == BF16_KERNEL:
+                return Bf16Linear(weight, bias, load_bf16_gemm())
             return PackedLinear(weight, bias, hint)
     replaced, tied = replace_linear_layers(model, make)
     weight = model.get_input_embeddings().weight if tied else None
