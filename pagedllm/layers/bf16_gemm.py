@@ -7,8 +7,9 @@ once after loading (the plain weight is not kept, except the tied embedding the 
 - ``"amx_bf16"`` (CPUs with AMX, the default there): our AMX GEMM, ``Bf16Linear`` with the
   ``amx_gemm`` module: ``tdpbf16ps`` on 16-row tiles, the same packed weight. Measured on a 2-core
   Xeon with AMX (docs/benchmarks.md, "AMX: bf16 kernels per M"): at least as fast as the AVX-512
-  GEMM at every M = 1..512 (the same at 1-8 rows, where the weights stream from memory; 2-6x
-  faster from 16 rows) and as oneDNN's AMX kernels at most.
+  GEMM at every M = 1..512 (the same at 1-4 rows, where the weights stream from memory; 2-4.7x
+  faster from 16 rows); 1.1-1.4x faster than oneDNN's AMX kernels at 1-64 rows, 1.07-1.35x
+  slower at 128-512; engine throughput 2.07x the AVX-512 GEMM's and 1.06x oneDNN's.
 - ``"avx512_bf16"`` (CPUs with ``avx512f avx512bw avx512vl avx512_bf16`` and no AMX): ``Bf16Linear``,
   ``vdpbf16ps`` on 8 rows x 32 outputs of float32 accumulators per call, the next weight tile
   prefetched while the current one is used. At the 8-32 rows of a decode step oneDNN's kernel
