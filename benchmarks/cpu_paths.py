@@ -13,7 +13,8 @@ hit every variant alike; medians are printed:
    own, so that they stream from memory as in the model; and the tied LM head 262,144 x 640) at
    ``--rows`` rows (default 16 and 64): oneDNN packed float32, oneDNN packed bfloat16 (where the
    CPU has native bf16) and our AVX-512 BF16 GEMM (``layers/bf16_gemm.py``, where it runs), with
-   oneDNN bf16's time over the GEMM's. (Before session 10 this part reused one weight per shape
+   oneDNN bf16's time over the GEMM's; and, on AMX CPUs, our AMX GEMM (``layers/amx_gemm.py``)
+   with the ratios GEMM / AMX and oneDNN / AMX. (Before session 10 this part reused one weight per shape
    18 times, which stays in L3 and hid the difference between the bf16 kernels.)
 
 ``--parts attention`` or ``--parts linear`` runs one of the two. For the linear part on two cores,
@@ -90,17 +91,20 @@ def attention_paths(repeats: int) -> None:
 
 def linear_kernels(repeats: int, rows_list: list[int]) -> None:
     """The linear-layer comparison (part 2 of the module docstring): one line per row count."""
-    from pagedllm.layers.bf16_gemm import BF16_KERNEL, Bf16Linear, bf16_kernel_for, load_bf16_gemm
+    from pagedllm.layers.bf16_gemm import AMX_KERNEL, BF16_KERNEL, Bf16Linear, bf16_kernel_for, bf16_module
 
     kernels = {"float32": lambda w: PackedLinear(w, None, 64)}
     if onednn_linear_available(torch.bfloat16):
         kernels["bfloat16 oneDNN"] = lambda w: PackedLinear(w.to(torch.bfloat16), None, 64)
-    gemm, why = bf16_kernel_for("auto")
-    if gemm == BF16_KERNEL:
-        module = load_bf16_gemm()
-        kernels["bfloat16 GEMM"] = lambda w: Bf16Linear(w.to(torch.bfloat16), None, module)
+    skipped = []
+    for label, name in (("bfloat16 GEMM", BF16_KERNEL), ("bfloat16 AMX", AMX_KERNEL)):
+        got, why = bf16_kernel_for("auto", kernel=name)
+        if got == name:
+            kernels[label] = (lambda w, module=bf16_module(name): Bf16Linear(w.to(torch.bfloat16), None, module))
+        else:
+            skipped.append(f"no {label}: {why}")
     print(f"linear layers of one decode step, {LAYERS * len(SHAPES)} weights + the LM head (ms, median of "
-          f"{repeats}): {', '.join(kernels)}" + ("" if gemm == BF16_KERNEL else f" (no bf16 GEMM: {why})"))
+          f"{repeats}): {', '.join(kernels)}" + (f" ({'; '.join(skipped)})" if skipped else ""))
     gen = torch.Generator().manual_seed(0)
     shapes = SHAPES * LAYERS
     sets = {"layers": shapes, "LM head": [LM_HEAD]}
@@ -116,9 +120,11 @@ def linear_kernels(repeats: int, rows_list: list[int]) -> None:
             fns[f"{label} {part}"] = (lambda mods=mods, x_in=x_in: [m(x) for m, x in zip(mods, x_in)])
         res = _median_times(fns, repeats, 1)
         line = "  ".join(f"{name} {t * 1e3:.2f}" for name, t in res.items())
-        if gemm == BF16_KERNEL and "bfloat16 oneDNN" in kernels:
-            line += "  oneDNN bf16 / GEMM: " + ", ".join(
-                f"{part} {res[f'bfloat16 oneDNN {part}'] / res[f'bfloat16 GEMM {part}']:.2f}x" for part in sets)
+        for base, other in (("bfloat16 oneDNN", "bfloat16 GEMM"), ("bfloat16 GEMM", "bfloat16 AMX"),
+                            ("bfloat16 oneDNN", "bfloat16 AMX")):
+            if base in kernels and other in kernels:
+                line += f"  {base.split()[1]} / {other.split()[1]}: " + ", ".join(
+                    f"{part} {res[f'{base} {part}'] / res[f'{other} {part}']:.2f}x" for part in sets)
         print(f"  {rows} rows: {line}", flush=True)
 
 

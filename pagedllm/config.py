@@ -34,6 +34,8 @@ SUPPORTED_ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_sdpa", "cpu_paged")
 SUPPORTED_CPU_GEMMS = tuple(g.value for g in CpuGemm)
 # ``ModelConfig.cpu_isa``: "auto" or a CPU code path (``platforms.cpu.CpuIsa``, checked by ``parse_cpu_isa``).
 SUPPORTED_CPU_ISAS = ("auto",) + tuple(i.value for i in CpuIsa)
+# ``ModelConfig.cpu_bf16_gemm``: the bf16 linear kernel (``layers.bf16_gemm.BF16_KERNELS``, kept in sync).
+SUPPORTED_CPU_BF16_GEMMS = ("auto", "amx_bf16", "avx512_bf16", "onednn")
 # ``ModelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
 SUPPORTED_LOAD_FORMATS = ("auto", "dummy")   # vLLM's names; dummy: random weights
@@ -486,6 +488,10 @@ class ModelConfig:
             ``platforms.cpu.CpuIsa`` ("portable", "avx2", "avx512", "avx512_bf16"): the
             paged-attention kernel's micro-kernels, and with them what ``dtype="auto"`` means;
             ``EngineArgs`` defaults it to ``$PAGEDLLM_CPU_ISA``.
+        cpu_bf16_gemm: the CPU bfloat16 linear kernel: "auto" (the AMX GEMM on AMX CPUs, else the
+            AVX-512 BF16 GEMM, else oneDNN: ``layers.bf16_gemm.bf16_kernel_for``), or "amx_bf16" /
+            "avx512_bf16" / "onednn" to force one (comparisons; oneDNN is not batch-invariant on
+            AMX); ``EngineArgs`` defaults it to ``$PAGEDLLM_CPU_BF16_GEMM``.
         cpu_fused_ops: "auto" (CPU float32 / bfloat16 models run the fused C++ norms, residual
             adds, q/k norm + RoPE and gated activations of ``layers/fused_ops.py`` when the
             extension builds) or "off" (the eager torch ops everywhere).
@@ -530,6 +536,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     cpu_gemm: str = "onednn"
     cpu_isa: str = "auto"
+    cpu_bf16_gemm: str = "auto"
     cpu_fused_ops: str = "auto"
     exact_greedy_head: str = "auto"
     load_format: str = "auto"
@@ -601,6 +608,9 @@ class ModelConfig:
                              f"{SUPPORTED_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         parse_cpu_gemm(self.cpu_gemm)   # ValueError naming $PAGEDLLM_CPU_GEMM
         parse_cpu_isa(self.cpu_isa)     # ValueError naming $PAGEDLLM_CPU_ISA
+        if self.cpu_bf16_gemm not in SUPPORTED_CPU_BF16_GEMMS:
+            raise ValueError(f"cpu_bf16_gemm (${envs.PAGEDLLM_CPU_BF16_GEMM}) must be one of "
+                             f"{SUPPORTED_CPU_BF16_GEMMS}, got {self.cpu_bf16_gemm!r}")
         if self.cpu_fused_ops not in SUPPORTED_CPU_FUSED_OPS:
             raise ValueError(f"cpu_fused_ops must be one of {SUPPORTED_CPU_FUSED_OPS}, got {self.cpu_fused_ops!r}")
         if self.load_format not in SUPPORTED_LOAD_FORMATS:

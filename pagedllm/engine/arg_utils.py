@@ -67,6 +67,8 @@ class EngineArgs:
         cpu_isa: the CPU code path, "auto" (best for the CPU's flags) or "portable" / "avx2" /
             "avx512" / "avx512_bf16" (``platforms/cpu.py``; forces the attention kernel's path and
             with it what ``dtype="auto"`` means); default ``$PAGEDLLM_CPU_ISA`` or "auto".
+        cpu_bf16_gemm: the bf16 linear kernel, "auto" or "amx_bf16" / "avx512_bf16" / "onednn"
+            (``ModelConfig.cpu_bf16_gemm``); default ``$PAGEDLLM_CPU_BF16_GEMM`` or "auto".
         exact_greedy_head: "auto" (plain greedy rows through the cheaper exact head where it
             pays, ``sample/greedy_head.py``) or "off" (``ModelConfig.exact_greedy_head``).
         load_format: "auto" or "dummy" (random weights; ``ModelConfig.load_format``).
@@ -147,6 +149,7 @@ class EngineArgs:
     attention_backend: str = field(default_factory=lambda: envs.read(envs.PAGEDLLM_ATTENTION_BACKEND) or "auto")
     cpu_gemm: str = field(default_factory=lambda: envs.read(envs.PAGEDLLM_CPU_GEMM) or "onednn")
     cpu_isa: str = field(default_factory=lambda: (envs.read(envs.PAGEDLLM_CPU_ISA) or "auto").lower())
+    cpu_bf16_gemm: str = field(default_factory=lambda: (envs.read(envs.PAGEDLLM_CPU_BF16_GEMM) or "auto").lower())
     cpu_fused_ops: str = "auto"
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: envs.read(envs.PAGEDLLM_CPU_KVCACHE_SPACE))
     exact_greedy_head: str = "auto"
@@ -263,7 +266,7 @@ class EngineArgs:
                             max_model_len=max_model_len, seed=self.seed, device=self.device,
                             quantization=self.quantization, model_folder=model_folder,
                             attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm,
-                            cpu_isa=self.cpu_isa, cpu_fused_ops=self.cpu_fused_ops,
+                            cpu_isa=self.cpu_isa, cpu_bf16_gemm=self.cpu_bf16_gemm, cpu_fused_ops=self.cpu_fused_ops,
                             exact_greedy_head=self.exact_greedy_head, load_format=self.load_format, **arch)
         space = None if self.cpu_kvcache_space is None else int(float(self.cpu_kvcache_space) * (1 << 30))
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,

@@ -169,7 +169,8 @@ class PackedLinear(KernelLinear):
 
 
 def packed_kernel_for(dtype: torch.dtype, device: torch.device, cpu_gemm: str = CpuGemm.ONEDNN.value,
-                      cpu_isa: str = "auto", flags: frozenset[str] | None = None) -> tuple[str, str]:
+                      cpu_isa: str = "auto", flags: frozenset[str] | None = None,
+                      cpu_bf16_gemm: str = "auto") -> tuple[str, str]:
     """Which kernel runs an unquantized model's linear layers here, and why.
 
     Args:
@@ -177,11 +178,13 @@ def packed_kernel_for(dtype: torch.dtype, device: torch.device, cpu_gemm: str = 
         cpu_gemm: ``ModelConfig.cpu_gemm``.
         cpu_isa: ``ModelConfig.cpu_isa`` (a bf16 model's choice between oneDNN and the bf16 GEMM).
         flags: the CPU's flags (default: this machine's).
+        cpu_bf16_gemm: ``ModelConfig.cpu_bf16_gemm`` (a bf16 kernel forced, for comparisons).
     Returns:
-        (``"torch"`` (``F.linear``, nothing packed), ``"onednn"`` (``PackedLinear``) or
-        ``"avx512_bf16"`` (``layers.bf16_gemm.Bf16Linear``); the reason in words).
+        (``"torch"`` (``F.linear``, nothing packed), ``"onednn"`` (``PackedLinear``), ``"amx_bf16"``
+        or ``"avx512_bf16"`` (``layers.bf16_gemm.Bf16Linear``); the reason in words).
     Raises:
-        ValueError: for a bad ``cpu_gemm``, or as ``bf16_kernel_for`` for a ``cpu_isa`` the CPU lacks.
+        ValueError: for a bad ``cpu_gemm`` or ``cpu_bf16_gemm``, or as ``bf16_kernel_for`` for a
+            ``cpu_isa`` the CPU lacks.
     """
     if device.type != "cpu":
         return CpuGemm.TORCH.value, f"not on the CPU ({device.type})"
@@ -193,32 +196,34 @@ def packed_kernel_for(dtype: torch.dtype, device: torch.device, cpu_gemm: str = 
         return CpuGemm.ONEDNN.value, f"{str(dtype).replace('torch.', '')}: oneDNN's packed inner product"
     from pagedllm.layers.bf16_gemm import bf16_kernel_for
 
-    kernel, why = bf16_kernel_for(cpu_isa, flags)
+    kernel, why = bf16_kernel_for(cpu_isa, flags, kernel=cpu_bf16_gemm)
     return kernel, why if kernel != CpuGemm.ONEDNN.value else f"not the bf16 GEMM: {why}"
 
 
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device, batch_hint: int,
-                       cpu_gemm: str = CpuGemm.ONEDNN.value, cpu_isa: str = "auto", kernel: str | None = None) -> int:
+                       cpu_gemm: str = CpuGemm.ONEDNN.value, cpu_isa: str = "auto", kernel: str | None = None,
+                       cpu_bf16_gemm: str = "auto") -> int:
     """Replace every ``nn.Linear`` of ``model`` by a packed layer and, for a model with a tied
     LM head, set ``model.packed_lm_head`` (read by ``compute_logits``), with the kernel
     ``packed_kernel_for`` picks: a no-op for ``"torch"`` (off the CPU, ``cpu_gemm`` ``torch``, or
     no oneDNN inner product for ``dtype``).
 
-    The packed layer is ``PackedLinear`` (oneDNN), or for bfloat16 on AVX-512 BF16 CPUs (with or
-    without AMX) the batch-invariant ``layers.bf16_gemm.Bf16Linear`` (layers with an odd input
-    width stay on oneDNN).
+    The packed layer is ``PackedLinear`` (oneDNN), or for bfloat16 on AVX-512 BF16 CPUs the
+    batch-invariant ``layers.bf16_gemm.Bf16Linear`` on the AMX GEMM (AMX CPUs) or the AVX-512 GEMM
+    (``packed_kernel_for``). A layer whose input width the kernel cannot take (AMX: not a multiple
+    of 32; AVX-512: odd) runs the next one (AVX-512 GEMM, then oneDNN), fixed per layer, so the model stays batch-invariant wherever a GEMM of ours runs.
 
     Args:
         kernel: the kernel already chosen (the kernel plan's); None: ``packed_kernel_for(dtype,
-            device, cpu_gemm, cpu_isa)``.
+            device, cpu_gemm, cpu_isa, cpu_bf16_gemm=cpu_bf16_gemm)``.
     Returns:
         Bytes of packed copies added next to the weights the model keeps (the tied LM head), 0
         when nothing was packed.
     Raises:
-        ValueError: for a bad ``cpu_gemm``.
+        ValueError: for a bad ``cpu_gemm`` or ``cpu_bf16_gemm``.
     """
     if kernel is None:
-        kernel = packed_kernel_for(dtype, device, cpu_gemm, cpu_isa)[0]
+        kernel = packed_kernel_for(dtype, device, cpu_gemm, cpu_isa, cpu_bf16_gemm=cpu_bf16_gemm)[0]
     if kernel == CpuGemm.TORCH.value:
         return 0
     hint = max(1, int(batch_hint))
@@ -226,14 +231,19 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
         def make(weight, bias):
             return PackedLinear(weight, bias, hint)
     else:
-        from pagedllm.layers.bf16_gemm import Bf16Linear, load_bf16_gemm
+        from pagedllm.layers.bf16_gemm import (BF16_KERNEL, Bf16Linear, bf16_kernel_for, bf16_module, k_multiple,
+                                               load_bf16_gemm)
 
-        module = load_bf16_gemm()
+        module = bf16_module(kernel)
 
         def make(weight, bias):
-            if weight.shape[1] % 2:
-                return PackedLinear(weight, bias, hint)
-            return Bf16Linear(weight, bias, module)
+            # the chosen GEMM, then (for input widths it cannot take) the AVX-512 GEMM, then oneDNN
+            if weight.shape[1] % k_multiple(module) == 0:
+                return Bf16Linear(weight, bias, module)
+            if kernel != BF16_KERNEL and weight.shape[1] % 2 == 0 \
+                    and bf16_kernel_for(cpu_isa, kernel=BF16_KERNEL)[0] == BF16_KERNEL:
+                return Bf16Linear(weight, bias, load_bf16_gemm())
+            return PackedLinear(weight, bias, hint)
     replaced, tied = replace_linear_layers(model, make)
     weight = model.get_input_embeddings().weight if tied else None
     extra = weight.numel() * weight.element_size() if tied else 0

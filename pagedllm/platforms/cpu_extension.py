@@ -44,6 +44,7 @@ class CpuExtension:
         description: what it is, for log lines ("paged-attention kernel").
         fallback: what runs when it cannot be built, for the warning ("cpu_sdpa").
         extra_cflags, extra_ldflags: compiler / linker flags (part of the name's hash).
+        headers: local headers the source includes (part of the name's hash, so editing one rebuilds).
     """
 
     label: str
@@ -52,13 +53,14 @@ class CpuExtension:
     fallback: str
     extra_cflags: tuple[str, ...] = DEFAULT_CFLAGS
     extra_ldflags: tuple[str, ...] = DEFAULT_LDFLAGS
+    headers: tuple[Path, ...] = ()
 
     def name(self) -> str:
-        """``pagedllm_<label>_<12 hex>``: hash of source, flags, torch, Python and CPU."""
+        """``pagedllm_<label>_<12 hex>``: hash of source, headers, flags, torch, Python and CPU."""
         import torch
 
         digest = hashlib.sha256()
-        for part in (self.source.read_bytes(), " ".join(self.extra_cflags + self.extra_ldflags).encode(),
+        for part in (self.source.read_bytes(), *(h.read_bytes() for h in self.headers), " ".join(self.extra_cflags + self.extra_ldflags).encode(),
                      torch.__version__.encode(), sys.version.encode(), _cpu_fingerprint().encode()):
             digest.update(part)
             digest.update(b"\0")

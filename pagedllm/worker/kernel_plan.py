@@ -36,6 +36,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 # ``LinearKernel.kind`` values, in words for the table.
 _LINEAR_WORDS = {"torch": "torch F.linear", "onednn": "oneDNN packed", "avx512_bf16": "bf16 GEMM (avx512_bf16)",
+                 "amx_bf16": "bf16 GEMM (AMX tiles)",
                  "int8": "int8 W8A8 (fbgemm)"}
 
 
@@ -106,7 +107,7 @@ def choose_linear(model_config: ModelConfig, dtype: torch.dtype, device: torch.d
     """How ``model_config``'s linear layers run in ``dtype`` on ``device``, and why.
 
     Raises:
-        ValueError: for a bad ``cpu_gemm``, or a forced ``cpu_isa`` the CPU lacks.
+        ValueError: for a bad ``cpu_gemm`` / ``cpu_bf16_gemm``, or a forced ``cpu_isa`` the CPU lacks.
     """
     from pagedllm.layers.int8_gemm import int8_kernel_for
     from pagedllm.layers.linear import packed_kernel_for
@@ -118,7 +119,8 @@ def choose_linear(model_config: ModelConfig, dtype: torch.dtype, device: torch.d
     if quant in WEIGHT_ONLY_MODES:
         kernel, why = int8_kernel_for(model_config.cpu_isa, flags)
         return LinearKernel(quant, kernel), f"quantization={quant!r}; int8 kernel: {why}"
-    kind, why = packed_kernel_for(dtype, device, model_config.cpu_gemm, model_config.cpu_isa, flags)
+    kind, why = packed_kernel_for(dtype, device, model_config.cpu_gemm, model_config.cpu_isa, flags,
+                                  model_config.cpu_bf16_gemm)
     return LinearKernel(kind), why
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.layers.amx_gemm import AMX_KERNEL
 from pagedllm.layers.bf16_gemm import (BF16_GEMM_FLAGS, BF16_KERNEL, ONEDNN_KERNEL, Bf16Linear, bf16_kernel_for,
                                        load_bf16_gemm)
 from pagedllm.sample.greedy_head import gamma
@@ -32,9 +33,16 @@ def test_kernel_choice_follows_flags_and_cpu_isa():
     kernel, why = bf16_kernel_for("avx512", AVX512_BF16)
     assert kernel == ONEDNN_KERNEL and "avx512" in why                   # a forced lower path
     amx = AVX512_BF16 | {"amx_bf16", "amx_tile"}
-    if load_bf16_gemm() is not None:                                     # AMX CPUs run it too (batch invariance)
+    if load_bf16_gemm() is not None:   # AMX CPUs: the AMX GEMM, else (here no AMX) this one, naming why
         kernel, why = bf16_kernel_for("auto", amx)
-        assert kernel == BF16_KERNEL and "AMX" in why
+        assert kernel in (AMX_KERNEL, BF16_KERNEL) and "AMX" in why
+        assert (kernel == AMX_KERNEL) == ("amx_bf16" in cpu_flags() and "amx_tile" in cpu_flags())
+        kernel, why = bf16_kernel_for("auto", amx, kernel=BF16_KERNEL)   # forced (comparisons)
+        assert kernel == BF16_KERNEL and "cpu_bf16_gemm" in why
+    kernel, why = bf16_kernel_for("auto", AVX512_BF16, kernel=ONEDNN_KERNEL)
+    assert kernel == ONEDNN_KERNEL and "cpu_bf16_gemm" in why
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_BF16_GEMM"):
+        bf16_kernel_for("auto", AVX512_BF16, kernel="mkl")
     kernel, why = bf16_kernel_for("auto", amx, batch_invariant=False)   # the opt-out keeps oneDNN's tiles
     assert kernel == ONEDNN_KERNEL and "AMX" in why
     with pytest.raises(ValueError, match="avx512_bf16"):
@@ -44,7 +52,8 @@ def test_kernel_choice_follows_flags_and_cpu_isa():
 @needs_bf16_gemm
 def test_kernel_is_chosen_where_the_cpu_has_avx512_bf16():
     _ext()
-    assert bf16_kernel_for("auto")[0] == BF16_KERNEL   # with or without AMX
+    want = AMX_KERNEL if "amx_bf16" in cpu_flags() and "amx_tile" in cpu_flags() else BF16_KERNEL
+    assert bf16_kernel_for("auto")[0] == want   # AMX CPUs: the AMX GEMM (tests/layers/test_amx_gemm.py)
 
 
 @needs_bf16_gemm
@@ -124,7 +133,7 @@ def test_input_checks():
         ext.bf16_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, None, 40)
     with pytest.raises(RuntimeError, match="bias"):
         ext.bf16_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, torch.zeros(20).bfloat16(), 20)
-    with pytest.raises(ValueError, match="even in_features"):
+    with pytest.raises(ValueError, match="multiple of 2"):
         Bf16Linear(torch.zeros(4, 5), None, ext)
 
 
@@ -163,3 +172,14 @@ def test_pack_linear_layers_picks_the_kernel_by_cpu_isa(tied_toy):
     assert extra == 50 * 32 * 2
     torch.testing.assert_close(lm_head_logits(model, x).float(), want, rtol=1.6e-2, atol=2e-2)
     torch.testing.assert_close(model.model.proj(x).float(), want_proj, rtol=1.6e-2, atol=2e-2)
+
+
+def test_cpu_bf16_gemm_setting_is_checked_and_read_from_the_environment(monkeypatch):
+    from pagedllm.config import ModelConfig
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_BF16_GEMM"):
+        ModelConfig(model="m", cpu_bf16_gemm="mkl")
+    assert ModelConfig(model="m", cpu_bf16_gemm="onednn").cpu_bf16_gemm == "onednn"
+    monkeypatch.setenv("PAGEDLLM_CPU_BF16_GEMM", "AVX512_BF16")
+    assert EngineArgs().cpu_bf16_gemm == "avx512_bf16"

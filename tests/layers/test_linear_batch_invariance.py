@@ -2,7 +2,7 @@
 picks here for each dtype): row r's output computed alone is the same bits (``torch.equal``) as
 inside every batch of M = 2..40 rows, and of a prefill-sized 300, at the default model's shapes
 (Gemma 3 270M: hidden 640, q/k/v 1536, o 1024, gate/up 4096, down 2048). bfloat16 runs our
-AVX-512 BF16 GEMM wherever the CPU has ``avx512_bf16`` (AMX CPUs included); float32 runs oneDNN,
+AMX GEMM on AMX CPUs and our AVX-512 BF16 GEMM on other ``avx512_bf16`` CPUs; float32 runs oneDNN,
 whose one-row call is made a two-row one (``PackedLinear``)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from pagedllm.layers.bf16_gemm import BF16_GEMM_FLAGS, BF16_KERNEL, Bf16Linear, bf16_kernel_for
+from pagedllm.layers.amx_gemm import AMX_KERNEL
+from pagedllm.layers.bf16_gemm import BF16_GEMM_FLAGS, Bf16Linear, bf16_kernel_for
 from pagedllm.layers.linear import KernelLinear, onednn_linear_available, pack_linear_layers
 from pagedllm.platforms.cpu import cpu_flags
 
@@ -69,6 +70,8 @@ def test_packed_rows_do_not_depend_on_the_batch(dtype):
 
 @pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="CPU lacks amx_bf16 (the AMX chooser path)")
 def test_amx_cpus_run_the_invariant_bf16_kernel():
-    """On AMX the chooser sends bf16 to our kernel (oneDNN's tile kernels change with the batch)."""
-    assert bf16_kernel_for("auto")[0] == BF16_KERNEL
-    assert all(isinstance(layer, Bf16Linear) for layer in packed_layers(torch.bfloat16))
+    """On AMX the chooser sends bf16 to our AMX GEMM (oneDNN's tile kernels change with the batch)."""
+    kernel, why = bf16_kernel_for("auto")
+    assert kernel == AMX_KERNEL, why
+    layers = packed_layers(torch.bfloat16)
+    assert all(isinstance(layer, Bf16Linear) and AMX_KERNEL in layer._ext.compiled_isas() for layer in layers)

@@ -15,14 +15,16 @@
 // oneDNN's bf16 kernels on the same instruction do. A row's result does not depend on the other
 // rows of the batch.
 //
-// Packed layout (pack_bf16_weight): outputs in blocks of 16 (zero rows pad the last block), each
-// block contiguous over K as [K / 2][16 outputs][2 columns] bfloat16: one 64-byte load is 16
-// outputs x 2 columns, vdpbf16ps's operand layout with the outputs in the lanes, so a block's
-// result is 16 adjacent outputs (no horizontal sums). Threads (at::parallel_for) split pairs of
+// Packed layout (pack_bf16_weight, bf16_pack.h): outputs in blocks of 16 (zero rows pad the last
+// block), each block contiguous over K as [K / 2][16 outputs][2 columns] bfloat16: one 64-byte
+// load is 16 outputs x 2 columns, vdpbf16ps's operand layout with the outputs in the lanes, so a
+// block's result is 16 adjacent outputs (no horizontal sums). Threads (at::parallel_for) split pairs of
 // blocks; a micro-kernel call holds up to kMaxRows rows x 2 blocks in zmm accumulators, and the
 // row groups of one block pair follow each other (the pair is still in L2 for the second).
 
 #include <torch/extension.h>
+
+#include "bf16_pack.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -42,46 +44,14 @@
 
 namespace {
 
-constexpr int64_t kBlock = 16;   // outputs per packed block (zmm float32 lanes)
-constexpr int64_t kPair = 2;     // columns per vdpbf16ps lane
+using pagedllm_bf16::check_packed;
+using pagedllm_bf16::kBlock;
+using pagedllm_bf16::kPair;
+using pagedllm_bf16::pack_bf16_weight;
 constexpr int kT = 2;            // blocks per micro-kernel call (32 outputs)
 constexpr int kMaxRows = 8;      // rows per micro-kernel call (x 2 blocks: 16 accumulators)
 
-void check_packed(const torch::Tensor& packed, int64_t n, int64_t k) {
-  TORCH_CHECK(packed.dtype() == torch::kBFloat16 && packed.dim() == 3 && packed.is_contiguous() &&
-                  packed.size(2) == kPair * kBlock,
-              "packed must be a contiguous bfloat16 [N / 16, K / 2, 32] tensor from pack_bf16_weight");
-  TORCH_CHECK(packed.size(1) * kPair == k, "packed does not match K=", k);
-  TORCH_CHECK(packed.size(0) * kBlock >= n && packed.size(0) * kBlock < n + kBlock, "packed does not match N=", n);
-}
-
 }  // namespace
-
-// w [N, K] bfloat16 (K even) -> packed [ceil(N / 16), K / 2, 32] bfloat16 in the layout above.
-torch::Tensor pack_bf16_weight(const torch::Tensor& w) {
-  TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.dim() == 2, "w must be a bfloat16 [N, K] tensor");
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(k % kPair == 0 && k > 0, "K must be a positive even number, got ", k);
-  const int64_t blocks = (n + kBlock - 1) / kBlock, k2 = k / kPair;
-  auto wc = w.contiguous();
-  auto packed = torch::empty({blocks, k2, kPair * kBlock}, w.options());
-  packed.zero_();
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t r = 0; r < kBlock && b * kBlock + r < n; ++r) {
-        const uint16_t* row = src + (b * kBlock + r) * k;
-        uint16_t* out = dst + b * k2 * kPair * kBlock + kPair * r;
-        for (int64_t c = 0; c < k2; ++c) {
-          out[c * kPair * kBlock] = row[kPair * c];
-          out[c * kPair * kBlock + 1] = row[kPair * c + 1];
-        }
-      }
-    }
-  });
-  return packed;
-}
 
 #if PAGEDLLM_BF16_GEMM
 namespace {
