@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.layers.amx_gemm import AMX_GEMM_FLAGS, AMX_KERNEL, load_amx_gemm
 from pagedllm.layers.bf16_gemm import BF16_GEMM_FLAGS, Bf16Linear, load_bf16_gemm
-from pagedllm.layers.greedy_head import gamma
+from pagedllm.sample.greedy_head import gamma
 from pagedllm.platforms.cpu import cpu_flags
 from tests.cpp_build import require_built_extension
 
