@@ -54,20 +54,23 @@ REPLICA_START_TIMEOUT_S = 600.0
 REPLICA_STOP_TIMEOUT_S = 10.0
 
 
-# The environment every engine-core process starts with, unless the user set the variable: its
-# OpenMP threads sleep when a parallel region ends instead of spinning (libgomp's default spins).
-# The front end (the API server's event loop, tokenizer, SSE writes) runs on the same cores; the
-# spinning threads took its time slices and every token's trip through it waited for them (one
-# streaming client: 2.7 against 23.5 output tok/s on 2 cores, docs/benchmarks.md, issue 29).
-ENGINE_PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# The environment every engine-core process starts with, unless the user set either OpenMP wait
+# variable: its OpenMP threads spin only briefly (10,000 spins) when a parallel region ends, then
+# sleep. libgomp's default (300,000 spins) holds the cores the front end (the API server's event
+# loop, tokenizer, SSE writes) needs on a small or shared machine; OMP_WAIT_POLICY=PASSIVE (no spin)
+# wakes a sleeping thread for each of a step's ~80 parallel regions. docs/benchmarks.md has both.
+ENGINE_PROCESS_ENV = {"GOMP_SPINCOUNT": "10000"}
+# Variables by which a user chooses the wait policy; when either is set, nothing is added.
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 @contextlib.contextmanager
 def engine_process_env(environ=os.environ):
-    """Within the block, ``environ`` holds each ``ENGINE_PROCESS_ENV`` variable it lacks (a spawned
-    process inherits it: libgomp reads it when torch loads there); afterwards they are removed
-    again. A variable the user set is left as it is."""
-    added = [key for key in ENGINE_PROCESS_ENV if key not in environ]
+    """Within the block, ``environ`` holds ``ENGINE_PROCESS_ENV`` unless it has one of
+    ``OPENMP_WAIT_VARS`` (a spawned process inherits it: libgomp reads it when torch loads there);
+    afterwards the added variables are removed again. A variable the user set is left as it is."""
+    user_set = any(key in environ for key in OPENMP_WAIT_VARS)
+    added = [] if user_set else [key for key in ENGINE_PROCESS_ENV if key not in environ]
     for key in added:
         environ[key] = ENGINE_PROCESS_ENV[key]
     try:
