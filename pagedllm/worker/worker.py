@@ -296,7 +296,7 @@ class Worker:
         """[hybrid KV cache] Choose the layer groups (the engine makes the same choice from the same
         configs) and size a block accordingly: a page of this stage's ``num_tensor_pairs`` layers
         when hybrid (``group_size`` with one stage), of every layer of the stage otherwise."""
-        groups = kv_cache_groups_for(self.model_config, self.cache_config, self.scheduler_config,
+        groups = kv_cache_groups_for(self.model_config, self.cache_config,
                                      uses_draft_model=self.draft_model is not None)
         self.kv_cache_groups = groups
         pairs = groups.num_tensor_pairs(*self._stage_layers()) if groups.is_hybrid else self.model.num_layers
