@@ -310,8 +310,9 @@ class Worker:
         return start, start + self.model.num_layers
 
     def determine_num_cpu_blocks(self) -> int:
-        """Host blocks for swap preemption: ``swap_space_bytes`` // bytes per block with
-        ``preemption_mode="swap"``, else 0 (no host pool is allocated)."""
+        """Host blocks for swap preemption: ``swap_space_bytes`` // bytes per block (a page of
+        ``num_tensor_pairs`` layers with the hybrid KV cache, whose host block 0 is then the
+        host null block) with ``preemption_mode="swap"``, else 0 (no host pool is allocated)."""
         if self.scheduler_config.preemption_mode != "swap":
             return 0
         return self.cache_config.swap_space_bytes // self.kv_shape.bytes_per_block
