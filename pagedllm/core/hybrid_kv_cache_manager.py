@@ -15,9 +15,16 @@ the group index (different groups' blocks for the same tokens are different page
 ``cdiv(w - 1, block_size)`` blocks before block ``n`` (vLLM's hybrid lookup); the lookup takes
 the longest ``n`` for which both hold.
 
-Not supported here (``kv_cache_spec`` callers fall back to ``KVCacheManager``): swap
-preemption (no host pool), draft models on a model without a full-attention group (a draft's
-pool is indexed by the full group's table).
+Swap preemption: with host blocks the manager owns a ``SwapSpace`` over the flat tables. A
+swap-out first frees the sliding groups' blocks out of the window (``remove_skipped_blocks``), so
+only the window goes to the host: null entries stay null in the host table (the host pool
+reserves its block 0 as the null block), take no host block and are not copied; a full block
+shared by several requests is copied once each way. Swap-in gives the real entries device
+blocks (or shares / takes from the prefix cache the full ones still on the device) and restores
+the per-group null counts from the table.
+
+Not supported here (``kv_cache_spec`` callers fall back to ``KVCacheManager``): draft models on
+a model without a full-attention group (a draft's pool is indexed by the full group's table).
 """
 
 from __future__ import annotations
@@ -37,6 +44,14 @@ def group_block_hash(block_hash: BlockHash, group: int) -> BlockHash:
     return block_hash + group.to_bytes(2, "big")
 
 
+def _num_leading_nulls(ids: list[int]) -> int:
+    """Null entries at the start of one group's table (its blocks before the window)."""
+    n = 0
+    while n < len(ids) and ids[n] == NULL_BLOCK_ID:
+        n += 1
+    return n
+
+
 class HybridKVCacheManager(KVCacheManager):
     """Per-group block tables over one pool; sliding groups free what falls out of the window.
 
@@ -45,8 +60,11 @@ class HybridKVCacheManager(KVCacheManager):
         num_blocks: pages in the pool (>= 2: block 0 is the null block, never allocated).
         groups: the layer groups (``make_kv_cache_groups``).
         enable_caching: automatic prefix caching.
+        num_cpu_blocks: [swap preemption] host blocks (0: no host pool; else >= 2, block 0 is
+            the host null block).
     Raises:
-        ValueError: for a non-positive ``block_size`` or fewer than 2 blocks.
+        ValueError: for a non-positive ``block_size``, fewer than 2 blocks, or a negative
+            ``num_cpu_blocks``.
 
     Attributes:
         block_tables: request id -> flat interleaved per-group physical ids (see the module doc).
@@ -54,13 +72,13 @@ class HybridKVCacheManager(KVCacheManager):
     """
 
     def __init__(self, block_size: int, num_blocks: int, groups: KVCacheGroups,
-                 enable_caching: bool = False) -> None:
+                 enable_caching: bool = False, num_cpu_blocks: int = 0) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}")
-        super().__init__(block_size, num_blocks, enable_caching=enable_caching)
         self.groups = groups
         self.windows = groups.sliding_windows
-        self.num_kv_cache_groups = groups.num_groups
+        self.num_kv_cache_groups = groups.num_groups   # before the base makes the swap space
+        super().__init__(block_size, num_blocks, enable_caching=enable_caching, num_cpu_blocks=num_cpu_blocks)
         (null,) = self.block_pool.get_new_blocks(1)
         if null != NULL_BLOCK_ID:
             raise RuntimeError(f"the pool's first block is {null}, expected the null block {NULL_BLOCK_ID}")
@@ -114,7 +132,7 @@ class HybridKVCacheManager(KVCacheManager):
                     table[i * G + g] = NULL_BLOCK_ID
             skipped[g] = max(skipped[g], upto)
         if freed:
-            self.block_pool.free_blocks(reversed(freed))
+            self._free_device_blocks(freed)
 
     # -- allocation ------------------------------------------------------------------------
 
@@ -252,13 +270,17 @@ class HybridKVCacheManager(KVCacheManager):
         pool.cached_block_hash_to_block.clear()
         return True
 
-    def free(self, request: Request) -> None:
-        """Drop the request's tables and one reference to each non-null block."""
-        table = self.block_tables.pop(request.request_id, None)
-        self.num_cached_block.pop(request.request_id, None)
-        self._num_skipped.pop(request.request_id, None)
-        if table:
-            self.block_pool.free_blocks(b for b in reversed(table) if b != NULL_BLOCK_ID)
+    def _pop_table(self, request_id: str) -> list[int] | None:
+        """Remove the request's tables and bookkeeping (null counts too); return the flat table."""
+        self._num_skipped.pop(request_id, None)
+        return super()._pop_table(request_id)
+
+    def _set_table(self, request_id: str, table: list[int]) -> None:
+        """Give a request (swapped in) the flat table ``table``; each group's null count is its
+        leading null entries."""
+        super()._set_table(request_id, table)
+        G = self.num_kv_cache_groups
+        self._num_skipped[request_id] = [_num_leading_nulls(table[g::G]) for g in range(G)]
 
     def trim(self, request: Request) -> int:
         """[speculative decoding] Every group's blocks past ``cdiv(num_computed_tokens, block_size)``
@@ -280,7 +302,7 @@ class HybridKVCacheManager(KVCacheManager):
                 raise RuntimeError(f"request {request.request_id!r}: block {block_id} past its computed "
                                    f"tokens is shared (ref_cnt {block.ref_cnt}) or cached")
         del table[keep:]
-        self.block_pool.free_blocks(reversed(extra))
+        self._free_device_blocks(extra)
         return len(table)
 
     def num_stored_tokens(self, requests: Mapping[str, Request]) -> int:
@@ -301,6 +323,39 @@ class HybridKVCacheManager(KVCacheManager):
                 elif k // G == n_full and rest:
                     partial[b] = max(partial.get(b, 0), rest)
         return bs * len(full) + sum(n for b, n in partial.items() if b not in full)
+
+    # -- swap preemption ---------------------------------------------------------------------
+
+    def can_swap_out(self, request: Request) -> bool:
+        """``KVCacheManager.can_swap_out`` for the window only: first the sliding groups' blocks
+        out of the window are freed (``remove_skipped_blocks``, as ``allocate_slots`` does; kept
+        freed whatever the answer), so they need no host block."""
+        self.remove_skipped_blocks(request)
+        return super().can_swap_out(request)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """``KVCacheManager.swap_out`` of every group's table: the sliding groups' blocks out of
+        the window are freed first; null entries stay null in the host table (no host block,
+        no copy); a full block already copied to the host by a sharer is not copied again.
+
+        Returns:
+            (device block, host block) pairs to copy before the next forward (each pair is one
+            page: the worker copies it in every layer's tensor).
+        Raises:
+            NoFreeBlocksError (a ValueError): if ``can_swap_out`` is False; only the
+                out-of-window blocks were freed then.
+        """
+        self.remove_skipped_blocks(request)
+        return super().swap_out(request)
+
+    def _cached_block_at(self, request: Request, k: int) -> int | None:
+        """[swap-in, prefix caching] The registered device block of flat entry ``k`` (logical
+        block ``k // G`` of group ``k % G``), or None."""
+        i, g = divmod(k, self.num_kv_cache_groups)
+        hashes = request.block_hashes
+        if not self.enable_caching or i >= len(hashes):
+            return None
+        return self.block_pool.get_cached_block(group_block_hash(hashes[i], g))
 
     # -- sharing ---------------------------------------------------------------------------
 
@@ -353,6 +408,43 @@ class HybridKVCacheManager(KVCacheManager):
         holders: Counter[int] = Counter(b for t in self.block_tables.values() for b in t if b != NULL_BLOCK_ID)
         holders[NULL_BLOCK_ID] = 1   # the manager's own reference
         return holders
+
+    def check_integrity(self, requests: Mapping[str, Request] | None = None) -> None:
+        """``KVCacheManager.check_integrity`` (device pool, per-group tables, host pool), and per
+        group the swapped-out host tables (``_check_swapped``).
+
+        Raises:
+            RuntimeError: as ``KVCacheManager.check_integrity`` and ``_check_swapped``.
+        """
+        super().check_integrity(requests)
+        self._check_swapped(requests)
+
+    def _check_swapped(self, requests: Mapping[str, Request] | None) -> None:
+        """Per swapped-out request and group: the host table is whole logical blocks, null
+        entries are only leading ones and only in sliding groups, and (with ``requests``) they
+        are exactly the blocks out of the window of the request's next query (swap-out keeps
+        the window, nothing before it).
+
+        Raises:
+            RuntimeError: naming the request, the group and the counts.
+        """
+        G = self.num_kv_cache_groups
+        for rid, table in self.cpu_block_tables.items():
+            if len(table) % G:
+                raise RuntimeError(f"swapped request {rid!r}: a host table of {len(table)} entries for {G} groups")
+            request = None if requests is None else requests.get(rid)
+            for g in range(G):
+                ids = table[g::G]
+                nulls = _num_leading_nulls(ids)
+                if NULL_BLOCK_ID in ids[nulls:]:
+                    raise RuntimeError(f"swapped request {rid!r}, group {g}: a null entry after "
+                                       f"{nulls} leading ones in {len(ids)}")
+                if self.windows[g] is None and nulls:
+                    raise RuntimeError(f"swapped request {rid!r}: full-attention group {g} holds {nulls} null entries")
+                if request is not None and nulls != self._skip_before(g, request.num_computed_tokens):
+                    raise RuntimeError(f"swapped request {rid!r}, group {g}: {nulls} null entries but "
+                                       f"{self._skip_before(g, request.num_computed_tokens)} blocks are out "
+                                       f"of the window at {request.num_computed_tokens} computed tokens")
 
     def _check_prefix_cache(self, requests: Mapping[str, Request] | None) -> None:
         """Per group: table lengths, null entries only before the window, registered blocks at

@@ -65,8 +65,10 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-        # Swap preemption: host blocks and the tables of swapped-out requests.
-        self.swap_space = SwapSpace(num_cpu_blocks, self.block_pool) if num_cpu_blocks else None
+        # Swap preemption: host blocks and the tables of swapped-out requests (flat tables of
+        # num_kv_cache_groups entries per logical block; null entries stay null on the host).
+        self.swap_space = SwapSpace(num_cpu_blocks, self.block_pool, self.num_kv_cache_groups,
+                                    self.null_block_id) if num_cpu_blocks else None
 
     #: Block tables per request (the hybrid manager has one per KV cache group, interleaved).
     num_kv_cache_groups = 1
@@ -255,18 +257,29 @@ class KVCacheManager:
         Blocks go back in reverse logical order (see ``BlockPool.free_blocks``). A request
         without a table is a no-op.
         """
-        table = self.block_tables.pop(request.request_id, None)
-        self.num_cached_block.pop(request.request_id, None)
+        table = self._pop_table(request.request_id)
         if table:
             self._free_device_blocks(table)
         if self.swap_space is not None:
             self.swap_space.free(request.request_id)
 
+    def _pop_table(self, request_id: str) -> list[int] | None:
+        """Remove the request's device table and its bookkeeping; return the table (None if none)."""
+        self.num_cached_block.pop(request_id, None)
+        return self.block_tables.pop(request_id, None)
+
+    def _set_table(self, request_id: str, table: list[int]) -> None:
+        """Give a request (swapped in) the device table ``table``, nothing of it registered yet."""
+        self.block_tables[request_id] = table
+        self.num_cached_block[request_id] = 0
+
     def _free_device_blocks(self, block_ids: list[int]) -> None:
-        """One reference less to each block, in reverse order; copy records to freed ones go."""
-        self.block_pool.free_blocks(reversed(block_ids))
+        """One reference less to each block (null entries skipped), in reverse order; copy
+        records to freed ones go."""
+        real = [b for b in block_ids if b != self.null_block_id]
+        self.block_pool.free_blocks(reversed(real))
         if self.swap_space is not None:
-            self.swap_space.forget_freed(device_ids=block_ids)
+            self.swap_space.forget_freed(device_ids=real)
 
     def trim(self, request: Request) -> int:
         """[speculative decoding] Give back the blocks past ``cdiv(num_computed_tokens,
@@ -336,9 +349,14 @@ class KVCacheManager:
         if not self.can_swap_out(request):
             raise NoFreeBlocksError(f"the host pool cannot take request {request.request_id!r}")
         rid = request.request_id
-        table = self.block_tables.pop(rid)
-        self.num_cached_block.pop(rid, None)
+        table = self._pop_table(rid)
         return self.swap_space.swap_out(rid, table, request.num_computed_tokens // self.block_size)
+
+    def _cached_block_at(self, request: Request, k: int) -> int | None:
+        """[swap-in, prefix caching] A registered device block holding table entry ``k`` of the
+        request (logical block ``k`` here), or None."""
+        hashes = request.block_hashes
+        return self.block_pool.get_cached_block(hashes[k]) if self.enable_caching and k < len(hashes) else None
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Move a swapped-out request back into device blocks and allocate its next tokens' slots.
@@ -351,22 +369,18 @@ class KVCacheManager:
             (host block, device block) pairs to copy before the next forward, or ``None`` when
             the device pool lacks blocks (nothing changes then).
         """
-        rid, pool = request.request_id, self.block_pool
+        rid, G = request.request_id, self.num_kv_cache_groups
         if self.enable_caching:
             self._update_block_hashes(request)
-        hashes = request.block_hashes
-
-        def cached_block(i: int) -> int | None:
-            return pool.get_cached_block(hashes[i]) if self.enable_caching and i < len(hashes) else None
-
-        num_extra = max(cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-                        - len(self.swap_space.cpu_block_tables[rid]), 0)
+        # Blocks past the computed tokens are inside every window: one per group.
+        num_extra = G * max(cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+                            - len(self.swap_space.cpu_block_tables[rid]) // G, 0)
         moved = self.swap_space.swap_in(rid, request.num_computed_tokens // self.block_size, num_extra,
-                                        cached_block)
+                                        lambda k: self._cached_block_at(request, k))
         if moved is None:
             return None
-        self.block_tables[rid], pairs = moved
-        self.num_cached_block[rid] = 0
+        table, pairs = moved
+        self._set_table(rid, table)
         self.cache_blocks(request)
         if self.allocate_slots(request, num_new_tokens) is None:
             raise RuntimeError(f"request {rid!r}: {num_extra} free blocks past its swapped table were "

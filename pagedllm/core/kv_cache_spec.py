@@ -238,15 +238,17 @@ def split_group_block_ids(block_ids: Sequence[int], num_groups: int) -> list[lis
 
 
 def resolve_kv_cache_groups(layer_windows: Sequence[int | None], *, disable_hybrid: bool = False,
-                            preemption_mode: str = "recompute", uses_draft_model: bool = False) -> KVCacheGroups:
+                            uses_draft_model: bool = False) -> KVCacheGroups:
     """The engine's and every worker's layout (same inputs, same answer on both sides).
 
     The hybrid layout (``make_kv_cache_groups``) unless a setting it does not cover asks for
-    today's single table, named in ``fallback_reason``: ``disable_hybrid_kv_cache_manager``,
-    swap preemption (no per-group host pool), a draft model on a target without a full-attention
-    group (the draft's own pool is indexed by the full group's table, which every sliding group
-    lacks: its out-of-window blocks are gone). Pipeline stages need no fallback: the groups are
-    the whole model's, and each stage allocates pairs for its own layers (``num_tensor_pairs``).
+    today's single table, named in ``fallback_reason``: ``disable_hybrid_kv_cache_manager``, or
+    a draft model on a target without a full-attention group (the draft's own pool is indexed
+    by the full group's table, which every sliding group lacks: its out-of-window blocks are
+    gone). Pipeline stages need no fallback: the groups are the whole model's, and each stage
+    allocates pairs for its own layers (``num_tensor_pairs``). Swap preemption needs none
+    either: the host pool takes the same pages (``swap_space.SwapSpace``; a sliding group swaps
+    only its window).
     """
     groups = make_kv_cache_groups(layer_windows)
     if not groups.is_hybrid:
@@ -254,19 +256,15 @@ def resolve_kv_cache_groups(layer_windows: Sequence[int | None], *, disable_hybr
     n = len(layer_windows)
     if disable_hybrid:
         return single_group(n, "disable_hybrid_kv_cache_manager is set")
-    if preemption_mode == "swap":
-        return single_group(n, "preemption_mode='swap' is not supported by the hybrid KV cache manager")
     if uses_draft_model and groups.groups[0].sliding_window is not None:
         return single_group(n, "a draft model reads the full-attention group's block table, and every layer "
                                "of this model has a sliding window")
     return groups
 
 
-def kv_cache_groups_for(model_config, cache_config, scheduler_config,
-                        uses_draft_model: bool = False) -> KVCacheGroups:
+def kv_cache_groups_for(model_config, cache_config, uses_draft_model: bool = False) -> KVCacheGroups:
     """``resolve_kv_cache_groups`` from the engine's configs (``ModelConfig.layer_sliding_windows``,
-    ``CacheConfig``, ``SchedulerConfig``)."""
+    ``CacheConfig``)."""
     windows = tuple(model_config.layer_sliding_windows) or (None,) * model_config.num_hidden_layers
     return resolve_kv_cache_groups(
-        windows, disable_hybrid=cache_config.disable_hybrid_kv_cache_manager,
-        preemption_mode=scheduler_config.preemption_mode, uses_draft_model=uses_draft_model)
+        windows, disable_hybrid=cache_config.disable_hybrid_kv_cache_manager, uses_draft_model=uses_draft_model)

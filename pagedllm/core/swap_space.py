@@ -3,7 +3,14 @@
 A second ``BlockPool`` of host blocks (``num_cpu_blocks``; the worker holds their tensors) and the
 host tables of the swapped-out requests. ``swap_out`` moves a request's device table to host blocks
 and frees the device blocks; ``swap_in`` moves it back into device blocks. Both return the (src,
-dst) pairs the worker copies before the next forward.
+dst) pairs the worker copies before the next forward (a block id names the same page in every
+layer's tensor, so the worker copies the pair in each layer).
+
+Tables are flat: with ``num_groups`` KV cache groups (the hybrid manager's) logical block ``i``
+of group ``g`` is entry ``i * num_groups + g``. With a ``null_block_id`` (the hybrid pool's block
+0, standing for a sliding group's blocks out of the window) the host pool reserves the same id
+as its own null block: a null entry stays null on the host and back, takes no host block and is
+never copied.
 
 A full block shared by several requests is copied once each way: ``dev_to_cpu`` / ``cpu_to_dev``
 remember where a full block's copy went while both ends are held (full blocks are never written
@@ -11,8 +18,7 @@ again, so the copy stays exact), and the next sharer takes a reference to it ins
 again. Whoever frees device blocks calls ``forget_freed`` so that a record never names a reused
 block.
 
-``KVCacheManager`` owns one (``swap_space``) when it has host blocks; the hybrid manager has none
-(``kv_cache_spec`` falls back to one table for swap preemption).
+``KVCacheManager`` and ``HybridKVCacheManager`` own one (``swap_space``) when they have host blocks.
 """
 
 from __future__ import annotations
@@ -41,19 +47,33 @@ class SwapSpace:
     """Host blocks, the swapped-out requests' host tables, and the device <-> host copy records.
 
     Args:
-        num_cpu_blocks: host blocks (>= 1).
+        num_cpu_blocks: host blocks (>= 1; with ``null_block_id``, one of them is the host null
+            block, never allocated).
         device_pool: the device ``BlockPool`` the tables move out of and back into.
+        num_groups: KV cache groups interleaved in a table (entry ``k`` is logical block
+            ``k // num_groups``).
+        null_block_id: the table entry standing for no block (the hybrid manager's
+            ``NULL_BLOCK_ID``), or None when every entry is a block.
+    Raises:
+        RuntimeError: if the host pool's first block is not ``null_block_id``.
 
     Attributes:
         cpu_block_pool: the host ``BlockPool``.
-        cpu_block_tables: request id -> host block ids in logical order, while swapped out.
+        cpu_block_tables: request id -> flat host block ids (null entries kept), while swapped out.
         dev_to_cpu: device block -> the host block holding its copy (a full block swapped out).
         cpu_to_dev: host block -> the device block holding its copy (a full block swapped in).
     """
 
-    def __init__(self, num_cpu_blocks: int, device_pool: BlockPool) -> None:
+    def __init__(self, num_cpu_blocks: int, device_pool: BlockPool, num_groups: int = 1,
+                 null_block_id: int | None = None) -> None:
         self.device_pool = device_pool
         self.cpu_block_pool = BlockPool(num_cpu_blocks)
+        self.num_groups = num_groups
+        self.null_block_id = null_block_id
+        if null_block_id is not None:
+            (null,) = self.cpu_block_pool.get_new_blocks(1)
+            if null != null_block_id:
+                raise RuntimeError(f"the host pool's first block is {null}, expected the null block {null_block_id}")
         self.cpu_block_tables: dict[str, list[int]] = {}
         self.dev_to_cpu: dict[int, int] = {}
         self.cpu_to_dev: dict[int, int] = {}
@@ -72,35 +92,53 @@ class SwapSpace:
         _forget(self.device_pool, device_ids, self.dev_to_cpu, self.cpu_to_dev)
         _forget(self.cpu_block_pool, cpu_ids, self.cpu_to_dev, self.dev_to_cpu)
 
+    def _is_full(self, k: int, num_full: int) -> bool:
+        """Whether table entry ``k`` is one of the first ``num_full`` logical blocks (full)."""
+        return k // self.num_groups < num_full
+
+    def _real(self, table: Iterable[int]) -> list[int]:
+        """The entries of ``table`` that are blocks (null entries dropped)."""
+        return [b for b in table if b != self.null_block_id]
+
     def can_swap_out(self, table: list[int], num_full: int) -> bool:
-        """True when the host pool has room for ``table`` (its first ``num_full`` blocks full;
-        those already copied to the host count once)."""
-        need = sum(1 for i, d in enumerate(table) if not (i < num_full and d in self.dev_to_cpu))
+        """True when the host pool has room for ``table`` (its first ``num_full`` logical blocks
+        full; those already copied to the host count once, null entries not at all)."""
+        need = sum(1 for k, d in enumerate(table)
+                   if d != self.null_block_id and not (self._is_full(k, num_full) and d in self.dev_to_cpu))
         return need <= self.cpu_block_pool.get_num_free_blocks()
 
     def swap_out(self, request_id: str, table: list[int], num_full: int) -> list[tuple[int, int]]:
         """Give the request a host table copying ``table`` and free the device blocks of ``table``.
 
         Call only when ``can_swap_out(table, num_full)``; ``table`` is no longer the caller's.
+        Null entries stay null (no host block, no copy).
 
+        Args:
+            table: the flat device table (``num_groups`` entries per logical block).
+            num_full: the request's full logical blocks (``num_computed_tokens // block_size``).
         Returns:
             (device block, host block) pairs to copy before the next forward.
         """
         cpu = self.cpu_block_pool
         cpu_table, pairs = [], []
-        for i, d in enumerate(table):
-            c = self.dev_to_cpu.get(d) if i < num_full else None
+        for k, d in enumerate(table):
+            if d == self.null_block_id:
+                cpu_table.append(d)
+                continue
+            full = self._is_full(k, num_full)
+            c = self.dev_to_cpu.get(d) if full else None
             if c is not None:
                 cpu.incr_ref([c])
             else:
                 (c,) = cpu.get_new_blocks(1)
                 pairs.append((d, c))
-                if i < num_full:
+                if full:
                     self.dev_to_cpu[d] = c
             cpu_table.append(c)
         self.cpu_block_tables[request_id] = cpu_table
-        self.device_pool.free_blocks(reversed(table))
-        self.forget_freed(device_ids=table)
+        real = self._real(table)
+        self.device_pool.free_blocks(reversed(real))
+        self.forget_freed(device_ids=real)
         return pairs
 
     def swap_in(self, request_id: str, num_full: int, num_extra_blocks: int,
@@ -108,14 +146,15 @@ class SwapSpace:
         """Move a swapped-out request's host table back into device blocks and free its host blocks.
 
         A full block whose device copy is still held (by a sharer that stayed, or one swapped in
-        earlier) is shared again instead of copied; otherwise ``cached_block(i)`` may name a
-        device block holding logical block ``i`` (a prefix-cache hit), taken as well.
+        earlier) is shared again instead of copied; otherwise ``cached_block(k)`` may name a
+        device block holding table entry ``k`` (a prefix-cache hit), taken as well. Null entries
+        stay null.
 
         Args:
-            num_full: the request's full blocks (only those may be shared or taken).
+            num_full: the request's full logical blocks (only those may be shared or taken).
             num_extra_blocks: device blocks the caller allocates right after (its next tokens);
                 counted so that they are free.
-            cached_block: logical index -> a registered device block with its contents, or None.
+            cached_block: flat table index -> a registered device block with its contents, or None.
         Returns:
             (the device table, (host block, device block) pairs to copy before the next forward),
             or ``None`` when the device pool lacks blocks (nothing changes then).
@@ -123,26 +162,29 @@ class SwapSpace:
         pool, cpu_table = self.device_pool, self.cpu_block_tables[request_id]
         on_device = {c: d for d, c in self.dev_to_cpu.items()}
         on_device.update(self.cpu_to_dev)
-        source: list[int | None] = []
-        for i, c in enumerate(cpu_table):
+        source: list[int | None] = []   # the device block each entry takes, None: a new copy
+        for k, c in enumerate(cpu_table):
             d = None
-            if i < num_full:
+            if c == self.null_block_id:
+                d = c
+            elif self._is_full(k, num_full):
                 d = on_device.get(c)
                 if d is None:
-                    d = cached_block(i)
+                    d = cached_block(k)
             source.append(d)
-        num_revived = sum(1 for d in source if d is not None and pool.ref_cnt(d) == 0)
+        taken = self._real(d for d in source if d is not None)
+        num_revived = sum(1 for d in taken if pool.ref_cnt(d) == 0)
         if source.count(None) + num_revived + num_extra_blocks > pool.get_num_free_blocks():
             return None
         # Hits first: a new allocation must not evict a free cached block taken below.
-        pool.touch([d for d in source if d is not None])
+        pool.touch(taken)
         table, pairs = [], []
-        for i, c in enumerate(cpu_table):
-            d = source[i]
+        for k, c in enumerate(cpu_table):
+            d = source[k]
             if d is None:
                 (d,) = pool.get_new_blocks(1)
                 pairs.append((c, d))
-                if i < num_full:
+                if self._is_full(k, num_full):
                     self.cpu_to_dev[c] = d
             table.append(d)
         self.free(request_id)
@@ -150,7 +192,7 @@ class SwapSpace:
 
     def free(self, request_id: str) -> None:
         """Drop the request's host table (if any) and one reference to each of its host blocks."""
-        cpu_table = self.cpu_block_tables.pop(request_id, None)
+        cpu_table = self._real(self.cpu_block_tables.pop(request_id, ()))
         if cpu_table:
             self.cpu_block_pool.free_blocks(cpu_table)
             self.forget_freed(cpu_ids=cpu_table)
@@ -166,8 +208,9 @@ class SwapSpace:
         Raises:
             RuntimeError: with the counts, if a request holds device and host blocks, free + used
                 != total, a host block's ref_cnt differs from the number of host tables holding
-                it, a copy record outlived one of its blocks, or (with ``requests``) a host table
-                is not ``cdiv(num_computed_tokens, block_size)`` blocks long.
+                it (the null block: 1, the pool's own), a copy record outlived one of its blocks
+                or names a null block, or (with ``requests``) a host table is not
+                ``cdiv(num_computed_tokens, block_size)`` logical blocks long.
         """
         both = set(device_tables) & set(self.cpu_block_tables)
         if both:
@@ -175,7 +218,11 @@ class SwapSpace:
         cpu = self.cpu_block_pool
         holders: Counter[int] = Counter()
         for table in self.cpu_block_tables.values():
-            holders.update(table)
+            holders.update(self._real(table))
+        if self.null_block_id is not None:
+            holders[self.null_block_id] = 1   # the host pool's own reference
+            if self.null_block_id in self.dev_to_cpu or self.null_block_id in self.cpu_to_dev:
+                raise RuntimeError("a copy record names the null block")
         used = sum(1 for b in cpu.blocks if b.ref_cnt > 0)
         if used + cpu.get_num_free_blocks() != cpu.num_blocks:
             raise RuntimeError(f"host pool: free ({cpu.get_num_free_blocks()}) + used ({used}) != "
@@ -192,6 +239,6 @@ class SwapSpace:
                 raise RuntimeError(f"copy record host {c} -> device {d} outlived one of its blocks")
         for rid, table in self.cpu_block_tables.items():
             request = None if requests is None else requests.get(rid)
-            if request is not None and len(table) != cdiv(request.num_computed_tokens, block_size):
-                raise RuntimeError(f"swapped request {rid!r}: {len(table)} host blocks for "
-                                   f"{request.num_computed_tokens} computed tokens")
+            if request is not None and len(table) != cdiv(request.num_computed_tokens, block_size) * self.num_groups:
+                raise RuntimeError(f"swapped request {rid!r}: a host table of {len(table)} entries "
+                                   f"({self.num_groups} groups) for {request.num_computed_tokens} computed tokens")

@@ -100,14 +100,15 @@ class LLMEngine:
             self.executor.collective_rpc("init_batch_logits_processors", (self.logits_processor_classes,))
         self.vocab_size = model_cfg.vocab_size
         # Hybrid KV cache: sliding-window layers get their own tables (the workers chose the same).
-        self.kv_cache_groups = kv_cache_groups_for(model_cfg, cache_cfg, sched_cfg,
+        self.kv_cache_groups = kv_cache_groups_for(model_cfg, cache_cfg,
                                                    uses_draft_model=spec is not None and spec.uses_draft_model)
         if self.kv_cache_groups.fallback_reason:
             logger.info("Hybrid KV cache manager off (one block table for all layers): %s",
                         self.kv_cache_groups.fallback_reason)
         if self.kv_cache_groups.is_hybrid:
             self.kv_cache_manager = HybridKVCacheManager(cache_cfg.block_size, self.num_blocks, self.kv_cache_groups,
-                                                         enable_caching=cache_cfg.enable_prefix_caching)
+                                                         enable_caching=cache_cfg.enable_prefix_caching,
+                                                         num_cpu_blocks=self.num_cpu_blocks)
         else:
             self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
                                                    enable_caching=cache_cfg.enable_prefix_caching,

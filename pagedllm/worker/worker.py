@@ -296,7 +296,7 @@ class Worker:
         """[hybrid KV cache] Choose the layer groups (the engine makes the same choice from the same
         configs) and size a block accordingly: a page of this stage's ``num_tensor_pairs`` layers
         when hybrid (``group_size`` with one stage), of every layer of the stage otherwise."""
-        groups = kv_cache_groups_for(self.model_config, self.cache_config, self.scheduler_config,
+        groups = kv_cache_groups_for(self.model_config, self.cache_config,
                                      uses_draft_model=self.draft_model is not None)
         self.kv_cache_groups = groups
         pairs = groups.num_tensor_pairs(*self._stage_layers()) if groups.is_hybrid else self.model.num_layers
@@ -310,8 +310,9 @@ class Worker:
         return start, start + self.model.num_layers
 
     def determine_num_cpu_blocks(self) -> int:
-        """Host blocks for swap preemption: ``swap_space_bytes`` // bytes per block with
-        ``preemption_mode="swap"``, else 0 (no host pool is allocated)."""
+        """Host blocks for swap preemption: ``swap_space_bytes`` // bytes per block (a page of
+        ``num_tensor_pairs`` layers with the hybrid KV cache, whose host block 0 is then the
+        host null block) with ``preemption_mode="swap"``, else 0 (no host pool is allocated)."""
         if self.scheduler_config.preemption_mode != "swap":
             return 0
         return self.cache_config.swap_space_bytes // self.kv_shape.bytes_per_block

@@ -216,3 +216,117 @@ def test_can_admit_counts_the_whole_prompt_and_only_the_window_plus_a_chunk():
     # 8-token chunks: the window group holds cdiv(15, 4) + 1 = 5.
     assert can_admit(44, 8) and not can_admit(48, 8)         # 11 + 5 = 16; 12 + 5 = 17
     assert can_admit(8, 64)                                   # short: min(2, ...) per group
+
+
+# -- swap preemption ---------------------------------------------------------------------------
+
+def _host_free(kv) -> int:
+    return kv.cpu_block_pool.get_num_free_blocks()
+
+
+def test_swap_keeps_only_the_window_and_copies_shared_full_blocks_once():
+    # Group 0 full, group 1 window 8 (block 4). 31 usable device blocks; 12 host blocks, host
+    # block 0 is the host null block: 11 usable.
+    groups = make_kv_cache_groups([None, 8])
+    kv = HybridKVCacheManager(4, 32, groups, enable_caching=True, num_cpu_blocks=12)
+    assert kv.num_cpu_blocks == 12 and _host_free(kv) == 11
+    a = req("a", 14)
+    assert kv.allocate_slots(a, 14) == [1, 2, 3, 4, 5, 6, 7, 8]
+    a.num_computed_tokens = 14
+    kv.cache_blocks(a)                       # logical 0..2 of both groups registered
+    # b shares a's first 12 tokens: a prefix-cache hit of 3 blocks; its sliding group takes only
+    # the window before block 3 (logical 1, 2), logical 0 is null.
+    b = Request("b", list(range(100, 112)) + [1, 2], SamplingParams(), max_tokens=8)
+    hit = kv.get_computed_blocks(b)
+    assert hit.num_computed_tokens == 12 and hit.block_ids == [1, NULL_BLOCK_ID, 3, 4, 5, 6]
+    assert kv.allocate_slots(b, 2, hit) == [9, 10]
+    b.num_computed_tokens = 14
+    reqs = {"a": a, "b": b}
+    kv.check_integrity(reqs)
+    assert kv.num_free_blocks == 31 - 10
+
+    # Swap-out of a at 14 computed tokens: the sliding group's logical 0 (tokens 0-3; the next
+    # query at 14 reads 7..14) is freed first and stays null: 7 real pages -> 7 host blocks.
+    assert kv.can_swap_out(a)
+    assert kv.get_block_table("a") == [1, NULL_BLOCK_ID, 3, 4, 5, 6, 7, 8]
+    assert kv.swap_out(a) == [(1, 1), (3, 2), (4, 3), (5, 4), (6, 5), (7, 6), (8, 7)]
+    assert kv.is_swapped(a) and kv.get_block_table("a") == []
+    assert kv.cpu_block_tables["a"] == [1, NULL_BLOCK_ID, 2, 3, 4, 5, 6, 7]
+    assert _host_free(kv) == 11 - 7
+    assert kv.num_free_blocks == 31 - 10 + 3   # a's 2 (out of the window), 7, 8; b holds the rest
+    kv.check_integrity(reqs)
+
+    # Swap-out of b: its full blocks (shared with a through the prefix cache) are on the host
+    # already: only its own last blocks are copied.
+    assert kv.swap_out(b) == [(9, 8), (10, 9)]
+    assert kv.cpu_block_tables["b"] == [1, NULL_BLOCK_ID, 2, 3, 4, 5, 8, 9]
+    # Host refs: the null block 1 (the pool's own), the shared full pages 2, the last blocks 1.
+    assert [kv.cpu_block_pool.ref_cnt(c) for c in range(10)] == [1, 2, 2, 2, 2, 2, 1, 1, 1, 1]
+    assert _host_free(kv) == 2 and kv.num_free_blocks == 31
+    kv.check_integrity(reqs)
+
+    # With the prefix cache cleared nothing is left on the device: a's swap-in copies its 7
+    # pages into fresh blocks (the free queue's head: 11, 12, ...), b's then shares a's full
+    # ones and copies only its last blocks.
+    assert kv.reset_prefix_cache()
+    assert kv.swap_in(a, 1) == [(1, 11), (2, 12), (3, 13), (4, 14), (5, 15), (6, 16), (7, 17)]
+    assert kv.get_block_table("a") == [11, NULL_BLOCK_ID, 12, 13, 14, 15, 16, 17]
+    assert _host_free(kv) == 4 and kv.num_free_blocks == 31 - 7
+    kv.check_integrity(reqs)
+    assert kv.swap_in(b, 1) == [(8, 18), (9, 19)]
+    assert kv.get_block_table("b") == [11, NULL_BLOCK_ID, 12, 13, 14, 15, 18, 19]
+    assert _host_free(kv) == 11 and kv.num_free_blocks == 31 - 9
+    assert not kv.cpu_block_tables and not kv.swap_space.dev_to_cpu and not kv.swap_space.cpu_to_dev
+    kv.check_integrity(reqs)
+    # The swapped-in tables run on: a's decode at 14 fits its last block.
+    assert kv.allocate_slots(a, 1) == []
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 31 and _host_free(kv) == 11
+    kv.check_integrity({})
+
+
+def test_swap_in_takes_blocks_still_in_the_prefix_cache_and_host_room_counts_real_pages():
+    groups = make_kv_cache_groups([None, 8])
+    # 8 host blocks = the null block + 7: exactly a's real pages at 14 tokens (8 entries, 1 null).
+    kv = HybridKVCacheManager(4, 32, groups, enable_caching=True, num_cpu_blocks=8)
+    small = HybridKVCacheManager(4, 32, groups, enable_caching=True, num_cpu_blocks=7)
+    for m in (kv, small):
+        a = req("a", 14)
+        m.allocate_slots(a, 14)
+        a.num_computed_tokens = 14
+        m.cache_blocks(a)
+    assert not small.can_swap_out(a) and small.get_block_table("a")[1] == NULL_BLOCK_ID
+    with pytest.raises(ValueError, match="host pool cannot take"):
+        small.swap_out(a)
+    small.check_integrity({"a": a})
+    assert kv.can_swap_out(a)
+    assert len(kv.swap_out(a)) == 7 and _host_free(kv) == 0
+    assert kv.num_free_blocks == 31 and kv.swap_space.dev_to_cpu == {}
+    kv.check_integrity({"a": a})
+    # Its full blocks (logical 0..2) are still registered in the free queue: taken back, not
+    # copied; only the partial last blocks (logical 3) are copied, into the queue's head (9, 10).
+    assert kv.swap_in(a, 2) == [(6, 9), (7, 10)]
+    assert kv.get_block_table("a") == [1, NULL_BLOCK_ID, 3, 4, 5, 6, 9, 10]
+    assert kv.num_free_blocks == 31 - 7 and _host_free(kv) == 7
+    kv.check_integrity({"a": a})
+
+
+def test_integrity_check_covers_swapped_tables_per_group():
+    groups = make_kv_cache_groups([None, 8])
+    kv = HybridKVCacheManager(4, 32, groups, num_cpu_blocks=12)
+    a = req("a", 14)
+    kv.allocate_slots(a, 14)
+    a.num_computed_tokens = 14
+    kv.swap_out(a)
+    host = kv.cpu_block_tables["a"]
+    assert host == [1, NULL_BLOCK_ID, 2, 3, 4, 5, 6, 7]
+    kv.check_integrity({"a": a})
+    # The window moved on while swapped (a bookkeeping bug): logical 1 should be null too.
+    a.num_computed_tokens = 16
+    with pytest.raises(RuntimeError, match="group 1: 1 null entries but 2 blocks are out of the window"):
+        kv.check_integrity({"a": a})
+    a.num_computed_tokens = 14
+    host[0], host[1] = NULL_BLOCK_ID, 1    # a full group's entry nulled
+    with pytest.raises(RuntimeError, match="full-attention group 0 holds 1 null entries"):
+        kv.check_integrity({"a": a})

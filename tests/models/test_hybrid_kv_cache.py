@@ -2,8 +2,9 @@
 blocks (block_size 4), prompts several windows long. Greedy float32 output with the hybrid
 manager equals transformers' and the single-table engine's (``disable_hybrid_kv_cache_manager``),
 also with chunked prefill across window edges, prefix-cache hits starting inside and outside the
-window, n > 1 forks and recompute preemption; the fallbacks (swap preemption, the flag) are
-taken and change nothing in the output."""
+window, n > 1 forks, recompute preemption and swap preemption (the hybrid manager kept: the
+sliding group goes to the host with its window only); the fallback (the flag) is taken and
+changes nothing in the output."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_spec import NULL_BLOCK_ID
 
 MAX_NEW = 12
 
@@ -121,11 +123,65 @@ def test_forks_and_preemption_on_a_small_pool(make_tiny_checkpoint):
     assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks
 
 
-def test_swap_preemption_falls_back_to_one_table(make_tiny_checkpoint, caplog):
+def test_swap_preemption_keeps_the_hybrid_manager(make_tiny_checkpoint):
     path = make_tiny_checkpoint("gemma3")
-    prompts = _prompts(_vocab(path))[:2]
-    with caplog.at_level("INFO", logger="pagedllm.engine.llm_engine"):
-        got, engine = _run(path, prompts, preemption_mode="swap", swap_space=0.01)
-    assert type(engine.scheduler.kv_cache_manager) is KVCacheManager
-    assert "preemption_mode='swap' is not supported" in caplog.text
-    assert [o[0] for o in got] == _hf_greedy(path, prompts)
+    prompts = _prompts(_vocab(path))[:2] * 2
+    # The tiny model's greedy tokens barely depend on the context: the sampled tokens' logprobs
+    # (logprobs=0) are compared too.
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, n=2, logprobs=0)
+
+    def run(**kwargs):
+        llm = LLM(path, dtype="float32", max_model_len=96, seed=0, block_size=4, exact_greedy_head="off",
+                  max_num_batched_tokens=16, **kwargs)
+        engine = llm.llm_engine
+        sched, executor, worker = engine.scheduler, engine.executor, engine.executor.driver_worker
+        kv = sched.kv_cache_manager
+        real_schedule, real_execute, real_swap_out, swapped = sched.schedule, executor.execute_model, kv.swap_out, []
+
+        def schedule():   # the pools' integrity (device, host, per group) after every step
+            out = real_schedule()
+            kv.check_integrity(sched.requests)
+            return out
+
+        def execute_model(*args, **kw):
+            # After the step's copies and forward, overwrite every free page no prefix-cache
+            # entry names, device and host: a page swapped in without its copy reads garbage.
+            out = real_execute(*args, **kw)
+            for pool, caches in ((kv.block_pool, worker.kv_caches), (kv.cpu_block_pool, worker.host_kv_caches)):
+                if pool is None:
+                    continue
+                junk = torch.tensor([b.block_id for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is None],
+                                    dtype=torch.long)
+                for k, v in caches:
+                    k[junk] = 100.0
+                    v[junk] = 100.0
+            return out
+
+        def swap_out(request):   # each swap-out: (copied pages, host table)
+            pairs = real_swap_out(request)
+            swapped.append((len(pairs), list(kv.cpu_block_tables[request.request_id])))
+            return pairs
+
+        sched.schedule, executor.execute_model, kv.swap_out = schedule, execute_model, swap_out
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        kv.check_integrity(sched.requests)
+        assert kv.num_free_blocks == kv.num_blocks and not kv.cpu_block_tables
+        tokens = [[c.token_ids for c in o.outputs] for o in outs]
+        logprobs = [lp[t].logprob for o in outs for c in o.outputs for t, lp in zip(c.token_ids, c.logprobs)]
+        return (tokens, logprobs), sched, swapped
+
+    want, sched, _ = run(kv_cache_memory_bytes=4 << 20)
+    assert sched.num_preemptions_total == 0
+    # 40 pages for four prompts of 44 and 30 tokens, n = 2: swap preemption, never recompute.
+    got, sched, swapped = run(num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.01)
+    kv = sched.kv_cache_manager
+    assert type(kv) is HybridKVCacheManager and kv.num_kv_cache_groups == 2 and kv.num_cpu_blocks > 0
+    assert sched.num_preemptions_by_mode["swap"] > 0 and sched.num_preemptions_by_mode["recompute"] == 0
+    assert len(swapped) == sched.num_preemptions_by_mode["swap"]
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    # The sliding group went to the host with its window only (null entries in the host tables
+    # of requests past their first window), and a sample whose fork sibling was swapped out
+    # first copied fewer pages than its real entries (the shared full ones were on the host).
+    assert any(table.count(NULL_BLOCK_ID) > 0 for _, table in swapped)
+    assert any(n < len(table) - table.count(NULL_BLOCK_ID) for n, table in swapped)
