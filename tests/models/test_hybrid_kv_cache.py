@@ -169,22 +169,42 @@ def test_hybrid_equals_transformers_and_single_table(arch, make_tiny_checkpoint,
 
 def test_forks_and_preemption_on_a_small_pool(make_tiny_checkpoint):
     path = make_tiny_checkpoint("gemma3", tie_word_embeddings=False)
-    prompts = _prompts(_vocab(path))
-    expected, expected_lps = _hf_reference(path, prompts[:2])
-    _check_context_dependent(path, prompts[:2], expected)
-    # n = 2 greedy samples fork the prompt's tables (copy-on-write per group), all at once on a
-    # pool too small for both requests' full tables: recompute preemption.
-    llm = LLM(path, dtype="float32", max_model_len=96, seed=0, block_size=4, exact_greedy_head="off",
-              num_gpu_blocks_override=40, max_num_batched_tokens=16)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, n=2, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]] * 2, params, use_tqdm=False)
-    for i, o in enumerate(outs):
-        _assert_same(_samples(o), [expected[i % 2]] * 2, [expected_lps[i % 2]] * 2)
-    sched = llm.llm_engine.scheduler
+    prompts = _prompts(_vocab(path))[:2]   # 44 and 30 tokens: the 30-token one forks a half-full block
+    expected, expected_lps = _hf_reference(path, prompts)
+    _check_context_dependent(path, prompts, expected)
+
+    def run(params: SamplingParams, **kwargs):
+        llm = LLM(path, dtype="float32", max_model_len=96, seed=0, block_size=4, exact_greedy_head="off",
+                  max_num_batched_tokens=16, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts] * 2, params, use_tqdm=False)
+        sched = llm.llm_engine.scheduler
+        sched.kv_cache_manager.check_integrity(sched.requests)
+        assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks
+        return [_samples(o) for o in outs], sched
+
+    # n = 2 samples fork the prompt's tables (copy-on-write per group), all at once on a pool too
+    # small for both requests' full tables: recompute preemption. Greedy: both samples equal
+    # transformers'.
+    small = dict(num_gpu_blocks_override=40)
+    greedy, sched = run(SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, n=2, logprobs=0),
+                        **small)
     assert isinstance(sched.kv_cache_manager, HybridKVCacheManager)
     assert sched.num_preemptions_total > 0
-    sched.kv_cache_manager.check_integrity(sched.requests)
-    assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks
+    for i, samples in enumerate(greedy):
+        _assert_same(samples, [expected[i % 2]] * 2, [expected_lps[i % 2]] * 2)
+    # Greedy samples write the same K/V, so a fork that skipped a copy-on-write would go unseen:
+    # seeded samples (seed + i) diverge from their first token and must equal the single-table
+    # engine's, which copies whole-table blocks.
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=MAX_NEW, ignore_eos=True, n=2, logprobs=0)
+    sampled, sched = run(params, **small)
+    assert isinstance(sched.kv_cache_manager, HybridKVCacheManager) and sched.num_preemptions_total > 0
+    # The 30-token prompt's samples share its half-full last block (positions 28..31) and write
+    # different tokens into it.
+    assert all(sampled[i][0][0][:2] != sampled[i][1][0][:2] for i in (1, 3)), sampled
+    single, sched = run(params, kv_cache_memory_bytes=4 << 20, disable_hybrid_kv_cache_manager=True)
+    assert type(sched.kv_cache_manager) is KVCacheManager
+    for got, want in zip(sampled, single):
+        _assert_same(got, [t for t, _ in want], [lp for _, lp in want])
 
 
 def test_swap_preemption_keeps_the_hybrid_manager(make_tiny_checkpoint):
