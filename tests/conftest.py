@@ -91,6 +91,10 @@ def _tiny_config(arch: str, vocab_size: int):
     raise ValueError(arch)
 
 
+# ``_tiny_config``'s tie_word_embeddings per arch (Gemma 3: its config's default, tied).
+_TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "gemma3": True}
+
+
 @pytest.fixture(scope="session")
 def save_tiny_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
     """Function: (transformers model, name) -> a fresh folder with the model saved in it
@@ -123,6 +127,8 @@ def make_tiny_checkpoint(tiny_tokenizer_dir, save_tiny_checkpoint):
     cache: dict[tuple[str, bool | None], str] = {}
 
     def make(arch: str, tie_word_embeddings: bool | None = None) -> str:
+        if tie_word_embeddings == _TIED_BY_DEFAULT[arch]:
+            tie_word_embeddings = None   # the default checkpoint
         key = (arch, tie_word_embeddings)
         if key in cache:
             return cache[key]
