@@ -91,6 +91,10 @@ def _tiny_config(arch: str, vocab_size: int):
     raise ValueError(arch)
 
 
+# ``_tiny_config``'s tie_word_embeddings per arch (Gemma 3: its config's default, tied).
+_TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "gemma3": True}
+
+
 @pytest.fixture(scope="session")
 def save_tiny_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
     """Function: (transformers model, name) -> a fresh folder with the model saved in it
@@ -108,30 +112,42 @@ def save_tiny_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def make_tiny_checkpoint(tiny_tokenizer_dir, save_tiny_checkpoint):
-    """Factory: arch -> folder with config.json, model.safetensors and the tiny tokenizer.
+    """Factory: (arch, tie_word_embeddings=None) -> folder with config.json, model.safetensors and
+    the tiny tokenizer.
 
     Weights are random (seeded) with a large ``initializer_range`` so greedy near-ties are rare.
+    ``tie_word_embeddings=False`` gives a tied arch (Gemma 3, Qwen 2) its own random LM head: tied,
+    Gemma 3's scaled embedding (x sqrt(hidden)) dominates the residual stream, so its greedy output
+    is the last token repeated, whatever the context or the K/V cache hold. Tests that must see the
+    context (the hybrid KV cache's windows) ask for the untied head; None keeps the arch's default.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    cache: dict[str, str] = {}
+    cache: dict[tuple[str, bool | None], str] = {}
 
-    def make(arch: str) -> str:
-        if arch in cache:
-            return cache[arch]
+    def make(arch: str, tie_word_embeddings: bool | None = None) -> str:
+        if tie_word_embeddings == _TIED_BY_DEFAULT[arch]:
+            tie_word_embeddings = None   # the default checkpoint
+        key = (arch, tie_word_embeddings)
+        if key in cache:
+            return cache[key]
         from transformers import AutoTokenizer
         vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
         torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(_tiny_config(arch, vocab), dtype=torch.float32)
+        config = _tiny_config(arch, vocab)
+        if tie_word_embeddings is not None:
+            config.tie_word_embeddings = tie_word_embeddings
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if arch == "gemma3":
             # Gemma norms init to 0 (weight 1 + 0); give them random offsets so the test sees them.
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     if "norm" in name:
                         p.normal_(0.0, 0.3)
-        cache[arch] = save_tiny_checkpoint(model, arch)
-        return cache[arch]
+        name = arch if tie_word_embeddings is None else f"{arch}_tied{int(tie_word_embeddings)}"
+        cache[key] = save_tiny_checkpoint(model, name)
+        return cache[key]
 
     return make
 

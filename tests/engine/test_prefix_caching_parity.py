@@ -194,20 +194,29 @@ def test_requests_arriving_while_the_prefix_is_prefilled_in_chunks(make_tiny_che
 
 @pytest.mark.parametrize("arch", ["gemma3", "mistral", "qwen3"])
 def test_sliding_window_and_other_archs_share_hits(make_tiny_checkpoint, arch):
-    """Gemma 3 (sliding window 8 < block 16, alternating layers) and Mistral (window 12) read
-    the same block table in every layer: a hit is valid for all of them."""
-    path = make_tiny_checkpoint(arch)
+    """Gemma 3 (sliding window 8 < block 16, alternating layers: the hybrid KV cache's window
+    group) and Mistral (window 12): a hit gives the same tokens and logprobs as a miss. Untied
+    LM heads (tied, the tiny Gemma 3 repeats the last token whatever the K/V hold)."""
+    path = make_tiny_checkpoint(arch, tie_word_embeddings=False)
     on, off = make_llm(path, True), make_llm(path, False)
     counter = PromptTokenCounter(on)
     rng = np.random.default_rng(6)
     system = ids(rng, 3 * BS + 2)
     prompts = [system + ids(rng, n) for n in (3, 11)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
     for batch in ([prompts[0]], prompts, prompts):
-        out_on = on.generate([{"prompt_token_ids": p} for p in batch], greedy(10), use_tqdm=False)
-        out_off = off.generate([{"prompt_token_ids": p} for p in batch], greedy(10), use_tqdm=False)
+        out_on = on.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        out_off = off.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         assert token_ids(out_on) == token_ids(out_off)
+        for a, b in zip(out_on, out_off):
+            want = [lp[t].logprob for t, lp in zip(b.outputs[0].token_ids, b.outputs[0].logprobs)]
+            got = [lp[t].logprob for t, lp in zip(a.outputs[0].token_ids, a.outputs[0].logprobs)]
+            assert got == pytest.approx(want, abs=1e-4)
         counter.take(out_on)
     assert [o.num_cached_tokens for o in out_on] == [3 * BS, 3 * BS]
+    # The outputs depend on the context: not one repeated token, different for the two prompts.
+    tokens = token_ids(out_on)
+    assert all(len(set(t)) > 1 for t in tokens) and tokens[0] != tokens[1], tokens
 
 
 def test_prompt_logprobs_requests_skip_the_cache(pair):
