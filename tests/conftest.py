@@ -201,3 +201,19 @@ def default_model_reference() -> dict:
 
     path = Path(__file__).resolve().parent / "golden" / "default_model.json"
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup`` (the README's test command): every test marked ``multiprocess``
+    (rank, replica or server processes of a tiny checkpoint, up to ~2.5 GiB summed RSS) joins one
+    group, so one xdist worker runs them one at a time while the other takes the rest; every other
+    test is grouped by its file, as ``--dist loadfile`` does (module fixtures built once). The
+    group goes first so that the longest unit of work starts at once. Other modes: untouched."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            name = "multiprocess" if item.get_closest_marker("multiprocess") else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(name))
+    items.sort(key=lambda item: item.get_closest_marker("multiprocess") is None)

@@ -54,7 +54,7 @@ def test_dead_replica_is_out_of_rotation():
         lb.choose([1])
 
 
-@pytest.mark.slow   # spawns replica processes (~15 s each start on two shared cores)
+@pytest.mark.multiprocess   # spawns replica processes (~15 s each start on two shared cores)
 @pytest.mark.timeout(300)
 def test_offline_llm_dp2_equals_dp1_and_spreads_the_batch(make_tiny_checkpoint):
     from pagedllm.entrypoints.llm import LLM

@@ -25,6 +25,9 @@ from pagedllm.executor.multiproc import threads_per_rank
 
 from parallel_utils import PROMPTS, assert_same_outputs, run_requests, tiny_engine
 
+# Every test here but the default model's starts rank processes: one at a time (conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 MAX_TOKENS = 12
 
 
@@ -64,12 +67,11 @@ _REFERENCE: dict[str, dict] = {}
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch,tp,pp", [
     ("llama_1kv", 2, 1),    # query heads split, the one KV head replicated
-    # The rest start more worker processes than the fast tier affords (marked slow; full suite only).
-    pytest.param("gemma3", 2, 1, marks=pytest.mark.slow),     # KV heads split; tied vocab-parallel head
-    pytest.param("llama_1kv", 1, 2, marks=pytest.mark.slow),  # untied head on the last stage
+    ("gemma3", 2, 1),       # KV heads split; tied vocab-parallel head
+    ("llama_1kv", 1, 2),    # untied head on the last stage
     ("gemma3", 1, 2),       # tied embedding on the first and the last stage
-    pytest.param("gemma3", 2, 2, marks=pytest.mark.slow),     # 4 ranks (1 thread each on 2 cores)
-    pytest.param("qwen2", 2, 1, marks=pytest.mark.slow),      # q/k/v biases split with their rows
+    ("gemma3", 2, 2),       # 4 ranks (1 thread each on 2 cores)
+    ("qwen2", 2, 1),        # q/k/v biases split with their rows
 ], ids=["llama-tp2", "gemma3-tp2", "llama-pp2", "gemma3-pp2", "gemma3-tp2-pp2", "qwen2-tp2"])
 def test_parallel_engine_equals_single_process(make_tiny_checkpoint, llama_one_kv_head, hf_greedy, arch, tp, pp,
                                                caplog, capfd):
@@ -117,7 +119,7 @@ _HYBRID_REFERENCE: dict[str, dict] = {}
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp,pp,partition", [
     (1, 2, "1,3"),   # stage 0: one sliding layer (no full-attention layer), stage 1: 2 + 1
-    pytest.param(2, 1, None, marks=pytest.mark.slow),   # every rank holds every layer: same groups
+    (2, 1, None),    # every rank holds every layer: same groups
 ], ids=["pp2", "tp2"])
 def test_hybrid_kv_cache_split_over_ranks(make_tiny_checkpoint, hf_greedy, tp, pp, partition):
     """Tiny Gemma 3 (sliding, full, sliding, full; window 8 = two 4-token blocks) with the hybrid KV
@@ -247,7 +249,6 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_signal_to_the_engine_process_ends_every_rank(llama_one_kv_head, tmp_path, sig):
@@ -363,7 +364,6 @@ def test_default_model_split_two_ways_equals_transformers(default_model_referenc
     assert not any(p.is_alive() for p in processes)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_async_engine_fails_requests_when_a_worker_dies(llama_one_kv_head):
     """Through ``AsyncLLM`` (the server's engine): the request running when rank 1 dies gets an

@@ -42,7 +42,7 @@ def local_ray_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.mark.slow   # a Ray cluster and two actors: ~30 s and 1.7 GiB summed RSS (docs/distributed.md)
+@pytest.mark.multiprocess   # a Ray cluster and two actors: ~30 s and 1.7 GiB summed RSS (docs/distributed.md)
 @pytest.mark.timeout(300)
 def test_tp2_through_ray_equals_single_process(make_tiny_checkpoint, local_ray_cluster):
     from pagedllm.executor.ray_executor import RayDistributedExecutor

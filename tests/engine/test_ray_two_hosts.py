@@ -178,7 +178,9 @@ def _ray_start(ns: str, veth: str, temp_dir: str, *args: str) -> subprocess.Pope
     return proc
 
 
-@pytest.mark.slow   # two Ray nodes, two actors, one engine process: see docs/distributed.md for time and memory
+# Two Ray nodes, two actors, one engine process: 2.5 GiB summed RSS, too much beside the parallel
+# tier's other worker, so the serial tier (docs/distributed.md).
+@pytest.mark.slow
 @pytest.mark.timeout(2 * RAY_START_TIMEOUT_S + DRIVER_TIMEOUT_S + 120)
 def test_tp2_across_two_namespaced_hosts_equals_tp1(make_tiny_checkpoint):
     reason = _namespaces_unavailable()

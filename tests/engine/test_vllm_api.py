@@ -648,7 +648,7 @@ def test_argmax_invariant_processors_run_after_temperature_on_random_rows_only(m
     top1.llm_engine.shutdown()
 
 
-@pytest.mark.slow   # spawns two replica processes
+@pytest.mark.multiprocess   # spawns two replica processes
 @pytest.mark.timeout(300)
 def test_data_parallel_reset_and_profile_reach_every_replica(make_tiny_checkpoint, tmp_path):
     trace_dir = tmp_path / "dp_traces"

@@ -278,7 +278,7 @@ def test_enable_expert_parallel_flag_changes_nothing_for_a_dense_model(make_tiny
 
 # -- load_format, collective_rpc -------------------------------------------------------------
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.multiprocess)])
 def test_dummy_weights_then_reload_weights_gives_the_real_model(make_tiny_checkpoint, tp):
     ckpt = make_tiny_checkpoint("llama")
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -68,7 +68,7 @@ def test_model_without_chat_template_gets_400(asgi_run, state):
     assert "--chat-template" in response.json()["error"]["message"]
 
 
-@pytest.mark.slow   # spawns the engine-core process
+@pytest.mark.multiprocess   # spawns the engine-core process
 def test_engine_process_serves_and_logs_its_stats_line(asgi_run, make_tiny_checkpoint, caplog):
     """``pagedllm serve``'s default layout: the engine in its own process; the periodic stats
     line still comes (from the stats that arrive with the outputs) and the answers are the

@@ -41,7 +41,7 @@ def _replicas(server) -> list[psutil.Process]:
     return sorted((p for p in children if "spawn_main" in " ".join(p.cmdline())), key=lambda p: p.pid)
 
 
-@pytest.mark.slow   # spawns replica processes (~15 s each start on two shared cores)
+@pytest.mark.multiprocess   # spawns replica processes (~15 s each start on two shared cores)
 @pytest.mark.timeout(400)
 def test_dp2_spreads_32_clients_and_equals_dp1(make_tiny_checkpoint, launch_server):
     folder = make_tiny_checkpoint("llama")
@@ -83,7 +83,7 @@ def _beam_searches(server) -> list:
     return out
 
 
-@pytest.mark.slow   # spawns replica processes (~15 s each start on two shared cores)
+@pytest.mark.multiprocess   # spawns replica processes (~15 s each start on two shared cores)
 @pytest.mark.timeout(400)
 def test_killed_replica_fails_its_requests_others_keep_serving(make_tiny_checkpoint, launch_server):
     folder = make_tiny_checkpoint("llama")

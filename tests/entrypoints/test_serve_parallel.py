@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.multiprocess
 
 PROMPT = [7, 11, 13, 200, 17, 3, 40, 41, 42, 50]
 # One thread per rank: four ranks (tp 2 x pp 2, dp 2 x tp 2) on two cores.
@@ -165,6 +165,7 @@ def test_dead_replica_metrics_stop_reporting_running_requests(reference, launch_
     assert httpx.get(server.url + "/health").json()["status"] == "degraded"
 
 
+@pytest.mark.slow   # the default model in several processes: the serial tier
 @pytest.mark.timeout(900)
 def test_serve_tp2_on_the_default_model_equals_transformers(default_model_reference, launch_server):
     """`pagedllm serve --tensor-parallel-size 2` on the default model (Gemma 3 270M, float32):

@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.multiprocess
 
 NUM_PROMPTS = 2500       # one request, more prompts than the old 1,000 + 1,000 message queues held
 NUM_SEPARATE = 300       # and this many requests of one prompt each, at the same time

@@ -54,7 +54,7 @@ def test_serve_with_speculative_config(reference, launch_server):
     assert server.terminate() == 0
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_serve_tensor_parallel_with_speculative_config(reference, launch_server):
     folder, want = reference
     server = launch_server(_args(folder, "--tensor-parallel-size", "2"), "spec_tp2", module="pagedllm.entrypoints.cli",

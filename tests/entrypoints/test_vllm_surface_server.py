@@ -16,7 +16,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.openai.api_server import build_app, build_state, default_served_model_names
 
 
-@pytest.fixture(scope="module", params=[False, pytest.param(True, marks=pytest.mark.slow)],
+@pytest.fixture(scope="module", params=[False, pytest.param(True, marks=pytest.mark.multiprocess)],
                 ids=["in-process", "engine-process"])
 def state(request, make_tiny_checkpoint):
     args = EngineArgs(model=make_tiny_checkpoint("llama"), dtype="float32", max_model_len=256,

@@ -56,7 +56,7 @@ def test_one_slot_three_adapters_loaded_and_removed_under_traffic(llama_lora, ca
     assert "LoRA adapter 'a0' (id 1, r=8, 21 modules) loaded from" in caplog.text
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_tensor_parallel_two_ranks_equal_peft(llama_lora):
     engine = LLMEngine(EngineArgs(**lora_engine_args(llama_lora["base"], max_loras=2, tensor_parallel_size=2,

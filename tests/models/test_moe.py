@@ -245,6 +245,7 @@ def test_grouped_kernel_experts_equal_a_per_token_reference(mode, moe_checkpoint
     assert (got - want).abs().max().item() < 2e-2 * scale, ((got - want).abs().max().item(), scale)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,expert_parallel", [("qwen2_moe", False), ("qwen2_moe", True), ("olmoe", True)],
                          ids=["qwen2_moe-tp2", "qwen2_moe-tp2-ep", "olmoe-tp2-ep"])
