@@ -27,19 +27,20 @@ SUPPORTED_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 # "int4_weight_only" quantize only the weights (CPU, float activations; layers/weight_only.py).
 SUPPORTED_QUANTIZATION = (None, "gguf", "int8", "int8_weight_only", "int4_weight_only")
 WEIGHT_ONLY_QUANTIZATION = ("int8_weight_only", "int4_weight_only")
-# ``ModelConfig.attention_backend``: "auto" or a backend of ``attention/backends`` (kept in sync
+# ``KernelConfig.attention_backend``: "auto" or a backend of ``attention/backends`` (kept in sync
 # with ``attention.backends.BACKEND_NAMES``; config.py imports no torch).
 SUPPORTED_ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_sdpa", "cpu_paged")
-# ``ModelConfig.cpu_gemm``: the CPU float32 linear kernel (``platforms.cpu.CpuGemm``, checked by ``parse_cpu_gemm``).
+# ``KernelConfig.cpu_gemm``: the CPU float32 linear kernel (``platforms.cpu.CpuGemm``, checked by ``parse_cpu_gemm``).
 SUPPORTED_CPU_GEMMS = tuple(g.value for g in CpuGemm)
-# ``ModelConfig.cpu_isa``: "auto" or a CPU code path (``platforms.cpu.CpuIsa``, checked by ``parse_cpu_isa``).
+# ``KernelConfig.cpu_isa``: "auto" or a CPU code path (``platforms.cpu.CpuIsa``, checked by ``parse_cpu_isa``).
 SUPPORTED_CPU_ISAS = ("auto",) + tuple(i.value for i in CpuIsa)
-# ``ModelConfig.cpu_bf16_gemm``: the bf16 linear kernel (``layers.bf16_gemm.BF16_KERNELS``, kept in sync).
+# ``KernelConfig.cpu_bf16_gemm``: the bf16 linear kernel (``layers.bf16_gemm.BF16_KERNELS``, kept in sync).
 SUPPORTED_CPU_BF16_GEMMS = ("auto", "amx_bf16", "avx512_bf16", "onednn")
-# ``ModelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
+# ``KernelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
 SUPPORTED_LOAD_FORMATS = ("auto", "dummy")   # vLLM's names; dummy: random weights
-SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")   # sample/greedy_head.py EXACT_GREEDY_HEAD_MODES
+# ``KernelConfig.exact_greedy_head`` (``sample/greedy_head.py`` EXACT_GREEDY_HEAD_MODES).
+SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")
 # RoPE scaling types ``layers/rotary.compute_inv_freq`` implements (transformers' names; "su" is
 # Phi-3's old name of "longrope"). "dynamic" (NTK) and "longrope" pick their frequencies from each
 # batch's longest sequence in transformers; implemented where that choice is fixed
@@ -461,6 +462,71 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """Which CPU kernels a worker runs: the settings ``worker/kernel_plan.py`` chooses its plan
+    from and the models build their attention layers and fused ops with (not the model itself:
+    ``ModelConfig`` says which weights, this says how to multiply them). ``EngineArgs`` builds it
+    from its fields of the same names; each default below is ``EngineArgs``'s when the
+    environment variable named is unset.
+
+    Attributes:
+        attention_backend: what the attention layers use: "auto" (the C++ paged kernel,
+            ``cpu_paged``) or one of ``SUPPORTED_ATTENTION_BACKENDS`` (``attention/backends``);
+            default "auto", ``EngineArgs`` reads ``$PAGEDLLM_ATTENTION_BACKEND``.
+        cpu_gemm: CPU float32 linear kernel, "onednn" (packed weights) or "torch" (``F.linear``);
+            default "onednn", ``EngineArgs`` reads ``$PAGEDLLM_CPU_GEMM``.
+        cpu_isa: the CPU code path, "auto" (the best the CPU's flags allow) or one of
+            ``platforms.cpu.CpuIsa`` ("portable", "avx2", "avx512", "avx512_bf16"): the
+            paged-attention kernel's micro-kernels, and with them what ``dtype="auto"`` means;
+            default "auto", ``EngineArgs`` reads ``$PAGEDLLM_CPU_ISA``.
+        cpu_bf16_gemm: the CPU bfloat16 linear kernel: "auto" (the AMX GEMM on AMX CPUs, else the
+            AVX-512 BF16 GEMM, else oneDNN: ``layers.bf16_gemm.bf16_kernel_for``), or "amx_bf16" /
+            "avx512_bf16" / "onednn" to force one (comparisons; oneDNN is not batch-invariant on
+            AMX); default "auto", ``EngineArgs`` reads ``$PAGEDLLM_CPU_BF16_GEMM``.
+        cpu_fused_ops: "auto" (CPU float32 / bfloat16 models run the fused C++ norms, residual
+            adds, q/k norm + RoPE and gated activations of ``layers/fused_ops.py`` when the
+            extension builds) or "off" (the eager torch ops everywhere); default "auto" (no
+            environment variable).
+        exact_greedy_head: "auto" or "off". "auto": where it is cheaper (``sample/greedy_head.py``
+            ``choose_greedy_head``: a float32 model on a CPU with native bf16, at most
+            ``BF16_MAX_ROWS`` plain greedy rows in the step), plain greedy rows take the argmax of
+            the exact head through a bf16 pass + proven bound + exact re-score instead of the
+            float32 head's argmax (+V x hidden x 2 bytes for the bf16 copy); "off": the full head.
+            Default "auto" (no environment variable). A draft model (``spec_decode``) never has one.
+    Raises:
+        ValueError: from ``__post_init__``, for a value outside its ``SUPPORTED_*`` tuple:
+            ``attention_backend`` (naming ``$PAGEDLLM_ATTENTION_BACKEND``), ``cpu_gemm`` (naming
+            ``$PAGEDLLM_CPU_GEMM``, ``platforms.cpu.parse_cpu_gemm``), ``cpu_isa`` (naming
+            ``$PAGEDLLM_CPU_ISA``, ``platforms.cpu.parse_cpu_isa``), ``cpu_bf16_gemm`` (naming
+            ``$PAGEDLLM_CPU_BF16_GEMM``), ``cpu_fused_ops``, ``exact_greedy_head``. A forced
+            ``cpu_isa`` this CPU lacks is not checked here (the kernel plan raises it, on the rank
+            that runs it).
+    """
+
+    attention_backend: str = "auto"
+    cpu_gemm: str = "onednn"
+    cpu_isa: str = "auto"
+    cpu_bf16_gemm: str = "auto"
+    cpu_fused_ops: str = "auto"
+    exact_greedy_head: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in SUPPORTED_ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend (${envs.PAGEDLLM_ATTENTION_BACKEND}) must be one of "
+                             f"{SUPPORTED_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        parse_cpu_gemm(self.cpu_gemm)   # ValueError naming $PAGEDLLM_CPU_GEMM
+        parse_cpu_isa(self.cpu_isa)     # ValueError naming $PAGEDLLM_CPU_ISA
+        if self.cpu_bf16_gemm not in SUPPORTED_CPU_BF16_GEMMS:
+            raise ValueError(f"cpu_bf16_gemm (${envs.PAGEDLLM_CPU_BF16_GEMM}) must be one of "
+                             f"{SUPPORTED_CPU_BF16_GEMMS}, got {self.cpu_bf16_gemm!r}")
+        if self.cpu_fused_ops not in SUPPORTED_CPU_FUSED_OPS:
+            raise ValueError(f"cpu_fused_ops must be one of {SUPPORTED_CPU_FUSED_OPS}, got {self.cpu_fused_ops!r}")
+        if self.exact_greedy_head not in SUPPORTED_EXACT_GREEDY_HEAD:
+            raise ValueError(f"exact_greedy_head must be one of {SUPPORTED_EXACT_GREEDY_HEAD}, "
+                             f"got {self.exact_greedy_head!r}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Which weights and how to run them.
 
@@ -480,29 +546,9 @@ class ModelConfig:
             group-wise weights, activations not quantized, ``layers/weight_only.py``).
         model_folder: the Hugging Face-style folder the weights and config.json are read from
             (the engine resolves ``model`` into it); ``None`` before resolution.
-        attention_backend: what the attention layers use, "auto" = the C++ paged kernel (see
-            ``attention/backends``); ``EngineArgs`` defaults it to ``$PAGEDLLM_ATTENTION_BACKEND``.
-        cpu_gemm: CPU float32 linear kernel, "onednn" (packed weights) or "torch" (``F.linear``);
-            ``EngineArgs`` defaults it to ``$PAGEDLLM_CPU_GEMM``.
-        cpu_isa: the CPU code path, "auto" (the best the CPU's flags allow) or one of
-            ``platforms.cpu.CpuIsa`` ("portable", "avx2", "avx512", "avx512_bf16"): the
-            paged-attention kernel's micro-kernels, and with them what ``dtype="auto"`` means;
-            ``EngineArgs`` defaults it to ``$PAGEDLLM_CPU_ISA``.
-        cpu_bf16_gemm: the CPU bfloat16 linear kernel: "auto" (the AMX GEMM on AMX CPUs, else the
-            AVX-512 BF16 GEMM, else oneDNN: ``layers.bf16_gemm.bf16_kernel_for``), or "amx_bf16" /
-            "avx512_bf16" / "onednn" to force one (comparisons; oneDNN is not batch-invariant on
-            AMX); ``EngineArgs`` defaults it to ``$PAGEDLLM_CPU_BF16_GEMM``.
-        cpu_fused_ops: "auto" (CPU float32 / bfloat16 models run the fused C++ norms, residual
-            adds, q/k norm + RoPE and gated activations of ``layers/fused_ops.py`` when the
-            extension builds) or "off" (the eager torch ops everywhere).
         load_format: "auto" (the checkpoint's weights) or "dummy" (vLLM's: every weight drawn
             uniformly from [-1e-3, 1e-3], e.g. to start an engine whose real weights come later
             through ``reload_weights``; the checkpoint still fixes the shapes).
-        exact_greedy_head: "auto" or "off". "auto": where it is cheaper (``sample/greedy_head.py``
-            ``choose_greedy_head``: a float32 model on a CPU with native bf16, at most
-            ``BF16_MAX_ROWS`` plain greedy rows in the step), plain greedy rows take the argmax of
-            the exact head through a bf16 pass + proven bound + exact re-score instead of the
-            float32 head's argmax (+V x hidden x 2 bytes for the bf16 copy); "off": the full head.
 
     Architecture (from config.json through ``hf_architecture_fields``; ``ModelConfig.from_hf_config``;
     unset (0 / empty) until then): ``architectures``, ``model_type``, ``vocab_size`` (tokens),
@@ -533,12 +579,6 @@ class ModelConfig:
     device: str | None = None
     quantization: str | None = None
     model_folder: str | None = None
-    attention_backend: str = "auto"
-    cpu_gemm: str = "onednn"
-    cpu_isa: str = "auto"
-    cpu_bf16_gemm: str = "auto"
-    cpu_fused_ops: str = "auto"
-    exact_greedy_head: str = "auto"
     load_format: str = "auto"
     architectures: tuple[str, ...] = ()
     model_type: str = ""
@@ -603,21 +643,8 @@ class ModelConfig:
             if (self.device or "cpu") != "cpu":
                 raise ValueError(f"quantization={self.quantization!r} runs on the CPU only (torch's CPU "
                                  f"weight-only kernels); device={self.device!r}")
-        if self.attention_backend not in SUPPORTED_ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend (${envs.PAGEDLLM_ATTENTION_BACKEND}) must be one of "
-                             f"{SUPPORTED_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        parse_cpu_gemm(self.cpu_gemm)   # ValueError naming $PAGEDLLM_CPU_GEMM
-        parse_cpu_isa(self.cpu_isa)     # ValueError naming $PAGEDLLM_CPU_ISA
-        if self.cpu_bf16_gemm not in SUPPORTED_CPU_BF16_GEMMS:
-            raise ValueError(f"cpu_bf16_gemm (${envs.PAGEDLLM_CPU_BF16_GEMM}) must be one of "
-                             f"{SUPPORTED_CPU_BF16_GEMMS}, got {self.cpu_bf16_gemm!r}")
-        if self.cpu_fused_ops not in SUPPORTED_CPU_FUSED_OPS:
-            raise ValueError(f"cpu_fused_ops must be one of {SUPPORTED_CPU_FUSED_OPS}, got {self.cpu_fused_ops!r}")
         if self.load_format not in SUPPORTED_LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {SUPPORTED_LOAD_FORMATS}, got {self.load_format!r}")
-        if self.exact_greedy_head not in SUPPORTED_EXACT_GREEDY_HEAD:
-            raise ValueError(f"exact_greedy_head must be one of {SUPPORTED_EXACT_GREEDY_HEAD}, "
-                             f"got {self.exact_greedy_head!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -642,18 +669,21 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class VllmConfig:
-    """vLLM's ``VllmConfig`` as far as pagedllm has one: what a class-based logits processor is
+    """vLLM's ``VllmConfig`` as far as pagedllm has one: every engine component's config, as
+    ``EngineArgs.create_engine_config`` builds them, and what a class-based logits processor is
     built with (``sample/logits_processor.py``; vLLM's examples import it from ``vllm.config``).
 
     Attributes:
         model_config, cache_config, scheduler_config (``max_num_seqs``: most rows),
-        parallel_config: the engine's configs above.
+        parallel_config, kernel_config: the engine's configs above (``EngineArgs.create_engine_config``
+            returns them in one).
     """
 
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+    kernel_config: KernelConfig
 
 
 def __getattr__(name: str):

@@ -5,7 +5,7 @@ Source: PagedAttention (Kwon et al., SOSP 2023). Sliding windows follow Hugging 
 
 Backends (``pagedllm.attention.backends``): ``cpu_paged`` (C++ kernel reading K/V in place through
 the block table), ``cpu_sdpa`` (gather + ``F.scaled_dot_product_attention``), ``torch_ref`` (the
-readable oracle). Models pass ``ModelConfig.attention_backend`` (``EngineArgs`` defaults it to
+readable oracle). Models pass ``KernelConfig.attention_backend`` (``EngineArgs`` defaults it to
 ``$PAGEDLLM_ATTENTION_BACKEND``, e.g. ``cpu_sdpa`` to run a whole model on the gather path).
 
 Usage (per layer)::
@@ -46,7 +46,7 @@ class Attention:
             ``"cpu_paged"`` (the C++ kernel on CPU tensors; it hands other devices, and every
             call when the kernel cannot be built, to ``"cpu_sdpa"``). See docs/performance.md for the measurements.
         cpu_isa: the C++ kernel's code path, "auto" (the best the CPU's flags allow) or a
-            ``platforms.cpu.CpuIsa`` name (``ModelConfig.cpu_isa``).
+            ``platforms.cpu.CpuIsa`` name (``KernelConfig.cpu_isa``).
     Raises:
         ValueError: on a non-positive size, ``num_heads % num_kv_heads != 0``, a non-positive
             window or soft cap, or an unknown backend.

@@ -111,7 +111,8 @@ def _cmd_throughput(ns) -> int:
     requests = build_requests(ns.dataset, ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
                               ns.dataset_seed, engine.vocab_size, engine.max_model_len)
     dtype = str(choose_dtype(engine.model_config.dtype, engine.model_config,
-                             resolve_device(engine.model_config.device))[0]).replace("torch.", "")
+                             resolve_device(engine.model_config.device), engine.kernel_config.cpu_isa)[0]
+                ).replace("torch.", "")
     logger.info("throughput: %d requests (%d output tokens) from %s, dtype %s", len(requests),
                 sum(r.max_tokens for r in requests), ns.dataset, dtype)
     if ns.structured_output:

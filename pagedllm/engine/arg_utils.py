@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 from pagedllm import envs
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-                             SUPPORTED_QUANTIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+                             SUPPORTED_QUANTIZATION, CacheConfig, KernelConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, VllmConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,9 @@ class EngineArgs:
             "avx512" / "avx512_bf16" (``platforms/cpu.py``; forces the attention kernel's path and
             with it what ``dtype="auto"`` means); default ``$PAGEDLLM_CPU_ISA`` or "auto".
         cpu_bf16_gemm: the bf16 linear kernel, "auto" or "amx_bf16" / "avx512_bf16" / "onednn"
-            (``ModelConfig.cpu_bf16_gemm``); default ``$PAGEDLLM_CPU_BF16_GEMM`` or "auto".
+            (``KernelConfig.cpu_bf16_gemm``); default ``$PAGEDLLM_CPU_BF16_GEMM`` or "auto".
         exact_greedy_head: "auto" (plain greedy rows through the cheaper exact head where it
-            pays, ``sample/greedy_head.py``) or "off" (``ModelConfig.exact_greedy_head``).
+            pays, ``sample/greedy_head.py``) or "off" (``KernelConfig.exact_greedy_head``).
         load_format: "auto" or "dummy" (random weights; ``ModelConfig.load_format``).
         enable_trace_replay: accept requests with ``SamplingParams.trace_decode_token_ids``
             (vLLM's trace replay: the given tokens are emitted, their logprobs are the model's).
@@ -212,8 +213,11 @@ class EngineArgs:
 
     def create_engine_config(self, model_max_len: int | None = None, hf_config: dict[str, Any] | None = None,
                              model_folder: str | None = None
-                             ) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
-        """Validate and split into component configs.
+                             ) -> VllmConfig:
+        """Validate and split into component configs (vLLM's ``create_engine_config``): the
+        ``VllmConfig`` of ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``,
+        ``ParallelConfig`` and ``KernelConfig`` (``attention_backend``, ``cpu_gemm``, ``cpu_isa``,
+        ``cpu_bf16_gemm``, ``cpu_fused_ops``, ``exact_greedy_head``).
 
         Args:
             model_max_len: the model's context length in tokens; None = ``hf_config``'s
@@ -265,9 +269,10 @@ class EngineArgs:
         model = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                             max_model_len=max_model_len, seed=self.seed, device=self.device,
                             quantization=self.quantization, model_folder=model_folder,
-                            attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm,
-                            cpu_isa=self.cpu_isa, cpu_bf16_gemm=self.cpu_bf16_gemm, cpu_fused_ops=self.cpu_fused_ops,
-                            exact_greedy_head=self.exact_greedy_head, load_format=self.load_format, **arch)
+                            load_format=self.load_format, **arch)
+        kernel = KernelConfig(attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm, cpu_isa=self.cpu_isa,
+                              cpu_bf16_gemm=self.cpu_bf16_gemm, cpu_fused_ops=self.cpu_fused_ops,
+                              exact_greedy_head=self.exact_greedy_head)
         space = None if self.cpu_kvcache_space is None else int(float(self.cpu_kvcache_space) * (1 << 30))
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -286,7 +291,7 @@ class EngineArgs:
         if arch:  # before any weight loads: the model must split this way
             parallel.check_model(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size,
                                  model.num_hidden_layers, model.num_experts, model.moe_intermediate_size)
-        return model, cache, sched, parallel
+        return VllmConfig(model, cache, sched, parallel, kernel)
 
     def create_profiler_config(self):
         """The ``profiler.ProfilerConfig`` of ``profiler_config`` (disabled when None).
@@ -382,7 +387,7 @@ class EngineArgs:
 
     def _check_env_settings(self) -> None:
         """Parse the env-fed field that needs it before ``CacheConfig`` (``attention_backend``,
-        ``cpu_gemm`` and ``cpu_isa`` are checked by ``ModelConfig``, naming their variables).
+        ``cpu_gemm``, ``cpu_isa`` and ``cpu_bf16_gemm`` are checked by ``KernelConfig``, naming their variables).
 
         Raises:
             ValueError: naming the field and its environment variable.

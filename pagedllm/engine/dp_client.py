@@ -114,10 +114,13 @@ class EngineCoreClient:
         self.num_replicas = engine_args.data_parallel_size
         files = resolve_model(engine_args.model)   # a GGUF is converted once, here, before the replicas
         self.model_files = files
-        model_cfg, cache_cfg, sched_cfg, parallel_cfg = engine_args.create_engine_config(
-            hf_config=load_config(files.folder), model_folder=files.folder)
+        self.vllm_config = engine_args.create_engine_config(hf_config=load_config(files.folder),
+                                                            model_folder=files.folder)
+        model_cfg, cache_cfg, sched_cfg = (self.vllm_config.model_config, self.vllm_config.cache_config,
+                                           self.vllm_config.scheduler_config)
+        parallel_cfg = self.vllm_config.parallel_config
         self.model_config, self.cache_config, self.scheduler_config = model_cfg, cache_cfg, sched_cfg
-        self.parallel_config = parallel_cfg
+        self.parallel_config, self.kernel_config = parallel_cfg, self.vllm_config.kernel_config
         self.tokenizer = Tokenizer.from_pretrained(engine_args.tokenizer or files.folder)
         self.vocab_size = model_cfg.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,

@@ -61,13 +61,15 @@ class LLMEngine:
         self.lora_config = args.create_lora_config()   # [LoRA] None without enable_lora
         files = resolve_model(args.model)
         self.model_files = files
-        model_cfg, cache_cfg, sched_cfg, parallel_cfg = args.create_engine_config(
-            hf_config=load_config(files.folder), model_folder=files.folder)
+        self.vllm_config = args.create_engine_config(hf_config=load_config(files.folder), model_folder=files.folder)
+        model_cfg, cache_cfg, sched_cfg = (self.vllm_config.model_config, self.vllm_config.cache_config,
+                                           self.vllm_config.scheduler_config)
+        parallel_cfg, kernel_cfg = self.vllm_config.parallel_config, self.vllm_config.kernel_config
         if parallel_cfg.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={parallel_cfg.data_parallel_size}: one LLMEngine is one replica; "
                              "LLM(...) and pagedllm serve start the replicas (engine/dp_client.py)")
         self.model_config, self.cache_config, self.scheduler_config = model_cfg, cache_cfg, sched_cfg
-        self.parallel_config = parallel_cfg
+        self.parallel_config, self.kernel_config = parallel_cfg, kernel_cfg
         executor_class = executor_class or Executor.get_class(parallel_cfg)
         # The tokenizer (a 33 MB tokenizer.json for Gemma) loads in a thread while the weights load:
         # in parallel with worker processes; with the in-process worker hardly at all, since the
@@ -84,7 +86,7 @@ class LLMEngine:
             tokenizer_future = pool.submit(Tokenizer.from_pretrained, args.tokenizer or files.folder)
             if draft_cfg is not None and spec.method == "draft_model":
                 check_draft_tokenizer(tokenizer_future.result(), draft_cfg.model_folder, spec.model)
-            self.executor = executor_class(model_cfg, cache_cfg, sched_cfg, parallel_cfg)
+            self.executor = executor_class(model_cfg, cache_cfg, sched_cfg, parallel_cfg, kernel_cfg)
             self.executor.initialize()
             if draft_cfg is not None:
                 self.executor.collective_rpc("load_draft_model", (draft_cfg, spec.method == "self_int8"))

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any
 
-from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sampling_params import LogitsProcessor
 
@@ -22,7 +22,8 @@ class Executor(ABC):
     ``initialize_cache(num_blocks)`` -> ``execute_model`` once per step -> ``shutdown()``.
 
     Args:
-        model_config, cache_config, scheduler_config, parallel_config: see ``pagedllm.config``.
+        model_config, cache_config, scheduler_config, parallel_config, kernel_config: see
+            ``pagedllm.config`` (each worker gets them all, pickled to worker processes).
 
     Attributes:
         uses_in_process_worker: True when the worker that samples runs in the engine's process,
@@ -33,11 +34,13 @@ class Executor(ABC):
     uses_in_process_worker: bool = False
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, parallel_config: ParallelConfig) -> None:
+                 scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
+                 kernel_config: KernelConfig) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.parallel_config = parallel_config
+        self.kernel_config = kernel_config
 
     @staticmethod
     def get_class(parallel_config: ParallelConfig) -> type["Executor"]:

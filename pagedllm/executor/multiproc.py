@@ -45,7 +45,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
 
@@ -119,8 +119,8 @@ def _worker_main(rank: int, configs: tuple, init_method: str, conn: Connection, 
 
     threading.Thread(target=read_calls, name="pagedllm-worker-inbox", daemon=True).start()
     try:
-        model_config, cache_config, scheduler_config, parallel_config = configs
-        worker = Worker(model_config, cache_config, scheduler_config, parallel_config, rank=rank,
+        model_config, cache_config, scheduler_config, parallel_config, kernel_config = configs
+        worker = Worker(model_config, cache_config, scheduler_config, parallel_config, kernel_config, rank=rank,
                         distributed_init_method=init_method)
         worker.init_device()   # joins the process group
         conn.send(("ok", None))
@@ -156,7 +156,7 @@ class MultiprocExecutor(Executor):
     """One worker process per rank (``tensor_parallel_size x pipeline_parallel_size``).
 
     Args:
-        model_config, cache_config, scheduler_config, parallel_config: see ``Executor``;
+        model_config, cache_config, scheduler_config, parallel_config, kernel_config: see ``Executor``;
             ``model_config.model_folder`` must be a safetensors folder (the engine converts a
             GGUF file once, before the workers start).
     Attributes:
@@ -172,8 +172,8 @@ class MultiprocExecutor(Executor):
     uses_in_process_worker = False
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                 parallel_config: ParallelConfig) -> None:
-        super().__init__(model_config, cache_config, scheduler_config, parallel_config)
+                 parallel_config: ParallelConfig, kernel_config: KernelConfig) -> None:
+        super().__init__(model_config, cache_config, scheduler_config, parallel_config, kernel_config)
         from pagedllm.distributed.parallel_state import driver_rank
 
         self.world_size = parallel_config.world_size
@@ -203,7 +203,8 @@ class MultiprocExecutor(Executor):
         ctx = mp.get_context("spawn")
         self._tmpdir = tempfile.mkdtemp(prefix="pagedllm_dist_")
         init_method = "file://" + os.path.join(self._tmpdir, "rendezvous")
-        configs = (self.model_config, self.cache_config, self.scheduler_config, self.parallel_config)
+        configs = (self.model_config, self.cache_config, self.scheduler_config, self.parallel_config,
+                   self.kernel_config)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker_main, args=(rank, configs, init_method, child, self.num_threads,

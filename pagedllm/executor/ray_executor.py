@@ -28,7 +28,7 @@ import os
 import traceback
 from typing import Any
 
-from pagedllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.utils.network_utils import get_open_port
@@ -79,10 +79,10 @@ class RayWorkerWrapper:
         from pagedllm.executor.multiproc import threads_per_rank
         from pagedllm.worker.worker import Worker
 
-        model_config, cache_config, scheduler_config, parallel_config = configs
+        model_config, cache_config, scheduler_config, parallel_config, kernel_config = configs
         if model_config.device in (None, "cpu"):
             torch.set_num_threads(threads_per_rank(parallel_config, os.cpu_count()))
-        self.worker = Worker(model_config, cache_config, scheduler_config, parallel_config, rank=rank,
+        self.worker = Worker(model_config, cache_config, scheduler_config, parallel_config, kernel_config, rank=rank,
                              distributed_init_method=init_method)
         self.worker.init_device()
         return os.getpid()
@@ -113,7 +113,7 @@ class RayDistributedExecutor(Executor):
     """One Ray actor per rank (``tensor_parallel_size x pipeline_parallel_size``) in one placement group.
 
     Args:
-        model_config, cache_config, scheduler_config, parallel_config: see ``Executor``;
+        model_config, cache_config, scheduler_config, parallel_config, kernel_config: see ``Executor``;
             ``model_config.model_folder`` must be readable at the same path on every node.
     Attributes:
         driver_rank: the rank whose ``ModelRunnerOutput`` is returned.
@@ -126,8 +126,8 @@ class RayDistributedExecutor(Executor):
     uses_in_process_worker = False
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                 parallel_config: ParallelConfig) -> None:
-        super().__init__(model_config, cache_config, scheduler_config, parallel_config)
+                 parallel_config: ParallelConfig, kernel_config: KernelConfig) -> None:
+        super().__init__(model_config, cache_config, scheduler_config, parallel_config, kernel_config)
         from pagedllm.distributed.parallel_state import driver_rank
 
         self.ray = import_ray()
@@ -166,7 +166,8 @@ class RayDistributedExecutor(Executor):
             self.actors.append(actor_cls.options(**options).remote())
         ip, port = self._gather([self.actors[0].get_node_ip_and_free_port.remote()], "start")[0]
         init_method = f"tcp://{ip}:{port}"
-        configs = (self.model_config, self.cache_config, self.scheduler_config, self.parallel_config)
+        configs = (self.model_config, self.cache_config, self.scheduler_config, self.parallel_config,
+                   self.kernel_config)
         pids = self._gather([a.init_worker.remote(rank, configs, init_method) for rank, a in enumerate(self.actors)],
                             "init_device")
         logger.info("RayDistributedExecutor: %d actors (tensor_parallel_size=%d, pipeline_parallel_size=%d, %s), "

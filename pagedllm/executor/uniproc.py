@@ -15,7 +15,7 @@ class UniProcExecutor(Executor):
     """Runs one ``Worker`` (rank 0) in this process; method calls are plain calls.
 
     Args:
-        model_config, cache_config, scheduler_config, parallel_config: see ``Executor``.
+        model_config, cache_config, scheduler_config, parallel_config, kernel_config: see ``Executor``.
         weights: (name, tensor) pairs to load instead of ``model_config.model_folder``.
     Attributes:
         driver_worker: the worker.
@@ -23,9 +23,10 @@ class UniProcExecutor(Executor):
 
     uses_in_process_worker = True
 
-    def __init__(self, model_config, cache_config, scheduler_config, parallel_config, weights=None) -> None:
-        super().__init__(model_config, cache_config, scheduler_config, parallel_config)
-        self.driver_worker = Worker(model_config, cache_config, scheduler_config, parallel_config,
+    def __init__(self, model_config, cache_config, scheduler_config, parallel_config, kernel_config,
+                 weights=None) -> None:
+        super().__init__(model_config, cache_config, scheduler_config, parallel_config, kernel_config)
+        self.driver_worker = Worker(model_config, cache_config, scheduler_config, parallel_config, kernel_config,
                                     rank=0, weights=weights)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -34,8 +34,8 @@ K = 2048 here, see ``PackedLinear``; on AMX its bf16 tile kernels, issue 29: 7/1
 prompts the same concurrent as alone), so it runs bf16 only where neither GEMM can, with
 ``bf16_kernel_for(batch_invariant=False)`` on AMX, or when forced.
 
-``cpu_isa`` (``ModelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) below ``avx512_bf16`` forces oneDNN;
-``cpu_bf16_gemm`` (``ModelConfig.cpu_bf16_gemm``, ``$PAGEDLLM_CPU_BF16_GEMM``: ``amx_bf16``,
+``cpu_isa`` (``KernelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) below ``avx512_bf16`` forces oneDNN;
+``cpu_bf16_gemm`` (``KernelConfig.cpu_bf16_gemm``, ``$PAGEDLLM_CPU_BF16_GEMM``: ``amx_bf16``,
 ``avx512_bf16``, ``onednn``) forces one kernel (how benchmarks and tests compare them).
 """
 
@@ -65,7 +65,7 @@ EXTENSION = CpuExtension("bf16_gemm", SOURCE, "bfloat16 GEMM (AVX-512 BF16)", "o
 BF16_GEMM_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 ONEDNN_KERNEL = "onednn"
 BF16_KERNEL = "avx512_bf16"
-# ``ModelConfig.cpu_bf16_gemm``'s values besides "auto" (config.py keeps the same names).
+# ``KernelConfig.cpu_bf16_gemm``'s values besides "auto" (config.py keeps the same names).
 BF16_KERNELS = (AMX_KERNEL, BF16_KERNEL, ONEDNN_KERNEL)
 
 
@@ -94,11 +94,11 @@ def bf16_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None,
     reason. One kernel for every row count of a model, never one by M: both GEMMs are batch-invariant.
 
     Args:
-        cpu_isa: ``ModelConfig.cpu_isa``: "auto", or a ``CpuIsa`` name (below ``avx512_bf16`` forces oneDNN).
+        cpu_isa: ``KernelConfig.cpu_isa``: "auto", or a ``CpuIsa`` name (below ``avx512_bf16`` forces oneDNN).
         flags: the CPU's flags (default: this machine's).
         batch_invariant: False lets a CPU with AMX keep oneDNN's tile kernels (a row's result
             may then depend on the batch); the default runs a GEMM of ours wherever it can.
-        kernel: ``ModelConfig.cpu_bf16_gemm``: "auto", or one of ``BF16_KERNELS`` to force it
+        kernel: ``KernelConfig.cpu_bf16_gemm``: "auto", or one of ``BF16_KERNELS`` to force it
             (for comparisons; a forced GEMM that cannot run falls back as above, naming why).
     Returns:
         (``"amx_bf16"``, ``"avx512_bf16"`` or ``"onednn"``, the reason in words, for the log).

@@ -113,7 +113,7 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size))   # [E_local, 2I, H]
         self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i))        # [E_local, H, I]
         self.expert_layers: nn.ModuleList | None = None  # (gate_up, down) kernel layers per local expert
-        self.use_fused_ops = False   # set by the model (ModelConfig.cpu_fused_ops)
+        self.use_fused_ops = False   # set by the model (KernelConfig.cpu_fused_ops)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, tuple | None]:
         """Where each checkpoint tensor of these experts goes (``models.utils.load_named_weights``).

@@ -50,7 +50,7 @@ def fused_ops_for(enabled: bool, *tensors: torch.Tensor) -> ModuleType | None:
     (all one dtype) and it loaded; else None (the caller runs its eager code).
 
     Args:
-        enabled: the model's ``ModelConfig.cpu_fused_ops != "off"``.
+        enabled: the model's ``KernelConfig.cpu_fused_ops != "off"``.
         tensors: the activations the fused op would read.
     """
     if not enabled:
@@ -86,7 +86,7 @@ def prepare_fused_ops(mode: str, device: torch.device, dtype: torch.dtype) -> tu
     (the kernel plan's row, ``worker/kernel_plan.py``; nothing is logged).
 
     Args:
-        mode: ``ModelConfig.cpu_fused_ops``, "auto" or "off".
+        mode: ``KernelConfig.cpu_fused_ops``, "auto" or "off".
         device, dtype: where and in what the model runs.
     Returns:
         (True if the layers will run the fused ops; the reason in words).

@@ -18,7 +18,7 @@ them; this one reads the weights near the memory's rate at one row and keeps up 
 bfloat16 GEMM at prompt-chunk sizes (docs/performance.md; ``pagedllm bench kernels --backends
 int8_wo,int8_wo_torch``).
 
-``cpu_isa`` (``ModelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) = ``avx2`` or ``portable`` forces the torch
+``cpu_isa`` (``KernelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) = ``avx2`` or ``portable`` forces the torch
 kernel on any CPU (how tests compare the two).
 """
 
@@ -62,7 +62,7 @@ def int8_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None) 
     """Which int8 weight-only kernel runs here, and why.
 
     Args:
-        cpu_isa: ``ModelConfig.cpu_isa``: "auto", or a ``CpuIsa`` name (below ``avx512`` forces "torch").
+        cpu_isa: ``KernelConfig.cpu_isa``: "auto", or a ``CpuIsa`` name (below ``avx512`` forces "torch").
         flags: the CPU's flags (default: this machine's).
     Returns:
         (``"vnni"`` or ``"torch"``, the reason in words, for the log).

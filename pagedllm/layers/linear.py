@@ -7,7 +7,7 @@ checkpoint is loaded (vLLM's ``process_weights_after_loading``), and replaces th
 so the model holds no second copy; only a tied LM head keeps both, because the embedding lookup
 needs the plain matrix.
 
-The kernel is chosen by ``ModelConfig.cpu_gemm`` (``EngineArgs`` defaults it to
+The kernel is chosen by ``KernelConfig.cpu_gemm`` (``EngineArgs`` defaults it to
 ``$PAGEDLLM_CPU_GEMM``): ``onednn`` (default where it works) or ``torch`` (plain ``F.linear``, the
 reference). oneDNN is used for float32 everywhere, and for bfloat16 where the CPU multiplies it
 natively (``avx512_bf16`` or AMX, ``platforms/cpu.py``: oneDNN then runs AVX-512 bf16 or AMX tile
@@ -175,10 +175,10 @@ def packed_kernel_for(dtype: torch.dtype, device: torch.device, cpu_gemm: str = 
 
     Args:
         dtype, device: the model's.
-        cpu_gemm: ``ModelConfig.cpu_gemm``.
-        cpu_isa: ``ModelConfig.cpu_isa`` (a bf16 model's choice between oneDNN and the bf16 GEMM).
+        cpu_gemm: ``KernelConfig.cpu_gemm``.
+        cpu_isa: ``KernelConfig.cpu_isa`` (a bf16 model's choice between oneDNN and the bf16 GEMM).
         flags: the CPU's flags (default: this machine's).
-        cpu_bf16_gemm: ``ModelConfig.cpu_bf16_gemm`` (a bf16 kernel forced, for comparisons).
+        cpu_bf16_gemm: ``KernelConfig.cpu_bf16_gemm`` (a bf16 kernel forced, for comparisons).
     Returns:
         (``"torch"`` (``F.linear``, nothing packed), ``"onednn"`` (``PackedLinear``), ``"amx_bf16"``
         or ``"avx512_bf16"`` (``layers.bf16_gemm.Bf16Linear``); the reason in words).

@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         # The C++ op (layers/fused_ops.py) on CPU float32 / bfloat16; set by the model from
-        # ``ModelConfig.cpu_fused_ops``.
+        # ``KernelConfig.cpu_fused_ops``.
         self.use_fused_ops = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self.weight_plus_one: torch.Tensor | None = None   # [hidden] float32, after loading
         # The C++ op (layers/fused_ops.py) on CPU float32 / bfloat16; set by the model from
-        # ``ModelConfig.cpu_fused_ops``.
+        # ``KernelConfig.cpu_fused_ops``.
         self.use_fused_ops = False
 
     def process_weights_after_loading(self) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedllm.attention import Attention
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.config import ModelConfig
+from pagedllm.config import KernelConfig, ModelConfig
 from pagedllm.distributed.communication import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.linear import MergedLinear, lm_head_logits
@@ -49,7 +49,7 @@ class Gemma3MLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size],
                                          ("gate_proj", "up_proj"), bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.use_fused_ops = False   # set by the model (ModelConfig.cpu_fused_ops)
+        self.use_fused_ops = False   # set by the model (KernelConfig.cpu_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                                            # [T, 2I]
@@ -68,8 +68,9 @@ class Gemma3Attention(nn.Module):
     ``query_pre_attn_scalar ** -0.5``, optional sliding window and attention-logit soft cap."""
 
     def __init__(self, config: ModelConfig, sliding_window: int | None, ctx: ParallelContext | None = None,
-                 qk_norm: bool = True) -> None:
+                 qk_norm: bool = True, kernel_config: KernelConfig | None = None) -> None:
         super().__init__()
+        kernel_config = kernel_config or KernelConfig()
         init_attention_projections(self, config, ctx, config.attention_bias, config.attention_bias)
         eps = config.rms_norm_eps
         self.qk_norm = qk_norm
@@ -81,8 +82,8 @@ class Gemma3Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=scalar ** -0.5,
                               sliding_window=self.sliding_window,
                               logits_soft_cap=config.attn_logit_softcapping,
-                              backend=config.attention_backend, cpu_isa=config.cpu_isa)
-        self.use_fused_ops = False   # set by the model (ModelConfig.cpu_fused_ops)
+                              backend=kernel_config.attention_backend, cpu_isa=kernel_config.cpu_isa)
+        self.use_fused_ops = False   # set by the model (KernelConfig.cpu_fused_ops)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -108,12 +109,12 @@ class Gemma3Attention(nn.Module):
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, ctx: ParallelContext | None = None,
-                 qk_norm: bool = True) -> None:
+                 qk_norm: bool = True, kernel_config: KernelConfig | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.layer_type = config.layer_types[layer_idx]
         eps = config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, config.layer_sliding_windows[layer_idx], ctx, qk_norm)
+        self.self_attn = Gemma3Attention(config, config.layer_sliding_windows[layer_idx], ctx, qk_norm, kernel_config)
         self.mlp = Gemma3MLP(hidden, TensorParallelSizes.of(config, self.self_attn.ctx).intermediate_size,
                              config.hidden_act, ctx)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
@@ -152,7 +153,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3TextModel(nn.Module):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, qk_norm: bool = True) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, qk_norm: bool = True,
+                 kernel_config: KernelConfig | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         # Modules of other pipeline stages are placeholders without parameters; the tied
@@ -161,8 +163,8 @@ class Gemma3TextModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, ctx) if needs_embedding \
             else PPMissingLayer()
         self.embed_scale = hidden ** 0.5
-        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, i, ctx, qk_norm) if ctx.owns_layer(i) else PPMissingLayer()
-                                     for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, i, ctx, qk_norm, kernel_config) if ctx.owns_layer(i)
+                                     else PPMissingLayer() for i in range(config.num_hidden_layers)])
         self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps) if ctx.is_last_stage else PPMissingLayer()
         # One RoPE per layer type: global layers and sliding layers have their own base.
         self.rotary_emb = nn.ModuleDict()
@@ -177,21 +179,24 @@ class Gemma3ForCausalLM(nn.Module):
         config: the model's architecture (``ModelConfig.from_hf_config`` of a ``gemma3_text``
             config, or a multimodal one's ``text_config``).
         ctx: this rank's place among tensor / pipeline ranks (None: the whole model here).
+        kernel_config: the attention backend, ``cpu_isa`` and fused ops (None: ``KernelConfig()``).
     """
 
     qk_norm = True   # per-head q/k norms (Gemma 3; not Gemma 2)
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None,
+                 kernel_config: KernelConfig | None = None) -> None:
         super().__init__()
         self.config = config
+        self.kernel_config = kernel_config = kernel_config or KernelConfig()
         self.ctx = ctx = ctx or ParallelContext(layer_end=config.num_hidden_layers)
-        self.model = Gemma3TextModel(config, ctx, self.qk_norm)
+        self.model = Gemma3TextModel(config, ctx, self.qk_norm, kernel_config)
         init_stage_and_lm_head(self, config, ctx)
         self.final_logit_softcapping = config.final_logit_softcapping
         self.layer_sliding_windows = [layer.self_attn.sliding_window for layer in self.stage_layers]
         self._embed_scales: dict[torch.dtype, torch.Tensor] = {}   # see _embed_scale
         # CPU float32 / bfloat16: fused C++ ops between the GEMMs (layers/fused_ops.py).
-        self.use_fused_ops = config.cpu_fused_ops != "off"
+        self.use_fused_ops = kernel_config.cpu_fused_ops != "off"
         for module in self.modules():
             if isinstance(module, (GemmaRMSNorm, Gemma3MLP, Gemma3Attention)):
                 module.use_fused_ops = self.use_fused_ops

@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedllm.attention import Attention
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.config import ModelConfig
+from pagedllm.config import KernelConfig, ModelConfig
 from pagedllm.distributed.communication import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.fused_ops import fused_ops_for
@@ -51,7 +51,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size],
                                          ("gate_proj", "up_proj"), bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.use_fused_ops = False   # set by the model (ModelConfig.cpu_fused_ops)
+        self.use_fused_ops = False   # set by the model (KernelConfig.cpu_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                                            # [T, 2I]
@@ -73,14 +73,17 @@ class LlamaAttention(nn.Module):
     Args:
         qk_norm: None, "head" (RMSNorm over each head's ``head_dim`` channels, Qwen3) or "full"
             (RMSNorm over all of q's ``Hq * D`` and k's ``Hkv * D`` channels, OLMo 2).
+        kernel_config: the attention backend and ``cpu_isa`` (None: ``KernelConfig()``).
     Raises:
         ValueError: an unknown ``qk_norm``, or "full" with tensor parallelism (the norm would
             span the ranks' heads).
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, bias: tuple[bool, bool], qk_norm: str | None,
-                 sliding_window: int | None, ctx: ParallelContext | None = None) -> None:
+                 sliding_window: int | None, ctx: ParallelContext | None = None,
+                 kernel_config: KernelConfig | None = None) -> None:
         super().__init__()
+        kernel_config = kernel_config or KernelConfig()
         qkv_bias, o_bias = bias
         init_attention_projections(self, config, ctx, qkv_bias, o_bias)
         eps = config.rms_norm_eps
@@ -99,8 +102,8 @@ class LlamaAttention(nn.Module):
         scale = config.attention_multiplier if config.attention_multiplier is not None else self.head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               scale=scale, sliding_window=sliding_window,
-                              backend=config.attention_backend, cpu_isa=config.cpu_isa)
-        self.use_fused_ops = False   # set by the model (ModelConfig.cpu_fused_ops)
+                              backend=kernel_config.attention_backend, cpu_isa=kernel_config.cpu_isa)
+        self.use_fused_ops = False   # set by the model (KernelConfig.cpu_fused_ops)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -134,11 +137,12 @@ class LlamaDecoderLayer(nn.Module):
     and no ``input_layernorm``."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, bias: tuple[bool, bool], qk_norm: str | None,
-                 sliding_window: int | None, ctx: ParallelContext | None = None, post_norms: bool = False) -> None:
+                 sliding_window: int | None, ctx: ParallelContext | None = None, post_norms: bool = False,
+                 kernel_config: KernelConfig | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer_idx, bias, qk_norm, sliding_window, ctx)
+        self.self_attn = LlamaAttention(config, layer_idx, bias, qk_norm, sliding_window, ctx, kernel_config)
         self.mlp = LlamaMLP(hidden, TensorParallelSizes.of(config, self.self_attn.ctx).intermediate_size,
                             bias=config.mlp_bias, ctx=ctx)
         self.post_norms = post_norms
@@ -181,7 +185,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, bias: tuple[bool, bool], qk_norm: str | None,
-                 sliding_windows: list[int | None], ctx: ParallelContext, post_norms: bool = False) -> None:
+                 sliding_windows: list[int | None], ctx: ParallelContext, post_norms: bool = False,
+                 kernel_config: KernelConfig | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         # Modules of other pipeline stages are placeholders without parameters.
@@ -189,7 +194,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, ctx) if needs_embedding \
             else PPMissingLayer()
         self.layers = nn.ModuleList([
-            LlamaDecoderLayer(config, i, bias, qk_norm, sliding_windows[i], ctx, post_norms) if ctx.owns_layer(i)
+            LlamaDecoderLayer(config, i, bias, qk_norm, sliding_windows[i], ctx, post_norms, kernel_config)
+            if ctx.owns_layer(i)
             else PPMissingLayer() for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(hidden, config.rms_norm_eps) if ctx.is_last_stage else PPMissingLayer()
         # One RoPE for all layers (the Llama family reads no per-layer-type parameters).
@@ -203,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: the model's architecture (``ModelConfig.from_hf_config``).
         ctx: this rank's place among tensor / pipeline ranks (None: the whole model here).
+        kernel_config: the attention backend, ``cpu_isa`` and fused ops (None: ``KernelConfig()``).
     """
 
     qk_norm: str | None = None   # LlamaAttention's q/k norms: None, "head" or "full"
@@ -213,16 +220,19 @@ class LlamaForCausalLM(nn.Module):
         """(q/k/v bias, o bias): Llama and Qwen3 put ``attention_bias`` on all four."""
         return config.attention_bias, config.attention_bias
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None,
+                 kernel_config: KernelConfig | None = None) -> None:
         super().__init__()
         self.config = config
+        self.kernel_config = kernel_config = kernel_config or KernelConfig()
         self.ctx = ctx = ctx or ParallelContext(layer_end=config.num_hidden_layers)
         windows = list(config.layer_sliding_windows)
-        self.model = LlamaModel(config, self.bias_flags(config), self.qk_norm, windows, ctx, self.post_norms)
+        self.model = LlamaModel(config, self.bias_flags(config), self.qk_norm, windows, ctx, self.post_norms,
+                                kernel_config)
         init_stage_and_lm_head(self, config, ctx)
         self.layer_sliding_windows = windows[ctx.layer_start: ctx.layer_start + self.num_layers]
         # CPU float32 / bfloat16: fused C++ norms, residual adds, RoPE and SiLU x up (layers/fused_ops.py).
-        self.use_fused_ops = config.cpu_fused_ops != "off"
+        self.use_fused_ops = kernel_config.cpu_fused_ops != "off"
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaMLP, LlamaAttention)):
                 module.use_fused_ops = self.use_fused_ops

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import KernelConfig, ModelConfig
 from pagedllm.distributed.communication import tensor_parallel_all_reduce
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.fused_moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, FusedMoE, MoERouter
@@ -85,9 +85,10 @@ class OlmoeAttention(LlamaAttention):
     """OLMoE attention: RMSNorm over all query (key) features before splitting heads, then
     ``clip_qkv`` clamping, then RoPE (transformers' ``OlmoeAttention``)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, ctx: ParallelContext | None) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, ctx: ParallelContext | None,
+                 kernel_config: KernelConfig | None = None) -> None:
         bias = config.attention_bias
-        super().__init__(config, layer_idx, (bias, bias), None, None, ctx)
+        super().__init__(config, layer_idx, (bias, bias), None, None, ctx, kernel_config)
         self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
         self.clip_qkv = config.clip_qkv
@@ -116,8 +117,9 @@ class _MoEForCausalLM:
     expert_names = QWEN_EXPERT_NAMES
     moe_module: str | None = None
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None) -> None:
-        super().__init__(config, ctx)
+    def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None,
+                 kernel_config: KernelConfig | None = None) -> None:
+        super().__init__(config, ctx, kernel_config)
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer, PPMissingLayer):
                 continue
@@ -181,7 +183,7 @@ class OlmoeForCausalLM(_MoEForCausalLM, LlamaForCausalLM):
     (``norm_topk_prob``)."""
 
     def adapt_layer(self, index: int, layer: nn.Module) -> None:
-        layer.self_attn = OlmoeAttention(self.config, index, self.ctx)
+        layer.self_attn = OlmoeAttention(self.config, index, self.ctx, self.kernel_config)
 
     def checkpoint_shard(self, name: str):
         """As the others, and the q / k norms' weights sliced with their heads."""

@@ -7,7 +7,7 @@ and what ``dtype="auto"`` means on the CPU (bfloat16 where the CPU multiplies it
 own probes (``torch.cpu._is_avx512_bf16_supported`` / ``_is_amx_tile_supported``) where that
 file is missing.
 
-``ModelConfig.cpu_isa`` ("auto" or a :class:`CpuIsa` name; ``EngineArgs`` defaults it to
+``KernelConfig.cpu_isa`` ("auto" or a :class:`CpuIsa` name; ``EngineArgs`` defaults it to
 ``$PAGEDLLM_CPU_ISA``) forces a path, e.g. ``avx2`` on an AVX-512 machine to run (and test) the
 AVX2 code; forcing a path the CPU cannot run is a ``ValueError`` naming the missing flag.
 """
@@ -24,14 +24,14 @@ CPU_GEMM_ENV = envs.PAGEDLLM_CPU_GEMM
 
 
 class CpuGemm(enum.Enum):
-    """Which library multiplies linear layers on the CPU (``ModelConfig.cpu_gemm``, ``layers/linear.py``)."""
+    """Which library multiplies linear layers on the CPU (``KernelConfig.cpu_gemm``, ``layers/linear.py``)."""
 
     ONEDNN = "onednn"
     TORCH = "torch"
 
 
 def parse_cpu_gemm(name: str) -> CpuGemm:
-    """The kernel named ``name`` (``ModelConfig.cpu_gemm``; the one check of that setting).
+    """The kernel named ``name`` (``KernelConfig.cpu_gemm``; the one check of that setting).
 
     Raises:
         ValueError: for a name other than ``onednn`` / ``torch`` (naming ``$PAGEDLLM_CPU_GEMM``,
@@ -46,7 +46,7 @@ def parse_cpu_gemm(name: str) -> CpuGemm:
 
 class CpuIsa(enum.Enum):
     """A CPU code path, from the most portable to the fastest. The value is the name used in
-    ``ModelConfig.cpu_isa`` and in the kernel's ``compiled_isas()``."""
+    ``KernelConfig.cpu_isa`` and in the kernel's ``compiled_isas()``."""
 
     PORTABLE = "portable"
     AVX2 = "avx2"
@@ -99,7 +99,7 @@ def cpu_flags() -> frozenset[str]:
 
 def parse_cpu_isa(name: str) -> CpuIsa | None:
     """``"auto"`` -> None, else the :class:`CpuIsa` of that name (the one check of
-    ``ModelConfig.cpu_isa``).
+    ``KernelConfig.cpu_isa``).
 
     Raises:
         ValueError: for another name (naming ``$PAGEDLLM_CPU_ISA``, where it usually comes from).
@@ -131,7 +131,7 @@ def resolve_cpu_isa(name: str, flags: frozenset[str] | None = None) -> CpuIsa:
     """The path to run: the best the CPU allows for ``"auto"``, else the one named.
 
     Args:
-        name: ``ModelConfig.cpu_isa``.
+        name: ``KernelConfig.cpu_isa``.
         flags: the CPU's flags (default: this machine's).
     Raises:
         ValueError: for an unknown name, or a named path whose flags the CPU lacks (they are named).

@@ -1,6 +1,6 @@
 """Exact greedy tokens from a cheaper LM head: a low-precision pass over the whole vocabulary, a
 proven error bound, and an exact re-score of the few tokens the bound cannot rule out
-(``ModelConfig.exact_greedy_head``, ``--exact-greedy-head {auto,off}``).
+(``KernelConfig.exact_greedy_head``, ``--exact-greedy-head {auto,off}``).
 
 What is computed
 ----------------

@@ -25,7 +25,8 @@ from pagedllm.config import ModelConfig, SpeculativeConfig
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
     """The draft's ``ModelConfig``: for "self_int8" the target's with ``quantization=
     "int8_weight_only"``; for "draft_model" the architecture of ``spec.model``'s config.json with
-    the target's run settings (dtype, device, seed, kernels) and ``spec.quantization``.
+    the target's run settings (dtype, device, seed) and ``spec.quantization``. The draft is built
+    with the target's ``KernelConfig`` (``Worker.load_draft_model``) and has no exact greedy head.
 
     Raises:
         ValueError: naming ``speculative_config``: "self_int8" on a target that is not a float32
@@ -38,7 +39,7 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
             raise ValueError(f"speculative_config: method 'self_int8' drafts with the target's weights in "
                              f"int8_weight_only; the target already runs quantization={target.quantization!r}")
         try:
-            return dataclasses.replace(target, quantization="int8_weight_only", exact_greedy_head="off")
+            return dataclasses.replace(target, quantization="int8_weight_only")
         except ValueError as e:
             raise ValueError(f"speculative_config: method 'self_int8': {e}") from e
     from pagedllm.loaders.hf_config import hf_architecture_fields
@@ -47,7 +48,7 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     try:
         files = resolve_model(spec.model)
         return dataclasses.replace(target, model=spec.model, tokenizer=None, model_folder=files.folder,
-                                   quantization=spec.quantization, exact_greedy_head="off",
+                                   quantization=spec.quantization,
                                    **hf_architecture_fields(load_config(files.folder)))
     except ValueError as e:
         raise ValueError(f"speculative_config: draft model {spec.model!r}: {e}") from e

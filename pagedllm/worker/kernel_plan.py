@@ -1,5 +1,6 @@
-"""The kernel plan: the dtype and the kernels a worker runs, chosen once from the model's config and
-the CPU's flags, logged once as a table, then applied by the worker.
+"""The kernel plan: the dtype and the kernels a worker runs, chosen once from the model's config, the
+kernel settings (``config.KernelConfig``) and the CPU's flags, logged once as a table, then applied
+by the worker.
 
 One row per decision, each from a chooser that returns ``(choice, reason)`` and logs nothing:
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import KernelConfig, ModelConfig
 from pagedllm.distributed.parallel_state import ParallelContext
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -44,10 +45,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def choose_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.device, cpu_isa: str | None = None,
+def choose_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.device, cpu_isa: str = "auto",
                  flags: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
     """The model dtype, and why. ``"auto"``: on the CPU, bfloat16 where the CPU multiplies it
-    natively (``avx512_bf16`` or AMX, and ``ModelConfig.cpu_isa`` does not force a path without
+    natively (``avx512_bf16`` or AMX, and ``KernelConfig.cpu_isa`` does not force a path without
     them), else float32 (float32 with ``quantization="int8"``, whose layers take float32
     activations); on CUDA, the checkpoint's ``dtype`` / ``torch_dtype``
     (``ModelConfig.checkpoint_dtype``; float32 -> bfloat16 not applied).
@@ -56,15 +57,13 @@ def choose_dtype(dtype: str, model_config: ModelConfig | dict, device: torch.dev
         dtype: the asked dtype name.
         model_config: the model's config (or its config.json dict).
         device: where the model runs.
-        cpu_isa: overrides ``model_config.cpu_isa`` (for a dict: default "auto").
+        cpu_isa: ``KernelConfig.cpu_isa`` (a forced path without native bf16 makes "auto" float32).
         flags: the CPU's flags (default: this machine's).
     Raises:
         ValueError: as ``platforms.cpu.native_bf16`` (a forced ``cpu_isa`` this CPU lacks).
     """
     from pagedllm.platforms.cpu import native_bf16
 
-    if cpu_isa is None:
-        cpu_isa = "auto" if isinstance(model_config, dict) else model_config.cpu_isa
     if dtype == "auto" and not isinstance(model_config, dict) and model_config.quantization == "int8":
         return torch.float32, "auto with quantization='int8' (its layers take float32 activations)"
     if dtype != "auto":
@@ -102,9 +101,10 @@ class LinearKernel:
         return _LINEAR_WORDS.get(self.kind, self.kind)
 
 
-def choose_linear(model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+def choose_linear(model_config: ModelConfig, kernel_config: KernelConfig, dtype: torch.dtype, device: torch.device,
                   flags: frozenset[str] | None = None) -> tuple[LinearKernel, str]:
-    """How ``model_config``'s linear layers run in ``dtype`` on ``device``, and why.
+    """How ``model_config``'s linear layers run in ``dtype`` on ``device`` with ``kernel_config``'s
+    kernels, and why.
 
     Raises:
         ValueError: for a bad ``cpu_gemm`` / ``cpu_bf16_gemm``, or a forced ``cpu_isa`` the CPU lacks.
@@ -117,10 +117,10 @@ def choose_linear(model_config: ModelConfig, dtype: torch.dtype, device: torch.d
     if quant == "int8":
         return LinearKernel("int8"), "quantization='int8'"
     if quant in WEIGHT_ONLY_MODES:
-        kernel, why = int8_kernel_for(model_config.cpu_isa, flags)
+        kernel, why = int8_kernel_for(kernel_config.cpu_isa, flags)
         return LinearKernel(quant, kernel), f"quantization={quant!r}; int8 kernel: {why}"
-    kind, why = packed_kernel_for(dtype, device, model_config.cpu_gemm, model_config.cpu_isa, flags,
-                                  model_config.cpu_bf16_gemm)
+    kind, why = packed_kernel_for(dtype, device, kernel_config.cpu_gemm, kernel_config.cpu_isa, flags,
+                                  kernel_config.cpu_bf16_gemm)
     return LinearKernel(kind), why
 
 
@@ -192,13 +192,16 @@ class KernelPlan:
         return "\n".join(["Kernel plan:", *(f"  {d:<{w0}}  {c:<{w1}}  ({why})" for d, c, why in rows)])
 
 
-def choose_kernel_plan(model_config: ModelConfig, device: torch.device, parallel: ParallelContext,
-                       flags: frozenset[str] | None = None) -> KernelPlan:
-    """Every decision of ``KernelPlan`` from the config, where this rank sits (the exact greedy
-    head needs one tensor rank and the last pipeline stage) and the CPU's flags. Builds the C++
-    kernels that will run (attention, fused ops, the bf16 / int8 GEMMs) on a first start.
+def choose_kernel_plan(model_config: ModelConfig, kernel_config: KernelConfig, device: torch.device,
+                       parallel: ParallelContext, flags: frozenset[str] | None = None) -> KernelPlan:
+    """Every decision of ``KernelPlan`` from the model's config (dtype, quantization), the kernel
+    settings, where this rank sits (the exact greedy head needs one tensor rank and the last
+    pipeline stage) and the CPU's flags. Builds the C++ kernels that will run (attention, fused
+    ops, the bf16 / int8 GEMMs) on a first start.
 
     Args:
+        kernel_config: ``attention_backend``, ``cpu_gemm``, ``cpu_isa``, ``cpu_bf16_gemm``,
+            ``cpu_fused_ops``, ``exact_greedy_head``.
         flags: the CPU's flags (default: this machine's).
     Raises:
         ValueError: a bad ``cpu_gemm`` / ``exact_greedy_head``, or a forced ``cpu_isa`` the CPU lacks.
@@ -209,7 +212,8 @@ def choose_kernel_plan(model_config: ModelConfig, device: torch.device, parallel
     from pagedllm.sample.greedy_head import GREEDY_HEAD_MAX_ROWS, choose_greedy_head
 
     flags = cpu_flags() if flags is None else flags
-    dtype, dtype_reason = choose_dtype(model_config.dtype, model_config, device, flags=flags)
+    kc = kernel_config
+    dtype, dtype_reason = choose_dtype(model_config.dtype, model_config, device, kc.cpu_isa, flags)
     warnings = []
     if model_config.dtype != "auto" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         # The CPU's own flags: a forced cpu_isa below avx512_bf16 still leaves oneDNN's bf16
@@ -218,13 +222,11 @@ def choose_kernel_plan(model_config: ModelConfig, device: torch.device, parallel
         if not native:
             warnings.append(f"{model_config.dtype} on a CPU without native bf16 ({why}): its matmuls run several "
                             "times slower than float32 here (docs/performance.md); --dtype float32 is faster")
-    linear, linear_reason = choose_linear(model_config, dtype, device, flags)
-    head, head_reason = choose_greedy_head(model_config.exact_greedy_head, dtype, device, parallel.tp_size,
-                                           model_config.quantization, parallel.is_last_stage,
-                                           model_config.cpu_isa, flags)
-    backend, backend_reason = prepare_backend(model_config.attention_backend, device, dtype, model_config.cpu_isa,
-                                              flags)
-    fused, fused_reason = prepare_fused_ops(model_config.cpu_fused_ops, device, dtype)
+    linear, linear_reason = choose_linear(model_config, kc, dtype, device, flags)
+    head, head_reason = choose_greedy_head(kc.exact_greedy_head, dtype, device, parallel.tp_size,
+                                           model_config.quantization, parallel.is_last_stage, kc.cpu_isa, flags)
+    backend, backend_reason = prepare_backend(kc.attention_backend, device, dtype, kc.cpu_isa, flags)
+    fused, fused_reason = prepare_fused_ops(kc.cpu_fused_ops, device, dtype)
     return KernelPlan(dtype=dtype, dtype_reason=dtype_reason, linear=linear, linear_reason=linear_reason,
                       greedy_head=head, greedy_head_max_rows=GREEDY_HEAD_MAX_ROWS.get(head, 0),
                       greedy_head_reason=head_reason, attention_backend=backend, attention_reason=backend_reason,

@@ -11,7 +11,8 @@ import time
 import torch
 from torch import nn
 
-from pagedllm.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.config import (DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, KernelConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig)
 from pagedllm.core.kv_cache_spec import NULL_BLOCK_ID, KVCacheGroups, kv_cache_groups_for
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
@@ -52,19 +53,21 @@ class _CombinedKVShape:
 
 
 def build_model(model_config: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
-                ctx: ParallelContext | None = None) -> nn.Module:
+                ctx: ParallelContext | None = None, kernel_config: KernelConfig | None = None) -> nn.Module:
     """Instantiate the registered architecture without random init (meta device), then load weights.
 
     Args:
         model_config: the model's architecture (``ModelConfig.from_hf_config``).
         weights: iterable of (HF name, tensor or safetensors slice).
         ctx: this rank's tensor / pipeline place (None: the whole model).
+        kernel_config: the attention backend, ``cpu_isa`` and fused ops the layers are built with
+            (None: ``KernelConfig()``'s defaults).
     Raises:
         ValueError: unsupported architecture, or checkpoint/model name or shape mismatch.
     """
     model_cls = get_model_class(model_config)
     with torch.device("meta"):
-        model = model_cls(model_config, ctx) if ctx is not None else model_cls(model_config)
+        model = model_cls(model_config, ctx, kernel_config)
     # ``to_empty`` in the model dtype at once (as ``.to_empty(device).to(dtype)`` without the float32
     # allocation and copy; a meta ``.to`` or ``empty_like`` would import sympy through torch's Python reference).
     model = model._apply(lambda t: torch.empty(t.shape, device=device, dtype=dtype if t.is_floating_point() else t.dtype))
@@ -85,6 +88,8 @@ class Worker:
     Args:
         model_config, cache_config, scheduler_config, parallel_config: see ``pagedllm.config``;
             ``model_config.model_folder`` names the weights.
+        kernel_config: the kernel settings (``config.KernelConfig``) the kernel plan and the
+            model's layers are chosen from; None: its defaults.
         rank: this worker's rank among ``parallel_config.world_size``.
         weights: (name, tensor) pairs to load instead of reading ``model_config.model_folder``
             (tests, benchmarks).
@@ -97,12 +102,13 @@ class Worker:
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                 parallel_config: ParallelConfig | None = None, rank: int = 0, weights=None,
-                 distributed_init_method: str | None = None) -> None:
+                 parallel_config: ParallelConfig | None = None, kernel_config: KernelConfig | None = None,
+                 rank: int = 0, weights=None, distributed_init_method: str | None = None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.parallel_config = parallel_config or ParallelConfig()
+        self.kernel_config = kernel_config or KernelConfig()
         self.rank = rank
         self._weights = weights
         self.device: torch.device | None = None
@@ -156,7 +162,7 @@ class Worker:
         from pagedllm.loaders import iterate_safetensors_slices, iterate_weights
 
         if self.kernel_plan is None:
-            plan = choose_kernel_plan(self.model_config, self.device, self.parallel)
+            plan = choose_kernel_plan(self.model_config, self.kernel_config, self.device, self.parallel)
             logger.info("%s", plan.table())
             for line in plan.warnings:
                 logger.warning("%s", line)
@@ -169,7 +175,8 @@ class Worker:
             split = self.parallel_config.world_size > 1
             weights = (iterate_safetensors_slices if split else iterate_weights)(self.model_config.model_folder)
         self._weights = None
-        self.model = build_model(self.model_config, weights, self.dtype, self.device, self.parallel)
+        self.model = build_model(self.model_config, weights, self.dtype, self.device, self.parallel,
+                                 self.kernel_config)
         if self.model_config.load_format == "dummy":   # vLLM's dummy weights: uniform in [-1e-3, 1e-3]
             with torch.no_grad():
                 for p in self.model.parameters():
@@ -212,9 +219,10 @@ class Worker:
         from pagedllm.loaders import iterate_weights
 
         t0 = time.perf_counter()
-        draft = build_model(draft_config, iterate_weights(draft_config.model_folder), self.dtype, self.device)
+        draft = build_model(draft_config, iterate_weights(draft_config.model_folder), self.dtype, self.device,
+                            kernel_config=self.kernel_config)
         weight_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
-        linear, linear_reason = choose_linear(draft_config, self.dtype, self.device)
+        linear, linear_reason = choose_linear(draft_config, self.kernel_config, self.dtype, self.device)
         weight_bytes += apply_linear(draft, linear, self.dtype, self.device, self.scheduler_config.max_num_seqs)
         shared = False
         if share_embedding:
@@ -406,7 +414,8 @@ class Worker:
 
         if not classes or not self.model_runner.is_driver:
             return
-        config = VllmConfig(self.model_config, self.cache_config, self.scheduler_config, self.parallel_config)
+        config = VllmConfig(self.model_config, self.cache_config, self.scheduler_config, self.parallel_config,
+                            self.kernel_config)
         self.model_runner.set_batch_logits_processors(BatchLogitsProcessors.build(classes, config, self.device))
         logger.info("logits processors: %s", ", ".join(c.__name__ for c in classes))
 

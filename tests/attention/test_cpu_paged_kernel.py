@@ -345,9 +345,9 @@ def test_stale_build_lock_is_removed(tmp_path):
 
 def test_backend_env_var(monkeypatch):
     """PAGEDLLM_ATTENTION_BACKEND overrides "auto" only; explicit choices win; typos raise."""
-    # Read once where EngineArgs is built; models pass ModelConfig.attention_backend to their layers.
+    # Read once where EngineArgs is built; models pass KernelConfig.attention_backend to their layers.
     def configured() -> str:
-        return EngineArgs().create_engine_config(128)[0].attention_backend
+        return EngineArgs().create_engine_config(128).kernel_config.attention_backend
 
     monkeypatch.setenv(BACKEND_ENV, "cpu_paged")
     assert resolve_backend_name(configured()) == "cpu_paged"

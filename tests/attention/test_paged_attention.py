@@ -220,9 +220,9 @@ def test_auto_backend_resolution(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert Attention(4, 8, 1, scale=1.0).backend == AUTO_BACKEND == "cpu_paged"
     assert Attention(4, 8, 1, scale=1.0, backend="torch_ref").backend == "torch_ref"
-    monkeypatch.setenv(BACKEND_ENV, "cpu_sdpa")  # read once by EngineArgs into ModelConfig.attention_backend
+    monkeypatch.setenv(BACKEND_ENV, "cpu_sdpa")  # read once by EngineArgs into KernelConfig.attention_backend
     from pagedllm.engine.arg_utils import EngineArgs
-    backend = EngineArgs().create_engine_config(128)[0].attention_backend
+    backend = EngineArgs().create_engine_config(128).kernel_config.attention_backend
     assert Attention(4, 8, 1, scale=1.0, backend=backend).backend == "cpu_sdpa"
 
 

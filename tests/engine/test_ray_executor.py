@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from pagedllm import SamplingParams
-from pagedllm.config import ParallelConfig
+from pagedllm.config import KernelConfig, ParallelConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.executor import Executor
 
@@ -86,4 +86,4 @@ def test_without_ray_the_error_names_the_extra(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "ray", None)   # import ray -> ImportError
     with pytest.raises(ImportError, match=r"pagedllm\[ray\]"):
-        RayDistributedExecutor(None, None, None, ParallelConfig(tensor_parallel_size=2))
+        RayDistributedExecutor(None, None, None, ParallelConfig(tensor_parallel_size=2), KernelConfig())

@@ -175,11 +175,11 @@ def test_pack_linear_layers_picks_the_kernel_by_cpu_isa(tied_toy):
 
 
 def test_cpu_bf16_gemm_setting_is_checked_and_read_from_the_environment(monkeypatch):
-    from pagedllm.config import ModelConfig
+    from pagedllm.config import KernelConfig
     from pagedllm.engine.arg_utils import EngineArgs
 
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_BF16_GEMM"):
-        ModelConfig(model="m", cpu_bf16_gemm="mkl")
-    assert ModelConfig(model="m", cpu_bf16_gemm="onednn").cpu_bf16_gemm == "onednn"
+        KernelConfig(cpu_bf16_gemm="mkl")
+    assert KernelConfig(cpu_bf16_gemm="onednn").cpu_bf16_gemm == "onednn"
     monkeypatch.setenv("PAGEDLLM_CPU_BF16_GEMM", "AVX512_BF16")
     assert EngineArgs().cpu_bf16_gemm == "avx512_bf16"

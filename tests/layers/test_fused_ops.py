@@ -300,7 +300,7 @@ def test_gemma_norm_caches_one_plus_weight():
 
 def test_prepare_says_what_runs_and_config_validates(ops):
     """``prepare_fused_ops`` says whether the ops run and why (the kernel plan's row)."""
-    from pagedllm.config import ModelConfig
+    from pagedllm.config import KernelConfig
     from pagedllm.engine.arg_utils import EngineArgs, add_engine_cli_args, engine_args_from_cli
 
     cpu = torch.device("cpu")
@@ -310,7 +310,7 @@ def test_prepare_says_what_runs_and_config_validates(ops):
     assert fused_ops.prepare_fused_ops("auto", cpu, torch.float16) == \
         (False, "they take float32 or bfloat16, not torch.float16")
     with pytest.raises(ValueError, match="cpu_fused_ops must be one of"):
-        ModelConfig(cpu_fused_ops="on")
+        KernelConfig(cpu_fused_ops="on")
     import argparse
     parser = argparse.ArgumentParser()
     add_engine_cli_args(parser)

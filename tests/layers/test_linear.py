@@ -98,7 +98,7 @@ def test_pack_linear_layers_packs_bf16_and_tied_head(monkeypatch, tied_toy):
 
 def test_pack_linear_layers_is_a_no_op_for_torch_gemm_and_bf16(monkeypatch, tied_toy):
     model = tied_toy()
-    monkeypatch.setenv(CPU_GEMM_ENV, "torch")  # read once by EngineArgs, passed on through ModelConfig.cpu_gemm
+    monkeypatch.setenv(CPU_GEMM_ENV, "torch")  # read once by EngineArgs, passed on through KernelConfig.cpu_gemm
     assert pack_linear_layers(model, torch.float32, torch.device("cpu"), 8, EngineArgs().cpu_gemm) == 0
     assert isinstance(model.model.proj, nn.Linear) and model.packed_lm_head is None
     monkeypatch.delenv(CPU_GEMM_ENV)

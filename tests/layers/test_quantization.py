@@ -134,7 +134,7 @@ def test_quantization_values_are_validated():
         ModelConfig(quantization="int8", dtype="bfloat16")
     with pytest.raises(ValueError, match="CPU"):
         ModelConfig(quantization="int8", device="cuda")
-    model_cfg = EngineArgs(quantization="int8").create_engine_config(2048)[0]
+    model_cfg = EngineArgs(quantization="int8").create_engine_config(2048).model_config
     assert model_cfg.quantization == "int8"
     with pytest.raises(ValueError, match="quantization"):
         EngineArgs(quantization="awq").create_engine_config(2048)

@@ -69,16 +69,16 @@ def test_auto_dtype_on_this_cpu():
     assert got == (torch.bfloat16 if native else torch.float32)
     assert why.startswith("auto on the CPU: ") and "CPU" in why[len("auto on the CPU: "):]
     if "avx2" in cpu_flags():
-        assert choose_dtype("auto", ModelConfig(cpu_isa="avx2"), torch.device("cpu"))[0] == torch.float32
+        assert choose_dtype("auto", ModelConfig(), torch.device("cpu"), "avx2")[0] == torch.float32
     assert choose_dtype("auto", ModelConfig(quantization="int8"), torch.device("cpu"))[0] == torch.float32
     assert choose_dtype("float32", ModelConfig(), torch.device("cpu"))[0] == torch.float32
 
 
 def test_cpu_isa_env_var(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", "AVX2")
-    assert EngineArgs().create_engine_config(128)[0].cpu_isa == "avx2"
+    assert EngineArgs().create_engine_config(128).kernel_config.cpu_isa == "avx2"
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", "neon")
     with pytest.raises(ValueError, match=r"cpu_isa \(\$PAGEDLLM_CPU_ISA\)"):
         EngineArgs().create_engine_config(128)
     monkeypatch.delenv("PAGEDLLM_CPU_ISA")
-    assert EngineArgs().create_engine_config(128)[0].cpu_isa == "auto"
+    assert EngineArgs().create_engine_config(128).kernel_config.cpu_isa == "auto"

@@ -9,7 +9,7 @@ import re
 import torch
 
 from pagedllm.attention.backends import prepare_backend
-from pagedllm.config import ModelConfig
+from pagedllm.config import KernelConfig, ModelConfig
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.fused_ops import prepare_fused_ops
 from pagedllm.layers.linear import packed_kernel_for
@@ -21,12 +21,12 @@ AVX2_ONLY = frozenset("fpu sse2 avx avx2 fma bmi2".split())   # no native bf16
 
 
 def test_rows_are_the_choosers_answers():
-    config = ModelConfig(dtype="float32")
-    plan = choose_kernel_plan(config, CPU, ParallelContext())
+    config, kernels = ModelConfig(dtype="float32"), KernelConfig()
+    plan = choose_kernel_plan(config, kernels, CPU, ParallelContext())
     assert (plan.dtype, plan.dtype_reason) == choose_dtype("float32", config, CPU)
-    kind, why = packed_kernel_for(torch.float32, CPU, config.cpu_gemm, config.cpu_isa)
+    kind, why = packed_kernel_for(torch.float32, CPU, kernels.cpu_gemm, kernels.cpu_isa)
     assert (plan.linear, plan.linear_reason) == (LinearKernel(kind), why)
-    head, why = choose_greedy_head(config.exact_greedy_head, torch.float32, CPU, 1, None)
+    head, why = choose_greedy_head(kernels.exact_greedy_head, torch.float32, CPU, 1, None)
     assert (plan.greedy_head, plan.greedy_head_reason) == (head, why)
     assert plan.greedy_head_max_rows == GREEDY_HEAD_MAX_ROWS.get(head, 0)
     assert (plan.attention_backend, plan.attention_reason) == prepare_backend("auto", CPU, torch.float32)
@@ -35,8 +35,8 @@ def test_rows_are_the_choosers_answers():
 
 
 def test_table_has_one_aligned_row_per_decision():
-    plan = choose_kernel_plan(ModelConfig(dtype="float32", quantization="int8", cpu_fused_ops="off"), CPU,
-                              ParallelContext())
+    plan = choose_kernel_plan(ModelConfig(dtype="float32", quantization="int8"), KernelConfig(cpu_fused_ops="off"),
+                              CPU, ParallelContext())
     lines = plan.table().split("\n")
     assert lines[0] == "Kernel plan:"
     rows = [re.fullmatch(r"  (\S.*?) {2,}(\S.*?) {2,}\((.*)\)", line) for line in lines[1:]]
@@ -52,9 +52,10 @@ def test_table_has_one_aligned_row_per_decision():
 def test_flags_choose_and_bf16_without_native_warns():
     """The CPU's flags are the plan's: without avx512_bf16 / AMX "auto" is float32, and an asked
     bfloat16 runs with a warning that float32 is faster."""
-    auto = choose_kernel_plan(ModelConfig(), CPU, ParallelContext(), flags=AVX2_ONLY)
+    auto = choose_kernel_plan(ModelConfig(), KernelConfig(), CPU, ParallelContext(), flags=AVX2_ONLY)
     assert auto.dtype == torch.float32 and auto.warnings == ()
-    forced = choose_kernel_plan(ModelConfig(dtype="bfloat16"), CPU, ParallelContext(), flags=AVX2_ONLY)
+    forced = choose_kernel_plan(ModelConfig(dtype="bfloat16"), KernelConfig(), CPU, ParallelContext(),
+                                flags=AVX2_ONLY)
     assert forced.dtype == torch.bfloat16 and forced.greedy_head is None
     assert forced.linear.kind != "avx512_bf16"   # the bf16 GEMM needs the avx512_bf16 flags
     assert len(forced.warnings) == 1 and "--dtype float32 is faster" in forced.warnings[0]

@@ -13,7 +13,7 @@ after this step's K/V have been written into the cache. ``key``/``value`` are th
   and chunked prefills; SDPA for fresh prefills. Delegates to ``cpu_sdpa`` on other devices or
   when the kernel cannot be built. What ``"auto"`` picks (measured in docs/performance.md).
 
-The engine's choice comes through ``ModelConfig.attention_backend`` (whose default
+The engine's choice comes through ``KernelConfig.attention_backend`` (whose default
 ``EngineArgs`` reads once from ``PAGEDLLM_ATTENTION_BACKEND``, e.g. to time a whole model on each
 backend); this module reads no environment variable.
 """
