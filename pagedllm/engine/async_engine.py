@@ -179,13 +179,14 @@ class AsyncFrontEnd:
 
     Subclasses set ``_core`` (the ``LLMEngine`` or ``EngineCoreClient``: it has ``tokenizer``,
     ``max_model_len``, ``scheduler_config``, ``vocab_size`` and ``input_processor``), ``_thread``,
-    ``_stopping`` and ``_ids``, and define ``add_requests``, ``abort`` and ``data_parallel_size``.
+    ``_stopping``, ``_ids`` and ``_sinks``, and define ``_submit``, ``abort`` and ``data_parallel_size``.
     """
 
     _core: object
     _thread: threading.Thread | None
     _stopping: bool
     _ids: Iterator[int]
+    _sinks: dict[str, _Sink]   # request id -> where its outputs go, while it runs
     # The pause mode while paused (``pause_generation``), else None; read by add_requests.
     _pause_mode: str | None = None
 
@@ -237,7 +238,53 @@ class AsyncFrontEnd:
     def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput,
                                                     SamplingParams | BeamSearchParams | None]],
                      arrival_time: float | None = None) -> OutputStream:
+        """Validate every request, then queue them all (all or nothing).
+
+        Must be called from the event loop that will iterate the returned stream.
+
+        Args:
+            requests: (request_id or None for a fresh id, prompt, params) triples; the prompt may
+                be a ``ProcessedInput`` from :meth:`process_inputs` (params None), which is passed
+                on unchanged. With ``BeamSearchParams`` the request is a beam search
+                (``engine/beam_search.py``; its beams are scheduled with the other requests): it
+                yields one final ``RequestOutput`` whose ``outputs`` are the ``beam_width`` best
+                sequences, best first.
+            arrival_time: ``time.monotonic()`` of arrival (for TTFT / latency metrics); now if None.
+        Returns:
+            One ``OutputStream`` over all of them.
+        Raises:
+            ValueError: a bad prompt or params, or a request id that is in use (nothing is queued).
+            EngineDeadError: the engine is shut down or dead.
+            EnginePausedError: generation is paused in ``abort`` / ``wait`` mode.
+        """
+        self.check_health()
+        self._check_not_paused()
+        loop = asyncio.get_running_loop()
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        prepared = self._prepare_requests(requests, arrival_time)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._submit(prepared, {r.request_id: _Sink(loop, queue) for r in prepared})
+        return OutputStream(self, [r.request_id for r in prepared], queue)
+
+    def _submit(self, prepared: list[_NewRequest], sinks: dict[str, _Sink]) -> None:
+        """Register each request's sink and hand the requests to the engine (all or nothing).
+
+        Raises:
+            ValueError: a request id that is in use (nothing is queued).
+            EngineDeadError: the engine is shutting down or dead.
+        """
         raise NotImplementedError
+
+    def _claim_request_ids(self, sinks: dict[str, _Sink]) -> None:
+        """Take the ids of ``sinks`` for new requests (the caller holds the lock that guards ``_sinks``).
+
+        Raises:
+            ValueError: an id belongs to a running request (nothing is taken).
+        """
+        in_use = [rid for rid in sinks if rid in self._sinks]
+        if in_use:
+            raise ValueError(f"request_id(s) {in_use} are already running")
+        self._sinks.update(sinks)
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         raise NotImplementedError
@@ -486,50 +533,18 @@ class AsyncLLM(AsyncFrontEnd):
             self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
             self._thread.start()
 
-    def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput,
-                                                    SamplingParams | BeamSearchParams | None]],
-                     arrival_time: float | None = None) -> OutputStream:
-        """Validate every request, then queue them all (all or nothing).
-
-        Must be called from the event loop that will iterate the returned stream.
-
-        Args:
-            requests: (request_id or None for a fresh id, prompt, params) triples; the prompt may
-                be a ``ProcessedInput`` from :meth:`process_inputs` (params None), which is passed
-                on unchanged. With ``BeamSearchParams`` the request is a beam search
-                (``engine/beam_search.py``; its beams are scheduled with the other requests): it
-                yields one final ``RequestOutput`` whose ``outputs`` are the ``beam_width`` best
-                sequences, best first.
-            arrival_time: ``time.monotonic()`` of arrival (for TTFT / latency metrics); now if None.
-        Returns:
-            One ``OutputStream`` over all of them.
-        Raises:
-            ValueError: a bad prompt or params, or a request id that is in use (nothing is queued).
-            EngineDeadError: the engine is shut down or dead.
-            EnginePausedError: generation is paused in ``abort`` / ``wait`` mode.
-        """
-        self.check_health()
-        self._check_not_paused()
-        loop = asyncio.get_running_loop()
-        arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        prepared = self._prepare_requests(requests, arrival_time)
+    def _submit(self, prepared: list[_NewRequest], sinks: dict[str, _Sink]) -> None:
         if self.log_requests:
             for r in prepared:
                 logger.info("Added request %s: %d prompt tokens, params: %s", r.request_id,
                             len(r.processed.prompt_token_ids), r.beam_params or r.processed.params)
-        queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
-            in_use = [r.request_id for r in prepared if r.request_id in self._sinks]
-            if in_use:
-                raise ValueError(f"request_id(s) {in_use} are already running")
             if self._stopping or self._dead is not None:
                 raise EngineDeadError("the engine is shutting down" if self._stopping else "the engine loop died")
-            for r in prepared:
-                self._sinks[r.request_id] = _Sink(loop, queue)
+            self._claim_request_ids(sinks)
             self._pending.extend(prepared)
             self._cv.notify()
         self.start()
-        return OutputStream(self, [r.request_id for r in prepared], queue)
 
     def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
         if beam is not None:

@@ -32,12 +32,12 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from pagedllm.core.sched_output import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_engine import (AsyncFrontEnd, EngineDeadError,
-                                          EngineStepError, OutputStream, _Failure, _send_to_loops, _Sink)
+                                          EngineStepError, _Failure, _NewRequest, _send_to_loops, _Sink)
 from pagedllm.engine.beam_search import BeamSearchParams, check_beam_search_request
 from pagedllm.engine.dp_coordinator import DPLoadBalancer
 from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
@@ -545,28 +545,10 @@ class DPAsyncLLM(AsyncFrontEnd):
                 self._thread = threading.Thread(target=self._receive, name="pagedllm-dp-receiver", daemon=True)
                 self._thread.start()
 
-    def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput, SamplingParams | None]],
-                     arrival_time: float | None = None) -> OutputStream:
-        """As ``AsyncLLM.add_requests``; each request goes to the replica the balancer picks.
-
-        Raises:
-            ValueError: a bad prompt or params, a duplicate id, a beam search that does not fit
-                (nothing is queued).
-            EngineDeadError: shutting down, or every replica is dead.
-            EnginePausedError: generation is paused in ``abort`` / ``wait`` mode.
-        """
-        self.check_health()
-        self._check_not_paused()
-        loop = asyncio.get_running_loop()
-        arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        prepared = self._prepare_requests(requests, arrival_time)
-        queue: asyncio.Queue = asyncio.Queue()
+    def _submit(self, prepared: list[_NewRequest], sinks: dict[str, _Sink]) -> None:
+        """Each request goes to the replica the balancer picks (``EngineCoreClient.add_request``)."""
         with self._lock:
-            in_use = [r.request_id for r in prepared if r.request_id in self._sinks]
-            if in_use:
-                raise ValueError(f"request_id(s) {in_use} are already running")
-            for r in prepared:
-                self._sinks[r.request_id] = _Sink(loop, queue)
+            self._claim_request_ids(sinks)
         self.start()
         try:
             for r in prepared:
@@ -576,9 +558,8 @@ class DPAsyncLLM(AsyncFrontEnd):
                 else:
                     self.client.add_request(r.request_id, r.processed, arrival_time=r.arrival_time)
         except BaseException:
-            self.abort([r.request_id for r in prepared])
+            self.abort(list(sinks))
             raise
-        return OutputStream(self, [r.request_id for r in prepared], queue)
 
     def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
         if beam is not None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NoReturn
 
 from pagedllm.config import CacheConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sampling_params import LogitsProcessor
+
+logger = logging.getLogger(__name__)
 
 
 class Executor(ABC):
@@ -162,3 +165,37 @@ class Executor(ABC):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Call ``Worker.<method>(*args, **kwargs)`` on every worker; one result per rank, in rank
         order (the default ``determine_num_blocks`` / ``initialize_cache`` go through it)."""
+
+
+class MultiRankExecutor(Executor):
+    """What the executors of several rank processes (``MultiprocExecutor``, ``RayDistributedExecutor``)
+    share: fail-stop. The first failure of any rank stops every rank and is kept; every later
+    call raises it (the survivors may be blocked in a collective, so nothing waits on them).
+
+    Subclasses define ``_has_workers`` and ``_stop_workers_now``.
+    """
+
+    _failure: str | None = None   # the first failure's message, once one happened
+
+    @abstractmethod
+    def _has_workers(self) -> bool:
+        """Whether rank processes are running (initialized and not shut down)."""
+
+    @abstractmethod
+    def _stop_workers_now(self) -> None:
+        """Stop every rank without goodbyes and forget them (never raises)."""
+
+    def _check_alive(self) -> None:
+        """Raises:
+            RuntimeError: the executor stopped after a failure, or has no workers."""
+        if self._failure is not None:
+            raise RuntimeError(f"the {type(self).__name__} is stopped after a failure: {self._failure}")
+        if not self._has_workers():
+            raise RuntimeError(f"the {type(self).__name__} has no workers (not initialized, or shut down)")
+
+    def _fail(self, message: str) -> NoReturn:
+        """Record the failure, stop every rank, raise ``RuntimeError(message)``."""
+        self._failure = message
+        logger.error("%s; stopping every worker", message)
+        self._stop_workers_now()
+        raise RuntimeError(message)

@@ -47,7 +47,7 @@ from typing import Any
 
 from pagedllm.config import CacheConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.abstract import Executor
+from pagedllm.executor.abstract import MultiRankExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def _worker_main(rank: int, configs: tuple, init_method: str, conn: Connection, 
         conn.close()
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(MultiRankExecutor):
     """One worker process per rank (``tensor_parallel_size x pipeline_parallel_size``).
 
     Args:
@@ -182,7 +182,6 @@ class MultiprocExecutor(Executor):
         self.num_threads = threads_per_rank(parallel_config, os.cpu_count()) if on_cpu else 1
         self.processes: list = []
         self.conns: list[Connection] = []
-        self._failure: str | None = None
         self._tmpdir: str | None = None
         self._finalizer = None
         # Calls written to the ranks whose answers are not read yet, oldest first (the ranks
@@ -307,23 +306,16 @@ class MultiprocExecutor(Executor):
         return (bool(self._pending) and self._pending[0] is call and self._failure is None
                 and all(conn.poll() for conn in self.conns))
 
-    def _check_alive(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(f"the MultiprocExecutor is stopped after a failure: {self._failure}")
-        if not self.processes:
-            raise RuntimeError("the MultiprocExecutor has no workers (not initialized, or shut down)")
+    def _has_workers(self) -> bool:
+        return bool(self.processes)
 
-    def _fail(self, message: str) -> None:
-        """Record the failure, stop every worker, raise ``RuntimeError(message)``."""
-        self._failure = message
+    def _stop_workers_now(self) -> None:
         self._pending.clear()
-        logger.error("%s; stopping every worker", message)
-        if self._finalizer is not None:   # the survivors may be blocked in a collective: no goodbyes
+        if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
             _stop_workers(self.processes, self.conns, self._tmpdir, graceful=False)
         self.processes, self.conns = [], []
-        raise RuntimeError(message)
 
     def _collect(self, timeout_s: float | None, what: str) -> list[Any]:
         """One answer per rank, waiting on the pipes and on the processes' sentinels."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from pagedllm.config import CacheConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.abstract import Executor
+from pagedllm.executor.abstract import MultiRankExecutor
 from pagedllm.utils.network_utils import get_open_port
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class RayWorkerWrapper:
             self.worker = None
 
 
-class RayDistributedExecutor(Executor):
+class RayDistributedExecutor(MultiRankExecutor):
     """One Ray actor per rank (``tensor_parallel_size x pipeline_parallel_size``) in one placement group.
 
     Args:
@@ -135,7 +135,6 @@ class RayDistributedExecutor(Executor):
         self.driver_rank = driver_rank(parallel_config)
         self.actors: list = []
         self.placement_group = None
-        self._failure: str | None = None
 
     def initialize(self) -> None:
         """Place the bundles, start one actor per rank, join the process group, load the weights.
@@ -217,23 +216,17 @@ class RayDistributedExecutor(Executor):
 
     # -- internals ------------------------------------------------------------------------
 
-    def _check_alive(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(f"the RayDistributedExecutor is stopped after a failure: {self._failure}")
-        if not self.actors:
-            raise RuntimeError("the RayDistributedExecutor has no actors (not initialized, or shut down)")
+    def _has_workers(self) -> bool:
+        return bool(self.actors)
 
-    def _fail(self, message: str) -> None:
-        self._failure = message
-        logger.error("%s; stopping every actor", message)
-        for actor in self.actors:   # the survivors may be blocked in a collective: no goodbyes
+    def _stop_workers_now(self) -> None:
+        for actor in self.actors:
             try:
                 self.ray.kill(actor)
             except Exception:
                 pass
         self.actors = []
         self._remove_placement_group()
-        raise RuntimeError(message)
 
     def _remove_placement_group(self) -> None:
         """Give the placement group's CPU bundles back to the cluster (idempotent, never raises)."""

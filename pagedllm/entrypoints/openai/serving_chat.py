@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -286,9 +285,9 @@ class OpenAIServingChat(OpenAIServing):
                              sum(a.usage.completion_tokens for a in answers), num_cached))
         return JSONResponse(response.model_dump())
 
-    async def _stream(self, request: ChatCompletionRequest, outputs: OutputStream, request_id: str, created: int,
-                      model_name: str, n: int, num_prompt: int, num_top: int | None,
-                      echo: str = "", tool_plan: ToolPlan | None = None) -> AsyncIterator[str]:
+    def _stream(self, request: ChatCompletionRequest, outputs: OutputStream, request_id: str, created: int,
+                model_name: str, n: int, num_prompt: int, num_top: int | None,
+                echo: str = "", tool_plan: ToolPlan | None = None) -> AsyncIterator[str]:
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
@@ -309,7 +308,9 @@ class OpenAIServingChat(OpenAIServing):
         tool_text: dict[int, str] = {}  # [tools] a call is sent whole once its sample ends
         auto_streams: dict[int, ToolCallStream] = {}  # [tools] "auto": one parser state per choice
         reasoning_streams: dict[int, ReasoningStream] = {}  # --reasoning-parser: one state per choice
-        try:
+
+        async def chunks() -> AsyncIterator[str]:
+            nonlocal num_completion, num_cached
             for index in range(n):
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
             if echo:
@@ -352,16 +353,12 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs = ChatCompletionLogProbs(content=self.chat_logprobs(*self.text_tokens(o), num_top))
                     delta = DeltaMessage(content=o.text) if o.text or o.finish_reason is None else DeltaMessage()
                     yield chunk(o.index, delta, logprobs, o.finish_reason, o.stop_reason)
-            if include_usage:
-                body = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
-                                                    usage=usage())
-                yield f"data: {body.model_dump_json()}\n\n"
-        except (EngineStepError, EngineDeadError) as e:
-            logger.error("request %s failed: %s", request_id, e)
-            yield f"data: {json.dumps(error_from_exception(e).to_body())}\n\n"
-        finally:
-            outputs.abort()
-        yield "data: [DONE]\n\n"
+
+        def usage_chunk() -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
+                                                usage=usage())
+
+        return self.sse_events(request_id, outputs, chunks(), usage_chunk if include_usage else None)
 
     def _auto_tool_chunks(self, streams: dict[int, ToolCallStream], parser: ToolParser, o: CompletionOutput,
                           num_top: int | None, chunk) -> list[str]:

@@ -10,7 +10,6 @@ text there, such as a BOS the tokenizer added or part of a character, share the 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -20,7 +19,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.engine.async_engine import EngineDeadError, EngineStepError, OutputStream
+from pagedllm.engine.async_engine import OutputStream
 from pagedllm.engine.detokenizer import incomplete_tail_length
 from pagedllm.engine.input_processor import LengthCheck, ProcessedInput
 from pagedllm.entrypoints.openai.errors import bad_request, error_from_exception
@@ -204,8 +203,8 @@ class OpenAIServingCompletion(OpenAIServing):
             result.append((processed, _Prompt(processed.prompt, ids, tail)))
         return result
 
-    async def _stream(self, request: CompletionRequest, outputs: OutputStream, cmpl_id: str, created: int,
-                      model_name: str, infos: list[_Prompt], n: int, skip_special: bool) -> AsyncIterator[str]:
+    def _stream(self, request: CompletionRequest, outputs: OutputStream, cmpl_id: str, created: int,
+                model_name: str, infos: list[_Prompt], n: int, skip_special: bool) -> AsyncIterator[str]:
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
@@ -222,7 +221,8 @@ class OpenAIServingCompletion(OpenAIServing):
         def usage() -> UsageInfo:
             return self.usage(num_prompt, num_completion, sum(cached.values()))
 
-        try:
+        async def chunks() -> AsyncIterator[str]:
+            nonlocal num_completion
             async for out in outputs:
                 i = index_of[out.request_id]
                 if out.num_cached_tokens is not None:
@@ -255,16 +255,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                                           finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
                         usage=usage() if continuous_usage else None)
                     yield f"data: {chunk.model_dump_json(exclude=None if continuous_usage else {'usage'})}\n\n"
-            if include_usage:
-                chunk = CompletionStreamResponse(id=cmpl_id, created=created, model=model_name, choices=[],
-                                                 usage=usage())
-                yield f"data: {chunk.model_dump_json()}\n\n"
-        except (EngineStepError, EngineDeadError) as e:
-            logger.error("request %s failed: %s", cmpl_id, e)
-            yield f"data: {json.dumps(error_from_exception(e).to_body())}\n\n"
-        finally:
-            outputs.abort()
-        yield "data: [DONE]\n\n"
+
+        def usage_chunk() -> CompletionStreamResponse:
+            return CompletionStreamResponse(id=cmpl_id, created=created, model=model_name, choices=[], usage=usage())
+
+        return self.sse_events(cmpl_id, outputs, chunks(), usage_chunk if include_usage else None)
 
     # -- echo and logprobs ------------------------------------------------------------------------
 

@@ -9,11 +9,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import json
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, OutputStream
 from pagedllm.engine.beam_search import BeamSearchParams
@@ -153,6 +155,26 @@ class OpenAIServing:
         stop a call already running; its result is dropped."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    @staticmethod
+    async def sse_events(request_id: str, outputs: OutputStream, chunks: AsyncIterator[str],
+                         final_usage: Callable[[], BaseModel] | None = None) -> AsyncIterator[str]:
+        """One streamed response's server-sent events: each of ``chunks`` (``data: ...`` lines),
+        then the usage-only chunk ``final_usage()`` (``stream_options.include_usage``), then
+        ``data: [DONE]``. A failed engine step ends the stream with an OpenAI error body instead of
+        raising (the status line is already sent). ``outputs`` is aborted on the way out, whether
+        the request finished, failed or the client went away, so its blocks are freed."""
+        try:
+            async for piece in chunks:
+                yield piece
+            if final_usage is not None:
+                yield f"data: {final_usage().model_dump_json()}\n\n"
+        except (EngineStepError, EngineDeadError) as e:
+            logger.error("request %s failed: %s", request_id, e)
+            yield f"data: {json.dumps(error_from_exception(e).to_body())}\n\n"
+        finally:
+            outputs.abort()
+        yield "data: [DONE]\n\n"
 
     def usage(self, num_prompt: int, num_completion: int, num_cached: int | None) -> UsageInfo:
         """The ``usage`` object; ``prompt_tokens_details`` only with ``--enable-prompt-tokens-details``."""
