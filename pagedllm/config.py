@@ -511,6 +511,10 @@ class KernelConfig:
     exact_greedy_head: str = "auto"
 
     def __post_init__(self) -> None:
+        # One spelling for every setting: case and spaces folded, None (vLLM's unset) the default.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            object.__setattr__(self, f.name, f.default if value is None else str(value).strip().lower())
         if self.attention_backend not in SUPPORTED_ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend (${envs.PAGEDLLM_ATTENTION_BACKEND}) must be one of "
                              f"{SUPPORTED_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
@@ -677,6 +681,8 @@ class VllmConfig:
         model_config, cache_config, scheduler_config (``max_num_seqs``: most rows),
         parallel_config, kernel_config: the engine's configs above (``EngineArgs.create_engine_config``
             returns them in one).
+        structured_outputs_config, speculative_config, lora_config: as vLLM's; the last two None
+            when the feature is off (and where a worker builds the config for logits processors).
     """
 
     model_config: ModelConfig
@@ -684,6 +690,9 @@ class VllmConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     kernel_config: KernelConfig
+    structured_outputs_config: StructuredOutputsConfig | None = None
+    speculative_config: SpeculativeConfig | None = None
+    lora_config: Any = None   # pagedllm.lora.config.LoRAConfig (not imported here: lora imports torch)
 
 
 def __getattr__(name: str):

@@ -219,19 +219,26 @@ class EngineArgs:
         ``ParallelConfig`` and ``KernelConfig`` (``attention_backend``, ``cpu_gemm``, ``cpu_isa``,
         ``cpu_bf16_gemm``, ``cpu_fused_ops``, ``exact_greedy_head``).
 
+        Called with no arguments (as vLLM users do) it resolves ``model`` and reads its config
+        (a GGUF file is converted once, as the engine does on start).
+
         Args:
             model_max_len: the model's context length in tokens; None = ``hf_config``'s
                 ``max_position_embeddings``.
             hf_config: the checkpoint's config.json; fills ``ModelConfig``'s architecture fields,
-                after ``hf_overrides``.
+                after ``hf_overrides``. With neither this nor ``model_max_len``: ``model``'s.
             model_folder: the resolved folder of the weights (``ModelConfig.model_folder``).
         Raises:
             ValueError: for unsupported values (naming the argument, and the environment
-                variable it came from) or out-of-range numbers.
+                variable it came from) or out-of-range numbers; a model that does not resolve.
         """
+        from pagedllm.loaders import load_config, resolve_model
         from pagedllm.loaders.hf_config import hf_architecture_fields
         from pagedllm.loaders.hf_overrides import apply_hf_overrides
 
+        if model_max_len is None and hf_config is None:
+            model_folder = resolve_model(self.model).folder
+            hf_config = load_config(model_folder)
         if hf_config is not None:
             hf_config = apply_hf_overrides(hf_config, self.hf_overrides)
         elif self.hf_overrides is not None:
@@ -291,7 +298,9 @@ class EngineArgs:
         if arch:  # before any weight loads: the model must split this way
             parallel.check_model(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size,
                                  model.num_hidden_layers, model.num_experts, model.moe_intermediate_size)
-        return VllmConfig(model, cache, sched, parallel, kernel)
+        return VllmConfig(model, cache, sched, parallel, kernel,
+                          structured_outputs_config=self.create_structured_outputs_config(),
+                          speculative_config=self.create_speculative_config(), lora_config=self.create_lora_config())
 
     def create_profiler_config(self):
         """The ``profiler.ProfilerConfig`` of ``profiler_config`` (disabled when None).

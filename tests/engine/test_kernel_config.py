@@ -79,3 +79,33 @@ def test_the_engine_and_its_worker_hold_it(make_tiny_checkpoint):
     assert worker.model.kernel_config is engine.kernel_config
     assert worker.model.model.layers[0].self_attn.attn.backend == "cpu_sdpa"
     assert not worker.model.use_fused_ops
+
+
+def test_create_engine_config_without_arguments_reads_the_model(make_tiny_checkpoint):
+    """vLLM's ``EngineArgs(model=...).create_engine_config()`` with no arguments: the model's own
+    config.json fills ``ModelConfig``, and the optional configs ride along as in vLLM's ``VllmConfig``."""
+    import json
+    import os
+
+    folder = make_tiny_checkpoint("llama")
+    with open(os.path.join(folder, "config.json")) as f:
+        hf = json.load(f)
+    config = EngineArgs(model=folder, max_model_len=64, enable_lora=True, max_loras=2).create_engine_config()
+    assert config.model_config.architectures == tuple(hf["architectures"]) == ("LlamaForCausalLM",)
+    assert (config.model_config.hidden_size, config.model_config.num_hidden_layers,
+            config.model_config.vocab_size) == (hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"])
+    assert config.scheduler_config.max_model_len == 64
+    assert config.lora_config.max_loras == 2 and config.speculative_config is None
+    assert config.structured_outputs_config.backend == "auto"
+    assert EngineArgs(model=folder).create_engine_config().scheduler_config.max_model_len == \
+        hf["max_position_embeddings"]
+
+
+def test_one_spelling_for_every_setting():
+    """Case and spaces are folded for every kernel setting alike (a value from an environment
+    variable is often upper case), and None (vLLM's unset ``attention_backend``) is the default."""
+    config = KernelConfig(attention_backend="CPU_SDPA", cpu_gemm="TORCH", cpu_isa=" AVX2 ", cpu_bf16_gemm="OneDNN",
+                          cpu_fused_ops="Off", exact_greedy_head="OFF")
+    assert config == KernelConfig(attention_backend="cpu_sdpa", cpu_gemm="torch", cpu_isa="avx2",
+                                  cpu_bf16_gemm="onednn", cpu_fused_ops="off", exact_greedy_head="off")
+    assert KernelConfig(attention_backend=None, cpu_gemm=None, cpu_isa=None) == KernelConfig()
