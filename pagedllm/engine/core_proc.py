@@ -68,7 +68,10 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
     """Process entry point of replica ``index``: build the engine, then serve messages until shutdown.
     ``log_level``: the front end's ``pagedllm`` level, so each replica's start-up lines (dtype,
     attention backend, KV blocks and max concurrency, engine ready) show, prefixed ``dp<index>``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the front end stops us in order
+    # The front end stops us in order: a signal sent to the whole process group (Ctrl-C, `timeout`,
+    # `kill -- -PGID`) must not kill us under it. Its death is noticed (the parent pid changes).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s dp{index} %(levelname)s %(name)s: %(message)s")
     import torch
     import zmq

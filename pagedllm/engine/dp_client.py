@@ -389,7 +389,7 @@ class EngineCoreClient:
         self.death_reasons[index] = reason
         proc = self.processes[index]
         if proc.is_alive():
-            proc.terminate()
+            proc.kill()   # it ignores SIGTERM (a group-wide signal is the front end's to handle)
         # Its gauges (running / waiting requests, KV usage and blocks) go to 0: it holds nothing.
         for stat_logger in self.stat_loggers[index]:
             stat_logger.record(SchedulerStats(), IterationStats())

@@ -96,7 +96,10 @@ def _worker_main(rank: int, configs: tuple, init_method: str, conn: Connection, 
                  log_settings: tuple[int, str] = (logging.WARNING, "")) -> None:
     """A worker process: build the ``Worker``, answer calls from the engine until "shutdown" or EOF.
     ``log_settings``: (level, line prefix) from ``worker_log_settings``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the engine stops us in order
+    # The engine stops us in order (a group-wide SIGINT / SIGTERM must not kill us under it); its
+    # death closes the pipe, and EOF ends this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     level, prefix = log_settings
     logging.basicConfig(level=level, format=f"%(asctime)s {prefix or f'rank{rank}'} %(levelname)s %(name)s: %(message)s")
     import torch
@@ -382,16 +385,13 @@ class PendingCall:
 
 
 def stop_processes(processes: list, grace_s: float) -> None:
-    """Wait up to ``grace_s`` seconds (all together) for ``processes`` to exit, then terminate
-    (SIGTERM) and, failing that, kill (SIGKILL) each one still alive, giving each signal 2 s."""
+    """Wait up to ``grace_s`` seconds (all together) for ``processes`` to exit, then kill (SIGKILL)
+    each one still alive (our rank and engine-core processes ignore SIGTERM: see ``_worker_main``)."""
     deadline = time.monotonic() + grace_s
     for proc in processes:
         if grace_s > 0:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
     for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=2.0)
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=2.0)

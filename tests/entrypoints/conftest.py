@@ -34,10 +34,13 @@ class RemoteServer:
             ``args`` starts with ``serve``).
         startup_timeout: seconds to wait for ``/health``.
         env: extra environment variables.
+        start_new_session: the server leads a process group of its own (its children join it),
+            as under a shell, so a test can signal the whole group.
     """
 
     def __init__(self, args: list[str], log_path: Path, module: str = "pagedllm.entrypoints.openai.api_server",
-                 startup_timeout: float = 300.0, env: dict[str, str] | None = None) -> None:
+                 startup_timeout: float = 300.0, env: dict[str, str] | None = None,
+                 start_new_session: bool = False) -> None:
         import httpx
 
         self.port = free_port()
@@ -48,7 +51,7 @@ class RemoteServer:
         cmd = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(self.port),
                "--disable-uvicorn-access-log"]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=start_new_session)
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.proc.poll() is not None:

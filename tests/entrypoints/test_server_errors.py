@@ -6,7 +6,9 @@ names, tokenize/detokenize, graceful shutdown."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import time
 
 import httpx
 import openai
@@ -363,6 +365,43 @@ def test_sigterm_exits_cleanly(server):
     assert server.proc.wait(60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_to_the_whole_process_group_exits_cleanly(launch_server, tiny_path, sig):
+    """Ctrl-C in a terminal, ``timeout`` or ``kill -- -PGID`` signal the server and its engine-core
+    process together: the engine process ignores it and is stopped in order by the server, which
+    exits with status 0 without reporting a dead engine, and leaves no process behind."""
+    server = launch_server(["serve", tiny_path, "--max-model-len", "128", "--kv-cache-memory-bytes", "4MiB",
+                            "--dtype", "float32"], f"group_{sig.name}", module="pagedllm.entrypoints.cli",
+                           start_new_session=True)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        out = client.post("/v1/completions", json={"model": tiny_path, "prompt": "The quick", "max_tokens": 4})
+        assert out.status_code == 200, out.text
+    pgid = server.proc.pid
+    os.killpg(pgid, sig)
+    assert server.proc.wait(60) == 0, server.log_tail()
+    log = server.log_tail(200)
+    assert "died" not in log and "engine is dead" not in log, log
+    deadline = time.monotonic() + 30
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _group_alive(pgid), "a process of the server's group outlived it"
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is left in process group ``pgid``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def test_a_stream_still_running_at_the_shutdown_timeout_ends_with_an_error_event(launch_server, tiny_path):
