@@ -360,12 +360,18 @@ def _cmd_memory(ns) -> int:
           f"scheduler + KV cache manager, no model ====")
     print(f"KV budget {head.kv_budget_tokens} tokens = {ns.static_concurrency} x max_model_len {ns.max_model_len}: "
           f"a static allocator runs {head.static_concurrency} requests at once")
+    if ns.layer_windows:
+        print(f"KV cache: hybrid (--layer-windows {ns.layer_windows}): 'blocks' are pages of one layer group, "
+              f"so the same bytes hold more of them; prompts shorter than the windows free nothing")
+    else:
+        print("KV cache: one block table per request over every layer (--layer-windows for the hybrid manager)")
     print(f"paged (block_size {head.block_size}): peak {head.peak_concurrency} concurrent "
           f"({head.peak_ratio:.1f}x), mean {head.mean_concurrency:.1f} while requests wait ({head.mean_ratio:.1f}x), "
           f"mean {head.mean_concurrency_all_steps:.1f} over all steps; KV utilization {head.kv_utilization:.3f}, "
           f"{head.num_preemptions} preemptions")
     print(format_memory_table(results))
     _write_json(ns.output_json, {"dataset": path, "num_requests": ns.num_prompts, "seed": ns.dataset_seed,
+                                 "layer_windows": ns.layer_windows,
                                  "headline": head.to_dict(), "block_size_sweep": [r.to_dict() for r in results]})
     return 0
 

@@ -49,7 +49,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_cli_args, engine_args_from_cli
 from pagedllm.engine.async_engine import AsyncLLM
-from pagedllm.entrypoints.chat_utils import GEMMA_CHAT_TEMPLATE_PATH, check_self_contained, load_chat_template
+from pagedllm.entrypoints.chat_utils import (GEMMA_CHAT_TEMPLATE_PATH, NoChatTemplateError, check_self_contained,
+                                            load_chat_template, resolve_chat_template)
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedllm.reasoning import REASONING_PARSERS, get_reasoning_parser
 from pagedllm.entrypoints.openai.protocol import (BatchChatCompletionRequest, ChatCompletionRequest,
@@ -257,8 +258,11 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                              tool_parser, pool=pool, trust_request_chat_template=trust_request_chat_template,
                              reasoning_parser=reasoning)
     if chat_template is None and engine.tokenizer.chat_template is None:
-        logger.warning("the model has no chat template: /v1/chat/completions will answer 400; start with "
-                       "--chat-template (e.g. %s for Gemma models)", GEMMA_CHAT_TEMPLATE_PATH)
+        try:   # the bundled fallback for the model type, with its own WARNING, or none
+            resolve_chat_template(engine.tokenizer, None)
+        except NoChatTemplateError:
+            logger.warning("the model has no chat template: /v1/chat/completions will answer 400; start with "
+                           "--chat-template (e.g. %s for Gemma models)", GEMMA_CHAT_TEMPLATE_PATH)
     completion = OpenAIServingCompletion(async_engine, models, log_requests, max_n, pool=pool)
     completion.enable_prompt_tokens_details = chat.enable_prompt_tokens_details = enable_prompt_tokens_details
     responses = OpenAIServingResponses(async_engine, models, chat, log_requests, max_n, pool=pool,
