@@ -125,7 +125,7 @@ class EngineCoreClient:
         self.vocab_size = model_cfg.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               engine_args.max_logprobs,
-                                              engine_args.create_structured_outputs_config(),
+                                              self.vllm_config.structured_outputs_config,
                                               enable_trace_replay=engine_args.enable_trace_replay)
         self.balancer = DPLoadBalancer(self.num_replicas, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.stat_loggers: list[list] = [[] for _ in range(self.num_replicas)]
