@@ -40,7 +40,7 @@ SHAREGPT_INPUT_SIGMA = 1.0
 SHAREGPT_OUTPUT_SIGMA = 0.8
 SHAREGPT_MAX_OVER_MEDIAN = 8
 SHAREGPT_MIN_LEN = 4
-# prefix-sharing workload (issue 12): shared prompt, question and output lengths in tokens.
+# prefix-sharing workload: shared prompt, question and output lengths in tokens.
 PREFIX_SHARING_SYSTEM_LEN = 1000
 PREFIX_SHARING_QUESTION_LEN = (50, 300)
 PREFIX_SHARING_OUTPUT_LEN = (64, 128)

@@ -5,7 +5,7 @@ The kernel takes the weight packed as the AVX-512 BF16 GEMM packs it (``csrc/bf1
 it unchanged with this module in place of that one. It sums every output in one order at any row
 count (a C tile takes the K / 32 chunks in ascending order; x is read in zero-padded 16-row
 tiles; no split-K), so a row's result never depends on the other rows of the batch: the property
-the AVX-512 GEMM has and oneDNN's AMX kernels lack (issue 29). ``bf16_gemm.bf16_kernel_for``
+the AVX-512 GEMM has and oneDNN's AMX kernels lack. ``bf16_gemm.bf16_kernel_for``
 decides where it runs (docs/benchmarks.md, "AMX: bf16 kernels per M").
 
 Needs the CPU flags ``AMX_GEMM_FLAGS``, Linux's permission for the tile state (asked once per

@@ -30,8 +30,8 @@ tokens alone, in any batch, with prefix caching on or off, across chunked-prefil
 (``tests/layers/test_linear_batch_invariance.py``, ``tests/layers/test_amx_gemm.py``,
 ``tests/models/test_default_model_greedy.py``). A model runs one kernel for every M (never one
 by row count). oneDNN does not promise that (its float32 one-row call rounds differently at
-K = 2048 here, see ``PackedLinear``; on AMX its bf16 tile kernels, issue 29: 7/12 and 10/12
-prompts the same concurrent as alone), so it runs bf16 only where neither GEMM can, with
+large K, see ``PackedLinear``; on AMX its bf16 tile kernels change with the row count:
+docs/benchmarks.md, "Batch-invariant bf16"), so it runs bf16 only where neither GEMM can, with
 ``bf16_kernel_for(batch_invariant=False)`` on AMX, or when forced.
 
 ``cpu_isa`` (``KernelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) below ``avx512_bf16`` forces oneDNN;
