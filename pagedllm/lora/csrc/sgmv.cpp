@@ -56,7 +56,7 @@ using fVec = at::vec::Vectorized<float>;
 using bVec = at::vec::Vectorized<BF16>;
 constexpr int64_t kW = fVec::size();
 constexpr int64_t kPair = 2 * kW;        // elements per step: one bfloat16 vector, two float32 ones
-constexpr int64_t kRowBlock = 4;         // rows of one slot sharing each weight load
+constexpr int64_t kRowBlock = 4;         // rows of one slot sharing each weight load (slice_rows<1..4>)
 constexpr int64_t kParallelMacs = 1 << 18;   // a call with fewer multiply-adds runs on one thread
 
 // ---- kPair elements as two float32 vectors (n < kPair: the first n, the other lanes 0) ----
@@ -92,53 +92,71 @@ inline void store_pair(BF16* p, int64_t n, const fVec& lo, const fVec& hi) {
   }
 }
 
-// h[b][k] = A_j[k] . xf[b] for k < r, b < nb: float32 sums along `in`.
-template <typename TW>
-void shrink(const TW* a, int64_t r, int64_t in, const float* xf, int64_t nb, float* h) {
-  for (int64_t k = 0; k < r; ++k) {
-    const TW* ak = a + k * in;
-    fVec acc[kRowBlock][2];
-    for (int64_t b = 0; b < nb; ++b) acc[b][0] = acc[b][1] = fVec(0.f);
-    for (int64_t i = 0; i < in; i += kPair) {
-      const int64_t n = std::min(kPair, in - i);
-      fVec lo, hi;
-      load_pair(ak + i, n, lo, hi);
-      for (int64_t b = 0; b < nb; ++b) {
-        fVec xlo, xhi;
-        load_pair(xf + b * in + i, n, xlo, xhi);
-        acc[b][0] = at::vec::fmadd(lo, xlo, acc[b][0]);
-        acc[b][1] = at::vec::fmadd(hi, xhi, acc[b][1]);
-      }
+// h[b * r + k] = A[k] . xf[b] for k0 <= k < k0 + KB, b < NB: float32 sums along `in`; each A
+// vector loaded serves NB rows, each x vector KB ranks (KB x NB accumulators in registers).
+template <int NB, int KB, typename TW>
+void shrink_tile(const TW* a, int64_t k0, int64_t r, int64_t in, const float* xf, float* h) {
+  fVec acc[KB][NB];
+  for (int k = 0; k < KB; ++k) {
+    for (int b = 0; b < NB; ++b) acc[k][b] = fVec(0.f);
+  }
+  for (int64_t i = 0; i < in; i += kPair) {
+    const int64_t n = std::min(kPair, in - i);
+    fVec alo[KB], ahi[KB];
+    for (int k = 0; k < KB; ++k) load_pair(a + (k0 + k) * in + i, n, alo[k], ahi[k]);
+    for (int b = 0; b < NB; ++b) {
+      fVec xlo, xhi;
+      load_pair(xf + b * in + i, n, xlo, xhi);
+      for (int k = 0; k < KB; ++k) acc[k][b] = at::vec::fmadd(ahi[k], xhi, at::vec::fmadd(alo[k], xlo, acc[k][b]));
     }
-    for (int64_t b = 0; b < nb; ++b) {
-      h[b * r + k] = at::vec::vec_reduce_all<float>(
-          [](const fVec& u, const fVec& v) { return u + v; }, acc[b][0] + acc[b][1]);
+  }
+  for (int k = 0; k < KB; ++k) {
+    for (int b = 0; b < NB; ++b) {
+      h[b * r + k0 + k] = at::vec::vec_reduce_all<float>([](const fVec& u, const fVec& v) { return u + v; }, acc[k][b]);
     }
   }
 }
 
-// y_rows[b][o] += sum_k h[b][k] * B[k][o] for o < out, b < nb (y_rows[b]: row b's slice start).
-template <typename TW, typename TY>
-void expand(const TW* bt, int64_t r, int64_t out, const float* h, int64_t nb, TY* const* y_rows) {
+// The shrink of NB rows: h [NB, r] = xf [NB, in] @ A[:r]^T.
+template <int NB, typename TW>
+void shrink(const TW* a, int64_t r, int64_t in, const float* xf, float* h) {
+  constexpr int kRankBlock = 4;
+  int64_t k0 = 0;
+  for (; k0 + kRankBlock <= r; k0 += kRankBlock) shrink_tile<NB, kRankBlock>(a, k0, r, in, xf, h);
+  for (; k0 < r; ++k0) shrink_tile<NB, 1>(a, k0, r, in, xf, h);
+}
+
+// The expand of NB rows: y_rows[b][o] += sum_k h[b * r + k] * B[k][o] for o < out (y_rows[b]: row
+// b's slice start); each B vector loaded serves NB rows, y is read and written once.
+template <int NB, typename TW, typename TY>
+void expand(const TW* bt, int64_t r, int64_t out, const float* h, TY* const* y_rows) {
   for (int64_t o = 0; o < out; o += kPair) {
     const int64_t n = std::min(kPair, out - o);
-    fVec acc[kRowBlock][2];
-    for (int64_t b = 0; b < nb; ++b) acc[b][0] = acc[b][1] = fVec(0.f);
+    fVec acc[NB][2];
+    for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = fVec(0.f);
     for (int64_t k = 0; k < r; ++k) {
       fVec lo, hi;
       load_pair(bt + k * out + o, n, lo, hi);
-      for (int64_t b = 0; b < nb; ++b) {
+      for (int b = 0; b < NB; ++b) {
         const fVec hk(h[b * r + k]);
         acc[b][0] = at::vec::fmadd(lo, hk, acc[b][0]);
         acc[b][1] = at::vec::fmadd(hi, hk, acc[b][1]);
       }
     }
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int b = 0; b < NB; ++b) {
       fVec ylo, yhi;
       load_pair(y_rows[b] + o, n, ylo, yhi);
       store_pair(y_rows[b] + o, n, ylo + acc[b][0], yhi + acc[b][1]);
     }
   }
+}
+
+// One slice of NB rows of one slot: shrink then expand (xf [NB, in] float32, h [NB, r] scratch).
+template <int NB, typename TW, typename TY>
+void slice_rows(const TW* a, const TW* bt, int64_t r, int64_t in, int64_t out, const float* xf, float* h,
+                TY* const* y_rows) {
+  shrink<NB>(a, r, in, xf, h);
+  expand<NB>(bt, r, out, h, y_rows);
 }
 
 // The rows of each slot, grouped: (slot, first index into `order`, count) per non-empty slot.
@@ -203,10 +221,16 @@ void sgmv_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, co
       for (int64_t j = 0; j < n_slices; ++j) {
         const int64_t r = ranks[s * n_slices + j];
         if (r <= 0) continue;
-        shrink(a + (s * n_slices + j) * r_max * in, r, in, xf.data(), nb, h.data());
         TY* y_rows[kRowBlock];
         for (int64_t b = 0; b < nb; ++b) y_rows[b] = yp + rows[b] * ys + starts[j];
-        expand(b_ptr[j] + s * r_max * widths[j], r, widths[j], h.data(), nb, y_rows);
+        const TW* aj = a + (s * n_slices + j) * r_max * in;
+        const TW* bj = b_ptr[j] + s * r_max * widths[j];
+        switch (nb) {
+          case 1: slice_rows<1>(aj, bj, r, in, widths[j], xf.data(), h.data(), y_rows); break;
+          case 2: slice_rows<2>(aj, bj, r, in, widths[j], xf.data(), h.data(), y_rows); break;
+          case 3: slice_rows<3>(aj, bj, r, in, widths[j], xf.data(), h.data(), y_rows); break;
+          default: slice_rows<4>(aj, bj, r, in, widths[j], xf.data(), h.data(), y_rows); break;
+        }
       }
     }
   });
