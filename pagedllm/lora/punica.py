@@ -14,11 +14,13 @@ from types import ModuleType
 
 import torch
 
+from pagedllm.layers.fused_ops import VEC_HEADER
 from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "sgmv.cpp"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-EXTENSION = CpuExtension("lora_sgmv", SOURCE, "LoRA SGMV kernel", "the torch LoRA shrink / expand")
+EXTENSION = CpuExtension("lora_sgmv", SOURCE, "LoRA SGMV kernel", "the torch LoRA shrink / expand",
+                         headers=(VEC_HEADER,))
 
 
 @functools.cache

@@ -20,19 +20,7 @@
 // (AVX-512: 16 lanes, AVX2: 8, else ATen's portable loops); compiled_isas() names it. bfloat16 is
 // loaded and stored through ATen's conversions (round to nearest even, as torch).
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
-    defined(__FMA__)
-#define CPU_CAPABILITY_AVX512 1
-#define CPU_CAPABILITY AVX512
-#define PAGEDLLM_VEC_NAME "avx512"
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2 1
-#define CPU_CAPABILITY AVX2
-#define PAGEDLLM_VEC_NAME "avx2"
-#else
-#define CPU_CAPABILITY DEFAULT
-#define PAGEDLLM_VEC_NAME "portable"
-#endif
+#include "../../layers/csrc/vec_isa.h"  // before ATen: selects its vector code
 
 #include <torch/extension.h>
 
@@ -159,7 +147,7 @@ void slice_rows(const TW* a, const TW* bt, int64_t r, int64_t in, int64_t out, c
   expand<NB>(bt, r, out, h, y_rows);
 }
 
-// The rows of each slot, grouped: (slot, first index into `order`, count) per non-empty slot.
+// The rows of each slot, grouped, in blocks of up to kRowBlock rows of one slot.
 struct Groups {
   std::vector<int64_t> order;                 // row indices, by slot
   std::vector<std::array<int64_t, 3>> blocks; // (slot, offset into order, rows <= kRowBlock)
