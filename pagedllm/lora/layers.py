@@ -62,8 +62,8 @@ class LoRALinear(nn.Module):
     [max_loras, r_max, out_j]; ``slice_ranks`` [max_loras, n_slices] int32 on the CPU, each slot's
     rank in each slice (0: not targeted).
 
-    With ``kernel`` (``punica.py``): one ``sgmv_add_`` call per step over
-    ``LoRAStepMapping.row_slots``. Without (the torch fallback): a batch on one slot runs that
+    With ``kernel`` (``punica.py``): one ``sgmv_add_`` call per forward over
+    ``LoRAStepMapping.row_slots`` (x, y on the CPU, rows contiguous). Without (the torch fallback): a batch on one slot runs that
     slot's rows only; a mixed batch runs one shrink over every slot, ``h = x A_all^T``
     [T, max_loras * n_slices * r_max], keeps each row's own slot (``LoRAStepMapping.row_mask``)
     and one expand per slice over all slots: 1 + n_slices matmuls whatever the mix (Punica's BGMV
