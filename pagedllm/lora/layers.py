@@ -1,16 +1,20 @@
 """The batched low-rank pass: LoRA deltas for a batch that mixes adapters (Punica's SGMV, Chen
 et al. 2023), added to the base layer's output whatever its kernel (oneDNN, bf16 GEMM, int8).
 
-Each adapted layer holds its adapters stacked by slot: ``lora_a`` [max_loras, n_slices * r_max,
-in] (the A of each targeted slice of the layer's output, compact: rows of the slices the slot's
-adapter targets, ``r`` rows each) and one ``lora_b[j]`` [max_loras, out_j, r_max] per output slice
+Each adapted layer holds its adapters stacked by slot: ``lora_a`` [max_loras, n_slices, r_max,
+in] (the A of each output slice) and one ``lora_b[j]`` [max_loras, r_max, out_j] per output slice
 ``j`` (q / k / v of ``qkv_proj``, gate / up of ``gate_up_proj``; one for ``o_proj`` /
-``down_proj``), with the adapter's scale folded into B. A step's ``LoRAStepMapping`` (built once
-per step by ``worker_manager.LoRAWorkerManager``) lists, for each slot in the batch, the rows
-that use it; each layer then runs, per slot, one shrink ``h = x[rows] A^T`` [n, slices * r] and
-per slice one expand ``y[rows, slice] += h_j B_j^T``; a batch mixing slots runs one shrink and
-one expand per slice over all slots at once, masked per row (``LoRALinear``). Never a loop over
-tokens.
+``down_proj``; B transposed, the adapter's scale folded in), zeros past an adapter's rank and in
+the slices it does not target. A step's ``LoRAStepMapping`` (built once per step by
+``worker_manager.LoRAWorkerManager``) says which rows use which slot. Two ways to add the deltas,
+chosen once at wrap time (``punica.choose_lora_kernel``):
+
+- the C++ kernel (``punica.py``, Punica's SGMV): one call per layer over ``row_slots``, each row
+  through its own adapter's rank and targeted slices only;
+- the torch fallback (other devices and dtypes, no compiler): per slot one shrink
+  ``h = x[rows] A^T`` [n, slices * r] and per slice one expand ``y[rows, slice] += h_j B_j``; a
+  batch mixing slots runs one shrink and one expand per slice over all slots at once, masked per
+  row. Never a loop over tokens.
 
 Tensor parallelism (Megatron's layouts): a column-parallel layer (q/k/v, gate/up) holds this
 rank's rows of B and all of A; a row-parallel one (o_proj, down_proj) this rank's columns of A
@@ -21,6 +25,7 @@ all-reduce. ``layers.parallel.checkpoint_shard`` of the base weight gives both s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -36,13 +41,17 @@ class LoRAStepMapping:
 
     Attributes:
         groups: (slot, rows) per slot in the batch: rows a [n] int64 tensor of token indices,
-            or None for every row; rows of no adapter are in no group.
+            or None for every row; rows of no adapter are in no group (the torch path).
         row_mask: for a batch mixing slots (or adapter and base rows): [T, max_loras, 1, 1] in the
-            adapters' dtype, 1 where row ``t`` uses slot ``s``; None when one slot has every row.
+            adapters' dtype, 1 where row ``t`` uses slot ``s``; None when one slot has every row
+            (the torch path).
+        row_slots: [T] int64 on the CPU, each row's slot or -1 (no adapter); None when no row
+            has an adapter (the C++ kernel's path).
     """
 
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
     row_mask: torch.Tensor | None = None
+    row_slots: torch.Tensor | None = None
 
 
 class LoRALinear(nn.Module):
@@ -50,11 +59,15 @@ class LoRALinear(nn.Module):
 
     Weights by slot, each slice's rows at a fixed place (zeros past an adapter's rank and in the
     slices it does not target): ``lora_a`` [max_loras, n_slices, r_max, in], ``lora_b[j]``
-    [out_j, max_loras, r_max]. A batch on one slot runs that slot's rows only; a mixed batch runs
-    one shrink over every slot, ``h = x A_all^T`` [T, max_loras * n_slices * r_max], keeps each
-    row's own slot (``LoRAStepMapping.row_mask``) and one expand per slice over all slots: 1 +
-    n_slices matmuls whatever the mix (Punica's BGMV in dense form: the row gathers and per-slot
-    calls cost more than the padded FLOPs at decode sizes, docs/benchmarks.md).
+    [max_loras, r_max, out_j]; ``slice_ranks`` [max_loras, n_slices] int32 on the CPU, each slot's
+    rank in each slice (0: not targeted).
+
+    With ``kernel`` (``punica.py``): one ``sgmv_add_`` call per forward over
+    ``LoRAStepMapping.row_slots`` (x, y on the CPU, rows contiguous). Without (the torch fallback): a batch on one slot runs that
+    slot's rows only; a mixed batch runs one shrink over every slot, ``h = x A_all^T``
+    [T, max_loras * n_slices * r_max], keeps each row's own slot (``LoRAStepMapping.row_mask``)
+    and one expand per slice over all slots: 1 + n_slices matmuls whatever the mix (Punica's BGMV
+    in dense form).
 
     Args:
         base: the layer (``nn.Linear``, ``MergedLinear`` or a kernel layer with ``in_features`` /
@@ -63,12 +76,14 @@ class LoRALinear(nn.Module):
         max_loras, max_rank: slots and their rank.
         dtype, device: of the adapter weights (the activations' dtype).
         mapping: the step's ``LoRAStepMapping`` (shared by every layer, owned by the manager).
+        kernel: the C++ kernel module (``punica.choose_lora_kernel``), or None for the torch path.
     Shapes:
         x: [T, in_features] -> [T, out_features].
     """
 
     def __init__(self, base: nn.Module, slice_sizes: list[int], max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, mapping: LoRAStepMapping) -> None:
+                 dtype: torch.dtype, device: torch.device, mapping: LoRAStepMapping,
+                 kernel: ModuleType | None = None) -> None:
         super().__init__()
         self.base = base
         self.in_features, self.out_features = int(base.in_features), int(base.out_features)
@@ -77,9 +92,11 @@ class LoRALinear(nn.Module):
         self.slices = [(sum(slice_sizes[:j]), n) for j, n in enumerate(slice_sizes)]
         self.max_rank, self.max_loras = max_rank, max_loras
         self.mapping = mapping
+        self.kernel = kernel
         self.register_buffer("lora_a", torch.zeros(max_loras, len(slice_sizes), max_rank, self.in_features,
                                                    dtype=dtype, device=device), persistent=False)
-        self.lora_b = [torch.zeros(n, max_loras, max_rank, dtype=dtype, device=device) for n in slice_sizes]
+        self.lora_b = [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device) for n in slice_sizes]
+        self.slice_ranks = torch.zeros(max_loras, len(slice_sizes), dtype=torch.int32)
         # slot -> (rank, slices it targets); empty: the slot's adapter leaves this layer alone.
         self.slot_slices: list[tuple[int, tuple[int, ...]]] = [(0, ())] * max_loras
 
@@ -97,17 +114,23 @@ class LoRALinear(nn.Module):
         self.clear_slot(slot)
         for j, (a, b) in parts.items():
             self.lora_a[slot, j, :rank].copy_(a)
-            self.lora_b[j][:, slot, :rank].copy_(b)
+            self.lora_b[j][slot, :rank].copy_(b.t())
+            self.slice_ranks[slot, j] = rank
         self.slot_slices[slot] = (rank, tuple(sorted(parts)))
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         for b in self.lora_b:
-            b[:, slot].zero_()
+            b[slot].zero_()
+        self.slice_ranks[slot].zero_()
         self.slot_slices[slot] = (0, ())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if self.kernel is not None:
+            if self.mapping.row_slots is not None:
+                self.kernel.sgmv_add_(y, x, self.lora_a, self.lora_b, self.slice_ranks, self.mapping.row_slots)
+            return y
         mask = self.mapping.row_mask
         if mask is not None:
             return self._add_mixed(x, y, mask)
@@ -118,7 +141,7 @@ class LoRALinear(nn.Module):
             n, r = len(self.slices), self.max_rank
             h = xs @ self.lora_a[slot].view(n * r, self.in_features).t()           # [n, slices * r]: shrink
             for j, (start, size) in enumerate(self.slices):
-                d = h[:, j * r:(j + 1) * r] @ self.lora_b[j][:, slot].t()          # [n, out_j]: expand
+                d = h[:, j * r:(j + 1) * r] @ self.lora_b[j][slot]                 # [n, out_j]: expand
                 if d.dtype != y.dtype:   # a weight-only base layer answers in its compute dtype
                     d = d.to(y.dtype)
                 if rows is None:
@@ -133,7 +156,7 @@ class LoRALinear(nn.Module):
         h = h.view(T, S, n, r).mul_(mask)                                          # each row's own slot only
         for j, (start, size) in enumerate(self.slices):
             hj = h[:, :, j].reshape(T, S * r)                                      # [T, S * r]
-            bj = self.lora_b[j].view(size, S * r).t()
+            bj = self.lora_b[j].view(S * r, size)
             if y.dtype == hj.dtype:
                 y[:, start:start + size].addmm_(hj, bj)                            # expand, added in place
             else:   # a weight-only base layer answers in its compute dtype
@@ -145,8 +168,10 @@ class LoRALinear(nn.Module):
 
 
 def wrap_lora_layers(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
-                     device: torch.device, mapping: LoRAStepMapping) -> dict[str, tuple[LoRALinear, int]]:
-    """Wrap the model's q/k/v, o, gate/up and down layers (after their kernels replaced them).
+                     device: torch.device, mapping: LoRAStepMapping,
+                     kernel: ModuleType | None = None) -> dict[str, tuple[LoRALinear, int]]:
+    """Wrap the model's q/k/v, o, gate/up and down layers (after their kernels replaced them);
+    ``kernel``: the C++ kernel they run (``punica.choose_lora_kernel``), or None (torch).
 
     Returns:
         Hugging Face module name (``model.layers.0.self_attn.q_proj``) -> (the wrapper, slice index).
@@ -161,7 +186,7 @@ def wrap_lora_layers(model: nn.Module, max_loras: int, max_rank: int, dtype: tor
                 sizes = [parent.q_size, parent.kv_size, parent.kv_size]
             else:
                 sizes = [child.out_features // len(hf_names)] * len(hf_names)
-            wrapper = LoRALinear(child, sizes, max_loras, max_rank, dtype, device, mapping)
+            wrapper = LoRALinear(child, sizes, max_loras, max_rank, dtype, device, mapping, kernel)
             setattr(parent, child_name, wrapper)
             for j, hf in enumerate(hf_names):
                 targets[f"{parent_name}.{hf}" if parent_name else hf] = (wrapper, j)

@@ -14,6 +14,7 @@ from pagedllm.layers.parallel import checkpoint_shard
 from pagedllm.lora.adapter import LoRAWeights, load_peft_adapter
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import LoRALinear, LoRAStepMapping, wrap_lora_layers
+from pagedllm.lora.punica import choose_lora_kernel
 from pagedllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class LoRAWorkerManager:
         dtype, device: the activations' dtype and the model's device.
     Attributes:
         mapping: the step's rows per slot, read by every wrapped layer.
+        kernel: the C++ kernel the layers run (``punica.choose_lora_kernel``), or None (torch).
         slots: lora_int_id held by each slot, or None.
     """
 
@@ -38,15 +40,16 @@ class LoRAWorkerManager:
         self.dtype = dtype if lora_config.lora_dtype == "auto" else getattr(torch, lora_config.lora_dtype)
         self.device = device
         self.mapping = LoRAStepMapping()
+        self.kernel, kernel_reason = choose_lora_kernel(device, self.dtype)
         self.targets = wrap_lora_layers(model, lora_config.max_loras, lora_config.max_lora_rank, self.dtype,
-                                        device, self.mapping)
+                                        device, self.mapping, self.kernel)
         self.layers: list[LoRALinear] = list({id(w): w for w, _ in self.targets.values()}.values())
         self.slots: list[int | None] = [None] * lora_config.max_loras
         self._slot_lru: OrderedDict[int, int] = OrderedDict()          # lora_int_id -> slot, oldest first
         self._host: OrderedDict[int, tuple[LoRARequest, LoRAWeights]] = OrderedDict()  # LRU host cache
-        logger.info("LoRA: %d layers adapted, %d slots of rank %d (%s), %d adapters cached on the host",
+        logger.info("LoRA: %d layers adapted, %d slots of rank %d (%s), %d adapters cached on the host; %s",
                     len(self.layers), lora_config.max_loras, lora_config.max_lora_rank,
-                    str(self.dtype).replace("torch.", ""), lora_config.num_cpu_loras)
+                    str(self.dtype).replace("torch.", ""), lora_config.num_cpu_loras, kernel_reason)
 
     # -- host cache ------------------------------------------------------------------------
 
@@ -155,17 +158,20 @@ class LoRAWorkerManager:
         """Set the step's mapping: request ``i`` (in batch order) runs ``num_tokens[i]`` rows with
         adapter ``loras[i]`` (None: the base model alone)."""
         keep = {lo.lora_int_id for lo in loras if lo is not None}
-        self.mapping.row_mask = None
+        self.mapping.row_mask = self.mapping.row_slots = None
+        self.mapping.groups = []
         if not keep:
-            self.mapping.groups = []
             return
         slot_of = {lid: self._activate(lo, keep) for lo in loras if lo is not None
                    for lid in (lo.lora_int_id,)}
+        row_slots = np.repeat(np.asarray([-1 if lo is None else slot_of[lo.lora_int_id] for lo in loras]),
+                              np.asarray(num_tokens))
+        if self.kernel is not None:   # [T] int64 on the CPU: the C++ kernel's one input per step
+            self.mapping.row_slots = torch.from_numpy(row_slots.astype(np.int64))
+            return
         if len(keep) == 1 and all(lo is not None for lo in loras):
             self.mapping.groups = [(slot_of[next(iter(keep))], None)]
             return
-        row_slots = np.repeat(np.asarray([-1 if lo is None else slot_of[lo.lora_int_id] for lo in loras]),
-                              np.asarray(num_tokens))
         self.mapping.groups = [
             (slot, torch.from_numpy(np.flatnonzero(row_slots == slot)).to(self.device))
             for slot in sorted(set(slot_of.values()))]

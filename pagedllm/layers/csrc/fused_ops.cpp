@@ -27,19 +27,7 @@
 // Rows are split over at::parallel_for threads only when a call has many elements (prefill); a
 // decode step's few rows run on the calling thread.
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
-    defined(__FMA__)
-#define CPU_CAPABILITY_AVX512 1
-#define CPU_CAPABILITY AVX512
-#define PAGEDLLM_VEC_NAME "avx512"
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2 1
-#define CPU_CAPABILITY AVX2
-#define PAGEDLLM_VEC_NAME "avx2"
-#else
-#define CPU_CAPABILITY DEFAULT
-#define PAGEDLLM_VEC_NAME "portable"
-#endif
+#include "vec_isa.h"  // before ATen: selects its vector code
 
 #include <torch/extension.h>
 
