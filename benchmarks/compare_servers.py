@@ -15,7 +15,7 @@ round's value. The servers and their flags:
   client, restarted per concurrency, as issue 18 measured it);
 - ``pagedllm-DTYPE`` / ``pagedllm-QUANT``: ``pagedllm serve`` with ``--dtype DTYPE`` or
   ``--quantization QUANT``;
-- ``pagedllm-MODE+ngram`` / ``+suffix`` / ``+self_int8``: the same with speculative decoding
+- ``pagedllm-MODE+ngram`` / ``+ngram8`` / ``+suffix`` / ``+self_int8``: the same with speculative decoding
   (``SPECULATIVE_CONFIGS``);
 - ``pagedllm-MODE+lora``: the same with ``--enable-lora --max-loras N --lora-modules ...`` (the
   ``--lora-modules NAME=PATH`` given here), and ``bench serving --lora-modules`` putting request
@@ -48,6 +48,7 @@ PAGEDLLM_QUANTIZATIONS = ("int8", "int8_weight_only", "int4_weight_only")
 # ``pagedllm-MODE+NAME``: ``--speculative-config`` of each NAME.
 SPECULATIVE_CONFIGS = {
     "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+    "ngram8": '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
     "suffix": '{"method": "suffix", "num_speculative_tokens": 8}',
     "self_int8": '{"method": "self_int8", "num_speculative_tokens": 4}'}
 # (result key, label, scale): throughput as is, latencies from seconds to milliseconds.
