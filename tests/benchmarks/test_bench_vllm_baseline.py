@@ -55,3 +55,24 @@ def test_bench_throughput_vllm_baseline(make_tiny_checkpoint, tmp_path):
     assert base["dtype"] == "float32" and base["vllm_version"].startswith("0.")
     assert set(res["ratio"]) == set(RESULT_KEYS)
     assert res["ratio"]["output_tokens_per_s"] == pytest.approx(res["output_tokens_per_s"] / base["output_tokens_per_s"])
+
+
+def test_vllm_baseline_gets_the_lora_adapters(tmp_path):
+    """``--lora-modules`` reaches the vLLM child as its own flags (a stand-in interpreter records them)."""
+    argv_file = tmp_path / "argv.json"
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env python3\n"
+        "import json, sys\n"
+        f"json.dump(sys.argv[1:], open({str(argv_file)!r}, 'w'))\n"
+        "out = sys.argv[sys.argv.index('--output') + 1]\n"
+        "json.dump({'duration_s': 1.0, 'output_lens': [2], 'load_time_s': 0.1, 'vllm_version': '0.0-fake',\n"
+        "           'dtype': 'float32', 'num_threads': 1}, open(out, 'w'))\n", encoding="utf-8")
+    fake.chmod(0o755)
+    res = run_vllm_baseline(str(fake), str(tmp_path), [[1, 2]], [2], "float32", 4, 64, 64, 1 << 20,
+                            lora_modules=[("a", "/p/a"), ("b", "/p/b")], max_loras=2, max_lora_rank=8)
+    argv = json.loads(argv_file.read_text())
+    at = argv.index("--lora-modules")
+    assert argv[at + 1:at + 3] == ["a=/p/a", "b=/p/b"]
+    assert argv[argv.index("--max-loras") + 1] == "2" and argv[argv.index("--max-lora-rank") + 1] == "8"
+    assert res["num_output_tokens"] == 2 and res["vllm_version"] == "0.0-fake"
