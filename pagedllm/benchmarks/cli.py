@@ -126,13 +126,15 @@ def _cmd_throughput(ns) -> int:
             raise ValueError("--lora-modules needs --enable-lora")
         modules = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(parse_lora_modules(ns.lora_modules))]
         loras = [modules[i % len(modules)] for i in range(len(requests))]
+    lora_note = f", request i on LoRA adapter i % {len(modules)}" if loras else ""
     result, prompt_ids = run_throughput(llm, requests, warmup=not ns.no_warmup, breakdown=ns.breakdown,
                                         progress=not ns.no_progress, n=ns.n, separate=ns.n_separate,
                                         lora_requests=loras)
     result.update(model=engine.model_files.source, dtype=dtype, block_size=engine.cache_config.block_size,
                   num_blocks=engine.num_blocks, max_num_seqs=engine.scheduler_config.max_num_seqs,
                   max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
-                  dataset=ns.dataset, engine_load_time_s=engine.load_time_s, n_separate=ns.n_separate)
+                  dataset=ns.dataset, engine_load_time_s=engine.load_time_s, n_separate=ns.n_separate,
+                  lora_adapters=[m.lora_name for m in modules] if loras else None)
     model_folder = engine.model_files.folder
     sched = engine.scheduler_config
     driver = engine.executor.local_worker  # in-process; else vLLM gets our default budget
@@ -140,7 +142,7 @@ def _cmd_throughput(ns) -> int:
     del llm, engine
     gc.collect()
     if ns.baseline:  # ours first, so a baseline that fails or is killed loses nothing
-        print(format_table(f"pagedllm throughput ({dtype}, {ns.dataset})", result, THROUGHPUT_TABLE_KEYS),
+        print(format_table(f"pagedllm throughput ({dtype}, {ns.dataset}{lora_note})", result, THROUGHPUT_TABLE_KEYS),
               flush=True)
         _write_json(ns.output_json, result)
 
@@ -168,7 +170,7 @@ def _cmd_throughput(ns) -> int:
                         prefix_cache_hit_rate=None)
         baseline_name = "openai server"
 
-    print(format_table(f"pagedllm throughput ({dtype}, {ns.dataset})", result, THROUGHPUT_TABLE_KEYS,
+    print(format_table(f"pagedllm throughput ({dtype}, {ns.dataset}{lora_note})", result, THROUGHPUT_TABLE_KEYS,
                        baseline, baseline_name or "baseline"))
     if "breakdown" in result:
         print(format_breakdown(result["breakdown"]))

@@ -12,7 +12,8 @@ PULL socket at ``output_address``; every message is one pickled tuple (``send_py
 - out: ``("ready", index, SchedulerStats)`` once, then per step ``("outputs", index,
   [RequestOutput], [(SchedulerStats, IterationStats)], SchedulerStats)``, ``("failed", index,
   [request_id], message)`` when a step raised (those requests are aborted, the replica goes on),
-  ``("result", index, call_id, value)``; ``("dead", index, traceback)`` if it cannot go on
+  ``("result", index, call_id, value)``, ``("call_error", index, call_id, message)`` when the
+  method raised ``ValueError`` (a bad argument: the replica goes on, the caller gets the error); ``("dead", index, traceback)`` if it cannot go on
   (also after a step that raised because its executor lost a worker: ``LLMEngine.check_health``).
 
 No message is ever dropped: both directions use zmq's unlimited high-water mark (``SNDHWM`` /
@@ -125,7 +126,11 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
                         engine.abort_request(known)
                 elif kind == "call":
                     _, call_id, method, kwargs = msg
-                    value = getattr(engine, method)(**kwargs)
+                    try:
+                        value = getattr(engine, method)(**kwargs)
+                    except ValueError as e:   # the caller's bad argument (an adapter folder): the replica goes on
+                        outbox.send_pyobj(("call_error", index, call_id, str(e)))
+                        continue
                     if method == "pause_generation":   # the aborted requests' final outputs
                         in_engine.difference_update(out.request_id for out in value)
                         if value:

@@ -48,6 +48,14 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
+@dataclasses.dataclass(frozen=True)
+class _CallError:
+    """A replica's answer to a call whose ``LLMEngine`` method raised ``ValueError`` (its message)."""
+
+    message: str
+
+
 # Seconds a replica may take to start (load the weights, allocate its KV cache).
 REPLICA_START_TIMEOUT_S = 600.0
 # Seconds replicas get to leave after "shutdown" before they are terminated.
@@ -373,9 +381,9 @@ class EngineCoreClient:
                     self.balancer.finish(rid)
             error = EngineStepError(f"{self.replica_name(index)}: {message}")
             return [_Failure(rid, error) for rid in ids]
-        if kind == "result":
+        if kind in ("result", "call_error"):
             _, _, call_id, value = msg
-            self._results.setdefault(call_id, {})[index] = value
+            self._results.setdefault(call_id, {})[index] = value if kind == "result" else _CallError(value)
             return []
         if kind == "dead":
             logger.error("%s failed:\n%s", self.replica_name(index), msg[2])
@@ -619,7 +627,11 @@ class DPAsyncLLM(AsyncFrontEnd):
                 if results is not None:
                     with self._lock:
                         self._calls.pop(call_id, None)
-                    future.set_result(results)
+                    errors = [r.message for r in results.values() if isinstance(r, _CallError)]
+                    if errors:
+                        future.set_exception(ValueError(errors[0]))
+                    else:
+                        future.set_result(results)
 
     def _deliver(self, events: list) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = {}

@@ -179,20 +179,24 @@ class LLM:
         return self._run_engine(ids, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    lora_request=None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search (vLLM's ``LLM.beam_search``): the beams share KV blocks through forks.
 
         Args:
             prompts: one prompt or a list (string, token ids, or ``{"prompt_token_ids": [...]}``).
             params: ``BeamSearchParams`` (beam_width, max_tokens, ignore_eos, temperature=0,
                 length_penalty).
+            lora_request: vLLM's argument; beam search does not run with LoRA adapters, so
+                anything but None is a ``ValueError``.
         Returns:
             One ``BeamSearchOutput`` per prompt, in order: the best ``beam_width`` sequences
             (``tokens`` = prompt + generated, ``text`` = the generated text, ``cum_logprob``),
             best first by ``cum_logprob / len(tokens) ** length_penalty``.
         Raises:
-            ValueError: a bad prompt or params (nothing runs then).
+            ValueError: a bad prompt or params, or a ``lora_request`` (nothing runs then).
         """
+        if lora_request is not None:
+            raise ValueError("lora_request: beam search does not run with LoRA adapters")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         processed = [self.llm_engine.input_processor.process(p, params) for p in prompts]
