@@ -5,6 +5,7 @@ kernel (``lora/punica.py``) against the same reference and against the torch pat
 
 import pytest
 import torch
+from cpp_build import require_built_extension
 from torch import nn
 
 from pagedllm.layers.linear import PackedLinear, onednn_linear_available
@@ -85,11 +86,7 @@ def test_mixed_rows_equal_the_hand_computed_deltas(kind):
 
 
 def _kernel():
-    kernel = load_lora_kernel()
-    if kernel is None:
-        pytest.skip("the LoRA SGMV C++ extension could not be built here (see the WARNING of "
-                    "platforms.cpu_extension above: no compiler / ninja, or a compile error)")
-    return kernel
+    return require_built_extension(load_lora_kernel, "the LoRA SGMV kernel (the torch path would run instead)")
 
 
 # A layer of three output slices whose widths and input are not multiples of the vector width.
