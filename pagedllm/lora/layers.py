@@ -97,8 +97,6 @@ class LoRALinear(nn.Module):
                                                    dtype=dtype, device=device), persistent=False)
         self.lora_b = [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device) for n in slice_sizes]
         self.slice_ranks = torch.zeros(max_loras, len(slice_sizes), dtype=torch.int32)
-        # slot -> (rank, slices it targets); empty: the slot's adapter leaves this layer alone.
-        self.slot_slices: list[tuple[int, tuple[int, ...]]] = [(0, ())] * max_loras
 
     def set_slot(self, slot: int, rank: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put an adapter in ``slot``: ``parts`` maps slice index -> (A [rank, in], B [out_j, rank]
@@ -116,14 +114,12 @@ class LoRALinear(nn.Module):
             self.lora_a[slot, j, :rank].copy_(a)
             self.lora_b[j][slot, :rank].copy_(b.t())
             self.slice_ranks[slot, j] = rank
-        self.slot_slices[slot] = (rank, tuple(sorted(parts)))
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         for b in self.lora_b:
             b[slot].zero_()
         self.slice_ranks[slot].zero_()
-        self.slot_slices[slot] = (0, ())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -135,7 +131,7 @@ class LoRALinear(nn.Module):
         if mask is not None:
             return self._add_mixed(x, y, mask)
         for slot, rows in self.mapping.groups:   # one slot, every row (the manager's fast case)
-            if not self.slot_slices[slot][1]:
+            if not bool(self.slice_ranks[slot].any()):   # the slot's adapter leaves this layer alone
                 continue
             xs = x if rows is None else x.index_select(0, rows)                   # [n, in]
             n, r = len(self.slices), self.max_rank
