@@ -11,9 +11,10 @@ hit every variant alike; medians are printed:
    float32 and bfloat16;
 2. the linear layers of one decode step (q/k/v, o, gate/up, down x 18 layers: 72 weights of their
    own, so that they stream from memory as in the model; and the tied LM head 262,144 x 640) at
-   ``--rows`` rows (default 16 and 64): oneDNN packed float32, oneDNN packed bfloat16 (where the
-   CPU has native bf16) and our AVX-512 BF16 GEMM (``layers/bf16_gemm.py``, where it runs), with
-   oneDNN bf16's time over the GEMM's; and, on AMX CPUs, our AMX GEMM (``layers/amx_gemm.py``)
+   ``--rows`` rows (default 16 and 64): oneDNN packed float32 and our float32 GEMM
+   (``layers/f32_gemm.py``, where it runs), with oneDNN's time over ours; oneDNN packed bfloat16
+   (where the CPU has native bf16) and our AVX-512 BF16 GEMM (``layers/bf16_gemm.py``, where it
+   runs), with oneDNN bf16's time over the GEMM's; and, on AMX CPUs, our AMX GEMM (``layers/amx_gemm.py``)
    with the ratios GEMM / AMX and oneDNN / AMX. (Before session 10 this part reused one weight per shape
    18 times, which stays in L3 and hid the difference between the bf16 kernels.)
 
@@ -93,10 +94,17 @@ def linear_kernels(repeats: int, rows_list: list[int]) -> None:
     """The linear-layer comparison (part 2 of the module docstring): one line per row count."""
     from pagedllm.layers.bf16_gemm import AMX_KERNEL, BF16_KERNEL, Bf16Linear, bf16_kernel_for, bf16_module
 
+    from pagedllm.layers.f32_gemm import F32_KERNEL, F32Linear, f32_kernel_for, load_f32_gemm
+
     kernels = {"float32": lambda w: PackedLinear(w, None, 64)}
+    skipped = []
+    got, why = f32_kernel_for("auto")
+    if got == F32_KERNEL:
+        kernels["float32 GEMM"] = lambda w, module=load_f32_gemm(): F32Linear(w, None, module)
+    else:
+        skipped.append(f"no float32 GEMM: {why}")
     if onednn_linear_available(torch.bfloat16):
         kernels["bfloat16 oneDNN"] = lambda w: PackedLinear(w.to(torch.bfloat16), None, 64)
-    skipped = []
     for label, name in (("bfloat16 GEMM", BF16_KERNEL), ("bfloat16 AMX", AMX_KERNEL)):
         got, why = bf16_kernel_for("auto", kernel=name)
         if got == name:
@@ -115,15 +123,15 @@ def linear_kernels(repeats: int, rows_list: list[int]) -> None:
     for rows in rows_list:
         fns = {}
         for (label, part), mods in layers.items():
-            dtype = torch.float32 if label == "float32" else torch.bfloat16
+            dtype = torch.float32 if label.startswith("float32") else torch.bfloat16
             x_in = [torch.randn(rows, s[1], generator=gen).to(dtype) for s in sets[part]]
             fns[f"{label} {part}"] = (lambda mods=mods, x_in=x_in: [m(x) for m, x in zip(mods, x_in)])
         res = _median_times(fns, repeats, 1)
         line = "  ".join(f"{name} {t * 1e3:.2f}" for name, t in res.items())
-        for base, other in (("bfloat16 oneDNN", "bfloat16 GEMM"), ("bfloat16 GEMM", "bfloat16 AMX"),
+        for base, other in (("float32", "float32 GEMM"), ("bfloat16 oneDNN", "bfloat16 GEMM"), ("bfloat16 GEMM", "bfloat16 AMX"),
                             ("bfloat16 oneDNN", "bfloat16 AMX")):
             if base in kernels and other in kernels:
-                line += f"  {base.split()[1]} / {other.split()[1]}: " + ", ".join(
+                line += f"  {base} / {other}: " + ", ".join(
                     f"{part} {res[f'{base} {part}'] / res[f'{other} {part}']:.2f}x" for part in sets)
         print(f"  {rows} rows: {line}", flush=True)
 

@@ -36,6 +36,8 @@ SUPPORTED_CPU_GEMMS = tuple(g.value for g in CpuGemm)
 SUPPORTED_CPU_ISAS = ("auto",) + tuple(i.value for i in CpuIsa)
 # ``KernelConfig.cpu_bf16_gemm``: the bf16 linear kernel (``layers.bf16_gemm.BF16_KERNELS``, kept in sync).
 SUPPORTED_CPU_BF16_GEMMS = ("auto", "amx_bf16", "avx512_bf16", "onednn")
+# ``KernelConfig.cpu_f32_gemm``: the float32 linear kernel (``layers.f32_gemm.F32_KERNELS``, kept in sync).
+SUPPORTED_CPU_F32_GEMMS = ("auto", "f32_gemm", "onednn")
 # ``KernelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
 SUPPORTED_LOAD_FORMATS = ("auto", "dummy")   # vLLM's names; dummy: random weights
@@ -483,6 +485,9 @@ class KernelConfig:
             AVX-512 BF16 GEMM, else oneDNN: ``layers.bf16_gemm.bf16_kernel_for``), or "amx_bf16" /
             "avx512_bf16" / "onednn" to force one (comparisons; oneDNN is not batch-invariant on
             AMX); default "auto", ``EngineArgs`` reads ``$PAGEDLLM_CPU_BF16_GEMM``.
+        cpu_f32_gemm: the CPU float32 linear kernel: "auto" (our float32 GEMM on AVX-512 or AVX2 +
+            FMA CPUs, else oneDNN: ``layers.f32_gemm.f32_kernel_for``), or "f32_gemm" / "onednn" to
+            force one (comparisons); default "auto", ``EngineArgs`` reads ``$PAGEDLLM_CPU_F32_GEMM``.
         cpu_fused_ops: "auto" (CPU float32 / bfloat16 models run the fused C++ norms, residual
             adds, q/k norm + RoPE and gated activations of ``layers/fused_ops.py`` when the
             extension builds) or "off" (the eager torch ops everywhere); default "auto" (no
@@ -498,7 +503,7 @@ class KernelConfig:
             ``attention_backend`` (naming ``$PAGEDLLM_ATTENTION_BACKEND``), ``cpu_gemm`` (naming
             ``$PAGEDLLM_CPU_GEMM``, ``platforms.cpu.parse_cpu_gemm``), ``cpu_isa`` (naming
             ``$PAGEDLLM_CPU_ISA``, ``platforms.cpu.parse_cpu_isa``), ``cpu_bf16_gemm`` (naming
-            ``$PAGEDLLM_CPU_BF16_GEMM``), ``cpu_fused_ops``, ``exact_greedy_head``. A forced
+            ``$PAGEDLLM_CPU_BF16_GEMM``), ``cpu_f32_gemm`` (naming ``$PAGEDLLM_CPU_F32_GEMM``), ``cpu_fused_ops``, ``exact_greedy_head``. A forced
             ``cpu_isa`` this CPU lacks is not checked here (the kernel plan raises it, on the rank
             that runs it).
     """
@@ -507,6 +512,7 @@ class KernelConfig:
     cpu_gemm: str = "onednn"
     cpu_isa: str = "auto"
     cpu_bf16_gemm: str = "auto"
+    cpu_f32_gemm: str = "auto"
     cpu_fused_ops: str = "auto"
     exact_greedy_head: str = "auto"
 
@@ -523,6 +529,9 @@ class KernelConfig:
         if self.cpu_bf16_gemm not in SUPPORTED_CPU_BF16_GEMMS:
             raise ValueError(f"cpu_bf16_gemm (${envs.PAGEDLLM_CPU_BF16_GEMM}) must be one of "
                              f"{SUPPORTED_CPU_BF16_GEMMS}, got {self.cpu_bf16_gemm!r}")
+        if self.cpu_f32_gemm not in SUPPORTED_CPU_F32_GEMMS:
+            raise ValueError(f"cpu_f32_gemm (${envs.PAGEDLLM_CPU_F32_GEMM}) must be one of "
+                             f"{SUPPORTED_CPU_F32_GEMMS}, got {self.cpu_f32_gemm!r}")
         if self.cpu_fused_ops not in SUPPORTED_CPU_FUSED_OPS:
             raise ValueError(f"cpu_fused_ops must be one of {SUPPORTED_CPU_FUSED_OPS}, got {self.cpu_fused_ops!r}")
         if self.exact_greedy_head not in SUPPORTED_EXACT_GREEDY_HEAD:

@@ -14,6 +14,7 @@ PAGEDLLM_ATTENTION_BACKEND = "PAGEDLLM_ATTENTION_BACKEND"      # -> EngineArgs.a
 PAGEDLLM_CPU_GEMM = "PAGEDLLM_CPU_GEMM"                        # -> EngineArgs.cpu_gemm
 PAGEDLLM_CPU_ISA = "PAGEDLLM_CPU_ISA"                          # -> EngineArgs.cpu_isa
 PAGEDLLM_CPU_BF16_GEMM = "PAGEDLLM_CPU_BF16_GEMM"              # -> EngineArgs.cpu_bf16_gemm
+PAGEDLLM_CPU_F32_GEMM = "PAGEDLLM_CPU_F32_GEMM"                # -> EngineArgs.cpu_f32_gemm
 PAGEDLLM_CPU_KVCACHE_SPACE = "PAGEDLLM_CPU_KVCACHE_SPACE"      # -> EngineArgs.cpu_kvcache_space (GiB)
 PAGEDLLM_PP_LAYER_PARTITION = "PAGEDLLM_PP_LAYER_PARTITION"    # -> EngineArgs.pp_layer_partition ("10,8")
 PAGEDLLM_CPU_THREADS_PER_RANK = "PAGEDLLM_CPU_THREADS_PER_RANK"  # -> EngineArgs.cpu_threads_per_rank

@@ -70,6 +70,8 @@ class EngineArgs:
             with it what ``dtype="auto"`` means); default ``$PAGEDLLM_CPU_ISA`` or "auto".
         cpu_bf16_gemm: the bf16 linear kernel, "auto" or "amx_bf16" / "avx512_bf16" / "onednn"
             (``KernelConfig.cpu_bf16_gemm``); default ``$PAGEDLLM_CPU_BF16_GEMM`` or "auto".
+        cpu_f32_gemm: the float32 linear kernel, "auto" or "f32_gemm" / "onednn"
+            (``KernelConfig.cpu_f32_gemm``); default ``$PAGEDLLM_CPU_F32_GEMM`` or "auto".
         exact_greedy_head: "auto" (plain greedy rows through the cheaper exact head where it
             pays, ``sample/greedy_head.py``) or "off" (``KernelConfig.exact_greedy_head``).
         load_format: "auto" or "dummy" (random weights; ``ModelConfig.load_format``).
@@ -151,6 +153,7 @@ class EngineArgs:
     cpu_gemm: str = field(default_factory=lambda: envs.read(envs.PAGEDLLM_CPU_GEMM) or "onednn")
     cpu_isa: str = field(default_factory=lambda: (envs.read(envs.PAGEDLLM_CPU_ISA) or "auto").lower())
     cpu_bf16_gemm: str = field(default_factory=lambda: (envs.read(envs.PAGEDLLM_CPU_BF16_GEMM) or "auto").lower())
+    cpu_f32_gemm: str = field(default_factory=lambda: (envs.read(envs.PAGEDLLM_CPU_F32_GEMM) or "auto").lower())
     cpu_fused_ops: str = "auto"
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: envs.read(envs.PAGEDLLM_CPU_KVCACHE_SPACE))
     exact_greedy_head: str = "auto"
@@ -217,7 +220,7 @@ class EngineArgs:
         """Validate and split into component configs (vLLM's ``create_engine_config``): the
         ``VllmConfig`` of ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``,
         ``ParallelConfig`` and ``KernelConfig`` (``attention_backend``, ``cpu_gemm``, ``cpu_isa``,
-        ``cpu_bf16_gemm``, ``cpu_fused_ops``, ``exact_greedy_head``).
+        ``cpu_bf16_gemm``, ``cpu_f32_gemm``, ``cpu_fused_ops``, ``exact_greedy_head``).
 
         Called with no arguments (as vLLM users do) it resolves ``model`` and reads its config
         (a GGUF file is converted once, as the engine does on start).
@@ -278,8 +281,8 @@ class EngineArgs:
                             quantization=self.quantization, model_folder=model_folder,
                             load_format=self.load_format, **arch)
         kernel = KernelConfig(attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm, cpu_isa=self.cpu_isa,
-                              cpu_bf16_gemm=self.cpu_bf16_gemm, cpu_fused_ops=self.cpu_fused_ops,
-                              exact_greedy_head=self.exact_greedy_head)
+                              cpu_bf16_gemm=self.cpu_bf16_gemm, cpu_f32_gemm=self.cpu_f32_gemm,
+                              cpu_fused_ops=self.cpu_fused_ops, exact_greedy_head=self.exact_greedy_head)
         space = None if self.cpu_kvcache_space is None else int(float(self.cpu_kvcache_space) * (1 << 30))
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -170,7 +170,7 @@ class PackedLinear(KernelLinear):
 
 def packed_kernel_for(dtype: torch.dtype, device: torch.device, cpu_gemm: str = CpuGemm.ONEDNN.value,
                       cpu_isa: str = "auto", flags: frozenset[str] | None = None,
-                      cpu_bf16_gemm: str = "auto") -> tuple[str, str]:
+                      cpu_bf16_gemm: str = "auto", cpu_f32_gemm: str = "auto") -> tuple[str, str]:
     """Which kernel runs an unquantized model's linear layers here, and why.
 
     Args:
@@ -179,12 +179,14 @@ def packed_kernel_for(dtype: torch.dtype, device: torch.device, cpu_gemm: str = 
         cpu_isa: ``KernelConfig.cpu_isa`` (a bf16 model's choice between oneDNN and the bf16 GEMM).
         flags: the CPU's flags (default: this machine's).
         cpu_bf16_gemm: ``KernelConfig.cpu_bf16_gemm`` (a bf16 kernel forced, for comparisons).
+        cpu_f32_gemm: ``KernelConfig.cpu_f32_gemm`` (a float32 kernel forced, for comparisons).
     Returns:
         (``"torch"`` (``F.linear``, nothing packed), ``"onednn"`` (``PackedLinear``), ``"amx_bf16"``
-        or ``"avx512_bf16"`` (``layers.bf16_gemm.Bf16Linear``); the reason in words).
+        or ``"avx512_bf16"`` (``layers.bf16_gemm.Bf16Linear``), ``"f32_gemm"``
+        (``layers.f32_gemm.F32Linear``, float32); the reason in words).
     Raises:
-        ValueError: for a bad ``cpu_gemm`` or ``cpu_bf16_gemm``, or as ``bf16_kernel_for`` for a
-            ``cpu_isa`` the CPU lacks.
+        ValueError: for a bad ``cpu_gemm``, ``cpu_bf16_gemm`` or ``cpu_f32_gemm``, or as
+            ``bf16_kernel_for`` / ``f32_kernel_for`` for a ``cpu_isa`` the CPU lacks.
     """
     if device.type != "cpu":
         return CpuGemm.TORCH.value, f"not on the CPU ({device.type})"
@@ -192,6 +194,10 @@ def packed_kernel_for(dtype: torch.dtype, device: torch.device, cpu_gemm: str = 
         return CpuGemm.TORCH.value, f"cpu_gemm={cpu_gemm!r} (${CPU_GEMM_ENV})"
     if not onednn_linear_available(dtype):
         return CpuGemm.TORCH.value, f"oneDNN has no {str(dtype).replace('torch.', '')} inner product here"
+    if dtype == torch.float32:
+        from pagedllm.layers.f32_gemm import f32_kernel_for
+
+        return f32_kernel_for(cpu_isa, flags, kernel=cpu_f32_gemm)
     if dtype != torch.bfloat16:
         return CpuGemm.ONEDNN.value, f"{str(dtype).replace('torch.', '')}: oneDNN's packed inner product"
     from pagedllm.layers.bf16_gemm import bf16_kernel_for
@@ -202,34 +208,43 @@ def packed_kernel_for(dtype: torch.dtype, device: torch.device, cpu_gemm: str = 
 
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device, batch_hint: int,
                        cpu_gemm: str = CpuGemm.ONEDNN.value, cpu_isa: str = "auto", kernel: str | None = None,
-                       cpu_bf16_gemm: str = "auto") -> int:
+                       cpu_bf16_gemm: str = "auto", cpu_f32_gemm: str = "auto") -> int:
     """Replace every ``nn.Linear`` of ``model`` by a packed layer and, for a model with a tied
     LM head, set ``model.packed_lm_head`` (read by ``compute_logits``), with the kernel
     ``packed_kernel_for`` picks: a no-op for ``"torch"`` (off the CPU, ``cpu_gemm`` ``torch``, or
     no oneDNN inner product for ``dtype``).
 
-    The packed layer is ``PackedLinear`` (oneDNN), or for bfloat16 on AVX-512 BF16 CPUs the
+    The packed layer is ``PackedLinear`` (oneDNN), for float32 on AVX-512 / AVX2 + FMA CPUs the
+    batch-invariant ``layers.f32_gemm.F32Linear``, or for bfloat16 on AVX-512 BF16 CPUs the
     batch-invariant ``layers.bf16_gemm.Bf16Linear`` on the AMX GEMM (AMX CPUs) or the AVX-512 GEMM
     (``packed_kernel_for``). A layer whose input width the kernel cannot take (AMX: not a multiple
     of 32; AVX-512: odd) runs the next one (AVX-512 GEMM, then oneDNN), fixed per layer, so the model stays batch-invariant wherever a GEMM of ours runs.
 
     Args:
         kernel: the kernel already chosen (the kernel plan's); None: ``packed_kernel_for(dtype,
-            device, cpu_gemm, cpu_isa, cpu_bf16_gemm=cpu_bf16_gemm)``.
+            device, cpu_gemm, cpu_isa, cpu_bf16_gemm=cpu_bf16_gemm, cpu_f32_gemm=cpu_f32_gemm)``.
     Returns:
         Bytes of packed copies added next to the weights the model keeps (the tied LM head), 0
         when nothing was packed.
     Raises:
-        ValueError: for a bad ``cpu_gemm`` or ``cpu_bf16_gemm``.
+        ValueError: for a bad ``cpu_gemm``, ``cpu_bf16_gemm`` or ``cpu_f32_gemm``.
     """
     if kernel is None:
-        kernel = packed_kernel_for(dtype, device, cpu_gemm, cpu_isa, cpu_bf16_gemm=cpu_bf16_gemm)[0]
+        kernel = packed_kernel_for(dtype, device, cpu_gemm, cpu_isa, cpu_bf16_gemm=cpu_bf16_gemm,
+                                   cpu_f32_gemm=cpu_f32_gemm)[0]
     if kernel == CpuGemm.TORCH.value:
         return 0
     hint = max(1, int(batch_hint))
     if kernel == CpuGemm.ONEDNN.value:
         def make(weight, bias):
             return PackedLinear(weight, bias, hint)
+    elif kernel == "f32_gemm":
+        from pagedllm.layers.f32_gemm import F32Linear, load_f32_gemm
+
+        module = load_f32_gemm()
+
+        def make(weight, bias):
+            return F32Linear(weight, bias, module)
     else:
         from pagedllm.layers.bf16_gemm import (BF16_KERNEL, Bf16Linear, bf16_kernel_for, bf16_module, k_multiple,
                                                load_bf16_gemm)

@@ -37,7 +37,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 # ``LinearKernel.kind`` values, in words for the table.
 _LINEAR_WORDS = {"torch": "torch F.linear", "onednn": "oneDNN packed", "avx512_bf16": "bf16 GEMM (avx512_bf16)",
-                 "amx_bf16": "bf16 GEMM (AMX tiles)",
+                 "amx_bf16": "bf16 GEMM (AMX tiles)", "f32_gemm": "float32 GEMM (ours)",
                  "int8": "int8 W8A8 (fbgemm)"}
 
 
@@ -85,7 +85,8 @@ class LinearKernel:
 
     Attributes:
         kind: "torch" (``F.linear``: the layers stay ``nn.Linear``), "onednn" (``PackedLinear``),
-            "avx512_bf16" (``layers.bf16_gemm.Bf16Linear``), "int8" (``Int8DynamicLinear``), or
+            "avx512_bf16" / "amx_bf16" (``layers.bf16_gemm.Bf16Linear``), "f32_gemm"
+            (``layers.f32_gemm.F32Linear``), "int8" (``Int8DynamicLinear``), or
             "int8_weight_only" / "int4_weight_only" (``layers/weight_only.py``).
         int8_kernel: the weight-only layers' int8 kernel ("vnni" or "torch", ``layers/int8_gemm.py``;
             int4's LM head is int8); None for the other kinds.
@@ -120,7 +121,7 @@ def choose_linear(model_config: ModelConfig, kernel_config: KernelConfig, dtype:
         kernel, why = int8_kernel_for(kernel_config.cpu_isa, flags)
         return LinearKernel(quant, kernel), f"quantization={quant!r}; int8 kernel: {why}"
     kind, why = packed_kernel_for(dtype, device, kernel_config.cpu_gemm, kernel_config.cpu_isa, flags,
-                                  kernel_config.cpu_bf16_gemm)
+                                  kernel_config.cpu_bf16_gemm, kernel_config.cpu_f32_gemm)
     return LinearKernel(kind), why
 
 

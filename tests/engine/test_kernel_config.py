@@ -11,13 +11,14 @@ import pytest
 from pagedllm.config import KernelConfig, ModelConfig, VllmConfig
 from pagedllm.engine.arg_utils import EngineArgs
 
-KERNEL_FIELDS = ("attention_backend", "cpu_gemm", "cpu_isa", "cpu_bf16_gemm", "cpu_fused_ops", "exact_greedy_head")
+KERNEL_FIELDS = ("attention_backend", "cpu_gemm", "cpu_isa", "cpu_bf16_gemm", "cpu_f32_gemm", "cpu_fused_ops", "exact_greedy_head")
 
 
 def test_defaults_and_fields():
     assert tuple(f.name for f in dataclasses.fields(KernelConfig)) == KERNEL_FIELDS
     assert KernelConfig() == KernelConfig(attention_backend="auto", cpu_gemm="onednn", cpu_isa="auto",
-                                          cpu_bf16_gemm="auto", cpu_fused_ops="auto", exact_greedy_head="auto")
+                                          cpu_bf16_gemm="auto", cpu_f32_gemm="auto", cpu_fused_ops="auto",
+                                          exact_greedy_head="auto")
     assert pickle.loads(pickle.dumps(KernelConfig(cpu_isa="avx2"))) == KernelConfig(cpu_isa="avx2")
 
 
@@ -26,6 +27,7 @@ def test_defaults_and_fields():
     (dict(cpu_gemm="blas"), r"\$PAGEDLLM_CPU_GEMM"),
     (dict(attention_backend="flash"), r"attention_backend \(\$PAGEDLLM_ATTENTION_BACKEND\) must be one of"),
     (dict(cpu_bf16_gemm="mkl"), r"cpu_bf16_gemm \(\$PAGEDLLM_CPU_BF16_GEMM\) must be one of"),
+    (dict(cpu_f32_gemm="mkl"), r"cpu_f32_gemm \(\$PAGEDLLM_CPU_F32_GEMM\) must be one of"),
     (dict(cpu_fused_ops="on"), r"cpu_fused_ops must be one of"),
     (dict(exact_greedy_head="on"), r"exact_greedy_head must be one of"),
 ])

@@ -59,7 +59,8 @@ def test_pack_linear_layers_replaces_linears_and_packs_tied_head(monkeypatch, ti
     x = torch.randn(3, 16)
     want_proj = model.model.proj(x)
     want_logits = F.linear(x, model.model.embed_tokens.weight)
-    extra = pack_linear_layers(model, torch.float32, torch.device("cpu"), batch_hint=8)
+    # cpu_f32_gemm "onednn": oneDNN's layout (tests/layers/test_f32_gemm.py: the default float32 GEMM)
+    extra = pack_linear_layers(model, torch.float32, torch.device("cpu"), batch_hint=8, cpu_f32_gemm="onednn")
     assert isinstance(model.model.proj, PackedLinear)
     assert extra == 50 * 16 * 4   # the tied head is the only second copy
     torch.testing.assert_close(model.model.proj(x), want_proj, rtol=1e-5, atol=1e-5)
