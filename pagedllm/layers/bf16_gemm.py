@@ -11,8 +11,8 @@ once after loading (the plain weight is not kept, except the tied embedding the 
   faster from 16 rows); 1.1-1.4x faster than oneDNN's AMX kernels at 1-64 rows, 1.07-1.35x
   slower at 128-512; engine throughput 2.07x the AVX-512 GEMM's and 1.06x oneDNN's.
 - ``"avx512_bf16"`` (CPUs with ``avx512f avx512bw avx512vl avx512_bf16`` and no AMX): ``Bf16Linear``,
-  ``vdpbf16ps`` on 8 rows x 32 outputs of float32 accumulators per call, the next weight tile
-  prefetched while the current one is used. At the 8-32 rows of a decode step oneDNN's kernel
+  ``vdpbf16ps`` on 8 rows x 32 outputs of float32 accumulators per call, each weight block
+  prefetched 4 KiB ahead into L2. At the 8-32 rows of a decode step oneDNN's kernel
   used about half of the machine's ``vdpbf16ps`` rate with the weights streaming from memory;
   this one takes less time there and ties oneDNN on prompt chunks (docs/performance.md;
   ``benchmarks/cpu_paths.py --parts linear``).
