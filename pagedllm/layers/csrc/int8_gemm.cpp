@@ -52,7 +52,13 @@
 #endif
 
 #ifndef PAGEDLLM_INT8_PREFETCH
-#define PAGEDLLM_INT8_PREFETCH 1024  // bytes ahead in each weight block's stream
+#define PAGEDLLM_INT8_PREFETCH 4096  // bytes ahead in each weight block's stream (into L2)
+#endif
+#ifndef PAGEDLLM_INT8_PREFETCH_ROWS
+// Row blocks below this many rows prefetch nothing: the hardware prefetchers kept up there and the
+// software prefetch only cost (LM head 262,144 x 640 at 1-4 rows: 1.2-1.4x faster without; from 6
+// rows 4 KiB ahead into L2 was fastest: docs/benchmarks.md, "float32 GEMM").
+#define PAGEDLLM_INT8_PREFETCH_ROWS 6
 #endif
 
 namespace {
@@ -268,7 +274,8 @@ void micro_kernel(const uint32_t* digits, const float* inv_f, int64_t k4, const 
   for (int64_t c = 0; c < k4; ++c) {
     const int8_t* p = w + c * kGroup * kBlock;
 #if PAGEDLLM_INT8_PREFETCH
-    _mm_prefetch(reinterpret_cast<const char*>(p + PAGEDLLM_INT8_PREFETCH), _MM_HINT_T0);
+    if constexpr (MB >= PAGEDLLM_INT8_PREFETCH_ROWS)
+      _mm_prefetch(reinterpret_cast<const char*>(p + PAGEDLLM_INT8_PREFETCH), _MM_HINT_T1);
 #endif
     const __m512i wv = _mm512_loadu_si512(p);
     const uint32_t* dc = digits + c * 2 * MB;
