@@ -26,7 +26,7 @@ PACK_HEADER = SOURCE.parent / "bf16_pack.h"
 # know them fails this build alone, and the AVX-512 GEMM runs).
 EXTENSION = CpuExtension("amx_gemm", SOURCE, "bfloat16 GEMM (AMX)", "the AVX-512 BF16 GEMM",
                          extra_cflags=("-O3", "-march=native", "-fopenmp", "-mamx-tile", "-mamx-bf16"),
-                         headers=(PACK_HEADER,))
+                         headers=(PACK_HEADER, PACK_HEADER.parent / "linear_bias.h"))
 # /proc/cpuinfo flags the kernel needs (tiles, and AVX-512 BF16 for the bias and the bf16 rounding).
 AMX_GEMM_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 AMX_KERNEL = "amx_bf16"

@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_gemm.cpp"
 PACK_HEADER = SOURCE.parent / "bf16_pack.h"   # the packed layout, shared with csrc/amx_gemm.cpp
 EXTENSION = CpuExtension("bf16_gemm", SOURCE, "bfloat16 GEMM (AVX-512 BF16)", "oneDNN's bf16 inner product",
-                         headers=(PACK_HEADER,))
+                         headers=(PACK_HEADER, PACK_HEADER.parent / "linear_bias.h"))
 # /proc/cpuinfo flags the kernel needs (the C++ guards on the same set).
 BF16_GEMM_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 ONEDNN_KERNEL = "onednn"

@@ -35,7 +35,8 @@ from pagedllm.platforms.cpu_extension import CpuExtension, kernel_unavailable, l
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "f32_gemm.cpp"
-EXTENSION = CpuExtension("f32_gemm", SOURCE, "float32 GEMM (AVX-512 / AVX2)", "oneDNN's float32 inner product")
+EXTENSION = CpuExtension("f32_gemm", SOURCE, "float32 GEMM (AVX-512 / AVX2)", "oneDNN's float32 inner product",
+                         headers=(SOURCE.parent / "linear_bias.h",))
 # /proc/cpuinfo flags the AVX2 code needs (the AVX-512 code also needs avx512f; the C++ guards alike).
 F32_GEMM_FLAGS = ("avx2", "fma")
 F32_KERNEL = "f32_gemm"

@@ -24,6 +24,8 @@
 
 #include <torch/extension.h>
 
+#include "linear_bias.h"
+
 #include "bf16_pack.h"
 
 #include <ATen/Parallel.h>
@@ -128,13 +130,8 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
               "x must be a contiguous bfloat16 [M, K] tensor");
   const int64_t m = x.size(0), k = x.size(1);
   check_packed(packed, n, k);
-  const float* bptr = nullptr;
-  torch::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == n, "bias must be a float32 [N] tensor");
-    bc = bias->contiguous();
-    bptr = bc.data_ptr<float>();
-  }
+  torch::Tensor bias_kept;
+  const float* bptr = pagedllm_linear::bias_pointer(bias, n, bias_kept);
   auto y = torch::empty({m, n}, x.options());
 #if PAGEDLLM_BF16_GEMM
   const int64_t blocks = packed.size(0), pairs = (blocks + kT - 1) / kT;

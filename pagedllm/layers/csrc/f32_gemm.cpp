@@ -25,6 +25,8 @@
 
 #include <torch/extension.h>
 
+#include "linear_bias.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -193,13 +195,8 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& packed, co
   TORCH_CHECK(packed.dim() == 3 && packed.dtype() == torch::kFloat32 && packed.is_contiguous() &&
                   packed.size(0) == (n + kBlock - 1) / kBlock && packed.size(1) == k && packed.size(2) == kBlock,
               "packed must come from pack_f32_weight of a [", n, ", ", k, "] weight");
-  const float* bptr = nullptr;
-  torch::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == n, "bias must be a float32 [N] tensor");
-    bc = bias->contiguous();
-    bptr = bc.data_ptr<float>();
-  }
+  torch::Tensor bias_kept;
+  const float* bptr = pagedllm_linear::bias_pointer(bias, n, bias_kept);
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
 #if PAGEDLLM_F32_GEMM
