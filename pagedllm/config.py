@@ -314,7 +314,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: prompt_lookup_min / prompt_lookup_max apply to method "
                              f"'ngram', not {method!r}")
         if method == "draft_model" and not self.model:
-            raise ValueError("speculative_config: method 'draft_model' needs 'model' (a folder or .gguf file)")
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (a folder, a .gguf file, or "
+                             "'default' for the default model)")
         if method != "draft_model" and self.model is not None:
             raise ValueError(f"speculative_config: 'model' applies to method 'draft_model', not {method!r}")
         if self.quantization not in SUPPORTED_QUANTIZATION:

@@ -287,7 +287,7 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> ModelFiles
         if not os.path.exists(path):
             raise ValueError(
                 f"model {model!r} does not exist: pass a local folder with config.json and "
-                "*.safetensors, a .gguf file, or None for the default model (no hub downloads)")
+                "*.safetensors, a .gguf file, or 'default' (None in Python) for the default model (no hub downloads)")
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
             ggufs = sorted(n for n in os.listdir(path) if n.lower().endswith(".gguf"))
             if len(ggufs) == 1:

@@ -118,6 +118,23 @@ def test_bench_latency_reports_steps_and_ceiling(make_tiny_checkpoint, tmp_path)
     assert res["measured_over_ceiling"] == pytest.approx(res["decode_tokens_per_s"] / res["ceiling_tokens_per_s"])
 
 
+def test_bench_latency_with_speculation_counts_tokens_per_forward(make_tiny_checkpoint, tmp_path, capsys):
+    """A speculative step emits tokens_per_target_forward tokens per request: the decode rate says
+    so, and the one-row ceiling is not compared with it."""
+    model = make_tiny_checkpoint("llama")
+    out = tmp_path / "s.json"
+    rc = main(["bench", "latency", "--model", model, "--batch-size", "1", "--input-len", "16", "--output-len", "12",
+               "--num-iters", "1", "--num-iters-warmup", "0", "--output-json", str(out), *ENGINE_FLAGS,
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["spec_draft_tokens"] is not None and res["tokens_per_target_forward"] >= 1.0
+    assert res["decode_tokens_per_s"] == pytest.approx(res["tokens_per_target_forward"] / res["mean_decode_step_s"])
+    assert res["measured_over_ceiling"] is None and res["ceiling_tokens_per_s"] > 0
+    text = capsys.readouterr().out
+    assert "x tokens per target forward" in text and "measured / ceiling  n/a (speculative" in text
+
+
 def test_bench_latency_breakdown_per_step(make_tiny_checkpoint, tmp_path):
     model = make_tiny_checkpoint("gemma3")
     out = tmp_path / "b.json"
