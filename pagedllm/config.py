@@ -504,9 +504,9 @@ class KernelConfig:
             ``attention_backend`` (naming ``$PAGEDLLM_ATTENTION_BACKEND``), ``cpu_gemm`` (naming
             ``$PAGEDLLM_CPU_GEMM``, ``platforms.cpu.parse_cpu_gemm``), ``cpu_isa`` (naming
             ``$PAGEDLLM_CPU_ISA``, ``platforms.cpu.parse_cpu_isa``), ``cpu_bf16_gemm`` (naming
-            ``$PAGEDLLM_CPU_BF16_GEMM``), ``cpu_f32_gemm`` (naming ``$PAGEDLLM_CPU_F32_GEMM``), ``cpu_fused_ops``, ``exact_greedy_head``. A forced
-            ``cpu_isa`` this CPU lacks is not checked here (the kernel plan raises it, on the rank
-            that runs it).
+            ``$PAGEDLLM_CPU_BF16_GEMM``), ``cpu_f32_gemm`` (naming ``$PAGEDLLM_CPU_F32_GEMM``),
+            ``cpu_fused_ops``, ``exact_greedy_head``. A forced ``cpu_isa`` this CPU lacks is not
+            checked here (the kernel plan raises it, on the rank that runs it).
     """
 
     attention_backend: str = "auto"

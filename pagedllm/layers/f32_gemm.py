@@ -3,9 +3,10 @@ and which kernel runs a float32 model's linear layers (``f32_kernel_for``).
 
 Why: at a decode step's 1-16 rows a layer is bound by reading its weight once, and oneDNN's packed
 float32 inner product (``layers/linear.py``'s ``PackedLinear``) reads it well below the memory's
-rate there; this kernel streams the weight once per 8 rows (AVX-512; 6 on AVX2) with the next tile
-prefetched, and at prompt sizes runs the same loop bound by the FMA units (docs/benchmarks.md,
-"float32 GEMM": per-M timings against oneDNN; ``benchmarks/cpu_paths.py --parts linear``).
+rate there; this kernel streams the weight once per 12 rows (AVX-512; 6 on AVX2) with each block
+prefetched 4 KiB ahead into L2, and from 24 rows runs 6-row x 64-output tiles bound by the FMA
+units (docs/benchmarks.md, "float32 GEMM": per-M timings against oneDNN;
+``benchmarks/cpu_paths.py --parts linear``).
 
 Arithmetic (the C++ header): each output is one chain of fused multiply-adds in k order, then the
 bias, so a row's result is the same bits at any row count, beside any other rows, with any thread
@@ -21,7 +22,6 @@ benchmarks and tests compare them).
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from types import ModuleType
 
@@ -31,8 +31,6 @@ from pagedllm import envs
 from pagedllm.layers.kernel_linear import KernelLinear
 from pagedllm.platforms.cpu import CpuIsa, cpu_flags, resolve_cpu_isa
 from pagedllm.platforms.cpu_extension import CpuExtension, kernel_unavailable, load_extension
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "f32_gemm.cpp"
 EXTENSION = CpuExtension("f32_gemm", SOURCE, "float32 GEMM (AVX-512 / AVX2)", "oneDNN's float32 inner product",
