@@ -197,6 +197,10 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
         timer.__exit__(None, None, None)
         timer.wall_s = sum(latencies)
     step = mean(decode_steps)
+    spec = spec_decode_summary(spec_before, None if engine.spec_decoder is None else engine.spec_decoder.stats,
+                               batch_size * output_len * num_iters, num_decoding_steps)
+    # a speculative step emits tokens_per_target_forward tokens per request, not one
+    per_step = spec["tokens_per_target_forward"] if spec.get("spec_draft_tokens") is not None else 1
     result = {
         "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "num_iters": num_iters,
         "mean_latency_s": mean(latencies), "p50_latency_s": percentile(latencies, 50),
@@ -204,17 +208,13 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
         "mean_prefill_phase_s": mean(prefill_phase),
         "num_decode_steps": len(decode_steps), "mean_decode_step_s": step,
         "p50_decode_step_s": percentile(decode_steps, 50), "p90_decode_step_s": percentile(decode_steps, 90),
-        "decode_tokens_per_s": batch_size / step if step else None,
+        "decode_tokens_per_s": batch_size * per_step / step if step else None,
         "output_tokens_per_s": batch_size * output_len / mean(latencies),
         "dataset": dataset,
-        **spec_decode_summary(spec_before, None if engine.spec_decoder is None else engine.spec_decoder.stats,
-                              batch_size * output_len * num_iters, num_decoding_steps),
+        **spec,
         "dtype": str(engine.executor.model_dtype or engine.model_config.dtype).replace("torch.", ""),
         "quantization": engine.model_config.quantization,
     }
-    if result.get("spec_draft_tokens") is not None and step:
-        # a speculative step emits tokens_per_target_forward tokens per request, not one
-        result["decode_tokens_per_s"] = batch_size * result["tokens_per_target_forward"] / step
     worker = engine.executor.local_worker   # in-process executors only
     if worker is not None:
         from pagedllm.layers.fused_moe import parameter_bytes

@@ -13,8 +13,8 @@ PULL socket at ``output_address``; every message is one pickled tuple (``send_py
   [RequestOutput], [(SchedulerStats, IterationStats)], SchedulerStats)``, ``("failed", index,
   [request_id], message)`` when a step raised (those requests are aborted, the replica goes on),
   ``("result", index, call_id, value)``, ``("call_error", index, call_id, message)`` when the
-  method raised ``ValueError`` (a bad argument: the replica goes on, the caller gets the error); ``("dead", index, traceback)`` if it cannot go on
-  (also after a step that raised because its executor lost a worker: ``LLMEngine.check_health``).
+  method raised ``ValueError`` (a bad argument: the replica goes on, the caller gets the error);
+  ``("dead", index, traceback)`` if it cannot go on (also after a step that raised because its executor lost a worker: ``LLMEngine.check_health``).
 
 No message is ever dropped: both directions use zmq's unlimited high-water mark (``SNDHWM`` /
 ``RCVHWM`` 0, as vLLM's engine-core sockets), so a burst of requests queues in memory instead of

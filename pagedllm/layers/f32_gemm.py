@@ -50,10 +50,10 @@ def load_f32_gemm() -> ModuleType | None:
     return load_extension(EXTENSION)
 
 
-def compiled_isa(flags: frozenset[str] | None = None) -> str:
-    """The code the extension compiles on this CPU (``-march=native``): ``"avx512"`` where it has
-    ``avx512f``, else ``"avx2"``."""
-    return "avx512" if "avx512f" in (cpu_flags() if flags is None else flags) else "avx2"
+def compiled_isa() -> str:
+    """The code the extension compiles on this machine's CPU (``-march=native``, so its own flags,
+    never a caller's): ``"avx512"`` where it has ``avx512f``, else ``"avx2"``."""
+    return "avx512" if "avx512f" in cpu_flags() else "avx2"
 
 
 def f32_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None, kernel: str = "auto") -> tuple[str, str]:

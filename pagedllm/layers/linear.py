@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.f32_gemm import F32_KERNEL
 from pagedllm.layers.kernel_linear import KernelLinear
 from pagedllm.platforms.cpu import CPU_GEMM_ENV, CpuGemm, parse_cpu_gemm  # noqa: F401 (re-exported)
 
@@ -238,7 +239,7 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
     if kernel == CpuGemm.ONEDNN.value:
         def make(weight, bias):
             return PackedLinear(weight, bias, hint)
-    elif kernel == "f32_gemm":
+    elif kernel == F32_KERNEL:
         from pagedllm.layers.f32_gemm import F32Linear, load_f32_gemm
 
         module = load_f32_gemm()

@@ -39,6 +39,8 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 _LINEAR_WORDS = {"torch": "torch F.linear", "onednn": "oneDNN packed", "avx512_bf16": "bf16 GEMM (avx512_bf16)",
                  "amx_bf16": "bf16 GEMM (AMX tiles)", "f32_gemm": "float32 GEMM (ours)",
                  "int8": "int8 W8A8 (fbgemm)"}
+# The kinds whose layers ``pack_linear_layers`` replaces by a packed copy (``LinearKernel.packed``).
+_PACKED_KINDS = ("onednn", "avx512_bf16", "amx_bf16", "f32_gemm")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -94,6 +96,12 @@ class LinearKernel:
 
     kind: str
     int8_kernel: str | None = None
+
+    @property
+    def packed(self) -> bool:
+        """Whether ``pack_linear_layers`` replaces the layers (and an untied LM head) by a packed
+        copy of their weight: every kind ``layers.linear.packed_kernel_for`` returns but "torch"."""
+        return self.kind in _PACKED_KINDS
 
     def describe(self) -> str:
         """The kind in words, for the table."""

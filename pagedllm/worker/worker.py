@@ -265,7 +265,7 @@ class Worker:
         self.greedy_head = ExactGreedyHead(weight, plan.greedy_head, self.scheduler_config.max_num_seqs,
                                            max_rows=plan.greedy_head_max_rows)
         extra = self.greedy_head.extra_bytes
-        if not self.model.tie_word_embeddings and plan.linear.kind in ("onednn", "avx512_bf16", "amx_bf16", "f32_gemm"):
+        if not self.model.tie_word_embeddings and plan.linear.packed:
             extra += weight.numel() * weight.element_size()  # the packed lm_head replaces it; this keeps it
         return extra
 

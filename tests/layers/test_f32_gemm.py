@@ -9,15 +9,16 @@ import dataclasses
 import pytest
 import torch
 
-from pagedllm.config import KernelConfig
-from pagedllm.layers.f32_gemm import (EXTENSION, F32_GEMM_FLAGS, F32_KERNEL, ONEDNN_KERNEL, F32Linear, f32_kernel_for,
-                                      load_f32_gemm)
+from pagedllm.config import SUPPORTED_CPU_F32_GEMMS, KernelConfig
+from pagedllm.layers.f32_gemm import (EXTENSION, F32_GEMM_FLAGS, F32_KERNEL, F32_KERNELS, ONEDNN_KERNEL, F32Linear,
+                                      f32_kernel_for, load_f32_gemm)
 from pagedllm.layers.linear import PackedLinear, lm_head_logits, pack_linear_layers
 from pagedllm.platforms.cpu import cpu_flags
 from pagedllm.platforms.cpu_extension import load_extension
 from tests.cpp_build import require_built_extension
 
 MISSING = [f for f in F32_GEMM_FLAGS if f not in cpu_flags()]
+MISSING_FOR_AVX512 = [f for f in ("avx512f",) + F32_GEMM_FLAGS if f not in cpu_flags()]
 needs_f32_gemm = pytest.mark.skipif(bool(MISSING), reason=f"the float32 GEMM needs the CPU flags {MISSING}")
 AVX2 = frozenset({"avx2", "fma"})
 
@@ -47,6 +48,7 @@ def test_kernel_choice_follows_flags_and_cpu_isa():
         f32_kernel_for("auto", AVX2, kernel="mkl")
     with pytest.raises(ValueError, match="cpu_f32_gemm"):
         KernelConfig(cpu_f32_gemm="mkl")
+    assert SUPPORTED_CPU_F32_GEMMS == ("auto",) + F32_KERNELS   # config.py's copy (it imports no torch)
 
 
 @needs_f32_gemm
@@ -108,8 +110,8 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif("avx512f" not in cpu_flags() or bool(MISSING),
-                    reason="comparing the AVX2 code with the AVX-512 code needs avx512f (and avx2, fma)")
+@pytest.mark.skipif(bool(MISSING_FOR_AVX512),
+                    reason=f"comparing the AVX2 code with the AVX-512 code needs the CPU flags {MISSING_FOR_AVX512}")
 def test_avx2_code_gives_the_avx512_codes_bits():
     ext = _ext()
     flags = tuple(f for f in EXTENSION.extra_cflags if f != "-march=native") + ("-march=native", "-mno-avx512f")

@@ -34,6 +34,17 @@ def test_rows_are_the_choosers_answers():
     assert plan.warnings == ()
 
 
+def test_packed_is_every_packed_kernel_for_kind_but_torch():
+    """``LinearKernel.packed`` (the worker's memory accounting of an untied head) covers what
+    ``packed_kernel_for`` can answer, forced kernels included, and no quantized kind."""
+    kinds = {packed_kernel_for(dtype, CPU, cpu_gemm, cpu_isa, cpu_bf16_gemm=bf16, cpu_f32_gemm=f32)[0]
+             for dtype in (torch.float32, torch.bfloat16) for cpu_gemm in ("onednn", "torch")
+             for cpu_isa in ("auto", "portable") for bf16 in ("auto", "onednn") for f32 in ("auto", "onednn")}
+    assert "torch" in kinds and "onednn" in kinds
+    assert all(LinearKernel(k).packed == (k != "torch") for k in kinds)
+    assert not any(LinearKernel(k).packed for k in ("int8", "int8_weight_only", "int4_weight_only"))
+
+
 def test_table_has_one_aligned_row_per_decision():
     plan = choose_kernel_plan(ModelConfig(dtype="float32", quantization="int8"), KernelConfig(cpu_fused_ops="off"),
                               CPU, ParallelContext())
