@@ -121,8 +121,8 @@ def test_every_request_answered_and_disconnects_free_everything(form, make_tiny_
     assert 0 < done < NUM_STREAMS
     _wait_idle(server, engines)
     # And it still serves.
-    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 3},
-                   timeout=60)
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 3,
+                                                              "ignore_eos": True}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert server.terminate(signal.SIGTERM) == 0
 
