@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core_proc import ABORTING_CALLS
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.input_processor import LengthCheck, ProcessedInput, PromptType
 from pagedllm.engine.llm_engine import PAUSE_MODES, LLMEngine
@@ -302,6 +303,19 @@ class AsyncFrontEnd:
             ValueError: as ``LLMEngine.add_lora``.
         """
         return all(await self._engine_call("add_lora", lora_request=lora_request))
+
+    async def abort_requests(self, request_ids: str | Iterable[str]) -> int:
+        """Abort requests by id and end their streams (vLLM's ``/abort_requests``): unlike
+        :meth:`abort`, each caller still gets its final output, finish_reason "abort". Unknown or
+        finished ids are ignored.
+
+        Returns:
+            How many requests were aborted.
+        Raises:
+            EngineDeadError: if the engine has died.
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        return sum(await self._engine_call("abort_request", request_ids=ids))
 
     async def remove_lora(self, lora_id: int) -> bool:
         """[LoRA] Forget an adapter on every engine (vLLM's ``remove_lora``)."""
@@ -588,8 +602,9 @@ class AsyncLLM(AsyncFrontEnd):
     async def _engine_call(self, method: str, **kwargs) -> list:
         def call() -> object:
             value = getattr(self.engine, method)(**kwargs)
-            if method == "pause_generation":   # the aborted requests' final outputs
+            if method in ABORTING_CALLS:   # the aborted requests' final outputs
                 self._deliver(value)
+                return len(value)
             return value
 
         return [await self._call_in_engine_thread(call)]

@@ -34,6 +34,10 @@ import traceback
 
 logger = logging.getLogger(__name__)
 
+# Engine calls that abort requests and return their final outputs (finish_reason "abort"): the
+# outputs go to the requests' callers as ordinary outputs, the call's result is their number.
+ABORTING_CALLS = frozenset({"pause_generation", "abort_request"})
+
 # How long an idle replica waits for a message before checking that its parent still lives (ms);
 # a busy one checks as often.
 IDLE_POLL_MS = 1000
@@ -131,7 +135,7 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
                     except ValueError as e:   # the caller's bad argument (an adapter folder): the replica goes on
                         outbox.send_pyobj(("call_error", index, call_id, str(e)))
                         continue
-                    if method == "pause_generation":   # the aborted requests' final outputs
+                    if method in ABORTING_CALLS:   # the aborted requests' final outputs
                         in_engine.difference_update(out.request_id for out in value)
                         if value:
                             outbox.send_pyobj(("outputs", index, value, [], engine.scheduler.make_stats()))

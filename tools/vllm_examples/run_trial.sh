@@ -71,7 +71,6 @@ runone on_responses_tools tool_calling/openai_responses_client_with_tools.py
 runone on_responses_mcp tool_calling/openai_responses_client_with_mcp_tools.py
 runone on_prompt_embed_client features/prompt_embed/prompt_embed_inference_with_openai_client.py
 runone on_dp_pause_resume rl/pause_resume/data_parallel_pause_resume.py
-runone on_token_gen scale_out/token_generation_client.py
 runone on_api_server_client applications/api_server/client.py
 TO=30 runone on_kv_events_sub features/kv_events/kv_events_subscriber.py
 stop
@@ -84,5 +83,12 @@ stop
 serve xlam --enable-auto-tool-choice --tool-call-parser xlam
 runone on_tools_xlam tool_calling/openai_chat_completion_client_with_tools_xlam.py
 runone on_tools_xlam_stream tool_calling/openai_chat_completion_client_with_tools_xlam_streaming.py
+stop
+# token-in / token-out: the script loads its tokenizer with transformers by MODEL_NAME, so the
+# model name becomes the default model's converted folder, served under that name
+FOLDER=$(python -c "from pagedllm.loaders.model_files import resolve_model; print(resolve_model('default').folder)" | tail -1)
+sed "s|MODEL_NAME = \"default\"|MODEL_NAME = \"$FOLDER\"|" run/scale_out/token_generation_client.py > run/scale_out/token_generation_client_folder.py
+serve scale_out --model "$FOLDER" --enable-scale-out
+runone on_token_gen scale_out/token_generation_client_folder.py
 stop
 echo "ALL DONE $(date -u +%H:%M:%S)" >> results.txt

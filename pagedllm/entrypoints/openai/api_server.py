@@ -66,6 +66,7 @@ from pagedllm.entrypoints.openai.serving_engine import DEFAULT_MAX_N, run_until_
 from pagedllm.entrypoints.openai.serving_lora import parse_lora_modules
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.serving_tokens import OpenAIServingTokens, add_token_routes
 from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.version import __version__
@@ -121,6 +122,7 @@ class ServerState:
     exit_code: int = 0
     responses: OpenAIServingResponses | None = None
     enable_runtime_lora_updating: bool = False   # [LoRA] the load / unload routes (serving_lora.py)
+    tokens: OpenAIServingTokens | None = None   # /inference/v1/generate (--enable-scale-out; serving_tokens.py)
 
 
 # Seconds between two looks at whether the engine died (``watch_engine``).
@@ -164,7 +166,7 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                 max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
                 lora_modules: list[tuple[str, str]] = (),
-                enable_runtime_lora_updating: bool = False) -> ServerState:
+                enable_runtime_lora_updating: bool = False, enable_scale_out: bool = False) -> ServerState:
     """Load the model and wire the handlers.
 
     Args:
@@ -196,6 +198,8 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
             request's ``model`` picks one); needs ``engine_args.enable_lora``.
         enable_runtime_lora_updating: [LoRA] serve ``/v1/load_lora_adapter`` and
             ``/v1/unload_lora_adapter``.
+        enable_scale_out: serve vLLM's token-in / token-out routes ``/inference/v1/generate`` and
+            ``/inference/v1/abort_requests`` (``serving_tokens.py``).
     Raises:
         ValueError: bad engine arguments, an unparsable chat template, ``max_n < 1``, an unknown
             tool-call parser, ``enable_auto_tool_choice`` without one, or a negative body limit or
@@ -270,7 +274,9 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
     return ServerState(engine=async_engine, models=models, completion=completion, chat=chat,
                        tokenization=OpenAIServingTokenization(chat), registry=registry, api_key=api_key,
                        pool=pool, max_request_body_bytes=max_request_body_bytes or None, responses=responses,
-                       enable_runtime_lora_updating=enable_runtime_lora_updating)
+                       enable_runtime_lora_updating=enable_runtime_lora_updating,
+                       tokens=OpenAIServingTokens(async_engine, models, log_requests, max_n, pool=pool)
+                       if enable_scale_out else None)
 
 
 def is_public_path(path: str) -> bool:
@@ -441,6 +447,9 @@ def build_app(state: ServerState) -> FastAPI:
 
         add_lora_routes(app, state)
 
+    if state.tokens is not None:   # vLLM's token-in / token-out routes (--enable-scale-out)
+        add_token_routes(app, state)
+
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
         return await run_until_disconnect(state.completion.create_completion(request, raw_request), raw_request)
@@ -542,6 +551,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "'{\"name\": ..., \"path\": ...}'; a request's model picks one (needs --enable-lora)")
     g.add_argument("--enable-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: off)")
+    g.add_argument("--enable-scale-out", action="store_true",
+                   help="serve vLLM's token-in / token-out routes POST /inference/v1/generate and "
+                        "/inference/v1/abort_requests (default: off)")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     g.add_argument("--max-n", type=int, default=None,
                    help=f"most samples one request may ask for with n or best_of, at most --max-num-seqs "
@@ -646,7 +658,8 @@ def run_server(ns: argparse.Namespace) -> int:
                         max_request_body_bytes=ns.max_request_body_bytes,
                         max_stored_responses=ns.max_stored_responses,
                         lora_modules=parse_lora_modules(ns.lora_modules),
-                        enable_runtime_lora_updating=ns.enable_runtime_lora_updating)
+                        enable_runtime_lora_updating=ns.enable_runtime_lora_updating,
+                        enable_scale_out=ns.enable_scale_out)
     app = build_app(state)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             access_log=not ns.disable_uvicorn_access_log,
