@@ -548,7 +548,7 @@ class AsyncLLM(AsyncFrontEnd):
 
     def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
         if beam is not None:
-            self.engine.beam_search.check_request(len(processed.prompt_token_ids), beam)
+            self.engine.beam_search.check_request(len(processed.prompt_token_ids), beam, processed.prompt_embeds)
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests: they stop receiving outputs now and leave the engine (blocks freed) at the
