@@ -233,6 +233,15 @@ class AsyncFrontEnd:
         """
         return self._core.input_processor.process(prompt, params, length_check)
 
+    def load_prompt_embeds(self, data: str | bytes):
+        """One HTTP ``prompt_embeds`` item (base64 ``torch.save`` bytes) as a checked CPU tensor
+        (pure; any thread).
+
+        Raises:
+            ValueError: as ``InputProcessor.load_prompt_embeds`` (naming ``prompt_embeds``).
+        """
+        return self._core.input_processor.load_prompt_embeds(data)
+
     # -- requests (event loop thread) -------------------------------------------------------
 
     def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput,

@@ -193,6 +193,20 @@ class InputProcessor:
         max_tokens = max(1, room) if params.max_tokens is None else max(1, min(params.max_tokens, max(room, 1)))
         return ProcessedInput(text, token_ids, params, max_tokens, prompt_embeds=embeds)
 
+    def load_prompt_embeds(self, data: str | bytes):
+        """One HTTP ``prompt_embeds`` item (base64 of ``torch.save`` bytes) as a checked
+        [num_tokens, hidden_size] CPU tensor (``prompt_embeds.decode_prompt_embeds``).
+
+        Raises:
+            ValueError: naming ``prompt_embeds``: this engine lacks ``enable_prompt_embeds``, or
+                the bytes are no tensor of the right shape and dtype.
+        """
+        from pagedllm.engine.prompt_embeds import NOT_ENABLED, decode_prompt_embeds
+
+        if not self.enable_prompt_embeds:
+            raise ValueError(NOT_ENABLED)
+        return decode_prompt_embeds(data, self.hidden_size)
+
     def _embeds_prompt(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], PromptEmbeds]:
         """``{"prompt_embeds": tensor}`` (vLLM's ``EmbedsPrompt``), optionally with the real
         ``prompt_token_ids`` and the ``prompt_is_token_ids`` mask of a mixed prompt.

@@ -85,3 +85,26 @@ def decode_prompt_embeds(data: str | bytes, hidden_size: int) -> torch.Tensor:
     if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
         raise ValueError(f"prompt_embeds must be a dense tensor, got layout {tensor.layout}")
     return check_prompt_embeds(tensor, hidden_size)
+
+
+def mixed_prompt(segments: list[list[int]], tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """A prompt of token ids with embedded spans (a chat prompt with ``prompt_embeds`` parts):
+    ``segments[0]``, the rows of ``tensors[0]``, ``segments[1]``, ... (one more segment than
+    tensors; checked tensors of one width).
+
+    Returns:
+        ``{"prompt_token_ids", "prompt_embeds", "prompt_is_token_ids"}`` for ``InputProcessor``
+        (``prompt_embeds`` full length, zeros at the token positions), or just
+        ``{"prompt_token_ids"}`` when ``tensors`` is empty.
+    """
+    ids: list[int] = list(segments[0])
+    if not tensors:
+        return {"prompt_token_ids": ids}
+    mask = [True] * len(ids)
+    for tensor, segment in zip(tensors, segments[1:]):
+        ids += [PLACEHOLDER_TOKEN_ID] * len(tensor) + list(segment)
+        mask += [False] * len(tensor) + [True] * len(segment)
+    full = torch.zeros(len(ids), tensors[0].shape[1], dtype=tensors[0].dtype)
+    embedded = torch.tensor([not m for m in mask])
+    full[embedded] = torch.cat([t.to(full.dtype) for t in tensors])
+    return {"prompt_token_ids": ids, "prompt_embeds": full, "prompt_is_token_ids": mask}
