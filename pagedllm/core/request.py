@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -56,6 +57,35 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
+
+
+@dataclass(frozen=True, eq=False)
+class PromptEmbeds:
+    """Prompt positions given as embeddings (vLLM's ``prompt_embeds``); the tensor is opaque here.
+
+    The request's ``prompt_token_ids`` keep a placeholder id (0, as vLLM) at each such position for
+    the bookkeeping; the model runner feeds these rows to the first layer instead of embedding the
+    ids (``worker/model_runner.py``), on every (re)computation of the prompt.
+
+    Attributes:
+        embeds: [num_prompt_tokens, hidden_size] CPU tensor, floating point: what the model's input
+            embedding layer would output (for Gemma 3, already times sqrt(hidden_size)).
+        is_token_ids: per prompt position, True where the token id is real (a chat prompt with
+            ``prompt_embeds`` content parts), or None: every position comes from ``embeds``.
+        digest: hex SHA-256 of the tensor's dtype, shape and bytes and of ``is_token_ids``: part of
+            the prefix-cache key, so blocks are shared only between equal embeddings.
+    """
+
+    embeds: Any
+    is_token_ids: list[bool] | None
+    digest: str
+
+    def embedded_positions(self, start: int, end: int) -> list[int]:
+        """Prompt positions in ``[start, end)`` that take their row of ``embeds``."""
+        end = min(end, len(self.embeds))
+        if self.is_token_ids is None:
+            return list(range(start, end))
+        return [p for p in range(start, end) if not self.is_token_ids[p]]
 
 
 class StructuredOutputHandle(Protocol):
@@ -109,6 +139,8 @@ class Request:
             (the beam width: its beams fork up to it between steps); 1 without a group.
         lora_request: the LoRA adapter it runs with (``lora.request.LoRARequest``, plain data), or
             None for the base model.
+        prompt_embeds: the prompt's embeddings (``PromptEmbeds``), kept for a recompute after
+            preemption, or None for a token prompt.
     Raises:
         ValueError: for an empty prompt or ``max_tokens < 1``.
     """
@@ -122,6 +154,7 @@ class Request:
         arrival_time: float | None = None,
         structured_output_request: StructuredOutputHandle | None = None,
         lora_request=None,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"prompt_token_ids must not be empty (request {request_id!r})")
@@ -156,13 +189,21 @@ class Request:
         self.group_id: str | None = None
         self.group_width = 1
         self.lora_request = lora_request
+        self.prompt_embeds = prompt_embeds
 
     @property
     def block_hash_extra_keys(self) -> tuple | None:
         """What the K/V depends on besides the tokens (``kv_cache_utils.hash_block_tokens``): the
-        adapter, so two adapters never share KV for the same prompt; None for the base model."""
-        lora = self.lora_request
-        return None if lora is None else ("lora", lora.lora_int_id, lora.lora_path)
+        adapter, so two adapters never share KV for the same prompt, and the prompt embeddings'
+        digest, so placeholder ids never match another prompt's blocks; None for a plain prompt
+        on the base model."""
+        keys = ()
+        if self.lora_request is not None:
+            lora = self.lora_request
+            keys += ("lora", lora.lora_int_id, lora.lora_path)
+        if self.prompt_embeds is not None:
+            keys += ("prompt_embeds", self.prompt_embeds.digest)
+        return keys or None
 
     @property
     def all_token_ids(self) -> list[int]:

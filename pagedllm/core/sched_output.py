@@ -35,6 +35,7 @@ class NewRequestData:
             (it is not in ``num_scheduled_tokens``); its first token is drawn from the parent's
             logits row, with its own params and generator.
         lora_request: the request's ``LoRARequest`` (name, id, path: plain data), or None.
+        prompt_embeds: the prompt's ``PromptEmbeds`` (a CPU tensor: picklable), or None.
     """
 
     req_id: str
@@ -45,6 +46,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     forked_from: str | None = None
     lora_request: Any = None
+    prompt_embeds: Any = None
 
 
 @dataclass

@@ -386,10 +386,11 @@ class Scheduler:
         short enough that the request cannot pass ``max_tokens`` or ``max_model_len`` even with
         all of them accepted. None for requests whose step must see one token at a time:
         grammar-constrained ones (the matcher has no rollback here), beams (a group ranks
-        candidates every step) and requests with per-request logits processors."""
+        candidates every step), requests with per-request logits processors and prompts given as
+        embeddings (their placeholder ids are no text to draft from)."""
         spec = self.spec_decoder
         if request.structured_output_request is not None or request.group_id is not None \
-                or request.sampling_params.logits_processors:
+                or request.sampling_params.logits_processors or request.prompt_embeds is not None:
             return []
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)
@@ -410,7 +411,8 @@ class Scheduler:
         if spec is None or not spec.config.uses_draft_model \
                 or request.num_computed_tokens + num_new != request.num_tokens \
                 or request.structured_output_request is not None or request.group_id is not None \
-                or request.sampling_params.logits_processors or request.request_id in self._pending_forks:
+                or request.sampling_params.logits_processors or request.prompt_embeds is not None \
+                or request.request_id in self._pending_forks:
             return 0
         room = min(request.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens - 1)
         return max(0, min(spec.num_drafts(request.request_id), room))

@@ -65,7 +65,7 @@ class WorkerDiffTracker:
             req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
             block_ids=block_table, num_computed_tokens=request.num_computed_tokens,
             output_token_ids=list(request.output_token_ids),  # a beam forked between steps
-            forked_from=forked_from, lora_request=request.lora_request)
+            forked_from=forked_from, lora_request=request.lora_request, prompt_embeds=request.prompt_embeds)
         self._sent(request, block_table)
         return data
 

@@ -77,6 +77,8 @@ class EngineArgs:
         load_format: "auto" or "dummy" (random weights; ``ModelConfig.load_format``).
         enable_trace_replay: accept requests with ``SamplingParams.trace_decode_token_ids``
             (vLLM's trace replay: the given tokens are emitted, their logprobs are the model's).
+        enable_prompt_embeds: accept prompts given as embeddings (``{"prompt_embeds": tensor}``;
+            the server's base64 ``prompt_embeds``), as vLLM's flag.
         dtype "auto" on the CPU: bfloat16 where the CPU has avx512_bf16 or AMX, else float32.
         cpu_fused_ops: "auto" (fused C++ norms / residual adds / RoPE / gated activations on
             CPU float32 and bfloat16 models, ``layers/fused_ops.py``) or "off" (eager torch ops).
@@ -158,6 +160,7 @@ class EngineArgs:
     cpu_kvcache_space: float | str | None = field(default_factory=lambda: envs.read(envs.PAGEDLLM_CPU_KVCACHE_SPACE))
     exact_greedy_head: str = "auto"
     enable_trace_replay: bool = False
+    enable_prompt_embeds: bool = False
     load_format: str = "auto"
     distributed_executor_backend: str | None = None
     ray_placement_strategy: str = "STRICT_PACK"
@@ -512,6 +515,9 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
     g.add_argument("--enable-trace-replay", action="store_true",
                    help="accept requests whose trace_decode_token_ids force the tokens they decode (their "
                         "logprobs are still the model's; vLLM's trace replay)")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompt_embeds: base64 torch.save tensors [num_tokens, hidden_size] in "
+                        "/v1/completions, prompt_embeds content parts in chat messages")
     g.add_argument("--disable-log-stats", action="store_true")
     g.add_argument("--generation-config", default="auto",
                    help="sampling defaults of LLM.generate without params: 'auto' (the model's "

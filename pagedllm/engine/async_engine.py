@@ -234,6 +234,15 @@ class AsyncFrontEnd:
         """
         return self._core.input_processor.process(prompt, params, length_check)
 
+    def load_prompt_embeds(self, data: str | bytes):
+        """One HTTP ``prompt_embeds`` item (base64 ``torch.save`` bytes) as a checked CPU tensor
+        (pure; any thread).
+
+        Raises:
+            ValueError: as ``InputProcessor.load_prompt_embeds`` (naming ``prompt_embeds``).
+        """
+        return self._core.input_processor.load_prompt_embeds(data)
+
     # -- requests (event loop thread) -------------------------------------------------------
 
     def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput,
@@ -562,7 +571,7 @@ class AsyncLLM(AsyncFrontEnd):
 
     def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
         if beam is not None:
-            self.engine.beam_search.check_request(len(processed.prompt_token_ids), beam)
+            self.engine.beam_search.check_request(len(processed.prompt_token_ids), beam, processed.prompt_embeds)
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests: they stop receiving outputs now and leave the engine (blocks freed) at the

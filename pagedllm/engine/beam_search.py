@@ -81,15 +81,19 @@ class _Instance:
 
 
 def check_beam_search_request(num_prompt_tokens: int, params: BeamSearchParams, max_num_seqs: int,
-                              max_model_len: int) -> int:
+                              max_model_len: int, prompt_embeds: object = None) -> int:
     """Check a beam search against an engine's scheduler limits.
 
+    Args:
+        prompt_embeds: the prompt's ``PromptEmbeds``, if any (refused: beams are token prompts).
     Returns:
         The effective max_tokens: ``params.max_tokens`` capped by what ``max_model_len`` leaves.
     Raises:
-        ValueError: if ``beam_width`` exceeds ``max_num_seqs`` (the beams run as one group), or
-            the prompt leaves no room for a token within ``max_model_len``.
+        ValueError: if ``beam_width`` exceeds ``max_num_seqs`` (the beams run as one group), the
+            prompt leaves no room for a token within ``max_model_len``, or is given as embeddings.
     """
+    if prompt_embeds is not None:
+        raise ValueError("prompt_embeds: beam search does not run with prompt embeddings")
     if params.beam_width > max_num_seqs:
         raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_seqs ({max_num_seqs}): "
                          "the beams run as one group")
@@ -132,11 +136,11 @@ class BeamSearchManager:
         self.instances[request_id] = inst
         self.scheduler.add_request(self._new_beam(inst, BeamSearchSequence(list(prompt_token_ids))))
 
-    def check_request(self, num_prompt_tokens: int, params: BeamSearchParams) -> int:
+    def check_request(self, num_prompt_tokens: int, params: BeamSearchParams, prompt_embeds: object = None) -> int:
         """``check_beam_search_request`` with this engine's scheduler limits (pure: any thread may
         call it)."""
         return check_beam_search_request(num_prompt_tokens, params, self.scheduler.max_num_seqs,
-                                         self.scheduler.max_model_len)
+                                         self.scheduler.max_model_len, prompt_embeds)
 
     def _new_beam(self, inst: _Instance, seq: BeamSearchSequence) -> Request:
         rid = f"beam{next(self._ids)}_{inst.request_id}"

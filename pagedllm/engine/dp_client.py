@@ -134,7 +134,9 @@ class EngineCoreClient:
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               engine_args.max_logprobs,
                                               self.vllm_config.structured_outputs_config,
-                                              enable_trace_replay=engine_args.enable_trace_replay)
+                                              enable_trace_replay=engine_args.enable_trace_replay,
+                                              enable_prompt_embeds=engine_args.enable_prompt_embeds,
+                                              hidden_size=model_cfg.hidden_size)
         self.balancer = DPLoadBalancer(self.num_replicas, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.stat_loggers: list[list] = [[] for _ in range(self.num_replicas)]
         self.initial_stats: list = [None] * self.num_replicas
@@ -247,7 +249,7 @@ class EngineCoreClient:
         """
         processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(prompt, params)
         check_beam_search_request(len(processed.prompt_token_ids), params, self.scheduler_config.max_num_seqs,
-                                  self.scheduler_config.max_model_len)
+                                  self.scheduler_config.max_model_len, processed.prompt_embeds)
         return self._route(request_id, processed, arrival_time, params)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -572,7 +574,8 @@ class DPAsyncLLM(AsyncFrontEnd):
     def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
         if beam is not None:
             config = self.client.scheduler_config
-            check_beam_search_request(len(processed.prompt_token_ids), beam, config.max_num_seqs, config.max_model_len)
+            check_beam_search_request(len(processed.prompt_token_ids), beam, config.max_num_seqs, config.max_model_len,
+                                      processed.prompt_embeds)
             return
         if processed.params.logits_processors:
             raise ValueError("logits_processors are Python callables and cannot be sent to data-parallel "

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence, Union
 
 from pagedllm.config import StructuredOutputsConfig
+from pagedllm.core.request import PromptEmbeds
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import Tokenizer, check_text
 
-# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids} / {"prompt_embeds": tensor}.
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
@@ -69,6 +70,8 @@ class ProcessedInput:
             which the output processor drops).
         lora_request: [LoRA] the adapter the request runs with (the server sets it from the
             request's ``model``), or None.
+        prompt_embeds: the embedded prompt positions (``prompt_token_ids`` holds placeholder
+            ids there), or None for a token prompt.
     """
 
     prompt: str | None
@@ -76,6 +79,17 @@ class ProcessedInput:
     params: SamplingParams
     max_tokens: int
     lora_request: object = None
+    prompt_embeds: PromptEmbeds | None = field(default=None, compare=False)
+
+    @property
+    def detokenizer_prompt_ids(self) -> list[int]:
+        """The prompt ids that may prime the detokenizer: those after the last embedded position
+        (placeholder ids are no text)."""
+        pe = self.prompt_embeds
+        if pe is None:
+            return self.prompt_token_ids
+        embedded = pe.embedded_positions(0, len(self.prompt_token_ids))
+        return self.prompt_token_ids[embedded[-1] + 1:] if embedded else self.prompt_token_ids
 
     def with_lora(self, lora_request) -> "ProcessedInput":
         """A copy that runs with ``lora_request`` (a ``LoRARequest`` or None); this one is unchanged."""
@@ -93,12 +107,18 @@ class InputProcessor:
         structured_outputs_config: grammar settings (the JSON whitespace default, the backend).
         logits_processor_classes: the engine's class-based logits processors; each one's
             ``validate_params`` checks every request.
+        enable_trace_replay: accept ``SamplingParams.trace_decode_token_ids``.
+        enable_prompt_embeds: accept ``{"prompt_embeds": tensor}`` prompts.
+        hidden_size: the model's hidden size (the width ``prompt_embeds`` must have).
     """
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20,
                  structured_outputs_config: StructuredOutputsConfig | None = None,
-                 logits_processor_classes: Sequence[type] = (), enable_trace_replay: bool = False) -> None:
+                 logits_processor_classes: Sequence[type] = (), enable_trace_replay: bool = False,
+                 enable_prompt_embeds: bool = False, hidden_size: int = 0) -> None:
         self.enable_trace_replay = enable_trace_replay
+        self.enable_prompt_embeds = enable_prompt_embeds
+        self.hidden_size = hidden_size
         self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.logits_processor_classes = list(logits_processor_classes)
         self.tokenizer = tokenizer
@@ -122,13 +142,21 @@ class InputProcessor:
                 a prompt of an unknown type; a ``structured_outputs`` constraint the backend
                 cannot build (``StructuredOutputsError``, naming ``structured_outputs.json`` /
                 ``.regex`` / ``.grammar``); under ``length_check``, prompt + max_tokens over
-                max_model_len (``ContextLengthExceededError``).
+                max_model_len (``ContextLengthExceededError``); ``prompt_embeds`` on an engine
+                without ``enable_prompt_embeds``, of the wrong shape, hidden size or dtype, or with
+                ``prompt_logprobs`` (naming ``prompt_embeds``).
         """
         if isinstance(params, BeamSearchParams):
             params = SamplingParams(max_tokens=params.max_tokens)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
+        embeds = None
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            text, token_ids, embeds = self._embeds_prompt(prompt)
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs is not supported with prompt_embeds (the prompt has no token ids)")
+        else:
+            text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty")
         self._check_ids(token_ids, "prompt token ids")
@@ -163,7 +191,47 @@ class InputProcessor:
             params.max_tokens = max(1, self._strict_max_tokens(len(token_ids), params, length_check))
         room = self.max_model_len - len(token_ids)
         max_tokens = max(1, room) if params.max_tokens is None else max(1, min(params.max_tokens, max(room, 1)))
-        return ProcessedInput(text, token_ids, params, max_tokens)
+        return ProcessedInput(text, token_ids, params, max_tokens, prompt_embeds=embeds)
+
+    def load_prompt_embeds(self, data: str | bytes):
+        """One HTTP ``prompt_embeds`` item (base64 of ``torch.save`` bytes) as a checked
+        [num_tokens, hidden_size] CPU tensor (``prompt_embeds.decode_prompt_embeds``).
+
+        Raises:
+            ValueError: naming ``prompt_embeds``: this engine lacks ``enable_prompt_embeds``, or
+                the bytes are no tensor of the right shape and dtype.
+        """
+        from pagedllm.engine.prompt_embeds import NOT_ENABLED, decode_prompt_embeds
+
+        if not self.enable_prompt_embeds:
+            raise ValueError(NOT_ENABLED)
+        return decode_prompt_embeds(data, self.hidden_size)
+
+    def _embeds_prompt(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], PromptEmbeds]:
+        """``{"prompt_embeds": tensor}`` (vLLM's ``EmbedsPrompt``), optionally with the real
+        ``prompt_token_ids`` and the ``prompt_is_token_ids`` mask of a mixed prompt.
+
+        Raises:
+            ValueError: as ``process`` for ``prompt_embeds``.
+        """
+        from pagedllm.engine.prompt_embeds import (NOT_ENABLED, PLACEHOLDER_TOKEN_ID, check_prompt_embeds,
+                                                   make_prompt_embeds)
+
+        if not self.enable_prompt_embeds:
+            raise ValueError(NOT_ENABLED)
+        embeds = check_prompt_embeds(prompt["prompt_embeds"], self.hidden_size)
+        mask = prompt.get("prompt_is_token_ids")
+        ids = prompt.get("prompt_token_ids")
+        if mask is None and ids is None:
+            ids = [PLACEHOLDER_TOKEN_ID] * len(embeds)
+        elif mask is None or ids is None or not len(mask) == len(ids) == len(embeds):
+            raise ValueError("prompt_embeds with prompt_token_ids needs prompt_is_token_ids, all three of the same "
+                             f"length (got {len(embeds)} embeddings, "
+                             f"{None if ids is None else len(ids)} ids, {None if mask is None else len(mask)} flags)")
+        else:
+            ids = self._as_ids(ids)
+        text = prompt.get("prompt")
+        return text if isinstance(text, str) else None, ids, make_prompt_embeds(embeds, mask)
 
     def _strict_max_tokens(self, prompt_len: int, params: SamplingParams, check: LengthCheck) -> int:
         """The effective max_tokens: as given (0 for a prompt-only request), or

@@ -128,7 +128,8 @@ class LLMEngine:
             self.structured_outputs_config, self.tokenizer, self.vocab_size, sched_cfg.max_num_seqs)
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               args.max_logprobs, self.structured_outputs_config,
-                                              self.logits_processor_classes, args.enable_trace_replay)
+                                              self.logits_processor_classes, args.enable_trace_replay,
+                                              args.enable_prompt_embeds, model_cfg.hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
@@ -257,7 +258,7 @@ class LLMEngine:
             sample_params.append(sp)
         sample_ids = [request_id] if num_samples == 1 else [f"{i}_{request_id}" for i in range(num_samples)]
         self.output_processor.add_request(request_id, sample_ids, processed.prompt, processed.prompt_token_ids,
-                                          base, sample_params, arrival_time)
+                                          base, sample_params, arrival_time, processed.detokenizer_prompt_ids)
         requests = []
         for sid, sp in zip(sample_ids, sample_params):
             if sp.logits_processors:
@@ -267,7 +268,7 @@ class LLMEngine:
                        if sp.structured_outputs is not None else None)
             requests.append(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
                                     arrival_time=arrival_time, structured_output_request=grammar,
-                                    lora_request=lora_request))
+                                    lora_request=lora_request, prompt_embeds=processed.prompt_embeds))
         # Sample 0 computes the prompt; the others fork its blocks when it is done (Scheduler.add_request).
         try:
             self.scheduler.add_request(requests[0], forks=requests[1:])
@@ -290,6 +291,7 @@ class LLMEngine:
         processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(prompt, params)
         if processed.lora_request is not None:
             raise ValueError("lora_request: beam search does not run with LoRA adapters")
+        self.beam_search.check_request(len(processed.prompt_token_ids), params, processed.prompt_embeds)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.has_request(request_id) or self.beam_search.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")

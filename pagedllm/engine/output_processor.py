@@ -91,11 +91,16 @@ class OutputProcessor:
         self.sample_to_parent: dict[str, tuple[ParentState, SampleState]] = {}
 
     def add_request(self, parent_id: str, sample_ids: list[str], prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, sample_params: list[SamplingParams], arrival_time: float) -> None:
-        """Register a parent request and its samples (engine-level request ids)."""
+                    params: SamplingParams, sample_params: list[SamplingParams], arrival_time: float,
+                    prime_token_ids: list[int] | None = None) -> None:
+        """Register a parent request and its samples (engine-level request ids).
+
+        ``prime_token_ids``: the prompt ids the detokenizers start from (default
+        ``prompt_token_ids``; a prompt given as embeddings has placeholders there)."""
         samples = []
+        prime = prompt_token_ids if prime_token_ids is None else prime_token_ids
         for i, (sid, sp) in enumerate(zip(sample_ids, sample_params)):
-            detok = IncrementalDetokenizer(self.tokenizer.backend, prompt_token_ids, sp)
+            detok = IncrementalDetokenizer(self.tokenizer.backend, prime, sp)
             samples.append(SampleState(sid, i, sp, detok, logprobs=[] if sp.logprobs is not None else None))
         parent = ParentState(parent_id, prompt, prompt_token_ids, params, samples, RequestMetrics(arrival_time),
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)

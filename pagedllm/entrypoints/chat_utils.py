@@ -193,6 +193,38 @@ def _fallback_chat_template(model_type: str | None) -> str | None:
     return path.read_text(encoding="utf-8")
 
 
+PROMPT_EMBEDS_MARKER = "<|pagedllm_prompt_embeds_{}|>"
+"""The text a ``prompt_embeds`` content part renders as (its index in the conversation); the
+rendered prompt is then cut at each marker, and the part's embeddings go there."""
+
+
+def extract_prompt_embeds_parts(messages: Iterable[Any]) -> tuple[list[Any], list[Any]]:
+    """vLLM's ``{"type": "prompt_embeds", "data": <base64 torch.save bytes>}`` content parts
+    replaced by text parts holding ``PROMPT_EMBEDS_MARKER.format(i)``.
+
+    Returns:
+        The messages (the input's own objects where nothing changed), and each part's ``data``
+        in order (empty when there are none).
+    """
+    if isinstance(messages, (str, bytes, Mapping)):
+        return messages, []
+    out, data = [], []
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list) and any(isinstance(p, Mapping) and p.get("type") == "prompt_embeds"
+                                             for p in content):
+            parts = []
+            for part in content:
+                if isinstance(part, Mapping) and part.get("type") == "prompt_embeds":
+                    parts.append({"type": "text", "text": PROMPT_EMBEDS_MARKER.format(len(data))})
+                    data.append(part.get("data"))
+                else:
+                    parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out, data
+
+
 def _content_to_text(content: Any, index: int) -> str | None:
     if content is None or isinstance(content, str):
         return content

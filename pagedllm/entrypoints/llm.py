@@ -138,8 +138,10 @@ class LLM:
         """Generate completions for all prompts, submitted together and batched continuously.
 
         Args:
-            prompts: one prompt or a list; a prompt is a string, a list of token ids, or
-                ``{"prompt_token_ids": [...]}``.
+            prompts: one prompt or a list; a prompt is a string, a list of token ids,
+                ``{"prompt_token_ids": [...]}`` or, with ``enable_prompt_embeds=True``,
+                ``{"prompt_embeds": tensor}`` ([num_tokens, hidden_size] or [1, num_tokens,
+                hidden_size]: the model's input-embedding output, as vLLM).
             sampling_params: one for all prompts, or one per prompt; None =
                 ``get_default_sampling_params()`` (the model's generation config, else ``SamplingParams()``).
             use_tqdm: show a progress bar with output tokens/s.

@@ -202,22 +202,30 @@ class Gemma3ForCausalLM(nn.Module):
                 module.use_fused_ops = self.use_fused_ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the final norm (the last stage), or after this stage's layers.
 
         Args:
             input_ids, positions: [num_tokens] int64 (the flattened batch).
             kv_caches: per layer of this stage (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
             hidden_states: [num_tokens, hidden_size], the previous stage's output (later stages only).
+            inputs_embeds: [num_tokens, hidden_size] model dtype, used instead of
+                ``embed_input_ids(input_ids)`` (first stage; prompt embeddings), or None.
         Returns:
             [num_tokens, hidden_size] in the model dtype.
         """
         if self.ctx.is_first_stage:
-            embed = self.model.embed_tokens
-            hidden_states = embed(input_ids) * self._embed_scale(embed.weight.dtype)
+            hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         ropes = {t: rotary(positions, hidden_states.dtype) for t, rotary in self.model.rotary_emb.items()}
         return run_decoder_layers(self, self.stage_layers, lambda layer: ropes[layer.layer_type], hidden_states, kv_caches,
                                   attn_metadata, fused_ops_for(self.use_fused_ops, hidden_states) is not None)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] int64 -> [num_tokens, hidden_size]: the scaled embedding, what transformers'
+        ``get_input_embeddings()(input_ids)`` returns (``Gemma3TextScaledWordEmbedding``)."""
+        embed = self.model.embed_tokens
+        return embed(input_ids) * self._embed_scale(embed.weight.dtype)
 
     def _embed_scale(self, dtype: torch.dtype) -> torch.Tensor:
         """sqrt(hidden_size) as a 0-d tensor in ``dtype``, cast as transformers does (a float32

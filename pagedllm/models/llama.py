@@ -242,23 +242,31 @@ class LlamaForCausalLM(nn.Module):
         self.logits_scaling = config.logits_scaling               # Granite: logits / it; 1 elsewhere
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the final norm (the last stage), or after this stage's layers.
 
         Args:
             input_ids, positions: [num_tokens] int64 (the flattened batch).
             kv_caches: per layer of this stage (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
             hidden_states: [num_tokens, hidden_size], the previous stage's output (later stages only).
+            inputs_embeds: [num_tokens, hidden_size] model dtype, used instead of
+                ``embed_input_ids(input_ids)`` (first stage; prompt embeddings), or None.
         Returns:
             [num_tokens, hidden_size] in the model dtype.
         """
         if self.ctx.is_first_stage:
-            hidden_states = self.model.embed_tokens(input_ids)
+            hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
             if self.embedding_multiplier != 1.0:
                 hidden_states = hidden_states * self.embedding_multiplier
         rope = self.model.rotary_emb(positions, hidden_states.dtype)
         return run_decoder_layers(self, self.stage_layers, lambda layer: rope, hidden_states, kv_caches,
                                   attn_metadata, fused_ops_for(self.fuse_residual_norms, hidden_states) is not None)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] int64 -> [num_tokens, hidden_size]: what transformers'
+        ``get_input_embeddings()(input_ids)`` returns (Granite's multiplier comes after, in ``forward``)."""
+        return self.model.embed_tokens(input_ids)
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding ([vocab, hidden]); with tied embeddings also the LM head's weight."""

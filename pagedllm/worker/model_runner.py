@@ -188,7 +188,11 @@ class ModelRunner:
             self.lora_manager.prepare([r.state.lora_request for r in reqs], query_lens)
         # -- pipeline parallelism: a later stage starts from the previous stage's output --
         if self.parallel.is_first_stage:
-            hidden = self.model(input_ids, positions, self.kv_caches, md)      # [T, H]
+            inputs_embeds = self._prompt_embeds_input(reqs, starts, input_ids)
+            if inputs_embeds is None:
+                hidden = self.model(input_ids, positions, self.kv_caches, md)      # [T, H]
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)
         else:
             received = recv_from_prev_stage((num_tokens, self.hidden_size), self.dtype, self.device, self.parallel)
             hidden = self.model(input_ids, positions, self.kv_caches, md, hidden_states=received)
@@ -209,6 +213,34 @@ class ModelRunner:
         if self.draft is not None and self.is_driver and sample_rows and sched.num_lookahead_tokens:
             self._propose_drafts(sched, reqs, sample_rows, output)
         return output
+
+    def _prompt_embeds_input(self, reqs: list[ScheduledRequest], starts: list[int],
+                             input_ids: torch.Tensor) -> torch.Tensor | None:
+        """[prompt embeddings] The first layer's input when this step computes prompt positions
+        given as embeddings (a prefill chunk of such a request, or its recompute after a
+        preemption): ``embed_input_ids(input_ids)`` with those rows replaced by the request's
+        ``PromptEmbeds`` rows (cast to the model dtype); None when no scheduled position has one.
+
+        Returns:
+            [num_tokens, hidden_size] in the model dtype, or None.
+        """
+        rows: list[int] = []
+        values = []
+        for r, start in zip(reqs, starts):
+            pe = r.state.prompt_embeds
+            if pe is None:
+                continue
+            first = r.num_computed_tokens
+            embedded = pe.embedded_positions(first, first + r.num_scheduled_tokens)
+            if embedded:
+                rows.extend(start + p - first for p in embedded)
+                values.append(pe.embeds[embedded])                            # [len(embedded), H]
+        if not rows:
+            return None
+        embeds = self.model.embed_input_ids(input_ids)                          # [T, H]
+        embeds[torch.tensor(rows, dtype=torch.int64, device=self.device)] = \
+            torch.cat(values).to(device=self.device, dtype=embeds.dtype)
+        return embeds
 
     def _propose_drafts(self, sched: SchedulerOutput, reqs: list[ScheduledRequest], sample_rows: list[int],
                         output: ModelRunnerOutput) -> None:

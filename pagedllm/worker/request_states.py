@@ -36,6 +36,8 @@ class CachedRequestState:
             first ``k - 1`` drafts of the last drafting); they count as computed as far as they
             match the real tokens (``draft_valid_prefix``).
         lora_request: [LoRA] the request's adapter (``LoRARequest``), or None.
+        prompt_embeds: the prompt's ``core.request.PromptEmbeds`` (kept across preemptions: a
+            recompute embeds the same rows), or None.
     """
 
     req_id: str
@@ -49,6 +51,7 @@ class CachedRequestState:
     draft_num_computed: int = 0
     draft_kv_tokens: list[int] = field(default_factory=list)
     lora_request: Any = None
+    prompt_embeds: Any = None
 
     def draft_valid_prefix(self, token_ids: list[int]) -> int:
         """[draft models] Positions of ``token_ids`` (the request's real tokens) whose draft K/V
@@ -155,7 +158,8 @@ class RequestStates:
                 sampling_params=new.sampling_params,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 output_token_ids=list(new.output_token_ids), block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens, lora_request=new.lora_request)
+                num_computed_tokens=new.num_computed_tokens, lora_request=new.lora_request,
+                prompt_embeds=new.prompt_embeds)
             if new.forked_from is not None:
                 self.forks.append((new.forked_from, state))
         for cached in sched.scheduled_cached_reqs:

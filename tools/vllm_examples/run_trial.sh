@@ -10,6 +10,15 @@ export PYTHONPATH=${PAGEDLLM:-$(cd "$(dirname "$0")/../.." && pwd)}
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$TRIAL"; mkdir -p logs
 runone() { TRIAL=$TRIAL "$HERE/runone.sh" "$@"; }
+# The prompt_embed scripts load a tokenizer and an HF model by name with transformers: they get
+# default_hf/, the default model's converted folder (linked) with the bundled Gemma chat template
+# (the base model's tokenizer has none), as model_name; the server also serves that name.
+HF=$TRIAL/default_hf; mkdir -p "$HF"
+ln -sf "$(python -c "from pagedllm.loaders.model_files import resolve_model; print(resolve_model('default').folder)" | tail -1)"/* "$HF"/
+cp "$PYTHONPATH/pagedllm/data/gemma_chat_template.jinja" "$HF/chat_template.jinja"
+for s in prompt_embed_offline prompt_embed_inference_with_openai_client; do
+  sed "s|model_name = \"default\"|model_name = \"$HF\"|" run/features/prompt_embed/$s.py > run/features/prompt_embed/${s}_folder.py
+done
 : > results.txt
 echo "START $(date -u +%H:%M:%S) $(cd "$PYTHONPATH" && git rev-parse --short HEAD)" >> results.txt
 # offline scripts
@@ -36,7 +45,7 @@ runone skip_loading_weights rl/skip_loading_weights_in_engine_init.py
 runone chat_with_tools_offline tool_calling/chat_with_tools_offline.py
 runone qwen_1m generate/qwen_1m_offline.py
 runone trace_replay generate/trace_replay_offline.py
-runone prompt_embed_offline features/prompt_embed/prompt_embed_offline.py
+runone prompt_embed_offline features/prompt_embed/prompt_embed_offline_folder.py
 # offline scripts, batch 2 (data_parallel_offline: 2 engines x 200 prompts)
 export TO=600
 runone data_parallel_offline features/data_parallel/data_parallel_offline.py -dp=2
@@ -59,7 +68,7 @@ serve() {  # name, extra flags...
   echo "server $name up after $((i*2))s" >> results.txt
 }
 stop() { kill -TERM -- -$SPID; sleep 10; kill -0 $SPID 2>/dev/null && kill -KILL -- -$SPID; sleep 2; }
-serve hermes --enable-auto-tool-choice --tool-call-parser hermes
+serve hermes --enable-auto-tool-choice --tool-call-parser hermes --enable-prompt-embeds --served-model-name default "$HF"
 runone on_chat_client basic/online_serving/openai_chat_completion_client.py
 runone on_completion_client basic/online_serving/openai_completion_client.py
 runone on_batched_chat generate/batched_chat_completions_online.py
@@ -69,7 +78,7 @@ runone on_tools tool_calling/openai_chat_completion_client_with_tools.py
 runone on_tools_required tool_calling/openai_chat_completion_client_with_tools_required.py
 runone on_responses_tools tool_calling/openai_responses_client_with_tools.py
 runone on_responses_mcp tool_calling/openai_responses_client_with_mcp_tools.py
-runone on_prompt_embed_client features/prompt_embed/prompt_embed_inference_with_openai_client.py
+runone on_prompt_embed_client features/prompt_embed/prompt_embed_inference_with_openai_client_folder.py
 runone on_dp_pause_resume rl/pause_resume/data_parallel_pause_resume.py
 runone on_api_server_client applications/api_server/client.py
 TO=30 runone on_kv_events_sub features/kv_events/kv_events_subscriber.py

@@ -119,9 +119,12 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 
 
 class CompletionRequest(_SamplingRequest):
-    """``POST /v1/completions``. An omitted ``max_tokens`` means 16 (OpenAI's default)."""
+    """``POST /v1/completions``. An omitted ``max_tokens`` means 16 (OpenAI's default).
+    ``prompt_embeds`` (vLLM's, with ``--enable-prompt-embeds``): base64 of ``torch.save`` bytes
+    of a [num_tokens, hidden_size] tensor, or a list of them; with ``prompt`` too, both run (the
+    embeddings' choices first, as vLLM)."""
 
-    prompt: PromptInput
+    prompt: PromptInput | None = None
     best_of: int | None = None
     echo: bool | None = False
     logprobs: int | None = None
@@ -129,6 +132,7 @@ class CompletionRequest(_SamplingRequest):
     # vLLM extras.
     prompt_logprobs: int | None = None
     add_special_tokens: bool | None = True
+    prompt_embeds: str | list[str] | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):

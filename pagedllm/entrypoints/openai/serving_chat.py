@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, OutputStream
 from pagedllm.engine.input_processor import LengthCheck
 from pagedllm.entrypoints.chat_utils import (ChatTemplateError, NoChatTemplateError, RenderBudget,
+                                             PROMPT_EMBEDS_MARKER, extract_prompt_embeds_parts,
                                              parse_chat_messages, render_chat_prompt)
 from pagedllm.entrypoints.openai.errors import bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import (BatchChatCompletionRequest, ChatCompletionLogProb,
@@ -105,6 +106,9 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request_chat_template(request)
         if not request.messages:
             raise bad_request("messages must not be empty", param="messages")
+        messages, embeds_data = extract_prompt_embeds_parts(request.messages)
+        if embeds_data and request.echo:
+            raise bad_request("echo is not supported with prompt_embeds content parts", param="echo")
         kwargs = dict(request.chat_template_kwargs or {})
         template = request.chat_template if request.chat_template is not None else kwargs.get("chat_template")
         kwargs.pop("chat_template", None)
@@ -113,7 +117,7 @@ class OpenAIServingChat(OpenAIServing):
         if template is None:
             template = self.chat_template
         try:
-            prompt = render_chat_prompt(self.tokenizer, request.messages, template,
+            prompt = render_chat_prompt(self.tokenizer, messages, template,
                                         add_generation_prompt=bool(request.add_generation_prompt),
                                         continue_final_message=bool(request.continue_final_message),
                                         tools=getattr(request, "tools", None) or None, budget=budget,
@@ -124,9 +128,40 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(str(e), param=e.param) from e
         except ValueError as e:
             raise bad_request(str(e), param="messages") from e
+        if embeds_data:
+            return self._embeds_prompt(prompt["prompt"], embeds_data, bool(request.add_special_tokens))
         if request.add_special_tokens:
             prompt["prompt_token_ids"] = self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
         return prompt
+
+    def _embeds_prompt(self, text: str, embeds_data: list, add_special_tokens: bool) -> dict:
+        """The rendered ``text`` cut at its ``prompt_embeds`` markers: each piece tokenized (special
+        tokens added to the first only), each marker replaced by its part's embeddings (vLLM drops
+        a part the template does not render).
+
+        Raises:
+            OpenAIError: 400 naming ``prompt_embeds``: the server lacks ``--enable-prompt-embeds``,
+                a part's data is no fitting tensor, or the template rendered a part twice.
+        """
+        from pagedllm.engine.prompt_embeds import mixed_prompt
+
+        pieces, tensors = [text], []
+        try:
+            for i, data in enumerate(embeds_data):
+                tensor = self.engine.load_prompt_embeds(data)
+                marker = PROMPT_EMBEDS_MARKER.format(i)
+                count = text.count(marker)
+                if count > 1:
+                    raise ValueError(f"prompt_embeds content part {i} is rendered {count} times by the chat template")
+                if count == 1:
+                    head, tail = pieces[-1].split(marker)
+                    pieces[-1:] = [head, tail]
+                    tensors.append(tensor)
+        except ValueError as e:
+            raise bad_request(str(e), param="prompt_embeds") from e
+        segments = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens and i == 0) if p else []
+                    for i, p in enumerate(pieces)]
+        return {"prompt": text, **mixed_prompt(segments, tensors)}
 
     def plan_tools_and_constraint(self, request, format_fields: str = "response_format or structured_outputs",
                                   tool_choice=None) -> tuple:

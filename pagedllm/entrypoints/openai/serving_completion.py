@@ -1,6 +1,6 @@
-"""``POST /v1/completions``: prompts (text, list of texts, token ids, list of token-id lists),
-``echo``, ``logprobs``, ``n``, ``best_of``, ``stop``, ``seed``, ``logit_bias``; streamed as
-server-sent events (``data: {...}`` chunks, then ``data: [DONE]``).
+"""``POST /v1/completions``: prompts (text, list of texts, token ids, list of token-id lists,
+vLLM's base64 ``prompt_embeds``), ``echo``, ``logprobs``, ``n``, ``best_of``, ``stop``, ``seed``,
+``logit_bias``; streamed as server-sent events (``data: {...}`` chunks, then ``data: [DONE]``).
 
 ``max_tokens`` defaults to 16 (OpenAI's and vLLM's default on this route); 0 returns the prompt
 only (with ``echo``, its text and logprobs). Echoed text, logprob tokens and ``text_offset`` agree:
@@ -109,7 +109,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise bad_request(f"best_of must be >= n ({n}), got {request.best_of}", param="best_of")
         if request.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        prompts = _parse_prompts(request.prompt)
+        prompts = await self._embeds_prompts(request) + ([] if request.prompt is None else
+                                                          _parse_prompts(request.prompt))
         # max_tokens 0 with echo: the prompt only (vLLM's "echo without generation"); without echo a 400.
         max_tokens, max_tokens_field = self.requested_max_tokens(request, allow_zero=bool(request.echo))
         if max_tokens is None:
@@ -178,7 +179,34 @@ class OpenAIServingCompletion(OpenAIServing):
                                                        sum(finals[r].num_cached_tokens or 0 for r in finals)))
         return JSONResponse(response.model_dump())
 
-    def process_prompts(self, prompts: list[str | list[int]], base: SamplingParams, add_special_tokens: bool = True,
+    async def _embeds_prompts(self, request: CompletionRequest) -> list[dict]:
+        """The request's ``prompt_embeds`` as ``{"prompt_embeds": tensor}`` prompts (decoded in the
+        pool), before its text prompts, as vLLM orders them.
+
+        Raises:
+            OpenAIError: 400 when neither ``prompt`` nor ``prompt_embeds`` is given, for
+                ``prompt_embeds`` with ``echo`` or ``prompt_logprobs``, on a server without
+                ``--enable-prompt-embeds`` or for bytes that are no fitting tensor (param
+                ``prompt_embeds``).
+        """
+        items = request.prompt_embeds
+        items = [items] if isinstance(items, str) else list(items or [])
+        if not items:
+            if request.prompt is None:
+                raise bad_request("either prompt or prompt_embeds must be given", param="prompt")
+            return []
+        if request.echo:
+            raise bad_request("echo is not supported with prompt_embeds", param="echo")
+        if request.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is not supported with prompt_embeds", param="prompt_logprobs")
+        try:
+            tensors = await self.run_in_pool(lambda: [self.engine.load_prompt_embeds(item) for item in items])
+        except ValueError as e:
+            raise bad_request(str(e), param="prompt_embeds") from e
+        return [{"prompt_embeds": t} for t in tensors]
+
+    def process_prompts(self, prompts: list[str | list[int] | dict], base: SamplingParams,
+                        add_special_tokens: bool = True,
                         max_tokens_field: str = "max_tokens") -> list[tuple[ProcessedInput, _Prompt]]:
         """Tokenize and check each prompt (pure; any thread: the handler runs it in its pool).
 
@@ -198,7 +226,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt, add_special_tokens=False)}
             processed = self.engine.process_inputs(prompt, base, LengthCheck(max_tokens_field))
             ids = processed.prompt_token_ids
-            tail = 0 if processed.prompt is not None else \
+            tail = 0 if processed.prompt is not None or processed.prompt_embeds is not None else \
                 incomplete_tail_length(self.tokenizer.backend, ids, skip_special_tokens=False)
             result.append((processed, _Prompt(processed.prompt, ids, tail)))
         return result

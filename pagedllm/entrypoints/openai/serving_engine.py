@@ -46,14 +46,14 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "guided_whitespace_pattern": _unset,
     "logits_processors": _unset, "return_tokens_as_token_ids": _unset, "return_token_ids": _unset,
     "truncate_prompt_tokens": lambda v: v is None, "priority": lambda v: v in (None, 0),
-    "kv_transfer_params": _unset, "vllm_xargs": _unset, "mm_processor_kwargs": _unset, "prompt_embeds": _unset,
+    "kv_transfer_params": _unset, "vllm_xargs": _unset, "mm_processor_kwargs": _unset,
 }
 CHAT_UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     **UNSUPPORTED_FIELDS,
     "functions": _unset, "function_call": lambda v: v in (None, "none", "auto"),
     "audio": _unset, "modalities": lambda v: _unset(v) or v == ["text"], "prediction": _unset,
     "reasoning_effort": lambda v: v is None, "web_search_options": _unset, "documents": _unset,
-    "prompt_logprobs": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None, "prompt_embeds": _unset,
 }
 
 
