@@ -10,7 +10,7 @@ export PYTHONPATH=${PAGEDLLM:-$(cd "$(dirname "$0")/../.." && pwd)}
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$TRIAL"; mkdir -p logs
 runone() { TRIAL=$TRIAL "$HERE/runone.sh" "$@"; }
-# The prompt_embed scripts load a tokenizer and an HF model by name with transformers: they get
+# The prompt_embed and token_generation scripts load a tokenizer (and an HF model) by name with transformers: they get
 # default_hf/, the default model's converted folder (linked) with the bundled Gemma chat template
 # (the base model's tokenizer has none), as model_name; the server also serves that name.
 HF=$TRIAL/default_hf; mkdir -p "$HF"
@@ -19,6 +19,7 @@ cp "$PYTHONPATH/pagedllm/data/gemma_chat_template.jinja" "$HF/chat_template.jinj
 for s in prompt_embed_offline prompt_embed_inference_with_openai_client; do
   sed "s|model_name = \"default\"|model_name = \"$HF\"|" run/features/prompt_embed/$s.py > run/features/prompt_embed/${s}_folder.py
 done
+sed "s|MODEL_NAME = \"default\"|MODEL_NAME = \"$HF\"|" run/scale_out/token_generation_client.py > run/scale_out/token_generation_client_folder.py
 : > results.txt
 echo "START $(date -u +%H:%M:%S) $(cd "$PYTHONPATH" && git rev-parse --short HEAD)" >> results.txt
 # offline scripts
@@ -68,7 +69,7 @@ serve() {  # name, extra flags...
   echo "server $name up after $((i*2))s" >> results.txt
 }
 stop() { kill -TERM -- -$SPID; sleep 10; kill -0 $SPID 2>/dev/null && kill -KILL -- -$SPID; sleep 2; }
-serve hermes --enable-auto-tool-choice --tool-call-parser hermes --enable-prompt-embeds --served-model-name default "$HF"
+serve hermes --enable-auto-tool-choice --tool-call-parser hermes --enable-prompt-embeds --enable-scale-out --served-model-name default "$HF"
 runone on_chat_client basic/online_serving/openai_chat_completion_client.py
 runone on_completion_client basic/online_serving/openai_completion_client.py
 runone on_batched_chat generate/batched_chat_completions_online.py
@@ -80,6 +81,7 @@ runone on_responses_tools tool_calling/openai_responses_client_with_tools.py
 runone on_responses_mcp tool_calling/openai_responses_client_with_mcp_tools.py
 runone on_prompt_embed_client features/prompt_embed/prompt_embed_inference_with_openai_client_folder.py
 runone on_dp_pause_resume rl/pause_resume/data_parallel_pause_resume.py
+runone on_token_gen scale_out/token_generation_client_folder.py
 runone on_api_server_client applications/api_server/client.py
 TO=30 runone on_kv_events_sub features/kv_events/kv_events_subscriber.py
 stop
@@ -92,12 +94,5 @@ stop
 serve xlam --enable-auto-tool-choice --tool-call-parser xlam
 runone on_tools_xlam tool_calling/openai_chat_completion_client_with_tools_xlam.py
 runone on_tools_xlam_stream tool_calling/openai_chat_completion_client_with_tools_xlam_streaming.py
-stop
-# token-in / token-out: the script loads its tokenizer with transformers by MODEL_NAME, so the
-# model name becomes the default model's converted folder, served under that name
-FOLDER=$(python -c "from pagedllm.loaders.model_files import resolve_model; print(resolve_model('default').folder)" | tail -1)
-sed "s|MODEL_NAME = \"default\"|MODEL_NAME = \"$FOLDER\"|" run/scale_out/token_generation_client.py > run/scale_out/token_generation_client_folder.py
-serve scale_out --model "$FOLDER" --enable-scale-out
-runone on_token_gen scale_out/token_generation_client_folder.py
 stop
 echo "ALL DONE $(date -u +%H:%M:%S)" >> results.txt
