@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import ParallelContext
+from pagedllm.layers.f32_moe import f32_moe, stack_f32_experts
 from pagedllm.layers.fused_ops import fused_ops_for
 
 # Checkpoint part names per family: (gate, up, down).
@@ -113,6 +114,11 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size))   # [E_local, 2I, H]
         self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i))        # [E_local, H, I]
         self.expert_layers: nn.ModuleList | None = None  # (gate_up, down) kernel layers per local expert
+        # The float32 experts' packed weights stacked for the one-call kernel (``layers/f32_moe.py``):
+        # [E_local, 2I / 16, H, 16] and [E_local, ceil(H / 16), I, 16], or None (per-expert path).
+        self.w13_packed: torch.Tensor | None = None
+        self.w2_packed: torch.Tensor | None = None
+        self.use_f32_moe = True   # run the one-call kernel when the packed weights exist (tests turn it off)
         self.use_fused_ops = False   # set by the model (KernelConfig.cpu_fused_ops)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, tuple | None]:
@@ -143,7 +149,8 @@ class FusedMoE(nn.Module):
     def replace_expert_layers(self, make_layer) -> int:
         """Move each local expert into ``make_layer(weight, None)`` layers (``layers.linear.replace_linear_layers``
         calls it with the model's kernel: oneDNN packing, the bf16 GEMM, int8 / int4 weight-only) and
-        drop the stacked weights.
+        drop the stacked weights. Float32 GEMM layers (``F32Linear``) are then stacked again, packed,
+        for the one-call kernel (``layers.f32_moe.stack_f32_experts``; the layers read slices of it).
 
         Returns:
             The number of layers made (2 per local expert).
@@ -154,6 +161,9 @@ class FusedMoE(nn.Module):
                 for e in range(self.num_local_experts))
         del self.w13_weight, self.w2_weight
         self.w13_weight = self.w2_weight = None
+        packed = stack_f32_experts(self.expert_layers, self.local_intermediate_size)
+        if packed is not None:
+            self.w13_packed, self.w2_packed = packed
         return 2 * self.num_local_experts
 
     def stacked_weight_bytes(self) -> int:
@@ -186,6 +196,8 @@ class FusedMoE(nn.Module):
         Returns:
             [T, H] in x's dtype (zeros for tokens routed to no local expert).
         """
+        if self.use_f32_moe and self.w13_packed is not None and x.dtype is torch.float32 and x.is_cpu:
+            return f32_moe(x.contiguous(), weights, ids, self.w13_packed, self.w2_packed, self.expert_start)
         k, hidden = ids.shape[1], x.shape[1]
         if x.shape[0] == 1:   # one token (a batch-1 decode): its k experts straight, no sorting
             return self._one_token(x, weights[0].tolist(), ids[0].tolist())
