@@ -72,8 +72,17 @@ def stack_f32_experts(expert_layers, intermediate_size: int) -> tuple[torch.Tens
     return stacked[0], stacked[1]
 
 
+@functools.cache
+def torch_silu_vector_span() -> int:
+    """float32 elements per vector step of torch's own elementwise kernels here (2 vectors: 32 with
+    its AVX-512 code, 16 with AVX2; 1 for its portable code, which computes each element as the
+    scalar formula does): a row's elements past the last full step take the scalar formula."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return 32 if capability.startswith("AVX512") else 16 if capability == "AVX2" else 1
+
+
 def f32_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-            first_expert: int) -> torch.Tensor:
+            first_expert: int, fused_silu: bool) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` over the local experts, in one call.
 
     Args:
@@ -82,7 +91,11 @@ def f32_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torc
             ``[first_expert, first_expert + E)`` are held by other ranks and add nothing).
         w13, w2: ``stack_f32_experts``'s tensors.
         first_expert: the global id of local expert 0.
+        fused_silu: round the activation as ``fused_ops``' ``silu_and_mul`` (the per-expert path with
+            the fused ops), else as ``F.silu(gate) * up`` (torch's kernel: its scalar tail per row).
     Returns:
         [T, H] float32 (zeros for a token routed to no local expert).
     """
-    return load_f32_moe().f32_moe(x, weights.contiguous(), ids.contiguous(), w13, w2, first_expert)
+    inter = w2.shape[2]
+    scalar_from = inter if fused_silu else inter - inter % torch_silu_vector_span()
+    return load_f32_moe().f32_moe(x, weights.contiguous(), ids.contiguous(), w13, w2, first_expert, scalar_from)

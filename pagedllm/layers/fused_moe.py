@@ -197,7 +197,9 @@ class FusedMoE(nn.Module):
             [T, H] in x's dtype (zeros for tokens routed to no local expert).
         """
         if self.use_f32_moe and self.w13_packed is not None and x.dtype is torch.float32 and x.is_cpu:
-            return f32_moe(x.contiguous(), weights, ids, self.w13_packed, self.w2_packed, self.expert_start)
+            x = x.contiguous()
+            fused_silu = fused_ops_for(self.use_fused_ops, x) is not None   # as ``_expert`` would run it
+            return f32_moe(x, weights, ids, self.w13_packed, self.w2_packed, self.expert_start, fused_silu)
         k, hidden = ids.shape[1], x.shape[1]
         if x.shape[0] == 1:   # one token (a batch-1 decode): its k experts straight, no sorting
             return self._one_token(x, weights[0].tolist(), ids[0].tolist())

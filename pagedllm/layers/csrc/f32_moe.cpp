@@ -13,8 +13,10 @@
 // Arithmetic, the same bits as layers/fused_moe.py's per-expert path (sorted pairs, f32_gemm
 // layers, silu(gate) * up, then mul by the weight and the sum of each token's k rows):
 //   - gate, up and down outputs: f32_gemm.h's micro-kernels, one FMA chain per output in k order;
-//   - silu(g) * u: torch's SiLU (x / (1 + exp(-x)), ATen's vector exp, rounded) times u, as
-//     fused_ops.cpp (I is a multiple of 16, so no scalar tail);
+//   - silu(g) * u: torch's SiLU (x / (1 + exp(-x)), rounded) times u; on vectors (ATen's vector
+//     exp) up to column scalar_from, then the scalar formula (std::exp): I for fused_ops.cpp's
+//     silu_and_mul (I is a multiple of 16: all vectors), the end of the last 2-vector step for
+//     torch's own kernel (its elementwise loop runs 2 vectors per step and the rest scalar);
 //   - the weighted sum: each term w * y rounded, then added in slot order j = 0, 1, ... (torch's
 //     sum over the k rows), a pair routed to an expert held by another rank adding +0.
 // Compiled with -ffp-contract=off, so no multiply and add are fused beyond the GEMM's own FMAs.
@@ -32,6 +34,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -45,13 +48,17 @@ namespace {
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kW = fVec::size();
 
-// out[c] = round(silu(g[c])) * u[c] for c in [0, n), n a multiple of kW (torch's SiLU kernel).
-inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+// out[c] = round(silu(g[c])) * u[c] for the columns c in [c0, c1) (multiples of kW): torch's SiLU,
+// on vectors (x / (1 + exp(-x)), ATen's vector exp) before column scalar_from and with the scalar
+// formula (std::exp) from it, as torch's elementwise loop runs a row's tail.
+inline void silu_mul(const float* g, const float* u, float* out, int64_t c0, int64_t c1, int64_t scalar_from) {
   const fVec one(1.f);
-  for (int64_t c = 0; c < n; c += kW) {
+  int64_t c = c0;
+  for (; c < std::min(c1, scalar_from); c += kW) {
     const fVec x = fVec::loadu(g + c);
     (x / (one + x.neg().exp()) * fVec::loadu(u + c)).store(out + c);
   }
+  for (; c < c1; ++c) out[c] = g[c] / (1.f + std::exp(-g[c])) * u[c];
 }
 
 // The experts' rows: pairs sorted by local expert (stable), each expert's rows contiguous.
@@ -83,8 +90,8 @@ Groups group_pairs(const int64_t* ids, int64_t pairs, int64_t experts, int64_t f
 
 template <int T, int MaxR>
 void run_experts(const Groups& g, int64_t tokens, int64_t k, int64_t hidden, int64_t inter, const float* xs,
-                 const float* w13, const float* w2, const float* weights, float* gu, float* act, float* ys,
-                 float* out) {
+                 const float* w13, const float* w2, const float* weights, int64_t scalar_from, float* gu, float* act,
+                 float* ys, float* out) {
   const int64_t experts = static_cast<int64_t>(g.start.size()) - 1;
   const int64_t inter_blocks = inter / kBlock, hidden_blocks = (hidden + kBlock - 1) / kBlock;
   const int64_t w13_stride = 2 * inter_blocks * hidden * kBlock, w2_stride = hidden_blocks * inter * kBlock;
@@ -103,8 +110,7 @@ void run_experts(const Groups& g, int64_t tokens, int64_t k, int64_t hidden, int
         run_tile<T, MaxR>(m, x, hidden, we, b, inter_blocks, inter, nullptr, rows, 2 * inter);
         run_tile<T, MaxR>(m, x, hidden, we + up_offset, b, inter_blocks, inter, nullptr, rows + inter, 2 * inter);
         for (int64_t r = 0; r < m; ++r)
-          silu_mul(rows + r * 2 * inter + c0, rows + r * 2 * inter + inter + c0, act + (r0 + r) * inter + c0,
-                   c1 - c0);
+          silu_mul(rows + r * 2 * inter, rows + r * 2 * inter + inter, act + (r0 + r) * inter, c0, c1, scalar_from);
       }
     }
   });
@@ -144,10 +150,11 @@ void run_experts(const Groups& g, int64_t tokens, int64_t k, int64_t hidden, int
 
 // x [T, H] float32, weights [T, k] float32, ids [T, k] int64 (global expert ids), w13 [E, 2I / 16, H, 16]
 // and w2 [E, ceil(H / 16), I, 16] float32 (pack_f32_weight of each local expert's [2I, H] and [H, I]
-// weights, stacked), I a multiple of 16, the local experts being ids [first, first + E)
-// -> [T, H] float32, the header's sum over each token's local experts (zeros where none).
+// weights, stacked), I a multiple of 16, the local experts being ids [first, first + E), the
+// activation's scalar formula from column scalar_from (the header) -> [T, H] float32, the header's
+// sum over each token's local experts (zeros where none).
 torch::Tensor f32_moe(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& ids,
-                      const torch::Tensor& w13, const torch::Tensor& w2, int64_t first_expert) {
+                      const torch::Tensor& w13, const torch::Tensor& w2, int64_t first_expert, int64_t scalar_from) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.dtype() == torch::kFloat32 && x.device().is_cpu(),
               "x must be a contiguous float32 [T, H] CPU tensor");
   const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -165,6 +172,8 @@ torch::Tensor f32_moe(const torch::Tensor& x, const torch::Tensor& weights, cons
                   w2.size(3) == kBlock,
               "w13 must be [E, 2I / 16, H, 16] and w2 [E, ceil(H / 16), I, 16] with I a multiple of 16 (got ",
               w13.sizes(), ", ", w2.sizes(), ", H ", hidden, ")");
+  TORCH_CHECK(scalar_from >= 0 && scalar_from <= inter && scalar_from % 8 == 0,
+              "scalar_from must be a multiple of 8 in [0, I], got ", scalar_from);
   auto out = torch::empty({tokens, hidden}, x.options());
   if (tokens == 0) return out;
 #if PAGEDLLM_F32_GEMM
@@ -180,7 +189,7 @@ torch::Tensor f32_moe(const torch::Tensor& x, const torch::Tensor& weights, cons
   auto ys = torch::empty({rows, hidden}, x.options());
   auto run = g.max_rows >= kLargeFromRows ? run_experts<kLargeT, kLargeRows> : run_experts<kSmallT, kSmallRows>;
   run(g, tokens, k, hidden, inter, xsp, w13.data_ptr<float>(), w2.data_ptr<float>(), weights.data_ptr<float>(),
-      gu.data_ptr<float>(), act.data_ptr<float>(), ys.data_ptr<float>(), out.data_ptr<float>());
+      (scalar_from / kW) * kW, gu.data_ptr<float>(), act.data_ptr<float>(), ys.data_ptr<float>(), out.data_ptr<float>());
 #else
   TORCH_CHECK(false, "f32_moe: built without AVX-512 or AVX2 + FMA");
 #endif
@@ -199,6 +208,7 @@ std::vector<std::string> compiled_isas() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_moe", &f32_moe,
         "x [T, H], routing weights / ids [T, k], stacked packed w13 / w2 -> [T, H] float32 (MoE SwiGLU experts)",
-        py::arg("x"), py::arg("weights"), py::arg("ids"), py::arg("w13"), py::arg("w2"), py::arg("first_expert"));
+        py::arg("x"), py::arg("weights"), py::arg("ids"), py::arg("w13"), py::arg("w2"), py::arg("first_expert"),
+        py::arg("scalar_from"));
   m.def("compiled_isas", &compiled_isas, "code paths compiled in");
 }
