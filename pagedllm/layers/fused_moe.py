@@ -16,6 +16,10 @@ The experts (``FusedMoE.forward``): the T x k (token, expert) pairs are sorted b
 replace them after loading (``replace_expert_layers``: oneDNN / the bf16 GEMM in float32 and
 bfloat16, int8 / int4 weight-only); the outputs, scaled by the routing weights, go back to their
 (token, slot) rows with one row copy and each token's k rows are summed. The only Python loop is over experts with rows, never over tokens.
+Float32 experts in the float32 GEMM's layers (``F32Linear``) instead run in one C++ call per layer
+(``layers/f32_moe.py``: every pair's gate/up, SiLU, down and weighted sum over the stacked packed
+weights, the same bits as the sorted per-expert path, batch-invariant); ``use_f32_moe = False``
+turns it off.
 
 Tensor parallelism: by default every expert's width is sliced (rank ``r`` holds rows
 ``r I / T : (r + 1) I / T`` of each gate / up and the matching down columns), as the dense MLP;
@@ -86,6 +90,9 @@ class FusedMoE(nn.Module):
     Attributes:
         expert_start, num_local_experts: this rank's experts ``[expert_start, expert_start + num_local_experts)``.
         local_intermediate_size: the width of each local expert (I, or I / T when sliced).
+        w13_packed, w2_packed: after ``replace_expert_layers`` with float32 GEMM layers, the local
+            experts' packed weights stacked, [E_local, 2I / 16, H, 16] and [E_local, ceil(H / 16), I, 16]
+            float32, run in one call by ``layers.f32_moe.f32_moe`` (else None: the per-expert path).
     Shapes:
         forward: x [T, H], router_logits [T, E] -> [T, H] (this rank's partial sum, x's dtype).
     Raises:

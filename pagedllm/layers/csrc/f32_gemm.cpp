@@ -91,15 +91,6 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& packed, co
   return y;
 }
 
-// The code paths compiled in (load_extension's contract).
-std::vector<std::string> compiled_isas() {
-#if PAGEDLLM_F32_GEMM
-  return {PAGEDLLM_F32_GEMM_ISA};
-#else
-  return {};
-#endif
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_f32_weight", &pack_f32_weight, "w [N, K] float32 -> packed [ceil(N/16), K, 16] float32");
   m.def("f32_linear", &f32_linear, "x [M, K] float32 @ packed^T (+ bias) -> [M, N] float32");

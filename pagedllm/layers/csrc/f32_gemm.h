@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__FMA__)
 #include <immintrin.h>
@@ -20,6 +22,15 @@
 #else
 #define PAGEDLLM_F32_GEMM 0
 #endif
+
+// The code paths compiled in (load_extension's contract).
+inline std::vector<std::string> compiled_isas() {
+#if PAGEDLLM_F32_GEMM
+  return {PAGEDLLM_F32_GEMM_ISA};
+#else
+  return {};
+#endif
+}
 
 namespace {
 

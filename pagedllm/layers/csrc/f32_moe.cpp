@@ -196,15 +196,6 @@ torch::Tensor f32_moe(const torch::Tensor& x, const torch::Tensor& weights, cons
   return out;
 }
 
-// The code paths compiled in (load_extension's contract).
-std::vector<std::string> compiled_isas() {
-#if PAGEDLLM_F32_GEMM
-  return {PAGEDLLM_F32_GEMM_ISA};
-#else
-  return {};
-#endif
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_moe", &f32_moe,
         "x [T, H], routing weights / ids [T, k], stacked packed w13 / w2 -> [T, H] float32 (MoE SwiGLU experts)",
