@@ -34,7 +34,7 @@ from pagedllm.platforms.cpu_extension import CpuExtension, kernel_unavailable, l
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "f32_gemm.cpp"
 EXTENSION = CpuExtension("f32_gemm", SOURCE, "float32 GEMM (AVX-512 / AVX2)", "oneDNN's float32 inner product",
-                         headers=(SOURCE.parent / "linear_bias.h",))
+                         headers=(SOURCE.parent / "linear_bias.h", SOURCE.parent / "f32_gemm.h"))
 # /proc/cpuinfo flags the AVX2 code needs (the AVX-512 code also needs avx512f; the C++ guards alike).
 F32_GEMM_FLAGS = ("avx2", "fma")
 F32_KERNEL = "f32_gemm"

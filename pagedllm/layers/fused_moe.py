@@ -16,6 +16,10 @@ The experts (``FusedMoE.forward``): the T x k (token, expert) pairs are sorted b
 replace them after loading (``replace_expert_layers``: oneDNN / the bf16 GEMM in float32 and
 bfloat16, int8 / int4 weight-only); the outputs, scaled by the routing weights, go back to their
 (token, slot) rows with one row copy and each token's k rows are summed. The only Python loop is over experts with rows, never over tokens.
+Float32 experts in the float32 GEMM's layers (``F32Linear``) instead run in one C++ call per layer
+(``layers/f32_moe.py``: every pair's gate/up, SiLU, down and weighted sum over the stacked packed
+weights, the same bits as the sorted per-expert path, batch-invariant); ``use_f32_moe = False``
+turns it off.
 
 Tensor parallelism: by default every expert's width is sliced (rank ``r`` holds rows
 ``r I / T : (r + 1) I / T`` of each gate / up and the matching down columns), as the dense MLP;
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import ParallelContext
+from pagedllm.layers.f32_moe import f32_moe, stack_f32_experts
 from pagedllm.layers.fused_ops import fused_ops_for
 
 # Checkpoint part names per family: (gate, up, down).
@@ -85,6 +90,9 @@ class FusedMoE(nn.Module):
     Attributes:
         expert_start, num_local_experts: this rank's experts ``[expert_start, expert_start + num_local_experts)``.
         local_intermediate_size: the width of each local expert (I, or I / T when sliced).
+        w13_packed, w2_packed: after ``replace_expert_layers`` with float32 GEMM layers, the local
+            experts' packed weights stacked, [E_local, 2I / 16, H, 16] and [E_local, ceil(H / 16), I, 16]
+            float32, run in one call by ``layers.f32_moe.f32_moe`` (else None: the per-expert path).
     Shapes:
         forward: x [T, H], router_logits [T, E] -> [T, H] (this rank's partial sum, x's dtype).
     Raises:
@@ -113,6 +121,11 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size))   # [E_local, 2I, H]
         self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i))        # [E_local, H, I]
         self.expert_layers: nn.ModuleList | None = None  # (gate_up, down) kernel layers per local expert
+        # The float32 experts' packed weights stacked for the one-call kernel (``layers/f32_moe.py``):
+        # [E_local, 2I / 16, H, 16] and [E_local, ceil(H / 16), I, 16], or None (per-expert path).
+        self.w13_packed: torch.Tensor | None = None
+        self.w2_packed: torch.Tensor | None = None
+        self.use_f32_moe = True   # run the one-call kernel when the packed weights exist (tests turn it off)
         self.use_fused_ops = False   # set by the model (KernelConfig.cpu_fused_ops)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, tuple | None]:
@@ -143,7 +156,8 @@ class FusedMoE(nn.Module):
     def replace_expert_layers(self, make_layer) -> int:
         """Move each local expert into ``make_layer(weight, None)`` layers (``layers.linear.replace_linear_layers``
         calls it with the model's kernel: oneDNN packing, the bf16 GEMM, int8 / int4 weight-only) and
-        drop the stacked weights.
+        drop the stacked weights. Float32 GEMM layers (``F32Linear``) are then stacked again, packed,
+        for the one-call kernel (``layers.f32_moe.stack_f32_experts``; the layers read slices of it).
 
         Returns:
             The number of layers made (2 per local expert).
@@ -154,6 +168,9 @@ class FusedMoE(nn.Module):
                 for e in range(self.num_local_experts))
         del self.w13_weight, self.w2_weight
         self.w13_weight = self.w2_weight = None
+        packed = stack_f32_experts(self.expert_layers, self.local_intermediate_size)
+        if packed is not None:
+            self.w13_packed, self.w2_packed = packed
         return 2 * self.num_local_experts
 
     def stacked_weight_bytes(self) -> int:
@@ -186,6 +203,10 @@ class FusedMoE(nn.Module):
         Returns:
             [T, H] in x's dtype (zeros for tokens routed to no local expert).
         """
+        if self.use_f32_moe and self.w13_packed is not None and x.dtype is torch.float32 and x.is_cpu:
+            x = x.contiguous()
+            fused_silu = fused_ops_for(self.use_fused_ops, x) is not None   # as ``_expert`` would run it
+            return f32_moe(x, weights, ids, self.w13_packed, self.w2_packed, self.expert_start, fused_silu)
         k, hidden = ids.shape[1], x.shape[1]
         if x.shape[0] == 1:   # one token (a batch-1 decode): its k experts straight, no sorting
             return self._one_token(x, weights[0].tolist(), ids[0].tolist())
