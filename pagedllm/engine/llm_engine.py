@@ -369,7 +369,9 @@ class LLMEngine:
                 pipeline stages).
             max_size: bytes per file at most (None: one file per rank).
         Raises:
-            ValueError: a bad ``pattern`` or ``max_size``; ``load_format="dummy"``.
+            ValueError: a bad ``pattern`` or ``max_size`` (checked here); the workers' weights are
+                ``load_format="dummy"`` ones (from the in-process worker; worker processes stop on
+                it, a ``RuntimeError``, as on any failed ``collective_rpc``).
         """
         if max_size is not None and max_size < 1:
             raise ValueError(f"max_size must be >= 1 byte, got {max_size}")
