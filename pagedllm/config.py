@@ -40,7 +40,8 @@ SUPPORTED_CPU_BF16_GEMMS = ("auto", "amx_bf16", "avx512_bf16", "onednn")
 SUPPORTED_CPU_F32_GEMMS = ("auto", "f32_gemm", "onednn")
 # ``KernelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
-SUPPORTED_LOAD_FORMATS = ("auto", "dummy")   # vLLM's names; dummy: random weights
+# vLLM's names; dummy: random weights; sharded_state: each rank's own files (loaders/sharded_state.py)
+SUPPORTED_LOAD_FORMATS = ("auto", "dummy", "sharded_state")
 # ``KernelConfig.exact_greedy_head`` (``sample/greedy_head.py`` EXACT_GREEDY_HEAD_MODES).
 SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")
 # RoPE scaling types ``layers/rotary.compute_inv_freq`` implements (transformers' names; "su" is
@@ -562,7 +563,9 @@ class ModelConfig:
             (the engine resolves ``model`` into it); ``None`` before resolution.
         load_format: "auto" (the checkpoint's weights) or "dummy" (vLLM's: every weight drawn
             uniformly from [-1e-3, 1e-3], e.g. to start an engine whose real weights come later
-            through ``reload_weights``; the checkpoint still fixes the shapes).
+            through ``reload_weights``; the checkpoint still fixes the shapes) or "sharded_state"
+            (``model_folder`` holds what ``save_sharded_state`` wrote: each rank reads its own files,
+            ``loaders/sharded_state.py``).
 
     Architecture (from config.json through ``hf_architecture_fields``; ``ModelConfig.from_hf_config``;
     unset (0 / empty) until then): ``architectures``, ``model_type``, ``vocab_size`` (tokens),

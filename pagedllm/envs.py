@@ -1,5 +1,9 @@
 """The environment variables pagedllm reads, declared once (vLLM keeps its own in ``vllm/envs.py``).
 
+The constants below hold each variable's *name*. vLLM's ``vllm.envs`` attributes hold *values*, read
+when accessed; the ones vLLM's example scripts use are here too, as module attributes of the same
+name (``envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: seconds, default 5, vLLM's).
+
 Each is read at the edge only: ``EngineArgs`` field defaults (``engine/arg_utils.py``), the
 server's ``--api-key`` default and the GGUF download folder; deeper code gets the values through
 its config. An error about a value names the variable that can feed it (README, "Environment
@@ -28,3 +32,30 @@ def read(name: str) -> str | None:
     """The variable's value stripped of spaces, or None when unset or blank."""
     value = os.environ.get(name, "").strip()
     return value or None
+
+
+def _int(name: str, default: int) -> int:
+    value = read(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${name} must be an integer, got {value!r}") from None
+
+
+# vLLM's value attributes (name -> reader), for ``envs.<NAME>``.
+_VLLM_VALUES = {
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": lambda: _int("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", 5),   # s, uvicorn's keep-alive
+}
+
+
+def __getattr__(name: str):
+    """``envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (vLLM's): the variable's value now.
+
+    Raises:
+        ValueError: a value that is not an integer (naming the variable).
+    """
+    if name in _VLLM_VALUES:
+        return _VLLM_VALUES[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -139,6 +139,8 @@ class SamplingParams:
             the model's. ``max_tokens`` becomes its length and EOS ids in it do not stop the
             request (``ignore_eos``). Needs ``n`` 1 and no ``best_of``, ``prompt_logprobs``,
             ``structured_outputs`` or ``bad_words_token_ids``.
+        skip_clone: vLLM's hint that the caller will not reuse these params (its engine then
+            skips a deep copy); accepted, no effect here.
     Raises:
         ValueError: from ``__post_init__``, naming the field and its value, for any invalid value.
     """
@@ -171,6 +173,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict | None = None
     trace_decode_token_ids: list[int] | None = None
+    skip_clone: bool = False
     # Filled by the engine from the model: EOS ids (tokenizer EOS + model extras such as Gemma's
     # <end_of_turn>). Not part of the public API.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)

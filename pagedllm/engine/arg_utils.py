@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 from pagedllm import envs
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-                             SUPPORTED_QUANTIZATION, CacheConfig, KernelConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, VllmConfig)
+                             SUPPORTED_LOAD_FORMATS, SUPPORTED_QUANTIZATION, CacheConfig, KernelConfig, ModelConfig,
+                             ParallelConfig, SchedulerConfig, VllmConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ class EngineArgs:
             (``KernelConfig.cpu_f32_gemm``); default ``$PAGEDLLM_CPU_F32_GEMM`` or "auto".
         exact_greedy_head: "auto" (plain greedy rows through the cheaper exact head where it
             pays, ``sample/greedy_head.py``) or "off" (``KernelConfig.exact_greedy_head``).
-        load_format: "auto" or "dummy" (random weights; ``ModelConfig.load_format``).
+        load_format: "auto", "dummy" (random weights) or "sharded_state" (a folder written by
+            ``save_sharded_state``; ``ModelConfig.load_format``).
         enable_trace_replay: accept requests with ``SamplingParams.trace_decode_token_ids``
             (vLLM's trace replay: the given tokens are emitted, their logprobs are the model's).
         enable_prompt_embeds: accept prompts given as embeddings (``{"prompt_embeds": tensor}``;
@@ -509,9 +510,10 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "and an exact re-score of the few candidates, where that is faster (float32 "
                         "model, CPU with native bf16, small decode batches; +V x hidden x 2 bytes); "
                         "off: the full head's argmax (default: auto)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+    g.add_argument("--load-format", default="auto", choices=list(SUPPORTED_LOAD_FORMATS),
                    help="auto: the checkpoint's weights; dummy: random weights (uniform in +-1e-3; real ones "
-                        "later through collective_rpc('reload_weights'))")
+                        "later through collective_rpc('reload_weights')); sharded_state: a folder written by "
+                        "save_sharded_state, each rank reading its own files (same tensor/pipeline sizes)")
     g.add_argument("--enable-trace-replay", action="store_true",
                    help="accept requests whose trace_decode_token_ids force the tokens they decode (their "
                         "logprobs are still the model's; vLLM's trace replay)")

@@ -19,6 +19,7 @@ from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, Prom
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import Executor
 from pagedllm.loaders import load_config, resolve_model
+from pagedllm.loaders.sharded_state import check_sharded_state, render_pattern
 from pagedllm.metrics.stats import IterationStats, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -68,6 +69,8 @@ class LLMEngine:
         if parallel_cfg.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={parallel_cfg.data_parallel_size}: one LLMEngine is one replica; "
                              "LLM(...) and pagedllm serve start the replicas (engine/dp_client.py)")
+        if model_cfg.load_format == "sharded_state":   # another layout or a missing file: fail before any worker
+            check_sharded_state(files.folder, parallel_cfg.tensor_parallel_size, parallel_cfg.pipeline_parallel_size)
         self.model_config, self.cache_config, self.scheduler_config = model_cfg, cache_cfg, sched_cfg
         self.parallel_config, self.kernel_config = parallel_cfg, kernel_cfg
         executor_class = executor_class or Executor.get_class(parallel_cfg)
@@ -346,6 +349,37 @@ class LLMEngine:
         if method == "reload_weights":
             self.reset_prefix_cache()
         return results
+
+    @property
+    def engine_core(self) -> "LLMEngine":
+        """vLLM's ``LLMEngine.engine_core``, the client of its engine core: here the engine is its
+        own core, in this process, so its utility calls (``save_sharded_state``,
+        ``collective_rpc``, ``reset_prefix_cache``, ...) are this object's methods."""
+        return self
+
+    def save_sharded_state(self, path: str, pattern: str | None = None, max_size: int | None = None) -> None:
+        """Every rank writes its own weights into the folder ``path`` as safetensors files (vLLM's
+        ``save_sharded_state``; ``Worker.save_sharded_state``, ``loaders/sharded_state.py``):
+        the model as loaded, before the kernel plan packs it, so the files load on any machine
+        with ``load_format="sharded_state"`` and the same ``tensor_parallel_size`` /
+        ``pipeline_parallel_size``. Copy config.json and the tokenizer files next to them
+        (vLLM's ``save_sharded_state_offline.py`` does).
+
+        Args:
+            pattern: file names with ``{rank}`` / ``{tp_rank}``, ``{pp_rank}``, ``{part}``
+                (None: ``ShardedStateLoader.TP_ONLY_PATTERN``, or ``PP_AND_TP_PATTERN`` with
+                pipeline stages).
+            max_size: bytes per file at most (None: one file per rank).
+        Raises:
+            ValueError: a bad ``pattern`` or ``max_size`` (checked here); the workers' weights are
+                ``load_format="dummy"`` ones (from the in-process worker; worker processes stop on
+                it, a ``RuntimeError``, as on any failed ``collective_rpc``).
+        """
+        if max_size is not None and max_size < 1:
+            raise ValueError(f"max_size must be >= 1 byte, got {max_size}")
+        p = self.parallel_config   # a bad pattern fails here, not in every worker
+        render_pattern(pattern, 0, p.tensor_parallel_size, 0, p.pipeline_parallel_size, part=0)
+        self.executor.collective_rpc("save_sharded_state", (str(path), pattern, max_size))
 
     def start_profile(self) -> None:
         """Start the torch profiler on every worker (vLLM's ``start_profile``); the steps until

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Sequence
 
@@ -47,6 +48,17 @@ class LLM:
         # vLLM's LLM logs no stats by default; disable_log_stats=False keeps Prometheus metrics
         # in memory for get_metrics().
         self._metrics_registry = None if kwargs.get("disable_log_stats", True) else self._attach_metrics()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        """vLLM's ``LLM.from_engine_args``: an ``LLM`` with these engine arguments (the
+        ``EngineArgs`` fields; an ``AsyncEngineArgs``'s server-only fields are left out).
+
+        Raises:
+            ValueError: as ``LLM(...)``.
+        """
+        names = {f.name for f in dataclasses.fields(EngineArgs)}
+        return cls(**{k: v for k, v in vars(engine_args).items() if k in names})
 
     def _attach_metrics(self):
         from prometheus_client import CollectorRegistry

@@ -101,11 +101,17 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
     missing = (set(params) - merged_params | set(shards) | set(slots)) - loaded
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:5]}")
-    for mod in module.modules():  # caches derived from the weights (e.g. GemmaRMSNorm's 1 + w)
+    process_weights_after_loading(module)
+    return loaded
+
+
+def process_weights_after_loading(module: nn.Module) -> None:
+    """Call every submodule's ``process_weights_after_loading()`` (vLLM's name), if it has one:
+    the caches derived from the weights (e.g. GemmaRMSNorm's 1 + w)."""
+    for mod in module.modules():
         hook = getattr(mod, "process_weights_after_loading", None)
         if hook is not None:
             hook()
-    return loaded
 
 
 def pp_missing_prefixes(model: nn.Module) -> tuple[str, ...]:

@@ -31,3 +31,17 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         end = args.index("--") if "--" in args else len(args)
         args = [_dashed(a) for a in args[:end]] + args[end:]
         return super().parse_known_args(args, namespace)
+
+    def check_port(self, value) -> int:
+        """An argparse ``type`` for a server port (vLLM's): an integer in [1024, 65535].
+
+        Raises:
+            argparse.ArgumentTypeError: otherwise (argparse reports it and exits with status 2).
+        """
+        try:
+            port = int(value)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"port must be an integer, got {value!r}") from None
+        if not 1024 <= port <= 65535:
+            raise argparse.ArgumentTypeError(f"port must be in [1024, 65535], got {port}")
+        return port

@@ -17,7 +17,9 @@ from pagedllm.core.kv_cache_spec import NULL_BLOCK_ID, KVCacheGroups, kv_cache_g
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.loaders.sharded_state import check_sharded_state, load_rank_state, save_rank_state
 from pagedllm.models.registry import get_model_class
+from pagedllm.models.utils import process_weights_after_loading
 from pagedllm.profiler import ProfilerConfig, WorkerProfiler
 from pagedllm.sample.greedy_head import ExactGreedyHead
 from pagedllm.utils.torch_utils import set_random_seed
@@ -58,13 +60,28 @@ def build_model(model_config: ModelConfig, weights, dtype: torch.dtype, device: 
 
     Args:
         model_config: the model's architecture (``ModelConfig.from_hf_config``).
-        weights: iterable of (HF name, tensor or safetensors slice).
+        weights: iterable of (HF name, tensor or safetensors slice); or, with
+            ``model_config.load_format`` "sharded_state", this rank's sharded-state files
+            (``loaders.sharded_state``: the model's own names, this rank's slices).
         ctx: this rank's tensor / pipeline place (None: the whole model).
         kernel_config: the attention backend, ``cpu_isa`` and fused ops the layers are built with
             (None: ``KernelConfig()``'s defaults).
     Raises:
         ValueError: unsupported architecture, or checkpoint/model name or shape mismatch.
     """
+    model = _empty_model(model_config, dtype, device, ctx, kernel_config)
+    if model_config.load_format == "sharded_state":
+        load_rank_state(model, weights)
+        process_weights_after_loading(model)
+    else:
+        model.load_weights(weights)
+    return model.eval()
+
+
+def _empty_model(model_config: ModelConfig, dtype: torch.dtype, device: torch.device, ctx: ParallelContext | None,
+                 kernel_config: KernelConfig | None) -> nn.Module:
+    """The registered architecture on ``device`` in ``dtype``, weights uninitialised (RoPE
+    tables computed)."""
     model_cls = get_model_class(model_config)
     with torch.device("meta"):
         model = model_cls(model_config, ctx, kernel_config)
@@ -74,8 +91,7 @@ def build_model(model_config: ModelConfig, weights, dtype: torch.dtype, device: 
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers()
-    model.load_weights(weights)
-    return model.eval()
+    return model
 
 
 class Worker:
@@ -159,8 +175,6 @@ class Worker:
             ValueError: unsupported architecture, mismatching checkpoint, a kernel setting this CPU
                 cannot run, or int8 where fbgemm does not run.
         """
-        from pagedllm.loaders import iterate_safetensors_slices, iterate_weights
-
         if self.kernel_plan is None:
             plan = choose_kernel_plan(self.model_config, self.kernel_config, self.device, self.parallel)
             logger.info("%s", plan.table())
@@ -169,19 +183,7 @@ class Worker:
             self.kernel_plan = plan
         self.dtype = self.kernel_plan.dtype
         t0 = time.perf_counter()
-        weights = self._weights
-        if weights is None:
-            # A rank of a split model reads only its slices of each tensor (mmap'd safetensors).
-            split = self.parallel_config.world_size > 1
-            weights = (iterate_safetensors_slices if split else iterate_weights)(self.model_config.model_folder)
-        self._weights = None
-        self.model = build_model(self.model_config, weights, self.dtype, self.device, self.parallel,
-                                 self.kernel_config)
-        if self.model_config.load_format == "dummy":   # vLLM's dummy weights: uniform in [-1e-3, 1e-3]
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    if p.is_floating_point():
-                        p.uniform_(-1e-3, 1e-3)
+        self.model = self._build_unpacked_model()
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # Before packing: the exact greedy head keeps a reference to the head weight as stored.
         head_bytes = self._build_greedy_head()
@@ -201,6 +203,65 @@ class Worker:
             head_dim=self.model.head_dim, block_size=self.cache_config.block_size,
             dtype_bytes=torch.tensor([], dtype=self.dtype).element_size())
 
+    def _build_unpacked_model(self) -> nn.Module:
+        """This rank's model as loaded, before the kernel plan packs its linear layers: from the
+        weights given to the worker (once), the rank's sharded-state files, or the checkpoint
+        (``load_format`` "dummy": then overwritten with vLLM's dummy weights, uniform in
+        [-1e-3, 1e-3])."""
+        from pagedllm.loaders import iterate_safetensors_slices, iterate_weights
+
+        weights, self._weights = self._weights, None
+        if self.model_config.load_format == "sharded_state":
+            weights = self._sharded_state_files()
+        elif weights is None:
+            # A rank of a split model reads only its slices of each tensor (mmap'd safetensors).
+            split = self.parallel_config.world_size > 1
+            weights = (iterate_safetensors_slices if split else iterate_weights)(self.model_config.model_folder)
+        model = build_model(self.model_config, weights, self.dtype, self.device, self.parallel, self.kernel_config)
+        if self.model_config.load_format == "dummy":
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.is_floating_point():
+                        p.uniform_(-1e-3, 1e-3)
+        return model
+
+    def _sharded_state_files(self) -> list[str]:
+        """This rank's files of the sharded state in ``model_config.model_folder``.
+
+        Raises:
+            ValueError: as ``loaders.sharded_state.check_sharded_state`` (another layout, a file missing).
+        """
+        ctx = self.parallel or ParallelContext()
+        rank = (ctx.tp_rank, ctx.pp_rank)
+        return check_sharded_state(self.model_config.model_folder, ctx.tp_size, ctx.pp_size, ranks=[rank])[rank]
+
+    def save_sharded_state(self, path: str, pattern: str | None = None, max_size: int | None = None) -> list[str]:
+        """Write this rank's weights into ``path`` (``loaders.sharded_state``; vLLM's
+        ``save_sharded_state``): the model as loaded, before packing, rebuilt from the same
+        source for the purpose (the running model holds only packed layouts), so for a moment
+        this rank holds its weights twice.
+
+        Args:
+            pattern: the file names (``loaders.sharded_state.TP_ONLY_PATTERN`` /
+                ``PP_AND_TP_PATTERN``; None: the one for this layout).
+            max_size: bytes per file at most (None: one file).
+        Returns:
+            The paths written.
+        Raises:
+            ValueError: ``load_format`` "dummy" (random weights, nothing to save), or a bad ``pattern``.
+        """
+        if self.model_config.load_format == "dummy":
+            raise ValueError("save_sharded_state saves the weights the engine loaded; load_format='dummy' "
+                             "has random ones (reload real weights first)")
+        model = self._build_unpacked_model()
+        ctx = self.parallel or ParallelContext()
+        try:
+            return save_rank_state(model, path, ctx.tp_rank, ctx.tp_size, ctx.pp_rank, ctx.pp_size,
+                                   pattern=pattern, max_size=max_size)
+        finally:
+            del model
+            gc.collect()
+
     def load_draft_model(self, draft_config: ModelConfig, share_embedding: bool = False) -> None:
         """[draft models] Build the draft model (``spec_decode/draft_model.py``) beside the target,
         in the target's dtype, on the driver rank (with one tensor rank, the only one); its KV
@@ -219,7 +280,10 @@ class Worker:
         from pagedllm.loaders import iterate_weights
 
         t0 = time.perf_counter()
-        draft = build_model(draft_config, iterate_weights(draft_config.model_folder), self.dtype, self.device,
+        # "self_int8" on a sharded state: the driver rank's files (the whole model with one rank).
+        weights = self._sharded_state_files() if draft_config.load_format == "sharded_state" \
+            else iterate_weights(draft_config.model_folder)
+        draft = build_model(draft_config, weights, self.dtype, self.device,
                             kernel_config=self.kernel_config)
         weight_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
         linear, linear_reason = choose_linear(draft_config, self.kernel_config, self.dtype, self.device)

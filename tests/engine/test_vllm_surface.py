@@ -307,4 +307,45 @@ def test_dummy_weights_then_reload_weights_gives_the_real_model(make_tiny_checkp
 
 def test_load_format_is_checked(make_tiny_checkpoint):
     with pytest.raises(ValueError, match="load_format"):
-        LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, load_format="sharded_state")
+        LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, load_format="tensorizer")
+
+
+# -- the demo server's helpers (applications/api_server/server.py) -----------------------------
+
+def test_demo_server_helpers(monkeypatch):
+    import argparse
+    import resource
+
+    from pagedllm import envs
+    from pagedllm.usage.usage_lib import UsageContext
+    from pagedllm.utils import FlexibleArgumentParser, random_uuid
+    from pagedllm.utils.system_utils import set_ulimit
+
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    assert envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE == 5
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "12")
+    assert envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE == 12
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "soon")
+    with pytest.raises(ValueError, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+        envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    parser = FlexibleArgumentParser()
+    assert parser.check_port("8000") == 8000
+    for bad in ("80", "70000", "http"):
+        with pytest.raises(argparse.ArgumentTypeError, match="port"):
+            parser.check_port(bad)
+    ids = {random_uuid() for _ in range(100)}
+    assert len(ids) == 100 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert UsageContext.API_SERVER == "API_SERVER" and UsageContext("LLM_CLASS") is UsageContext.LLM_CLASS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    set_ulimit(min(soft, 1024))   # never lowers
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == soft
+    assert SamplingParams(max_tokens=3, skip_clone=True).skip_clone
+
+
+def test_serve_http_refuses_ssl_refresh():
+    from fastapi import FastAPI
+
+    from pagedllm.entrypoints.launchers.launcher import serve_http
+
+    with pytest.raises(ValueError, match="enable_ssl_refresh"):
+        asyncio.run(serve_http(FastAPI(), enable_ssl_refresh=True, port=0))

@@ -51,14 +51,26 @@ runone prompt_embed_offline features/prompt_embed/prompt_embed_offline_folder.py
 export TO=600
 runone data_parallel_offline features/data_parallel/data_parallel_offline.py -dp=2
 runone multi_instance_dp features/data_parallel/multi_instance_data_parallel.py
-runone save_sharded features/sharded_state/save_sharded_state_offline.py --model default --output $TRIAL/sharded
+# --model: a local folder (the script checks); the default model's converted folder
+DEFAULT_FOLDER=$(python -c "from pagedllm.loaders.model_files import resolve_model; print(resolve_model('default').folder)" 2>/dev/null | tail -1)
+rm -rf "$TRIAL/sharded"
+runone save_sharded features/sharded_state/save_sharded_state_offline.py --model "$DEFAULT_FOLDER" --output $TRIAL/sharded
 runone load_sharded features/sharded_state/load_sharded_state_offline.py --model $TRIAL/sharded
 runone tensorize features/tensorize_vllm_model.py --model default serialize --serialized-directory $TRIAL/tens --suffix v1
 runone torchrun_example -m torch.distributed.run --nproc-per-node=4 features/torchrun/torchrun_example_offline.py
 runone torchrun_dp -m torch.distributed.run --nproc-per-node=2 features/torchrun/torchrun_dp_example_offline.py
 TO=60 runone watermark_server basic/online_serving/watermark_detection_server.py --tokenizer default --key 42
 runone chat_with_template_arg basic/offline_inference/chat.py --chat-template-path $PYTHONPATH/pagedllm/data/gemma_chat_template.jinja
-TO=90 runone api_server_server applications/api_server/server.py --model default
+# vLLM's demo /generate server and its client against it (as client.py's docstring says; not
+# against pagedllm serve): the server's rc is its exit status after SIGTERM.
+(cd run && exec python applications/api_server/server.py --model default) > logs/api_server_server.log 2>&1 &
+APID=$!; start=$(date +%s)
+for i in $(seq 1 90); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
+TO=120 runone api_server_client applications/api_server/client.py
+TO=120 runone api_server_client_stream applications/api_server/client.py --stream --n 2
+kill -TERM $APID; for i in $(seq 1 30); do kill -0 $APID 2>/dev/null || break; sleep 1; done
+kill -0 $APID 2>/dev/null && kill -KILL $APID
+wait $APID; echo "api_server_server rc=$? t=$(( $(date +%s)-start ))s" >> results.txt
 # online scripts against pagedllm serve (flags as each example's docstring asks)
 export TO=300
 serve() {  # name, extra flags...
@@ -82,7 +94,6 @@ runone on_responses_mcp tool_calling/openai_responses_client_with_mcp_tools.py
 runone on_prompt_embed_client features/prompt_embed/prompt_embed_inference_with_openai_client_folder.py
 runone on_dp_pause_resume rl/pause_resume/data_parallel_pause_resume.py
 runone on_token_gen scale_out/token_generation_client_folder.py
-runone on_api_server_client applications/api_server/client.py
 TO=30 runone on_kv_events_sub features/kv_events/kv_events_subscriber.py
 stop
 serve reasoning --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser deepseek_r1

@@ -1,0 +1,1 @@
+"""vLLM's ``vllm.entrypoints.launchers`` import path (``launcher.serve_http``)."""

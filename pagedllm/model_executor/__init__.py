@@ -1,0 +1,1 @@
+"""vLLM's ``vllm.model_executor`` import paths (``model_loader.ShardedStateLoader``)."""

@@ -1,0 +1,1 @@
+"""vLLM's ``vllm.usage`` import path (``usage_lib.UsageContext``)."""
