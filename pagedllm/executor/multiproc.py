@@ -62,19 +62,19 @@ def threads_per_rank(parallel_config: ParallelConfig, cpu_count: int | None) -> 
     """torch threads each worker process uses on the CPU.
 
     Returns:
-        ``parallel_config.cpu_threads_per_rank`` if set, else ``cpu_count // world_size``.
-    Raises:
-        ValueError: if that leaves a rank less than one thread (naming the numbers).
+        ``parallel_config.cpu_threads_per_rank`` if set, else ``max(1, cpu_count // world_size)``.
+        More ranks than CPUs still run (vLLM's behaviour: ``tensor_parallel_size=4`` on a 2-CPU
+        machine works, slowly): each rank gets one thread, the ranks share the cores, and a
+        WARNING says so.
     """
     if parallel_config.cpu_threads_per_rank is not None:
         return parallel_config.cpu_threads_per_rank
     world = parallel_config.world_size
     cpus = cpu_count or 1
-    if cpus // world < 1:
-        raise ValueError(f"{world} ranks (tensor_parallel_size x pipeline_parallel_size) on {cpus} CPU(s) leave "
-                         f"fewer than one thread per rank (os.cpu_count() // world_size = {cpus // world}); use fewer "
-                         "ranks or set cpu_threads_per_rank ($PAGEDLLM_CPU_THREADS_PER_RANK)")
-    return cpus // world
+    if cpus < world:
+        logger.warning("%d ranks (tensor_parallel_size x pipeline_parallel_size) on %d CPU(s): one thread each, "
+                       "%d ranks share each core, which is slower than fewer ranks", world, cpus, -(-world // cpus))
+    return max(1, cpus // world)
 
 
 def worker_log_settings(rank: int, driver_rank: int) -> tuple[int, str]:

@@ -286,15 +286,23 @@ if __name__ == "__main__":
             proc.wait()
 
 
-def test_bad_sizes_are_refused_before_any_weight_loads(make_tiny_checkpoint, monkeypatch):
+def test_more_ranks_than_cpus_run_with_one_thread_each_and_a_warning(caplog):
+    # vLLM runs tensor_parallel_size=4 on a 2-CPU machine (its skip_loading_weights example does):
+    # so do we, one thread per rank, and say that the ranks share the cores.
+    with caplog.at_level(logging.WARNING, logger="pagedllm.executor.multiproc"):
+        assert threads_per_rank(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2), cpu_count=2) == 1
+    assert "4 ranks (tensor_parallel_size x pipeline_parallel_size) on 2 CPU(s): one thread each, 2 ranks share " \
+           "each core" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedllm.executor.multiproc"):
+        assert threads_per_rank(ParallelConfig(tensor_parallel_size=3), cpu_count=2) == 1
+        assert threads_per_rank(ParallelConfig(tensor_parallel_size=2), cpu_count=2) == 1
+        assert threads_per_rank(ParallelConfig(tensor_parallel_size=2), cpu_count=16) == 8
+    assert caplog.text.count("share each core") == 1   # 3 ranks on 2 CPUs only
+
+
+def test_bad_sizes_are_refused_before_any_weight_loads(make_tiny_checkpoint):
     path = make_tiny_checkpoint("llama")   # 4 heads, 2 KV heads, intermediate 128, 3 layers
-    # 4 ranks on 2 CPUs: refused by the engine process before any worker starts.
-    monkeypatch.delenv("PAGEDLLM_CPU_THREADS_PER_RANK", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    with pytest.raises(ValueError, match=r"4 ranks .* on 2 CPU\(s\) leave fewer than one thread per rank "
-                                         r"\(os.cpu_count\(\) // world_size = 0\)"):
-        LLM(path, tensor_parallel_size=2, pipeline_parallel_size=2)
-    monkeypatch.undo()
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's 4 attention heads"):
         LLM(path, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_parallel_size=4 exceeds the model's 3 layers"):
@@ -307,8 +315,6 @@ def test_bad_sizes_are_refused_before_any_weight_loads(make_tiny_checkpoint, mon
         LLM(path, pipeline_parallel_size=2, pp_layer_partition="1,1")
     with pytest.raises(ValueError, match="distributed_executor_backend='uni' runs one worker"):
         LLM(path, tensor_parallel_size=2, distributed_executor_backend="uni")
-    with pytest.raises(ValueError, match="fewer than one thread per rank"):
-        threads_per_rank(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2), cpu_count=2)
     assert threads_per_rank(ParallelConfig(tensor_parallel_size=2), cpu_count=2) == 1
     assert threads_per_rank(ParallelConfig(tensor_parallel_size=2, cpu_threads_per_rank=3), cpu_count=2) == 3
 
