@@ -20,7 +20,9 @@ import zmq
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import KVEventsConfig
 from pagedllm.core.kv_cache_utils import hash_request_tokens
-from pagedllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from pagedllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventPublisherFactory,
+                                            KVEventBatch, NullEventPublisher, ZmqEventPublisher,
+                                            offset_endpoint_port)
 from pagedllm.engine.arg_utils import EngineArgs
 
 BS = 4
@@ -155,3 +157,30 @@ def test_config_errors_name_the_key(make_tiny_checkpoint):
     # Through LLM(...): the engine fails before any weight loads.
     with pytest.raises(ValueError, match=r"kv_events_config\.hwm must be an int >= 0, got -1"):
         LLM(make_tiny_checkpoint("llama"), kv_events_config={"enable_kv_cache_events": True, "hwm": -1})
+
+
+def test_endpoint_offset_per_data_parallel_rank():
+    assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint_port("tcp://10.0.0.1:5558", 1) == "tcp://10.0.0.1:5559"
+    assert offset_endpoint_port("inproc://kv", 1) == "inproc://kv_dp1"
+    assert offset_endpoint_port(None, 3) is None
+    with pytest.raises(ValueError, match="no numeric port"):
+        offset_endpoint_port("tcp://*:abc", 1)
+
+
+def test_factory_and_shutdown():
+    assert isinstance(EventPublisherFactory.create(None), NullEventPublisher)
+    assert isinstance(EventPublisherFactory.create(KVEventsConfig(publisher="zmq")), NullEventPublisher)  # disabled
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://kv-test",
+                            replay_endpoint="inproc://kv-test-replay")
+    publisher = EventPublisherFactory.create(config, data_parallel_rank=1)
+    assert isinstance(publisher, ZmqEventPublisher)
+    assert (publisher.endpoint, publisher.replay_endpoint) == ("inproc://kv-test_dp1", "inproc://kv-test-replay_dp1")
+    batch = KVEventBatch(ts=1.0, events=[AllBlocksCleared()])
+    publisher.publish(batch)
+    assert batch.data_parallel_rank == 1
+    publisher.shutdown()
+    publisher.shutdown()   # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        publisher.publish(batch)
