@@ -319,9 +319,24 @@ class EngineArgs:
         """The ``config.KVEventsConfig`` of ``kv_events_config``, or None when it is None.
 
         Raises:
-            ValueError: naming ``kv_events_config``: an unknown key or a bad value (naming the key).
+            ValueError: naming ``kv_events_config``: an unknown key or a bad value (naming the key);
+                with ``data_parallel_size`` D > 1, tcp ports of ``endpoint`` and ``replay_endpoint``
+                on the same host whose ranges ``port .. port + D - 1`` overlap (replica r binds
+                both ports + r, so one replica's replay port would be another's PUB port).
         """
-        return None if self.kv_events_config is None else KVEventsConfig.from_any(self.kv_events_config)
+        if self.kv_events_config is None:
+            return None
+        config = KVEventsConfig.from_any(self.kv_events_config)
+        dp = self.data_parallel_size
+        if dp > 1 and config.replay_endpoint is not None:
+            pub_host, _, pub_port = config.endpoint.rpartition(":")
+            replay_host, _, replay_port = config.replay_endpoint.rpartition(":")
+            if pub_host == replay_host and pub_host.startswith("tcp://") and pub_port.isdigit() \
+                    and replay_port.isdigit() and abs(int(pub_port) - int(replay_port)) < dp:
+                raise ValueError(f"kv_events_config: with data_parallel_size={dp}, replica r binds endpoint's port + r "
+                                 f"and replay_endpoint's port + r; ports {pub_port} and {replay_port} must be at least "
+                                 f"{dp} apart (e.g. replay_endpoint {replay_host}:{int(pub_port) + dp})")
+        return config
 
     def create_profiler_config(self):
         """The ``profiler.ProfilerConfig`` of ``profiler_config`` (disabled when None).

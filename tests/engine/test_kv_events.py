@@ -151,6 +151,13 @@ def test_config_errors_name_the_key(make_tiny_checkpoint):
         KVEventsConfig.from_any({"enable_kv_cache_events": "yes"})
     with pytest.raises(ValueError, match=r"kv_events_config must be a dict or KVEventsConfig, got str"):
         EngineArgs(kv_events_config="on").create_kv_events_config()
+    # Data parallelism: replica r binds both ports + r, so they must be dp apart.
+    dp_config = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
+    with pytest.raises(ValueError, match=r"data_parallel_size=2.*ports 5557 and 5558 must be at least 2 apart "
+                                         r"\(e\.g\. replay_endpoint tcp://\*:5559\)"):
+        EngineArgs(data_parallel_size=2, kv_events_config=dp_config).create_kv_events_config()
+    assert EngineArgs(data_parallel_size=2, kv_events_config={**dp_config, "replay_endpoint": "tcp://*:5559"}) \
+        .create_kv_events_config().replay_endpoint == "tcp://*:5559"
     # vLLM's default publisher: zmq when enabled, else null
     assert KVEventsConfig(enable_kv_cache_events=True).publisher == "zmq"
     assert KVEventsConfig().publisher == "null"

@@ -69,19 +69,20 @@ class KVEventBatch(EventBatch):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _free_port_pair() -> int:
-    """A tcp port ``p`` with ``p`` and ``p + 1`` free (rank 0 and rank 1)."""
+def _free_port_run(n: int) -> int:
+    """A tcp port ``p`` with ``p .. p + n - 1`` all free."""
     for _ in range(50):
         with socket.socket() as a:
             a.bind(("127.0.0.1", 0))
             port = a.getsockname()[1]
-            try:
+        try:
+            for q in range(port, port + n):
                 with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + 1))
-                    return port
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
+                    b.bind(("127.0.0.1", q))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def _drain(sock, first_wait_ms: int) -> list[list[bytes]]:
@@ -100,7 +101,8 @@ async def _complete(server) -> None:
 @pytest.mark.multiprocess   # two replica processes
 @pytest.mark.timeout(400)
 def test_serve_dp2_publishes_per_replica(make_tiny_checkpoint, launch_server):
-    pub, replay = _free_port_pair(), _free_port_pair()
+    pub = _free_port_run(4)
+    replay = pub + 2   # replica r: PUB on pub + r, replay on replay + r
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
               "replay_endpoint": f"tcp://*:{replay}", "topic": TOPIC}
     server = launch_server(["serve", make_tiny_checkpoint("llama"), "--served-model-name", "tiny", "--dtype", "float32",
