@@ -27,6 +27,8 @@ PROMPTS = [[5 + i, 11, 13, 17, 19, 23, 29, 31] + list(range(40 + 20 * i, 52 + 20
 
 
 # -- the vLLM example's structs, as it defines them ------------------------------------------------
+# A deliberate copy (the duplicates tool pairs it with pagedllm/distributed/kv_events.py): importing
+# pagedllm's own structs here would test the wire format against itself, not against vLLM's client.
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
