@@ -684,6 +684,80 @@ class ModelConfig:
                                  f"max_model_len={self.max_model_len} exceeds it")
 
 
+# ``KVEventsConfig.publisher``: vLLM's event publishers (``distributed/kv_events.py``).
+KV_EVENTS_PUBLISHERS = ("null", "zmq")
+KV_EVENTS_ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV-cache events: prefix-cache changes published for an external router (vLLM's
+    ``KVEventsConfig``, ``vllm/config/kv_events.py``; same field names and defaults). The events
+    and the wire format: ``pagedllm/distributed/kv_events.py``.
+
+    Attributes:
+        enable_kv_cache_events: record ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
+            in the block pool and publish one batch per engine step (needs prefix caching).
+        publisher: "zmq" or "null"; None picks "zmq" when enabled, else "null" (vLLM's rule).
+        endpoint: the PUB socket's ZeroMQ address; one with ``*``, ``::``, ``ipc://`` or
+            ``inproc://`` is bound, any other is connected to. Data-parallel rank ``r`` uses port
+            ``+ r`` (tcp) or the suffix ``_dp<r>`` (inproc), as vLLM.
+        replay_endpoint: the ROUTER socket answering replay requests (bound; offset per rank as
+            ``endpoint``), or None for no replay.
+        buffer_steps: [batches] kept for replay (the last ``buffer_steps`` steps with events).
+        hwm: [messages] the PUB socket's send high-water mark; beyond it zmq drops messages for
+            a slow subscriber.
+        max_queue_size: [batches] the bounded queue between the engine and the publisher
+            thread; a full queue blocks the engine step until the thread catches up.
+        topic: the first frame of every message (subscribers filter on its prefix).
+    Raises:
+        ValueError: naming the key (``kv_events_config.<key>``) for a bad value.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def from_any(cls, value: "KVEventsConfig | dict | None") -> "KVEventsConfig":
+        """vLLM's ``kv_events_config`` engine argument: a ``KVEventsConfig``, a dict of its fields
+        (``{"enable_kv_cache_events": True, "topic": "kv-events"}``) or None (disabled).
+
+        Raises:
+            ValueError: naming ``kv_events_config``: not a dict, an unknown key (naming it) or a
+                bad value (naming the key).
+        """
+        return config_from_any(cls, value, "kv_events_config")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config.enable_kv_cache_events must be a bool, "
+                             f"got {self.enable_kv_cache_events!r}")
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in KV_EVENTS_PUBLISHERS:
+            raise ValueError(f"kv_events_config.publisher must be one of {KV_EVENTS_PUBLISHERS}, "
+                             f"got {self.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is None and name == "replay_endpoint":
+                continue
+            if not isinstance(value, str) or not value.startswith(KV_EVENTS_ENDPOINT_SCHEMES):
+                raise ValueError(f"kv_events_config.{name} must be a ZeroMQ address starting with one of "
+                                 f"{KV_EVENTS_ENDPOINT_SCHEMES}, got {value!r}")
+        for name, low in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"kv_events_config.{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(self.topic, str):
+            raise ValueError(f"kv_events_config.topic must be a str, got {self.topic!r}")
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     """vLLM's ``VllmConfig`` as far as pagedllm has one: every engine component's config, as
@@ -696,6 +770,7 @@ class VllmConfig:
             returns them in one).
         structured_outputs_config, speculative_config, lora_config: as vLLM's; the last two None
             when the feature is off (and where a worker builds the config for logits processors).
+        kv_events_config: KV-cache event publishing (``KVEventsConfig``); None: off.
     """
 
     model_config: ModelConfig
@@ -706,6 +781,7 @@ class VllmConfig:
     structured_outputs_config: StructuredOutputsConfig | None = None
     speculative_config: SpeculativeConfig | None = None
     lora_config: Any = None   # pagedllm.lora.config.LoRAConfig (not imported here: lora imports torch)
+    kv_events_config: KVEventsConfig | None = None
 
 
 def __getattr__(name: str):

@@ -11,14 +11,22 @@ Prefix caching (vLLM V1's ``BlockPool``): a full block whose K/V is written can 
 under its chained content hash (``cache_full_block``). It keeps hash and contents when freed
 (ref_cnt 0, still in ``cached_block_hash_to_block``), so a later request can take it back out of
 the free queue (``touch``); it loses them only when ``get_new_blocks`` evicts it from the head.
+
+KV-cache events (vLLM's ``BlockPool`` with ``enable_kv_cache_events``; structs in
+``distributed/kv_events.py``): with events on, registering blocks (``cache_full_blocks``) records a
+``BlockStored``, evicting a registered block a ``BlockRemoved``, a reset ``AllBlocksCleared``;
+``take_events`` hands them over (the engine publishes them once per step). With events off
+nothing is recorded.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
-from pagedllm.core.kv_cache_utils import BlockHash
+from pagedllm.core.kv_cache_utils import BlockHash, to_external_block_hash
+from pagedllm.distributed.kv_events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored,
+                                            KVCacheEvent)
 
 
 class NoFreeBlocksError(ValueError):
@@ -124,20 +132,25 @@ class BlockPool:
 
     Attributes:
         cached_block_hash_to_block: hash -> the one block registered under it (in use or free).
+        enable_kv_cache_events: whether prefix-cache changes are recorded as KV-cache events.
+        kv_event_queue: the events recorded since the last ``take_events``, oldest first.
 
     Args:
         num_blocks: blocks in the pool (>= 1).
+        enable_kv_cache_events: record KV-cache events (``KVEventsConfig.enable_kv_cache_events``).
     Raises:
         ValueError: if ``num_blocks < 1``.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_kv_cache_events: bool = False) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.enable_kv_cache_events = bool(enable_kv_cache_events)
+        self.kv_event_queue: list[KVCacheEvent] = []
 
     def _check_ids(self, block_ids: Iterable[int]) -> list[int]:
         ids = list(block_ids)
@@ -217,6 +230,9 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if self.enable_kv_cache_events:
+                    block_hash, group_idx = to_external_block_hash(block.block_hash)
+                    self.kv_event_queue.append(BlockRemoved([block_hash], MEDIUM_GPU, group_idx))
             block.block_hash = None
 
     # -- prefix cache ----------------------------------------------------------------------
@@ -267,6 +283,68 @@ class BlockPool:
         self.cached_block_hash_to_block[block_hash] = block
         return True
 
+    def cache_full_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+                          parent_block_hash: BlockHash | None, token_ids: Sequence[int], block_size: int,
+                          lora_request: Any = None, extra_keys: tuple | None = None) -> None:
+        """Register consecutive full blocks of one request (``cache_full_block`` each) and, with
+        events on, record a ``BlockStored`` for each run of blocks registered now (one event
+        when all are new; a block already registered, or whose hash another block holds, splits
+        the run, so every event's hashes chain from its ``parent_block_hash``).
+
+        Args:
+            block_ids: the physical blocks, logical order.
+            block_hashes: their keys (``BlockHash``, or ``group_block_hash`` in a hybrid cache).
+            parent_block_hash: the key of the block before the first, or None at the prompt start.
+            token_ids: their tokens, ``len(block_ids) * block_size`` of them.
+            block_size: tokens per block.
+            lora_request: the request's ``LoRARequest`` (``lora_int_id``, ``lora_name``), or None.
+            extra_keys: what the hashes cover besides the tokens (``Request.block_hash_extra_keys``).
+        Raises:
+            ValueError, RuntimeError: as ``cache_full_block``; blocks before the bad one stay
+                registered.
+        """
+        new = []
+        for block_id, block_hash in zip(block_ids, block_hashes):
+            before = self.blocks[self._check_ids([block_id])[0]].block_hash
+            new.append(self.cache_full_block(block_id, block_hash) and before is None)
+        if not self.enable_kv_cache_events:
+            return
+        i = 0
+        while i < len(new):
+            if not new[i]:
+                i += 1
+                continue
+            j = i
+            while j < len(new) and new[j]:
+                j += 1
+            parent = block_hashes[i - 1] if i else parent_block_hash
+            self.kv_event_queue.append(self._block_stored(
+                block_hashes[i:j], parent, token_ids[i * block_size:j * block_size], block_size,
+                lora_request, extra_keys))
+            i = j
+
+    @staticmethod
+    def _block_stored(keys: Sequence[BlockHash], parent: BlockHash | None, token_ids: Sequence[int],
+                      block_size: int, lora_request: Any, extra_keys: tuple | None) -> BlockStored:
+        """The ``BlockStored`` of registered keys (hashes sent without the group suffix)."""
+        hashes = [to_external_block_hash(key)[0] for key in keys]
+        group_idx = to_external_block_hash(keys[0])[1]
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None if parent is None else to_external_block_hash(parent)[0],
+            token_ids=list(token_ids), block_size=block_size,
+            lora_id=None if lora_request is None else lora_request.lora_int_id,
+            medium=MEDIUM_GPU,
+            lora_name=None if lora_request is None else lora_request.lora_name,
+            extra_keys=None if extra_keys is None else [tuple(extra_keys)] * len(hashes),
+            group_idx=group_idx)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events recorded since the last call, oldest first (and forget them);
+        always ``[]`` with events off."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
     @property
     def num_cached_blocks(self) -> int:
         """Blocks registered in the prefix cache (in use or free)."""
@@ -281,10 +359,17 @@ class BlockPool:
         """
         if len(self.free_block_queue) != self.num_blocks:
             return False
+        self.clear_cached_blocks()
+        return True
+
+    def clear_cached_blocks(self) -> None:
+        """Forget every registered hash now (the caller checked that no block is in use) and, with
+        events on, record ``AllBlocksCleared``."""
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
-        return True
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
 
     # -- sizes -----------------------------------------------------------------------------
 

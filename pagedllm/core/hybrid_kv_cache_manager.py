@@ -35,13 +35,8 @@ from typing import Mapping
 from pagedllm.core.block_pool import NoFreeBlocksError
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_spec import NULL_BLOCK_ID, KVCacheGroups, cdiv
-from pagedllm.core.kv_cache_utils import BlockHash, ComputedBlocks
+from pagedllm.core.kv_cache_utils import BlockHash, ComputedBlocks, group_block_hash
 from pagedllm.core.request import Request
-
-
-def group_block_hash(block_hash: BlockHash, group: int) -> BlockHash:
-    """The prefix-cache key of a group's block: the chained hash and the group index."""
-    return block_hash + group.to_bytes(2, "big")
 
 
 def _num_leading_nulls(ids: list[int]) -> int:
@@ -62,6 +57,9 @@ class HybridKVCacheManager(KVCacheManager):
         enable_caching: automatic prefix caching.
         num_cpu_blocks: [swap preemption] host blocks (0: no host pool; else >= 2, block 0 is
             the host null block).
+        enable_kv_cache_events: record KV-cache events; each ``BlockStored`` / ``BlockRemoved``
+            carries its group's index in ``group_idx`` and the plain chained hash (the same
+            hashes in every group).
     Raises:
         ValueError: for a non-positive ``block_size``, fewer than 2 blocks, or a negative
             ``num_cpu_blocks``.
@@ -72,13 +70,15 @@ class HybridKVCacheManager(KVCacheManager):
     """
 
     def __init__(self, block_size: int, num_blocks: int, groups: KVCacheGroups,
-                 enable_caching: bool = False, num_cpu_blocks: int = 0) -> None:
+                 enable_caching: bool = False, num_cpu_blocks: int = 0,
+                 enable_kv_cache_events: bool = False) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}")
         self.groups = groups
         self.windows = groups.sliding_windows
         self.num_kv_cache_groups = groups.num_groups   # before the base makes the swap space
-        super().__init__(block_size, num_blocks, enable_caching=enable_caching, num_cpu_blocks=num_cpu_blocks)
+        super().__init__(block_size, num_blocks, enable_caching=enable_caching, num_cpu_blocks=num_cpu_blocks,
+                         enable_kv_cache_events=enable_kv_cache_events)
         (null,) = self.block_pool.get_new_blocks(1)
         if null != NULL_BLOCK_ID:
             raise RuntimeError(f"the pool's first block is {null}, expected the null block {NULL_BLOCK_ID}")
@@ -253,11 +253,22 @@ class HybridKVCacheManager(KVCacheManager):
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        for i in range(start, num_full):
-            for g in range(G):
-                b = table[i * G + g]
-                if b != NULL_BLOCK_ID:
-                    self.block_pool.cache_full_block(b, group_block_hash(request.block_hashes[i], g))
+        hashes, bs = request.block_hashes, self.block_size
+        for g in range(G):
+            # Each run of real (non-null) blocks is registered together: one BlockStored per run.
+            i = start
+            while i < num_full:
+                if table[i * G + g] == NULL_BLOCK_ID:
+                    i += 1
+                    continue
+                j = i
+                while j < num_full and table[j * G + g] != NULL_BLOCK_ID:
+                    j += 1
+                self.block_pool.cache_full_blocks(
+                    [table[k * G + g] for k in range(i, j)], [group_block_hash(hashes[k], g) for k in range(i, j)],
+                    group_block_hash(hashes[i - 1], g) if i else None, request.all_token_ids[i * bs:j * bs], bs,
+                    request.lora_request, request.block_hash_extra_keys)
+                i = j
         self.num_cached_block[rid] = num_full
 
     def reset_prefix_cache(self) -> bool:
@@ -265,9 +276,7 @@ class HybridKVCacheManager(KVCacheManager):
         pool = self.block_pool
         if pool.get_num_free_blocks() != self.num_blocks:
             return False
-        for block in pool.cached_block_hash_to_block.values():
-            block.block_hash = None
-        pool.cached_block_hash_to_block.clear()
+        pool.clear_cached_blocks()
         return True
 
     def _pop_table(self, request_id: str) -> list[int] | None:

@@ -41,6 +41,8 @@ class KVCacheManager:
         enable_caching: automatic prefix caching. The engine passes
             ``CacheConfig.enable_prefix_caching`` (on by default there); off here so that
             block-table tests see plain allocation unless they ask for caching.
+        num_cpu_blocks: [swap preemption] host blocks (0: none).
+        enable_kv_cache_events: record KV-cache events in the pool (``take_events``).
     Raises:
         ValueError: for a non-positive ``block_size`` or ``num_blocks``.
 
@@ -54,14 +56,14 @@ class KVCacheManager:
     """
 
     def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = False,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, enable_kv_cache_events: bool = False) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
         self.block_size = block_size
         self.enable_caching = bool(enable_caching)
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, enable_kv_cache_events=enable_kv_cache_events)
         self.block_tables: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -239,9 +241,16 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        for i in range(start, num_full):
-            self.block_pool.cache_full_block(table[i], request.block_hashes[i])
+        hashes, bs = request.block_hashes, self.block_size
+        self.block_pool.cache_full_blocks(table[start:num_full], hashes[start:num_full],
+                                          hashes[start - 1] if start else None,
+                                          request.all_token_ids[start * bs:num_full * bs], bs,
+                                          request.lora_request, request.block_hash_extra_keys)
         self.num_cached_block[rid] = num_full
+
+    def take_events(self) -> list:
+        """The pool's KV-cache events since the last call (``BlockPool.take_events``)."""
+        return self.block_pool.take_events()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every registered block (vLLM's ``reset_prefix_cache``).

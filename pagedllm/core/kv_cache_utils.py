@@ -22,6 +22,12 @@ from typing import Sequence
 BlockHash = bytes
 """A 32-byte SHA-256 digest identifying a full block and everything before it."""
 
+ExternalBlockHash = bytes | int
+"""A block hash as KV-cache events carry it (vLLM's ``ExternalBlockHash`` in
+``vllm/v1/core/kv_cache_utils.py``): vLLM sends the SHA-256 bytes by default and a 64-bit int
+only under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``. pagedllm always sends the 32 bytes of
+``BlockHash`` (``to_external_block_hash``)."""
+
 ROOT_HASH: BlockHash = hashlib.sha256(b"pagedllm prefix cache root v1").digest()
 """The parent hash of a request's first block (a fixed constant, the same in every process)."""
 
@@ -62,6 +68,27 @@ def hash_request_tokens(block_size: int, token_ids: Sequence[int],
         parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
         hashes.append(parent)
     return hashes
+
+
+def group_block_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of a hybrid KV cache group's block: the 32-byte chained hash followed
+    by the group index as 2 big-endian bytes (34 bytes; ``HybridKVCacheManager``'s keys)."""
+    return block_hash + group.to_bytes(2, "big")
+
+
+def to_external_block_hash(key: BlockHash) -> tuple[ExternalBlockHash, int]:
+    """Split a prefix-cache key into the hash a KV-cache event carries and its group.
+
+    Args:
+        key: a ``BlockPool`` key: a 32-byte ``BlockHash`` (one KV cache group) or a 34-byte
+            ``group_block_hash``.
+    Returns:
+        ``(block_hash, group_idx)``: the 32 SHA-256 bytes and the group index (0 for a plain key),
+        as vLLM's ``get_block_hash`` / ``get_group_id``.
+    """
+    if len(key) == len(ROOT_HASH) + 2:
+        return key[:-2], int.from_bytes(key[-2:], "big")
+    return key, 0
 
 
 @dataclass

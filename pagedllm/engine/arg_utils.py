@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 from pagedllm import envs
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-                             SUPPORTED_LOAD_FORMATS, SUPPORTED_QUANTIZATION, CacheConfig, KernelConfig, ModelConfig,
-                             ParallelConfig, SchedulerConfig, VllmConfig)
+                             SUPPORTED_LOAD_FORMATS, SUPPORTED_QUANTIZATION, CacheConfig, KernelConfig, KVEventsConfig,
+                             ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,10 @@ class EngineArgs:
         speculative_config: vLLM's speculative decoding settings: a dict of
             ``config.SpeculativeConfig`` fields (``{"method": "ngram", "num_speculative_tokens":
             4}``) or a ``SpeculativeConfig``; None: no speculative decoding.
+        kv_events_config: vLLM's KV-cache events (prefix-cache changes published over ZeroMQ for
+            an external router): a dict of ``config.KVEventsConfig`` fields
+            (``{"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events"}``) or a
+            ``KVEventsConfig``; None: off (README, "KV-cache events").
         enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_dtype: LoRA adapters
             (``lora.config.LoRAConfig``: slots, their rank, adapters cached on the host, dtype).
     """
@@ -177,6 +181,7 @@ class EngineArgs:
     profiler_config: Any = field(default_factory=_profiler_config_from_env)
     logits_processors: list[Any] | None = None
     speculative_config: Any = None
+    kv_events_config: Any = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -307,7 +312,31 @@ class EngineArgs:
                                  model.num_hidden_layers, model.num_experts, model.moe_intermediate_size)
         return VllmConfig(model, cache, sched, parallel, kernel,
                           structured_outputs_config=self.create_structured_outputs_config(),
-                          speculative_config=self.create_speculative_config(), lora_config=self.create_lora_config())
+                          speculative_config=self.create_speculative_config(), lora_config=self.create_lora_config(),
+                          kv_events_config=self.create_kv_events_config())
+
+    def create_kv_events_config(self):
+        """The ``config.KVEventsConfig`` of ``kv_events_config``, or None when it is None.
+
+        Raises:
+            ValueError: naming ``kv_events_config``: an unknown key or a bad value (naming the key);
+                with ``data_parallel_size`` D > 1, tcp ports of ``endpoint`` and ``replay_endpoint``
+                on the same host whose ranges ``port .. port + D - 1`` overlap (replica r binds
+                both ports + r, so one replica's replay port would be another's PUB port).
+        """
+        if self.kv_events_config is None:
+            return None
+        config = KVEventsConfig.from_any(self.kv_events_config)
+        dp = self.data_parallel_size
+        if dp > 1 and config.replay_endpoint is not None:
+            pub_host, _, pub_port = config.endpoint.rpartition(":")
+            replay_host, _, replay_port = config.replay_endpoint.rpartition(":")
+            if pub_host == replay_host and pub_host.startswith("tcp://") and pub_port.isdigit() \
+                    and replay_port.isdigit() and abs(int(pub_port) - int(replay_port)) < dp:
+                raise ValueError(f"kv_events_config: with data_parallel_size={dp}, replica r binds endpoint's port + r "
+                                 f"and replay_endpoint's port + r; ports {pub_port} and {replay_port} must be at least "
+                                 f"{dp} apart (e.g. replay_endpoint {replay_host}:{int(pub_port) + dp})")
+        return config
 
     def create_profiler_config(self):
         """The ``profiler.ProfilerConfig`` of ``profiler_config`` (disabled when None).
@@ -545,6 +574,11 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                         "or '{\"method\": \"suffix\"}' or '{\"method\": \"self_int8\", \"num_speculative_tokens\": 4}' "
                         "(README, \"Speculative decoding\"; default: off)")
+    g.add_argument("--kv-events-config", type=_json_dict, default=None,
+                   help="publish KV-cache events (vLLM's JSON keys), e.g. '{\"enable_kv_cache_events\": true, "
+                        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+                        "\"tcp://*:5558\", \"topic\": \"kv-events\"}'; data-parallel rank r uses ports + r "
+                        "(README, \"KV-cache events\"; default: off)")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (README, \"LoRA adapters\")")
     g.add_argument("--max-loras", type=int, default=1, help="adapters in one batch (slots; default 1)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")

@@ -91,7 +91,7 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
     parent_checked = time.monotonic()
     engine = None
     try:
-        engine = LLMEngine(engine_args)
+        engine = LLMEngine(engine_args, data_parallel_rank=index)   # KV-cache event ports: + index
         collector = _StatsCollector()
         engine.stat_loggers.append(collector)
         outbox.send_pyobj(("ready", index, engine.scheduler.make_stats()))

@@ -13,6 +13,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_spec import kv_cache_groups_for
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.distributed.kv_events import EventPublisherFactory, KVEventBatch
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchManager, BeamSearchParams
 from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
@@ -47,11 +48,15 @@ class LLMEngine:
         args: engine arguments.
         executor_class: the executor to use; None picks one from the parallel config
             (``Executor.get_class``).
+        data_parallel_rank: which replica this engine is (``engine/core_proc.py`` passes its
+            index): offsets the KV-cache event endpoints and tags their batches.
     Raises:
         ValueError: bad arguments, unsupported model, or a KV budget too small for max_model_len.
+        zmq.ZMQError: if a KV-cache event endpoint cannot be bound (e.g. its port is taken).
     """
 
-    def __init__(self, args: EngineArgs, executor_class: type[Executor] | None = None) -> None:
+    def __init__(self, args: EngineArgs, executor_class: type[Executor] | None = None,
+                 data_parallel_rank: int = 0) -> None:
         t0 = time.perf_counter()
         self.args = args
         # Bad structured-output settings, or a backend whose package is missing, fail before any
@@ -110,14 +115,18 @@ class LLMEngine:
         if self.kv_cache_groups.fallback_reason:
             logger.info("Hybrid KV cache manager off (one block table for all layers): %s",
                         self.kv_cache_groups.fallback_reason)
+        kv_events = self.vllm_config.kv_events_config
+        self.kv_events_enabled = kv_events is not None and kv_events.enable_kv_cache_events
+        if self.kv_events_enabled and not cache_cfg.enable_prefix_caching:
+            logger.warning("kv_events_config: KV-cache events come from the prefix cache, which is off "
+                           "(enable_prefix_caching): no events will be published")
+        manager_kw = dict(enable_caching=cache_cfg.enable_prefix_caching, num_cpu_blocks=self.num_cpu_blocks,
+                          enable_kv_cache_events=self.kv_events_enabled)
         if self.kv_cache_groups.is_hybrid:
             self.kv_cache_manager = HybridKVCacheManager(cache_cfg.block_size, self.num_blocks, self.kv_cache_groups,
-                                                         enable_caching=cache_cfg.enable_prefix_caching,
-                                                         num_cpu_blocks=self.num_cpu_blocks)
+                                                         **manager_kw)
         else:
-            self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks,
-                                                   enable_caching=cache_cfg.enable_prefix_caching,
-                                                   num_cpu_blocks=self.num_cpu_blocks)
+            self.kv_cache_manager = KVCacheManager(cache_cfg.block_size, self.num_blocks, **manager_kw)
         self.spec_decoder = None if self.speculative_config is None else SpecDecodeController(
             self.speculative_config, make_proposer(self.speculative_config))
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager,
@@ -145,6 +154,11 @@ class LLMEngine:
         # ((future, SchedulerOutput) pairs); up to batch_queue_size of them.
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._batch_queue: deque = deque()
+        try:   # last: a taken port fails the start without leaving a publisher behind
+            self.kv_event_publisher = EventPublisherFactory.create(kv_events, data_parallel_rank)
+        except Exception:
+            self.shutdown()
+            raise
         self.load_time_s = time.perf_counter() - t0
         resolved = self.executor.model_dtype   # "auto" resolved (None: the workers log it)
         dtype_note = model_cfg.dtype if resolved is None or model_cfg.dtype != "auto" else \
@@ -330,7 +344,9 @@ class LLMEngine:
         Raises:
             RuntimeError: with ``reset_running_requests``, when batches in flight still hold blocks.
         """
-        return self.scheduler.reset_prefix_cache(reset_running_requests)
+        cleared = self.scheduler.reset_prefix_cache(reset_running_requests)
+        self._publish_kv_events()   # AllBlocksCleared now, not at the next step
+        return cleared
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
@@ -530,7 +546,16 @@ class LLMEngine:
         if stats is not None:
             stats.observe_step(sched_out, time.perf_counter() - t0)
             self._record_stats(stats)
+        self._publish_kv_events()
         return processed.request_outputs + beam_finished
+
+    def _publish_kv_events(self) -> None:
+        """[KV-cache events] Publish what the block pool recorded since the last call as one
+        ``KVEventBatch`` (none when nothing was recorded; a no-op with events off)."""
+        if self.kv_events_enabled:
+            events = self.kv_cache_manager.take_events()
+            if events:
+                self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
     def _hand_over_logits_processors(self, sched_out) -> None:
         """Callables stay in this process: hand the logits processors of this step's new requests
@@ -553,6 +578,10 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the executor's workers and the grammar compile threads (idempotent)."""
+        """Stop the executor's workers, the grammar compile threads and the KV-cache event
+        publisher (after it sends what is queued) (idempotent)."""
+        publisher = getattr(self, "kv_event_publisher", None)
+        if publisher is not None:
+            publisher.shutdown()
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
