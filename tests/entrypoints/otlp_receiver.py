@@ -1,9 +1,10 @@
-"""A minimal OTLP/HTTP trace receiver for tests and the tracing example: an HTTP server on a
-loopback port that takes ``POST /v1/traces`` (``http/protobuf``, gzip or not), decodes each body as
-an ``ExportTraceServiceRequest`` and keeps the spans as plain dicts.
+"""A minimal OTLP trace receiver for tests and the tracing example: an HTTP server on a loopback
+port that takes ``POST /v1/traces`` (``http/protobuf``, gzip or not) and, if asked, a gRPC
+``TraceService`` too; each export is decoded as an ``ExportTraceServiceRequest`` and its spans kept
+as plain dicts.
 
-As a script (``python tests/entrypoints/otlp_receiver.py --port 4318 --out spans.jsonl``) it writes one
-JSON line per span until interrupted.
+As a script (``python tests/entrypoints/otlp_receiver.py --port 4318 --grpc-port 4317 --out
+spans.jsonl``) it writes one JSON line per span until interrupted.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def decode_spans(body: bytes) -> list[dict]:
 
     request = ExportTraceServiceRequest()
     request.ParseFromString(body)
+    return spans_of_request(request)
+
+
+def spans_of_request(request) -> list[dict]:
+    """The spans of an ``ExportTraceServiceRequest`` message (see ``decode_spans``)."""
     spans = []
     for resource_spans in request.resource_spans:
         resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
@@ -44,9 +50,11 @@ def decode_spans(body: bytes) -> list[dict]:
 
 class OTLPReceiver:
     """``with OTLPReceiver() as r``: serves on ``r.endpoint`` (``http://127.0.0.1:<port>/v1/traces``)
-    in a thread; ``r.spans`` holds every span received; ``wait_for(pred, timeout_s)`` polls."""
+    in a thread, and with ``grpc_port`` (0: a free one) on ``r.grpc_endpoint`` too
+    (``grpc://127.0.0.1:<port>``); ``r.spans`` holds every span received; ``wait_for(pred,
+    timeout_s)`` polls."""
 
-    def __init__(self, port: int = 0, on_span=None) -> None:
+    def __init__(self, port: int = 0, on_span=None, grpc_port: int | None = None) -> None:
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
         receiver = self
@@ -64,12 +72,7 @@ class OTLPReceiver:
                     self.send_response(404)
                     self.end_headers()
                     return
-                spans = decode_spans(body)
-                with receiver._lock:
-                    receiver.spans.extend(spans)
-                for span in spans:
-                    if receiver._on_span is not None:
-                        receiver._on_span(span)
+                receiver._add(decode_spans(body))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", str(len(reply)))
@@ -83,14 +86,45 @@ class OTLPReceiver:
         self.port = self.server.server_address[1]
         self.endpoint = f"http://127.0.0.1:{self.port}/v1/traces"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.grpc_server = None if grpc_port is None else self._grpc_server(grpc_port)
+
+    def _grpc_server(self, port: int):
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        receiver = self
+
+        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):   # noqa: N802 (the service's name)
+                receiver._add(spans_of_request(request))
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), server)
+        self.grpc_port = server.add_insecure_port(f"127.0.0.1:{port}")
+        self.grpc_endpoint = f"grpc://127.0.0.1:{self.grpc_port}"
+        return server
+
+    def _add(self, spans: list[dict]) -> None:
+        with self._lock:
+            self.spans.extend(spans)
+        for span in spans:
+            if self._on_span is not None:
+                self._on_span(span)
 
     def __enter__(self) -> "OTLPReceiver":
         self._thread.start()
+        if self.grpc_server is not None:
+            self.grpc_server.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
+        if self.grpc_server is not None:
+            self.grpc_server.stop(grace=None)
 
     def wait_for(self, predicate, timeout_s: float = 30.0) -> list[dict]:
         """The received spans that satisfy ``predicate``, once there is one (or [] after ``timeout_s`` s)."""
@@ -105,12 +139,14 @@ class OTLPReceiver:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=4318)
+    parser.add_argument("--port", type=int, default=4318, help="OTLP/HTTP port")
+    parser.add_argument("--grpc-port", type=int, default=None, help="also an OTLP/gRPC receiver on this port")
     parser.add_argument("--out", required=True, help="JSON lines file, one span a line")
     ns = parser.parse_args()
     out = open(ns.out, "a", buffering=1)
-    with OTLPReceiver(ns.port, on_span=lambda s: out.write(json.dumps(s) + "\n")) as receiver:
-        print(f"receiving OTLP traces on {receiver.endpoint}", flush=True)
+    with OTLPReceiver(ns.port, on_span=lambda s: out.write(json.dumps(s) + "\n"), grpc_port=ns.grpc_port) as receiver:
+        print(f"receiving OTLP traces on {receiver.endpoint}"
+              + (f" and {receiver.grpc_endpoint}" if receiver.grpc_server is not None else ""), flush=True)
         try:
             threading.Event().wait()
         except KeyboardInterrupt:

@@ -208,3 +208,31 @@ def test_offline_llm_records_root_spans(path):
         assert span.attributes[A.GEN_AI_RESPONSE_MODEL] == "tiny-offline"
         assert_latencies(dict(span.attributes))
     llm.request_tracer.shutdown()
+
+
+def test_grpc_export_with_hand_computed_latencies(monkeypatch):
+    """The default protocol (grpc) to a gRPC collector, as vLLM's README runs it
+    (``OTEL_EXPORTER_OTLP_TRACES_INSECURE=true``, read by the SDK); every latency is known."""
+    from pagedllm.metrics.request_tracing import TracedRequest
+    from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "true")
+    metrics = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
+                             last_token_time=102.0, finished_time=102.25)
+    output = RequestOutput("req-7", "p", [1, 2, 3, 4], None, [CompletionOutput(0, "abc", [5, 6, 7], None, None, "length")],
+                           True, metrics)
+    with OTLPReceiver(grpc_port=0) as receiver:
+        tracer = RequestTracer.from_config(ObservabilityConfig(receiver.grpc_endpoint), "tiny")
+        tracer.record(output, TracedRequest(3, 0.7, 0.95, 1, "adapter-a", {"traceparent": TRACEPARENT}))
+        assert tracer.force_flush()
+        (span,) = receiver.wait_for(lambda s: s["name"] == "llm_request", timeout_s=10)
+        tracer.shutdown()
+    assert span["trace_id"] == TRACE_ID and span["parent_span_id"] == PARENT_SPAN_ID
+    assert span["end_ns"] - span["start_ns"] == pytest.approx(2.25e9, abs=1e3)
+    assert span["attributes"] == pytest.approx({
+        A.GEN_AI_REQUEST_ID: "req-7", A.GEN_AI_RESPONSE_MODEL: "adapter-a", A.GEN_AI_REQUEST_TEMPERATURE: 0.7,
+        A.GEN_AI_REQUEST_TOP_P: 0.95, A.GEN_AI_REQUEST_N: 1, A.GEN_AI_REQUEST_MAX_TOKENS: 3,
+        A.GEN_AI_USAGE_PROMPT_TOKENS: 4, A.GEN_AI_USAGE_COMPLETION_TOKENS: 3, A.GEN_AI_USAGE_NUM_SEQUENCES: 1,
+        A.GEN_AI_LATENCY_E2E: 2.25, A.GEN_AI_LATENCY_TIME_IN_QUEUE: 0.5, A.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: 1.0,
+        A.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL: 0.5, A.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE: 1.0,
+        A.GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE: 1.5})
