@@ -236,3 +236,29 @@ def test_grpc_export_with_hand_computed_latencies(monkeypatch):
         A.GEN_AI_LATENCY_E2E: 2.25, A.GEN_AI_LATENCY_TIME_IN_QUEUE: 0.5, A.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: 1.0,
         A.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL: 0.5, A.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE: 1.0,
         A.GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE: 1.5})
+
+
+def test_async_llm_generate_with_trace_headers(path, receiver):
+    """vLLM's ``AsyncLLM.generate(..., trace_headers=...)``, the engine built by ``from_engine_args``."""
+    import asyncio
+
+    from pagedllm.engine.arg_utils import AsyncEngineArgs
+    from pagedllm.engine.async_engine import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, otlp_traces_endpoint=receiver.endpoint,
+                                                    otlp_traces_protocol="http/protobuf", **ENGINE))
+    try:
+        async def run():
+            async for out in llm.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), "async-traced",
+                                          trace_headers={"traceparent": TRACEPARENT}):
+                last = out
+            return last
+
+        out = asyncio.run(run())
+        assert llm.request_tracer.force_flush()
+        (span,) = receiver.wait_for(lambda s: s["attributes"].get(A.GEN_AI_REQUEST_ID) == "async-traced", 10)
+    finally:
+        llm.shutdown()
+    assert span["trace_id"] == TRACE_ID and span["parent_span_id"] == PARENT_SPAN_ID
+    assert span["attributes"][A.GEN_AI_USAGE_COMPLETION_TOKENS] == len(out.outputs[0].token_ids) == 4
+    assert span["attributes"][A.GEN_AI_RESPONSE_MODEL] == path   # no served name: the model as given
