@@ -686,7 +686,8 @@ class ModelConfig:
 
 # ``ObservabilityConfig.collect_detailed_traces`` values (vLLM's ``DetailedTraceModules``).
 DETAILED_TRACE_MODULES = ("model", "worker", "all")
-# ``ObservabilityConfig.otlp_traces_protocol`` values (``tracing.OTLP_PROTOCOLS``, kept in sync).
+# ``ObservabilityConfig.otlp_traces_protocol`` values: the OTLP exporters (the values of
+# $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL vLLM accepts; ``tracing.get_span_exporter``).
 SUPPORTED_OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 
 

@@ -15,13 +15,13 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
+from pagedllm.config import SUPPORTED_OTLP_PROTOCOLS
+
 # The W3C Trace Context headers a request's trace travels in (vLLM's TRACE_HEADERS).
 TRACE_HEADERS = ("traceparent", "tracestate")
 # What to install when the packages are missing.
 OTEL_INSTALL_HINT = 'pip install -e ".[otel]" (the otel extra: opentelemetry-sdk, opentelemetry-api, ' \
                     'opentelemetry-exporter-otlp)'
-# OTLP protocols (the values of $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL that vLLM accepts).
-OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 
 
 class SpanAttributes:
@@ -116,7 +116,7 @@ def get_span_exporter(endpoint: str, protocol: str) -> Any:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     else:
         raise ValueError(f"otlp_traces_protocol ($OTEL_EXPORTER_OTLP_TRACES_PROTOCOL) must be one of "
-                         f"{list(OTLP_PROTOCOLS)}, got {protocol!r}")
+                         f"{list(SUPPORTED_OTLP_PROTOCOLS)}, got {protocol!r}")
     return OTLPSpanExporter(endpoint=endpoint)
 
 

@@ -187,8 +187,8 @@ class OutputStream:
 def _traced(request: _NewRequest, trace_headers: Mapping[str, str] | None) -> TracedRequest:
     """What the span of ``request`` reports besides its output (its params, adapter, headers)."""
     processed = request.processed
-    lora = getattr(processed.lora_request, "lora_name", None)
-    return TracedRequest.of(request.beam_params or processed.params, processed.max_tokens, lora, trace_headers)
+    return TracedRequest.of(request.beam_params or processed.params, processed.max_tokens, processed.lora_request,
+                            trace_headers)
 
 
 class AsyncFrontEnd:

@@ -196,8 +196,7 @@ class LLM:
         for request in processed:
             ids.append(self.llm_engine.add_request(f"llm-{self._counter}", request))
             self._counter += 1
-        traced = {i: TracedRequest.of(r.params, r.max_tokens, getattr(r.lora_request, "lora_name", None))
-                  for i, r in zip(ids, processed)}
+        traced = {i: TracedRequest.of(r.params, r.max_tokens, r.lora_request) for i, r in zip(ids, processed)}
         return self._run_engine(ids, use_tqdm, traced)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

@@ -47,10 +47,12 @@ class TracedRequest:
     trace_headers: Mapping[str, str] | None = None
 
     @classmethod
-    def of(cls, params: SamplingParams | BeamSearchParams, max_tokens: int | None = None,
-           model: str | None = None, trace_headers: Mapping[str, str] | None = None) -> "TracedRequest":
+    def of(cls, params: SamplingParams | BeamSearchParams, max_tokens: int | None = None, lora_request: Any = None,
+           trace_headers: Mapping[str, str] | None = None) -> "TracedRequest":
         """From the request's params; ``max_tokens``: the effective limit, used when
-        ``params.max_tokens`` is None."""
+        ``params.max_tokens`` is None; ``lora_request``: the adapter it runs with (its name is the
+        response model), or None."""
+        model = getattr(lora_request, "lora_name", None)
         if isinstance(params, BeamSearchParams):
             return cls(params.max_tokens, params.temperature, 1.0, params.beam_width, model, trace_headers)
         return cls(params.max_tokens if params.max_tokens is not None else max_tokens, params.temperature,

@@ -157,6 +157,21 @@ def test_no_endpoint_no_tracer(path):
         st.engine.shutdown()
 
 
+def test_no_endpoint_loads_no_sdk_or_exporter():
+    """Without an endpoint the OpenTelemetry SDK and exporters are never imported (FastAPI itself
+    may import the API package)."""
+    import subprocess
+
+    code = ("import sys\n"
+            "import pagedllm.entrypoints.openai.api_server, pagedllm.entrypoints.llm, pagedllm.tracing\n"
+            "from pagedllm.engine.arg_utils import EngineArgs\n"
+            "from pagedllm.metrics.request_tracing import RequestTracer\n"
+            "assert RequestTracer.from_config(EngineArgs().create_observability_config(), 'm') is None\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(collect_detailed_traces=["model"]), "collect_detailed_traces requires otlp_traces_endpoint"),
     (dict(otlp_traces_endpoint="http://x", collect_detailed_traces="model,gpu"), "collect_detailed_traces must"),
