@@ -704,7 +704,7 @@ class ObservabilityConfig:
         collect_detailed_traces: vLLM's modules whose detailed timings to collect ("model",
             "worker", "all"; a comma-separated string is split), or None. Needs an endpoint.
     Raises:
-        ValueError: naming the field: an empty endpoint, an unknown protocol or module, detailed
+        ValueError: naming the field: an empty endpoint, an unknown protocol (with an endpoint) or module, detailed
             traces without an endpoint, or an endpoint without the OpenTelemetry packages (naming
             the ``otel`` extra to install).
     """
@@ -717,7 +717,8 @@ class ObservabilityConfig:
         endpoint = self.otlp_traces_endpoint
         if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.strip()):
             raise ValueError(f"otlp_traces_endpoint must be a non-empty URL or None, got {endpoint!r}")
-        if self.otlp_traces_protocol not in SUPPORTED_OTLP_PROTOCOLS:
+        # Checked only when tracing: the SDK's variable may be set for other programs.
+        if endpoint is not None and self.otlp_traces_protocol not in SUPPORTED_OTLP_PROTOCOLS:
             raise ValueError(f"otlp_traces_protocol ($OTEL_EXPORTER_OTLP_TRACES_PROTOCOL) must be one of "
                              f"{list(SUPPORTED_OTLP_PROTOCOLS)}, got {self.otlp_traces_protocol!r}")
         modules = self.collect_detailed_traces

@@ -189,6 +189,16 @@ def test_detailed_traces_split_like_vllm():
     assert config.collect_detailed_traces == ("model", "worker") and config.otlp_traces_protocol == "grpc"
 
 
+def test_protocol_variable_feeds_the_field_and_is_checked_only_when_tracing(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    assert EngineArgs(otlp_traces_endpoint="http://x/v1/traces").create_observability_config().otlp_traces_protocol \
+        == "http/protobuf"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")   # set for some other program
+    assert not EngineArgs().create_observability_config().tracing_enabled
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        EngineArgs(otlp_traces_endpoint="http://x/v1/traces").create_observability_config()
+
+
 def test_missing_extra_is_a_clear_error_before_weights_load(monkeypatch, tmp_path):
     for name in OTEL_PACKAGES:
         monkeypatch.setitem(sys.modules, name, None)   # import raises ImportError, as when not installed
