@@ -758,6 +758,64 @@ class KVEventsConfig:
             raise ValueError(f"kv_events_config.topic must be a str, got {self.topic!r}")
 
 
+# ``ObservabilityConfig.collect_detailed_traces`` values (vLLM's ``DetailedTraceModules``).
+DETAILED_TRACE_MODULES = ("model", "worker", "all")
+# ``ObservabilityConfig.otlp_traces_protocol`` values: the OTLP exporters (the values of
+# $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL vLLM accepts; ``tracing.get_span_exporter``).
+SUPPORTED_OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """Request tracing (the tracing fields of vLLM's ``ObservabilityConfig``): one OpenTelemetry
+    span per finished request, exported to an OTLP collector (``metrics/request_tracing.py``).
+
+    Attributes:
+        otlp_traces_endpoint: the collector URL ("grpc://host:4317", or "http://host:4318/v1/traces"
+            with protocol "http/protobuf"); None: no tracing (no tracer is built, nothing is imported).
+        otlp_traces_protocol: "grpc" (default, as vLLM) or "http/protobuf": which OTLP exporter
+            sends the spans (fed by ``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` in ``EngineArgs``).
+        collect_detailed_traces: vLLM's modules whose detailed timings to collect ("model",
+            "worker", "all"; a comma-separated string is split), or None. Needs an endpoint.
+    Raises:
+        ValueError: naming the field: an empty endpoint, an unknown protocol (with an endpoint) or module, detailed
+            traces without an endpoint, or an endpoint without the OpenTelemetry packages (naming
+            the ``otel`` extra to install).
+    """
+
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: str = "grpc"
+    collect_detailed_traces: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.strip()):
+            raise ValueError(f"otlp_traces_endpoint must be a non-empty URL or None, got {endpoint!r}")
+        # Checked only when tracing: the SDK's variable may be set for other programs.
+        if endpoint is not None and self.otlp_traces_protocol not in SUPPORTED_OTLP_PROTOCOLS:
+            raise ValueError(f"otlp_traces_protocol ($OTEL_EXPORTER_OTLP_TRACES_PROTOCOL) must be one of "
+                             f"{list(SUPPORTED_OTLP_PROTOCOLS)}, got {self.otlp_traces_protocol!r}")
+        modules = self.collect_detailed_traces
+        if modules is not None:
+            items = [modules] if isinstance(modules, str) else list(modules)
+            modules = tuple(m.strip() for item in items for m in str(item).split(",") if m.strip())
+            unknown = [m for m in modules if m not in DETAILED_TRACE_MODULES]
+            if unknown or not modules:
+                raise ValueError(f"collect_detailed_traces must name modules of {list(DETAILED_TRACE_MODULES)}, "
+                                 f"got {self.collect_detailed_traces!r}")
+            object.__setattr__(self, "collect_detailed_traces", modules)
+            if endpoint is None:
+                raise ValueError("collect_detailed_traces requires otlp_traces_endpoint (--otlp-traces-endpoint)")
+        if endpoint is not None:
+            from pagedllm.tracing import check_otel_available
+
+            check_otel_available("otlp_traces_endpoint (--otlp-traces-endpoint)")
+
+    @property
+    def tracing_enabled(self) -> bool:
+        return self.otlp_traces_endpoint is not None
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     """vLLM's ``VllmConfig`` as far as pagedllm has one: every engine component's config, as

@@ -26,6 +26,8 @@ PAGEDLLM_CPU_THREADS_PER_RANK = "PAGEDLLM_CPU_THREADS_PER_RANK"  # -> EngineArgs
 TORCH_PROFILER_DIR = ("PAGEDLLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR")
 PAGEDLLM_API_KEY = "PAGEDLLM_API_KEY"                          # -> the server's --api-key
 PAGEDLLM_CACHE_DIR = "PAGEDLLM_CACHE_DIR"                      # -> loaders.model_files.default_cache_root
+# -> EngineArgs.otlp_traces_protocol ("grpc" | "http/protobuf"; the OpenTelemetry SDK's variable, as vLLM reads it)
+OTEL_EXPORTER_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 
 
 def read(name: str) -> str | None:

@@ -186,6 +186,8 @@ class EngineCoreOutput:
         finish_reason: ``None`` while running, else "stop", "length" or "abort".
         stop_reason: the stop token id that ended the request, if any.
         num_cached_tokens: the request's ``num_cached_tokens`` (prefix-cache hit, tokens).
+        first_scheduled_time: ``time.monotonic()`` seconds of the request's first schedule, on
+            outputs with tokens (the time-in-queue latency), else None.
     """
 
     request_id: str
@@ -196,6 +198,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -770,7 +770,8 @@ class Scheduler:
             logprobs = [*runner_output.accepted_logprobs.get(req_id, [math.nan] * num_accepted), logprob]
             top = runner_output.top_logprobs[i] if i < len(runner_output.top_logprobs) else None
             tops = [*runner_output.accepted_top_logprobs.get(req_id, [None] * num_accepted), top]
-            out = EngineCoreOutput(request_id=req_id, num_cached_tokens=request.num_cached_tokens)
+            out = EngineCoreOutput(request_id=req_id, num_cached_tokens=request.num_cached_tokens,
+                                   first_scheduled_time=request.first_scheduled_time)
             for token_id, token_lp, token_top in zip(token_ids, logprobs, tops):
                 request.append_output_token_ids(token_id)
                 if request.structured_output_request is not None \

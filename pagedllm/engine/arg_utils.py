@@ -124,6 +124,12 @@ class EngineArgs:
             ``KVEventsConfig``; None: off (README, "KV-cache events").
         enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_dtype: LoRA adapters
             (``lora.config.LoRAConfig``: slots, their rank, adapters cached on the host, dtype).
+        otlp_traces_endpoint: OTLP collector URL for one OpenTelemetry span per finished request
+            (vLLM's; ``config.ObservabilityConfig``; needs ``pip install -e ".[otel]"``); None: off.
+        otlp_traces_protocol: "grpc" or "http/protobuf"; default ``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``
+            or "grpc" (as vLLM).
+        collect_detailed_traces: vLLM's "model" / "worker" / "all" (a list or a comma-separated
+            string); needs ``otlp_traces_endpoint``.
     """
 
     model: str | None = None
@@ -187,6 +193,10 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: str = field(
+        default_factory=lambda: envs.read(envs.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL) or "grpc")
+    collect_detailed_traces: list[str] | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -347,6 +357,28 @@ class EngineArgs:
         from pagedllm.profiler import ProfilerConfig
 
         return ProfilerConfig.from_any(self.profiler_config)
+
+    def create_observability_config(self):
+        """The ``ObservabilityConfig`` (request tracing) of these arguments, checked before any
+        weight loads.
+
+        Raises:
+            ValueError: naming the field: a bad endpoint, protocol or module list, or an endpoint
+                without the OpenTelemetry packages (naming the ``otel`` extra).
+        """
+        from pagedllm.config import ObservabilityConfig
+
+        modules = self.collect_detailed_traces
+        return ObservabilityConfig(self.otlp_traces_endpoint, self.otlp_traces_protocol,
+                                   None if modules is None else tuple([modules] if isinstance(modules, str)
+                                                                      else modules))
+
+    def traced_model_name(self) -> str:
+        """The name request spans report as ``gen_ai.response.model``: the first served model
+        name, else ``model``, else "default"."""
+        names = self.served_model_name
+        first = names[0] if isinstance(names, (list, tuple)) and names else names
+        return first or self.model or "default"
 
     def create_logits_processor_classes(self) -> list[type]:
         """The ``logits_processors`` classes (names imported).
@@ -585,6 +617,12 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept loaded on the host, LRU (default: --max-loras)")
     g.add_argument("--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send one OpenTelemetry span per finished request to this OTLP collector, e.g. "
+                        "grpc://localhost:4317, or http://localhost:4318/v1/traces with "
+                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf (pip install -e '.[otel]'; default: off)")
+    g.add_argument("--collect-detailed-traces", nargs="+", default=None, metavar="MODULE",
+                   help="vLLM's model / worker / all (comma-separated allowed); needs --otlp-traces-endpoint")
     g.add_argument("--structured-outputs-config", type=_json_dict, default=None,
                    help="vLLM's JSON form of the structured-output settings, laid over the two flags "
                         "above, e.g. '{\"backend\": \"xgrammar\", \"disable_additional_properties\": false}'")

@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_proc import ABORTING_CALLS
@@ -49,6 +49,7 @@ from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.input_processor import LengthCheck, ProcessedInput, PromptType
 from pagedllm.engine.llm_engine import PAUSE_MODES, LLMEngine
 from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
+from pagedllm.metrics.request_tracing import RequestTracer, TracedRequest
 from pagedllm.metrics.stats import StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -118,15 +119,22 @@ class OutputStream:
     Leaving early (``break``, cancellation, disconnect) must be followed by :meth:`abort` (or use
     ``async with``), which aborts the unfinished requests and frees their blocks.
 
+    Args:
+        tracer, traced: [tracing] the front end's ``RequestTracer`` and what each request's span
+            reports; the span of a request is recorded when its final output is read here.
+
     Attributes:
         request_ids: the requests, in the order they were added.
     """
 
-    def __init__(self, engine: "AsyncLLM", request_ids: list[str], queue: asyncio.Queue) -> None:
+    def __init__(self, engine: "AsyncLLM", request_ids: list[str], queue: asyncio.Queue,
+                 tracer: RequestTracer | None = None, traced: dict[str, TracedRequest] | None = None) -> None:
         self._engine = engine
         self.request_ids = list(request_ids)
         self._unfinished = set(request_ids)
         self._queue = queue
+        self._tracer = tracer
+        self._traced = traced or {}
 
     @property
     def finished(self) -> bool:
@@ -147,6 +155,8 @@ class OutputStream:
                 continue
             if item.finished:
                 self._unfinished.discard(item.request_id)
+                if self._tracer is not None:
+                    self._tracer.record(item, self._traced[item.request_id])
             return item
         raise StopAsyncIteration
 
@@ -174,6 +184,13 @@ class OutputStream:
 
 
 
+def _traced(request: _NewRequest, trace_headers: Mapping[str, str] | None) -> TracedRequest:
+    """What the span of ``request`` reports besides its output (its params, adapter, headers)."""
+    processed = request.processed
+    return TracedRequest.of(request.beam_params or processed.params, processed.max_tokens, processed.lora_request,
+                            trace_headers)
+
+
 class AsyncFrontEnd:
     """What ``AsyncLLM`` and ``DPAsyncLLM`` (``engine/dp_client.py``) share: the read-only
     information, request validation, ``add_request`` and ``generate``.
@@ -190,6 +207,8 @@ class AsyncFrontEnd:
     _sinks: dict[str, _Sink]   # request id -> where its outputs go, while it runs
     # The pause mode while paused (``pause_generation``), else None; read by add_requests.
     _pause_mode: str | None = None
+    # [tracing] one span per finished request (``--otlp-traces-endpoint``), or None: no spans.
+    request_tracer: RequestTracer | None = None
 
     # -- read-only information (any thread) -------------------------------------------------
 
@@ -247,7 +266,8 @@ class AsyncFrontEnd:
 
     def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput,
                                                     SamplingParams | BeamSearchParams | None]],
-                     arrival_time: float | None = None) -> OutputStream:
+                     arrival_time: float | None = None,
+                     trace_headers: Mapping[str, str] | None = None) -> OutputStream:
         """Validate every request, then queue them all (all or nothing).
 
         Must be called from the event loop that will iterate the returned stream.
@@ -260,6 +280,9 @@ class AsyncFrontEnd:
                 yields one final ``RequestOutput`` whose ``outputs`` are the ``beam_width`` best
                 sequences, best first.
             arrival_time: ``time.monotonic()`` of arrival (for TTFT / latency metrics); now if None.
+            trace_headers: [tracing] the caller's W3C ``traceparent`` / ``tracestate`` headers:
+                with a ``request_tracer``, each request's span continues that trace (None: root
+                spans); without one they are ignored.
         Returns:
             One ``OutputStream`` over all of them.
         Raises:
@@ -273,8 +296,9 @@ class AsyncFrontEnd:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         prepared = self._prepare_requests(requests, arrival_time)
         queue: asyncio.Queue = asyncio.Queue()
+        traced = None if self.request_tracer is None else {r.request_id: _traced(r, trace_headers) for r in prepared}
         self._submit(prepared, {r.request_id: _Sink(loop, queue) for r in prepared})
-        return OutputStream(self, [r.request_id for r in prepared], queue)
+        return OutputStream(self, [r.request_id for r in prepared], queue, self.request_tracer, traced)
 
     def _submit(self, prepared: list[_NewRequest], sinks: dict[str, _Sink]) -> None:
         """Register each request's sink and hand the requests to the engine (all or nothing).
@@ -369,9 +393,9 @@ class AsyncFrontEnd:
 
     def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
                     params: SamplingParams | BeamSearchParams | None = None,
-                    arrival_time: float | None = None) -> OutputStream:
+                    arrival_time: float | None = None, trace_headers: Mapping[str, str] | None = None) -> OutputStream:
         """:meth:`add_requests` for one request."""
-        return self.add_requests([(request_id, prompt, params)], arrival_time)
+        return self.add_requests([(request_id, prompt, params)], arrival_time, trace_headers)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, lora_request=None, tokenization_kwargs=None,
@@ -386,7 +410,8 @@ class AsyncFrontEnd:
                 ``output_kind`` decides what each output holds (``DELTA`` for streaming).
             request_id: the caller's id (None: a fresh one).
             lora_request: the ``LoRARequest`` it runs with, or None (the base model).
-            tokenization_kwargs, trace_headers: vLLM's; only None is supported.
+            trace_headers: the caller's W3C trace headers (see :meth:`add_requests`).
+            tokenization_kwargs: vLLM's; only None is supported.
             priority: vLLM's priority scheduling; only 0 (first come, first served).
             data_parallel_rank: vLLM's; only None (the balancer picks the replica).
         Raises:
@@ -394,7 +419,7 @@ class AsyncFrontEnd:
                 keyword (naming it; use :meth:`add_request` to get errors synchronously).
         """
         for name, value, default in (("tokenization_kwargs", tokenization_kwargs, None),
-                                     ("trace_headers", trace_headers, None), ("priority", priority, 0),
+                                     ("priority", priority, 0),
                                      ("data_parallel_rank", data_parallel_rank, None)):
             if value != default and not (name == "tokenization_kwargs" and value == {}):
                 raise ValueError(f"{name}={value!r} is not supported by pagedllm (only {default!r})")
@@ -405,7 +430,7 @@ class AsyncFrontEnd:
             if not isinstance(lora_request, LoRARequest):
                 raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
             prompt, params = self.process_inputs(prompt, params).with_lora(lora_request), None
-        stream = self.add_request(request_id, prompt, params)
+        stream = self.add_request(request_id, prompt, params, trace_headers=trace_headers)
         try:
             async for out in stream:
                 yield out
@@ -441,6 +466,11 @@ class AsyncFrontEnd:
 
     def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
         """Checks a subclass adds after tokenizing one request (raise ``ValueError``)."""
+
+    def close_tracer(self) -> None:
+        """[tracing] Export the spans still buffered and stop the exporter (shutdown calls it)."""
+        if self.request_tracer is not None:
+            self.request_tracer.shutdown()
 
 
 class AsyncLLM(AsyncFrontEnd):
@@ -494,19 +524,26 @@ class AsyncLLM(AsyncFrontEnd):
             enable_log_requests: log each added request; None = ``args.enable_log_requests``.
             disable_log_stats: no periodic stats lines; None = ``args.disable_log_stats``.
             **kwargs: other ``AsyncLLM`` arguments (``log_stats_interval_s``).
+        With ``args.otlp_traces_endpoint`` the front end records one span per finished request
+        (``request_tracer``).
+
         Raises:
-            ValueError: bad engine arguments.
+            ValueError: bad engine arguments (an OTLP endpoint without the ``otel`` extra among them,
+                before the model loads).
         """
+        observability = args.create_observability_config()
         if args.data_parallel_size > 1:
             from pagedllm.engine.dp_client import DPAsyncLLM
-            return DPAsyncLLM.from_engine_args(args)
-        if enable_log_requests is None:
-            enable_log_requests = bool(getattr(args, "enable_log_requests", False))
-        if disable_log_stats if disable_log_stats is not None else args.disable_log_stats:
-            kwargs["log_stats_interval_s"] = None
-        llm = cls(LLMEngine(args), stat_loggers=stat_loggers or (), log_requests=enable_log_requests, **kwargs)
-        if start_engine_loop:
-            llm.start()
+            llm = DPAsyncLLM.from_engine_args(args)
+        else:
+            if enable_log_requests is None:
+                enable_log_requests = bool(getattr(args, "enable_log_requests", False))
+            if disable_log_stats if disable_log_stats is not None else args.disable_log_stats:
+                kwargs["log_stats_interval_s"] = None
+            llm = cls(LLMEngine(args), stat_loggers=stat_loggers or (), log_requests=enable_log_requests, **kwargs)
+            if start_engine_loop:
+                llm.start()
+        llm.request_tracer = RequestTracer.from_config(observability, args.traced_model_name())
         return llm
 
     @property
@@ -647,6 +684,7 @@ class AsyncLLM(AsyncFrontEnd):
             thread.join(timeout)
             if thread.is_alive():
                 logger.warning("engine thread did not stop within %.1f s", timeout)
+        self.close_tracer()
 
     # -- the engine thread ------------------------------------------------------------------
 

@@ -175,6 +175,8 @@ class BeamSearchManager:
                 rest.append(out)
                 continue
             if out.new_token_ids:
+                if inst.metrics.first_scheduled_time is None:
+                    inst.metrics.first_scheduled_time = out.first_scheduled_time
                 record_new_tokens(inst.request_id, inst.metrics, len(out.new_token_ids), now,
                                   iteration_stats, prev_times)
                 inst.reported[out.request_id] = (len(out.new_token_ids), out.new_top_logprobs[-1] or {})

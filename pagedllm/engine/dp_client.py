@@ -609,6 +609,7 @@ class DPAsyncLLM(AsyncFrontEnd):
             self._stopping = True
             ids = list(self._sinks)
         self._deliver([_Failure(rid, EngineDeadError("the server is shutting down")) for rid in ids])
+        self.close_tracer()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.client.shutdown()

@@ -165,6 +165,10 @@ class OutputProcessor:
                 parent.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs[:max(room, 0)]))
             if out.new_token_ids and parent.num_cached_tokens is None and sample.index == 0:
                 parent.num_cached_tokens = out.num_cached_tokens
+            scheduled = out.first_scheduled_time
+            if scheduled is not None and (parent.metrics.first_scheduled_time is None
+                                          or scheduled < parent.metrics.first_scheduled_time):
+                parent.metrics.first_scheduled_time = scheduled
             # A prompt-only request (the server's echo with max_tokens 0): its one token is dropped.
             if out.new_token_ids and not sample.params._prompt_only:
                 stop_terminated = out.finish_reason == "stop" and isinstance(out.stop_reason, int)

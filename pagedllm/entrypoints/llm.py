@@ -12,6 +12,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.metrics.request_tracing import RequestTracer, TracedRequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -29,14 +30,17 @@ class LLM:
             ``max_num_batched_tokens``, ``max_model_len``, ``seed``, ``tokenizer``,
             ``trust_remote_code``, ``enforce_eager``, ``tensor_parallel_size``,
             ``pipeline_parallel_size`` (README, "Tensor and pipeline parallelism"),
-            ``data_parallel_size`` (README, "Data parallelism"), ...
+            ``data_parallel_size`` (README, "Data parallelism"), ``otlp_traces_endpoint`` (one
+            OpenTelemetry root span per finished request, README "Request tracing"), ...
     Raises:
         ValueError: an unknown argument or unsupported value (never a TypeError), an unsupported
-            model, or a KV budget too small for ``max_model_len``.
+            model, a KV budget too small for ``max_model_len``, or an ``otlp_traces_endpoint``
+            without the ``otel`` extra (before the model loads).
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        observability = self.engine_args.create_observability_config()   # before the weights load
         if self.engine_args.data_parallel_size > 1:
             # D replica processes; a batch is spread over them by load and prefix (README, "Data parallelism").
             from pagedllm.engine.dp_client import EngineCoreClient
@@ -44,6 +48,8 @@ class LLM:
         else:
             self.llm_engine = LLMEngine(self.engine_args)
         self._counter = 0
+        # [tracing] otlp_traces_endpoint: one root span per finished request (vLLM's LLM does too).
+        self.request_tracer = RequestTracer.from_config(observability, self.engine_args.traced_model_name())
         self._default_sampling_kwargs: dict[str, Any] | None = None
         # vLLM's LLM logs no stats by default; disable_log_stats=False keeps Prometheus metrics
         # in memory for get_metrics().
@@ -190,7 +196,8 @@ class LLM:
         for request in processed:
             ids.append(self.llm_engine.add_request(f"llm-{self._counter}", request))
             self._counter += 1
-        return self._run_engine(ids, use_tqdm)
+        traced = {i: TracedRequest.of(r.params, r.max_tokens, r.lora_request) for i, r in zip(ids, processed)}
+        return self._run_engine(ids, use_tqdm, traced)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     lora_request=None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -218,7 +225,8 @@ class LLM:
         for request in processed:
             ids.append(self.llm_engine.add_beam_search_request(f"llm-{self._counter}", request, params))
             self._counter += 1
-        return [BeamSearchOutput(out.beam_sequences) for out in self._run_engine(ids, use_tqdm)]
+        outputs = self._run_engine(ids, use_tqdm, {i: TracedRequest.of(params) for i in ids})
+        return [BeamSearchOutput(out.beam_sequences) for out in outputs]
 
     def chat(self, messages: Sequence[Any] | Sequence[Sequence[Any]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -270,7 +278,10 @@ class LLM:
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, ids: list[str], use_tqdm: bool,
+                    traced: dict[str, TracedRequest] | None = None) -> list[RequestOutput]:
+        """Step until every request of ``ids`` finished; with a ``request_tracer``, each one's span
+        (``traced``: what it reports) is recorded as it finishes."""
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
@@ -280,6 +291,8 @@ class LLM:
                 for out in engine.step():
                     if out.finished:
                         finished[out.request_id] = out
+                        if self.request_tracer is not None and traced and out.request_id in traced:
+                            self.request_tracer.record(out, traced[out.request_id])
                         num_out_tokens += sum(len(o.token_ids) for o in out.outputs)
                         if use_tqdm:
                             elapsed = bar.format_dict["elapsed"] or 1e-9

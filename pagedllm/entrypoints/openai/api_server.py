@@ -48,6 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs, add_engine_cli_args, engine_args_from_cli
+from pagedllm.metrics.request_tracing import RequestTracer
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.entrypoints.chat_utils import (GEMMA_CHAT_TEMPLATE_PATH, NoChatTemplateError, check_self_contained,
                                             load_chat_template, resolve_chat_template)
@@ -200,8 +201,12 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
             ``/v1/unload_lora_adapter``.
         enable_scale_out: serve vLLM's token-in / token-out routes ``/inference/v1/generate`` and
             ``/inference/v1/abort_requests`` (``serving_tokens.py``).
+    With ``engine_args.otlp_traces_endpoint`` each finished request exports one span, parented on
+    the trace in its ``traceparent`` / ``tracestate`` headers (``metrics/request_tracing.py``).
+
     Raises:
-        ValueError: bad engine arguments, an unparsable chat template, ``max_n < 1``, an unknown
+        ValueError: bad engine arguments (an OTLP endpoint without the ``otel`` extra among them,
+            before the model loads), an unparsable chat template, ``max_n < 1``, an unknown
             tool-call parser, ``enable_auto_tool_choice`` without one, or a negative body limit or
             ``max_stored_responses``.
     """
@@ -231,6 +236,7 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
     if chat_template is not None:
         check_self_contained(chat_template)   # a ValueError: it does not parse, or loads other files
     response_store = ResponseStore(max_stored_responses)   # a bad size fails before the model loads
+    observability = engine_args.create_observability_config()   # so does an OTLP endpoint without the extra
     registry = CollectorRegistry()
     if engine_args.data_parallel_size > 1 or engine_process:
         # D replica processes behind this server (engine/dp_client.py); metrics carry engine="i".
@@ -248,6 +254,7 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
         names = list(served_model_names or default_served_model_names(engine_args, engine.model_files))
         PrometheusStatLogger.attach(engine, names[0], registry)
         async_engine = AsyncLLM(engine, log_stats_interval_s=log_stats_interval_s)
+    async_engine.request_tracer = RequestTracer.from_config(observability, names[0])
     root = engine_args.model if engine_args.model not in (None, "default") else \
         (engine.model_files.gguf_path or engine.model_files.folder)
     models = OpenAIServingModels(names, root, engine.max_model_len, lora_modules)

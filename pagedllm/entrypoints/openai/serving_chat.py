@@ -232,7 +232,8 @@ class OpenAIServingChat(OpenAIServing):
             ids = processed.prompt_token_ids
             self.log_request(request_id, processed.prompt, len(ids), processed.params)
             beam = self.beam_search_params(request, processed.params.max_tokens) if beam_search else None
-            outputs = self.engine.add_request(request_id, processed, beam, arrival_time=arrival_time)
+            outputs = self.engine.add_request(request_id, processed, beam, arrival_time=arrival_time,
+                                              trace_headers=self.trace_headers(raw_request))
         except Exception as e:
             raise error_from_exception(e, self.fields, prompt_param="messages", constraint=origin) from e
         created = int(time.time())

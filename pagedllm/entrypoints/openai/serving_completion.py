@@ -146,7 +146,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 engine_requests.append((request_id, processed, beam))
                 infos.append(info)
                 self.log_request(request_id, processed.prompt, len(info.token_ids), processed.params)
-            outputs = self.engine.add_requests(engine_requests, arrival_time=arrival_time)
+            outputs = self.engine.add_requests(engine_requests, arrival_time=arrival_time,
+                                               trace_headers=self.trace_headers(raw_request))
         except Exception as e:
             raise error_from_exception(e, self.fields, constraint=origin) from e
         created = int(time.time())

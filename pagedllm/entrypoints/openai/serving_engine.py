@@ -27,6 +27,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.structured_output.backend import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend_name
+from pagedllm.tracing import extract_trace_headers
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,22 @@ class OpenAIServing:
         self.pool = pool
         # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (prefix cache).
         self.enable_prompt_tokens_details = False
+        self._warned_tracing_disabled = False
+
+    def trace_headers(self, raw_request: Request | None) -> dict[str, str] | None:
+        """The HTTP request's W3C trace headers (``traceparent``, ``tracestate``, no others) for
+        the engine's request spans (vLLM's ``_get_trace_headers``); None without any, or when the
+        server records no spans (then, once, a WARNING says trace context is being ignored)."""
+        headers = extract_trace_headers(raw_request.headers) if raw_request is not None else {}
+        if not headers:
+            return None
+        if getattr(self.engine, "request_tracer", None) is None:
+            if not self._warned_tracing_disabled:
+                self._warned_tracing_disabled = True
+                logger.warning("received a request with trace context but tracing is disabled "
+                               "(start with --otlp-traces-endpoint to export request spans)")
+            return None
+        return headers
 
     async def run_in_pool(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` in ``self.pool``, awaited (vLLM runs its tokenizer in an executor

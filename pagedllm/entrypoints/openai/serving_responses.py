@@ -337,7 +337,8 @@ class OpenAIServingResponses(OpenAIServing):
             processed = processed.with_lora(self.models.lora_for(model_name))   # the adapter `model` names
             num_input = len(processed.prompt_token_ids)
             self.log_request(response_id, processed.prompt, num_input, processed.params)
-            outputs = self.engine.add_request(response_id, processed, arrival_time=arrival_time)
+            outputs = self.engine.add_request(response_id, processed, arrival_time=arrival_time,
+                                              trace_headers=self.trace_headers(raw_request))
         except StructuredOutputsError as e:   # named by the chat field it came from: rename it
             raise _renamed(error_from_exception(e, constraint=origin)) from e
         except Exception as e:
