@@ -540,18 +540,27 @@ class Worker:
             raise RuntimeError("the worker has no model runner: initialize_cache was not called")
 
     def update_config(self, overrides: dict) -> None:
-        """vLLM's ``update_config`` for what a reload reads: ``{"load_config": {"load_format": "auto"}}``.
+        """vLLM's ``update_config`` for what a reload reads: ``{"load_config": {"load_format": "auto"}}``
+        (with "tensorizer", also ``model_loader_extra_config``: ``TensorizerConfig``'s fields).
 
         Raises:
-            ValueError: another config or field, or an unsupported ``load_format``.
+            ValueError: another config or field, an unsupported ``load_format``, or a bad
+                ``model_loader_extra_config`` (as ``TensorizerConfig.from_extra_config``).
         """
+        load = overrides.get("load_config", {})
         unknown = [k for k in overrides if k != "load_config"] + \
-            [f"load_config.{k}" for k in overrides.get("load_config", {}) if k != "load_format"]
+            [f"load_config.{k}" for k in load if k not in ("load_format", "model_loader_extra_config")]
         if unknown:
-            raise ValueError(f"update_config supports only load_config.load_format, got {unknown}")
-        if "load_format" in overrides.get("load_config", {}):
-            self.model_config = dataclasses.replace(self.model_config,
-                                                    load_format=overrides["load_config"]["load_format"])
+            raise ValueError(f"update_config supports only load_config.load_format and model_loader_extra_config, "
+                             f"got {unknown}")
+        load_format = load.get("load_format", self.model_config.load_format)
+        extra = None
+        if load_format == "tensorizer":
+            extra = TensorizerConfig.from_extra_config(
+                load.get("model_loader_extra_config", self.model_config.model_loader_extra_config),
+                self.model_config.model_folder).to_serializable()
+        self.model_config = dataclasses.replace(self.model_config, load_format=load_format,
+                                                model_loader_extra_config=extra)
 
     # -- [LoRA] adapters (lora/worker_manager.py) ----------------------------------------------
 

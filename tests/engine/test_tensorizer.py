@@ -158,3 +158,36 @@ def test_serialize_then_load_tp2_each_rank_reads_its_own_file(make_tiny_checkpoi
     with pytest.raises(ValueError, match=r"model-rank-001.tensors' \(tp rank 1\) does not exist"):
         LLM(str(out), **ENGINE_KW, load_format="tensorizer", tensor_parallel_size=2,
             model_loader_extra_config=config)
+
+
+def test_cli_flags_reach_the_model_config(gemma):
+    from pagedllm.utils.argparse_utils import FlexibleArgumentParser
+
+    ckpt, out = gemma
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    ns = parser.parse_args(["--model", ckpt, "--load-format", "tensorizer", "--dtype", "float32",
+                            "--model-loader-extra-config", f'{{"tensorizer_uri": "{out}/model.tensors", '
+                                                          '"verify_hash": true}'])
+    model_config = EngineArgs.from_cli_args(ns).create_engine_config().model_config
+    assert model_config.load_format == "tensorizer"
+    assert model_config.model_loader_extra_config == {"tensorizer_uri": f"{out}/model.tensors", "verify_hash": True}
+
+
+def test_reload_weights_from_the_tensorized_file(gemma):
+    """vLLM's dummy start, then ``update_config`` to the tensorized file and ``reload_weights``."""
+    ckpt, out = gemma
+    want = greedy_ids(LLM(ckpt, **ENGINE_KW))
+    llm = LLM(ckpt, **ENGINE_KW, load_format="dummy")
+    try:
+        extra = {"tensorizer_uri": f"{out}/model.tensors"}
+        llm.collective_rpc("update_config", args=({"load_config": {"load_format": "tensorizer",
+                                                                   "model_loader_extra_config": extra}},))
+        llm.collective_rpc("reload_weights")
+        llm.collective_rpc("update_config", args=({"load_config": {"load_format": "auto"}},))
+        with pytest.raises(ValueError, match=r"unknown key\(s\) \['uri'\]"):
+            llm.collective_rpc("update_config", args=({"load_config": {"load_format": "tensorizer",
+                                                                       "model_loader_extra_config": {"uri": "x"}}},))
+    except BaseException:
+        llm.llm_engine.shutdown()
+        raise
+    assert greedy_ids(llm) == want
