@@ -40,8 +40,9 @@ SUPPORTED_CPU_BF16_GEMMS = ("auto", "amx_bf16", "avx512_bf16", "onednn")
 SUPPORTED_CPU_F32_GEMMS = ("auto", "f32_gemm", "onednn")
 # ``KernelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
 SUPPORTED_CPU_FUSED_OPS = ("auto", "off")
-# vLLM's names; dummy: random weights; sharded_state: each rank's own files (loaders/sharded_state.py)
-SUPPORTED_LOAD_FORMATS = ("auto", "dummy", "sharded_state")
+# vLLM's names; dummy: random weights; sharded_state: each rank's own files (loaders/sharded_state.py);
+# tensorizer: each rank's own .tensors file (loaders/tensorizer.py, the tensorizer extra)
+SUPPORTED_LOAD_FORMATS = ("auto", "dummy", "sharded_state", "tensorizer")
 # ``KernelConfig.exact_greedy_head`` (``sample/greedy_head.py`` EXACT_GREEDY_HEAD_MODES).
 SUPPORTED_EXACT_GREEDY_HEAD = ("auto", "off")
 # RoPE scaling types ``layers/rotary.compute_inv_freq`` implements (transformers' names; "su" is
@@ -565,7 +566,10 @@ class ModelConfig:
             uniformly from [-1e-3, 1e-3], e.g. to start an engine whose real weights come later
             through ``reload_weights``; the checkpoint still fixes the shapes) or "sharded_state"
             (``model_folder`` holds what ``save_sharded_state`` wrote: each rank reads its own files,
-            ``loaders/sharded_state.py``).
+            ``loaders/sharded_state.py``) or "tensorizer" (each rank reads its own tensorizer file,
+            ``loaders/tensorizer.py``).
+        model_loader_extra_config: with "tensorizer", the validated ``TensorizerConfig`` as a plain
+            dict (``to_serializable()``; ``EngineArgs.create_engine_config`` builds it); else None.
 
     Architecture (from config.json through ``hf_architecture_fields``; ``ModelConfig.from_hf_config``;
     unset (0 / empty) until then): ``architectures``, ``model_type``, ``vocab_size`` (tokens),
@@ -597,6 +601,7 @@ class ModelConfig:
     quantization: str | None = None
     model_folder: str | None = None
     load_format: str = "auto"
+    model_loader_extra_config: dict[str, Any] | None = None
     architectures: tuple[str, ...] = ()
     model_type: str = ""
     vocab_size: int = 0
@@ -662,6 +667,9 @@ class ModelConfig:
                                  f"weight-only kernels); device={self.device!r}")
         if self.load_format not in SUPPORTED_LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {SUPPORTED_LOAD_FORMATS}, got {self.load_format!r}")
+        if (self.load_format == "tensorizer") != isinstance(self.model_loader_extra_config, dict):
+            raise ValueError("model_loader_extra_config (a TensorizerConfig's dict) goes with load_format='tensorizer' "
+                             f"only; got load_format={self.load_format!r} and {self.model_loader_extra_config!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

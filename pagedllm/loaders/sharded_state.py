@@ -21,6 +21,7 @@ import glob
 import logging
 import os
 import string
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -186,26 +187,41 @@ def load_rank_state(model: nn.Module, paths: list[str]) -> None:
     then runs ``models.utils.process_weights_after_loading``, as a checkpoint load does.
 
     Raises:
-        ValueError: a saved name the model lacks, a shape mismatch, or model tensors left unloaded.
+        ValueError: as ``copy_state``.
     """
     from safetensors import safe_open
 
-    state = rank_state_dict(model)
-    loaded: set[str] = set()
-    with torch.no_grad():
+    def tensors():
         for path in paths:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    target = state.get(name)
-                    if target is None:
-                        raise ValueError(f"{os.path.basename(path)}: tensor {name!r} has no place in the model "
-                                         "(saved from another model or engine version?)")
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(target.shape):
-                        raise ValueError(f"{os.path.basename(path)}: shape mismatch for {name}: saved "
-                                         f"{tuple(tensor.shape)} vs model {tuple(target.shape)}")
-                    target.copy_(tensor)
-                    loaded.add(name)
+                    yield name, f.get_tensor(name)
+
+    copy_state(model, tensors(), "the sharded state")
+
+
+def copy_state(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Copy (name, tensor) pairs under the model's own names (``rank_state_dict``'s) into
+    ``model``, cast to each target's dtype; every target must be given.
+
+    Args:
+        source: what the tensors came from, for the error messages.
+    Raises:
+        ValueError: a name the model lacks, a shape mismatch, or model tensors left unloaded.
+    """
+    state = rank_state_dict(model)
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            target = state.get(name)
+            if target is None:
+                raise ValueError(f"{source}: tensor {name!r} has no place in the model "
+                                 "(saved from another model or engine version?)")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"{source}: shape mismatch for {name}: saved "
+                                 f"{tuple(tensor.shape)} vs model {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(name)
     missing = sorted(set(state) - loaded)
     if missing:
-        raise ValueError(f"the sharded state lacks {len(missing)} of this rank's tensors, e.g. {missing[:5]}")
+        raise ValueError(f"{source} lacks {len(missing)} of this rank's tensors, e.g. {missing[:5]}")

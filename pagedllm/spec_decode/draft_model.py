@@ -48,7 +48,7 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     try:
         files = resolve_model(spec.model)
         return dataclasses.replace(target, model=spec.model, tokenizer=None, model_folder=files.folder,
-                                   quantization=spec.quantization, load_format="auto",
+                                   quantization=spec.quantization, load_format="auto", model_loader_extra_config=None,
                                    **hf_architecture_fields(load_config(files.folder)))
     except ValueError as e:
         raise ValueError(f"speculative_config: draft model {spec.model!r}: {e}") from e

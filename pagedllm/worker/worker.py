@@ -17,7 +17,8 @@ from pagedllm.core.kv_cache_spec import NULL_BLOCK_ID, KVCacheGroups, kv_cache_g
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.loaders.sharded_state import check_sharded_state, load_rank_state, save_rank_state
+from pagedllm.loaders.sharded_state import check_sharded_state, load_rank_state, rank_state_dict, save_rank_state
+from pagedllm.loaders.tensorizer_config import TensorizerConfig
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.utils import process_weights_after_loading
 from pagedllm.profiler import ProfilerConfig, WorkerProfiler
@@ -62,7 +63,9 @@ def build_model(model_config: ModelConfig, weights, dtype: torch.dtype, device: 
         model_config: the model's architecture (``ModelConfig.from_hf_config``).
         weights: iterable of (HF name, tensor or safetensors slice); or, with
             ``model_config.load_format`` "sharded_state", this rank's sharded-state files
-            (``loaders.sharded_state``: the model's own names, this rank's slices).
+            (``loaders.sharded_state``: the model's own names, this rank's slices); or, with
+            "tensorizer", the ``TensorizerConfig`` whose file for this rank is read
+            (``loaders.tensorizer``).
         ctx: this rank's tensor / pipeline place (None: the whole model).
         kernel_config: the attention backend, ``cpu_isa`` and fused ops the layers are built with
             (None: ``KernelConfig()``'s defaults).
@@ -73,6 +76,11 @@ def build_model(model_config: ModelConfig, weights, dtype: torch.dtype, device: 
     if model_config.load_format == "sharded_state":
         load_rank_state(model, weights)
         process_weights_after_loading(model)
+    elif model_config.load_format == "tensorizer":
+        from pagedllm.loaders.tensorizer import load_tensorized
+
+        if load_tensorized(model, weights, ctx.tp_rank if ctx is not None else 0):
+            process_weights_after_loading(model)
     else:
         model.load_weights(weights)
     return model.eval()
@@ -205,14 +213,14 @@ class Worker:
 
     def _build_unpacked_model(self) -> nn.Module:
         """This rank's model as loaded, before the kernel plan packs its linear layers: from the
-        weights given to the worker (once), the rank's sharded-state files, or the checkpoint
+        weights given to the worker (once), the rank's sharded-state or tensorizer files, or the checkpoint
         (``load_format`` "dummy": then overwritten with vLLM's dummy weights, uniform in
         [-1e-3, 1e-3])."""
         from pagedllm.loaders import iterate_safetensors_slices, iterate_weights
 
         weights, self._weights = self._weights, None
-        if self.model_config.load_format == "sharded_state":
-            weights = self._sharded_state_files()
+        if self.model_config.load_format in ("sharded_state", "tensorizer"):
+            weights = self._rank_files(self.model_config)
         elif weights is None:
             # A rank of a split model reads only its slices of each tensor (mmap'd safetensors).
             split = self.parallel_config.world_size > 1
@@ -234,6 +242,44 @@ class Worker:
         ctx = self.parallel or ParallelContext()
         rank = (ctx.tp_rank, ctx.pp_rank)
         return check_sharded_state(self.model_config.model_folder, ctx.tp_size, ctx.pp_size, ranks=[rank])[rank]
+
+    def _rank_files(self, model_config: ModelConfig) -> list[str] | TensorizerConfig:
+        """``build_model``'s ``weights`` for this rank's own files: its sharded-state files, or the
+        ``TensorizerConfig`` naming its tensorizer file."""
+        if model_config.load_format == "tensorizer":
+            return TensorizerConfig(**model_config.model_loader_extra_config)
+        return self._sharded_state_files()
+
+    def save_tensorized_model(self, tensorizer_config: dict | TensorizerConfig) -> str:
+        """Write this rank's weights with tensorizer (vLLM's ``save_tensorized_model``;
+        ``loaders.tensorizer.save_tensorized``) to ``tensorizer_uri`` rendered with the
+        tensor-parallel rank: the model as loaded, before packing, rebuilt from the same source
+        (the running model holds only packed layouts), so for a moment this rank holds its weights
+        twice.
+
+        Args:
+            tensorizer_config: a ``TensorizerConfig`` or its ``to_serializable()`` dict; with
+                ``encryption_keyfile``, the key already written there.
+        Returns:
+            The URI written.
+        Raises:
+            ValueError: ``load_format`` "dummy" (random weights, nothing to save); a bad config.
+            ImportError: tensorizer is missing.
+        """
+        from pagedllm.loaders.tensorizer import save_tensorized
+
+        if self.model_config.load_format == "dummy":
+            raise ValueError("save_tensorized_model saves the weights the engine loaded; load_format='dummy' "
+                             "has random ones (reload real weights first)")
+        config = tensorizer_config if isinstance(tensorizer_config, TensorizerConfig) \
+            else TensorizerConfig(**tensorizer_config)
+        model = self._build_unpacked_model()
+        ctx = self.parallel or ParallelContext()
+        try:
+            return save_tensorized(rank_state_dict(model), config, ctx.tp_rank)
+        finally:
+            del model
+            gc.collect()
 
     def save_sharded_state(self, path: str, pattern: str | None = None, max_size: int | None = None) -> list[str]:
         """Write this rank's weights into ``path`` (``loaders.sharded_state``; vLLM's
@@ -281,7 +327,7 @@ class Worker:
 
         t0 = time.perf_counter()
         # "self_int8" on a sharded state: the driver rank's files (the whole model with one rank).
-        weights = self._sharded_state_files() if draft_config.load_format == "sharded_state" \
+        weights = self._rank_files(draft_config) if draft_config.load_format in ("sharded_state", "tensorizer") \
             else iterate_weights(draft_config.model_folder)
         draft = build_model(draft_config, weights, self.dtype, self.device,
                             kernel_config=self.kernel_config)
@@ -494,18 +540,27 @@ class Worker:
             raise RuntimeError("the worker has no model runner: initialize_cache was not called")
 
     def update_config(self, overrides: dict) -> None:
-        """vLLM's ``update_config`` for what a reload reads: ``{"load_config": {"load_format": "auto"}}``.
+        """vLLM's ``update_config`` for what a reload reads: ``{"load_config": {"load_format": "auto"}}``
+        (with "tensorizer", also ``model_loader_extra_config``: ``TensorizerConfig``'s fields).
 
         Raises:
-            ValueError: another config or field, or an unsupported ``load_format``.
+            ValueError: another config or field, an unsupported ``load_format``, or a bad
+                ``model_loader_extra_config`` (as ``TensorizerConfig.from_extra_config``).
         """
+        load = overrides.get("load_config", {})
         unknown = [k for k in overrides if k != "load_config"] + \
-            [f"load_config.{k}" for k in overrides.get("load_config", {}) if k != "load_format"]
+            [f"load_config.{k}" for k in load if k not in ("load_format", "model_loader_extra_config")]
         if unknown:
-            raise ValueError(f"update_config supports only load_config.load_format, got {unknown}")
-        if "load_format" in overrides.get("load_config", {}):
-            self.model_config = dataclasses.replace(self.model_config,
-                                                    load_format=overrides["load_config"]["load_format"])
+            raise ValueError(f"update_config supports only load_config.load_format and model_loader_extra_config, "
+                             f"got {unknown}")
+        load_format = load.get("load_format", self.model_config.load_format)
+        extra = None
+        if load_format == "tensorizer":
+            extra = TensorizerConfig.from_extra_config(
+                load.get("model_loader_extra_config", self.model_config.model_loader_extra_config),
+                self.model_config.model_folder).to_serializable()
+        self.model_config = dataclasses.replace(self.model_config, load_format=load_format,
+                                                model_loader_extra_config=extra)
 
     # -- [LoRA] adapters (lora/worker_manager.py) ----------------------------------------------
 

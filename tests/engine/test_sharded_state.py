@@ -9,19 +9,10 @@ import shutil
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.model_executor.model_loader import ShardedStateLoader
 
-ENGINE_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20, seed=0)
-PROMPTS = ["The quick brown fox", "Once upon a time in a land"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def _greedy_ids(llm: LLM) -> list[list[int]]:
-    try:
-        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    finally:
-        llm.llm_engine.shutdown()
+from saved_weights_utils import ENGINE_KW, greedy_ids
 
 
 def _save(ckpt: str, out: str, tp: int, **save_kw) -> list[str]:
@@ -56,8 +47,8 @@ def test_save_then_load_tp1_gives_the_same_outputs(gemma_tp1):
     ckpt, out, files = gemma_tp1
     assert len(files) > 1 and all(f.startswith("model-rank-0-part-") for f in files)   # split at max_size
     assert os.path.isfile(os.path.join(out, "config.json"))
-    want = _greedy_ids(LLM(ckpt, **ENGINE_KW))
-    assert _greedy_ids(LLM(out, **ENGINE_KW, load_format="sharded_state")) == want
+    want = greedy_ids(LLM(ckpt, **ENGINE_KW))
+    assert greedy_ids(LLM(out, **ENGINE_KW, load_format="sharded_state")) == want
 
 
 def test_load_with_another_tensor_parallel_size_is_a_value_error(gemma_tp1):
@@ -106,8 +97,8 @@ def test_save_then_load_tp2_each_rank_reads_its_own_files(make_tiny_checkpoint, 
     out = str(tmp_path / "sharded_tp2")
     files = _save(ckpt, out, 2, pattern=ShardedStateLoader.TP_ONLY_PATTERN)
     assert files == ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
-    want = _greedy_ids(LLM(ckpt, **ENGINE_KW))
-    assert _greedy_ids(LLM(out, **ENGINE_KW, load_format="sharded_state", tensor_parallel_size=2)) == want
+    want = greedy_ids(LLM(ckpt, **ENGINE_KW))
+    assert greedy_ids(LLM(out, **ENGINE_KW, load_format="sharded_state", tensor_parallel_size=2)) == want
     with pytest.raises(ValueError, match="saved with tensor_parallel_size=2"):
         LLM(out, **ENGINE_KW, load_format="sharded_state")
     os.remove(os.path.join(out, files[1]))
@@ -126,5 +117,5 @@ def test_a_tied_head_is_saved_once(make_tiny_checkpoint, tmp_path):
         names = set(f.keys())
         assert f.metadata()["tp_size"] == "1" and f.metadata()["num_parts"] == "1"
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
-    want = _greedy_ids(LLM(ckpt, **ENGINE_KW))
-    assert _greedy_ids(LLM(out, **ENGINE_KW, load_format="sharded_state")) == want
+    want = greedy_ids(LLM(ckpt, **ENGINE_KW))
+    assert greedy_ids(LLM(out, **ENGINE_KW, load_format="sharded_state")) == want

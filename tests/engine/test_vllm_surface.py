@@ -307,7 +307,7 @@ def test_dummy_weights_then_reload_weights_gives_the_real_model(make_tiny_checkp
 
 def test_load_format_is_checked(make_tiny_checkpoint):
     with pytest.raises(ValueError, match="load_format"):
-        LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, load_format="tensorizer")
+        LLM(make_tiny_checkpoint("llama"), **ENGINE_KW, load_format="mistral")
 
 
 # -- the demo server's helpers (applications/api_server/server.py) -----------------------------

@@ -56,7 +56,9 @@ DEFAULT_FOLDER=$(python -c "from pagedllm.loaders.model_files import resolve_mod
 rm -rf "$TRIAL/sharded"
 runone save_sharded features/sharded_state/save_sharded_state_offline.py --model "$DEFAULT_FOLDER" --output $TRIAL/sharded
 runone load_sharded features/sharded_state/load_sharded_state_offline.py --model $TRIAL/sharded
+rm -rf "$TRIAL/tens"
 runone tensorize features/tensorize_vllm_model.py --model default serialize --serialized-directory $TRIAL/tens --suffix v1
+runone tensorize_load features/tensorize_vllm_model.py --model default deserialize --path-to-tensors $TRIAL/tens/vllm/default/v1/model.tensors
 runone torchrun_example -m torch.distributed.run --nproc-per-node=4 features/torchrun/torchrun_example_offline.py
 runone torchrun_dp -m torch.distributed.run --nproc-per-node=2 features/torchrun/torchrun_dp_example_offline.py
 TO=60 runone watermark_server basic/online_serving/watermark_detection_server.py --tokenizer default --key 42
