@@ -1,0 +1,37 @@
+"""Run under torchrun by ``test_external_launcher.py``: every rank builds the same ``LLM`` with
+``distributed_executor_backend="external_launcher"``, generates its data-parallel share of the
+prompts and writes ``rank{RANK}.json`` (dp rank, dp size, request index -> token ids) to OUT_DIR.
+
+Usage: ``torchrun --nproc-per-node=N torchrun_driver.py MODEL OUT_DIR TP PP DP TEMPERATURE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from pagedllm import LLM, SamplingParams
+
+# Three prompts: a repeated 24-token one, a short one and a 40-token one (as parallel_utils.PROMPTS),
+# and one more so that two data-parallel ranks get two each.
+PROMPTS = [[5, 9, 13, 200, 17, 3, 3, 40] * 3, [7, 8, 9], list(range(30, 70)), [11, 12, 13, 14, 15]]
+
+
+def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float) -> None:
+    llm = LLM(model=model, dtype="float32", max_model_len=128, block_size=8, kv_cache_memory_bytes=4 << 20,
+              seed=1, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+              distributed_executor_backend="external_launcher")
+    config = llm.llm_engine.vllm_config.parallel_config
+    mine = [i for i in range(len(PROMPTS)) if i % config.data_parallel_size == config.data_parallel_rank]
+    params = SamplingParams(temperature=temperature, max_tokens=10, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for i in mine], params, use_tqdm=False)
+    result = {"dp_rank": config.data_parallel_rank, "dp_size": config.data_parallel_size,
+              "num_blocks": llm.llm_engine.num_blocks,
+              "tokens": {str(i): list(o.outputs[0].token_ids) for i, o in zip(mine, outputs)}}
+    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))
