@@ -275,6 +275,8 @@ class LLMEngine:
             # [structured output] each sample gets its own matcher over the shared compiled grammar.
             grammar = (self.structured_output_manager.make_request(sp.structured_outputs)
                        if sp.structured_outputs is not None else None)
+            if grammar is not None and self.parallel_config.uses_external_launcher:
+                grammar.wait()   # every torchrun rank admits it at the same step (vLLM: no async compile)
             requests.append(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
                                     arrival_time=arrival_time, structured_output_request=grammar,
                                     lora_request=lora_request, prompt_embeds=processed.prompt_embeds))

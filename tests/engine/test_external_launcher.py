@@ -116,6 +116,27 @@ def test_async_engine_refuses_external_launcher(monkeypatch):
         AsyncLLM.from_engine_args(AsyncEngineArgs(distributed_executor_backend="external_launcher"))
 
 
+def test_grammar_wait_blocks_until_compiled():
+    """With external_launcher the engine admits a structured-output request only once its grammar
+    compiled, so every rank's scheduler admits it at the same step."""
+    import threading
+    from concurrent.futures import Future
+
+    from pagedllm.structured_output.request import StructuredOutputRequest
+
+    class Backend:
+        def new_matcher(self, grammar):
+            return ("matcher", grammar)
+
+    compiled, backend = Future(), Future()
+    backend.set_result(Backend())
+    request = StructuredOutputRequest(compiled, backend)
+    assert not request.is_ready()
+    threading.Timer(0.2, compiled.set_result, ["grammar"]).start()
+    request.wait()
+    assert request.is_ready() and request.matcher == ("matcher", "grammar")
+
+
 # -- torchrun: two processes ----------------------------------------------------------------------
 
 
@@ -126,10 +147,11 @@ def test_every_rank_equals_single_process(tmp_path, llama, reference, tp, pp):
     run = _torchrun(tmp_path, llama, tp, pp, 1)
     assert run.returncode == 0, run.stderr[-4000:]
     results = _rank_results(tmp_path)
-    for result in results:
-        assert (result["dp_rank"], result["dp_size"]) == (0, 1)
+    for rank, result in enumerate(results):
+        assert (result["dp_rank"], result["dp_size"], result["world_rank"]) == (0, 1, rank)
         assert result["tokens"] == reference
     assert results[0]["num_blocks"] == results[1]["num_blocks"]
+    assert results[0]["num_params"] > 0 and results[1]["num_params"] > 0
 
 
 @pytest.mark.multiprocess

@@ -1,6 +1,7 @@
 """Run under torchrun by ``test_external_launcher.py``: every rank builds the same ``LLM`` with
 ``distributed_executor_backend="external_launcher"``, generates its data-parallel share of the
-prompts and writes ``rank{RANK}.json`` (dp rank, dp size, request index -> token ids) to OUT_DIR.
+prompts and writes ``rank{RANK}.json`` (dp rank, dp size, KV blocks, the rank in vLLM's ``get_world_group().cpu_group``,
+this rank's model parameters reached as vLLM's example does, request index -> token ids) to OUT_DIR.
 
 Usage: ``torchrun --nproc-per-node=N torchrun_driver.py MODEL OUT_DIR TP PP DP TEMPERATURE``.
 """
@@ -11,7 +12,10 @@ import json
 import os
 import sys
 
+import torch.distributed as dist
+
 from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.parallel_state import get_world_group
 
 # Three prompts: a repeated 24-token one, a short one and a 40-token one (as parallel_utils.PROMPTS),
 # and one more so that two data-parallel ranks get two each.
@@ -28,6 +32,9 @@ def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float
     outputs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for i in mine], params, use_tqdm=False)
     result = {"dp_rank": config.data_parallel_rank, "dp_size": config.data_parallel_size,
               "num_blocks": llm.llm_engine.num_blocks,
+              "world_rank": dist.get_rank(group=get_world_group().cpu_group),
+              "num_params": sum(p.numel() for p in
+                                llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.parameters()),
               "tokens": {str(i): list(o.outputs[0].token_ids) for i, o in zip(mine, outputs)}}
     with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(result, f)
