@@ -23,15 +23,15 @@ TORCHRUN_ENV = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
-def _torchrun(tmp_path, folder: str, tp: int, pp: int, dp: int, temperature: float = 0.0,
-              nproc: int = 2) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path, folder: str, tp: int, pp: int, dp: int, temperature: float = 0.0, nproc: int = 2,
+              extra: tuple[str, ...] = (), timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     for name in TORCHRUN_ENV_VARS:
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={nproc}", DRIVER, folder, str(tmp_path), str(tp), str(pp), str(dp),
-                           str(temperature)], env=env, capture_output=True, text=True, timeout=240)
+                           str(temperature), *extra], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _rank_results(tmp_path, nproc: int = 2) -> list[dict]:
@@ -183,3 +183,17 @@ def test_wrong_world_size_is_refused(tmp_path, llama):
     assert run.returncode != 0
     assert ("torchrun's WORLD_SIZE=2, but data_parallel_size x pipeline_parallel_size x tensor_parallel_size "
             "= 1 x 2 x 2 = 4") in run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_default_model_tp2_over_torchrun_equals_transformers(tmp_path, default_model_reference):
+    """Gemma 3 270M, float32, TP 2 over two torchrun processes: both ranks give transformers'
+    recorded greedy tokens exactly (5 prompts x 32 tokens), as the mp executor does."""
+    refs = default_model_reference["greedy_float32"]
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([r["prompt_token_ids"] for r in refs]))
+    run = _torchrun(tmp_path, "default", 2, 1, 1, extra=(str(prompts), str(len(refs[0]["token_ids"]))), timeout=800)
+    assert run.returncode == 0, run.stderr[-4000:]
+    for result in _rank_results(tmp_path):
+        assert [result["tokens"][str(i)] for i in range(len(refs))] == [r["token_ids"] for r in refs]

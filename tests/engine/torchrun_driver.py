@@ -3,7 +3,9 @@
 prompts and writes ``rank{RANK}.json`` (dp rank, dp size, KV blocks, the rank in vLLM's ``get_world_group().cpu_group``,
 this rank's model parameters reached as vLLM's example does, request index -> token ids) to OUT_DIR.
 
-Usage: ``torchrun --nproc-per-node=N torchrun_driver.py MODEL OUT_DIR TP PP DP TEMPERATURE``.
+Usage: ``torchrun --nproc-per-node=N torchrun_driver.py MODEL OUT_DIR TP PP DP TEMPERATURE
+[PROMPTS_JSON MAX_TOKENS]``: MODEL "default" is the default model (256-token context, 64 MiB KV);
+PROMPTS_JSON a file with a list of prompts' token ids instead of ``PROMPTS``; MAX_TOKENS default 10.
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ from pagedllm.distributed.parallel_state import get_world_group
 PROMPTS = [[5, 9, 13, 200, 17, 3, 3, 40] * 3, [7, 8, 9], list(range(30, 70)), [11, 12, 13, 14, 15]]
 
 
-def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float) -> None:
-    llm = LLM(model=model, dtype="float32", max_model_len=128, block_size=8, kv_cache_memory_bytes=4 << 20,
-              seed=1, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-              distributed_executor_backend="external_launcher")
+def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float, prompts: list[list[int]],
+         max_tokens: int) -> None:
+    size = dict(model=None, max_model_len=256, kv_cache_memory_bytes=64 << 20) if model == "default" else \
+        dict(model=model, max_model_len=128, block_size=8, kv_cache_memory_bytes=4 << 20)
+    llm = LLM(**size, dtype="float32", seed=1, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              data_parallel_size=dp, distributed_executor_backend="external_launcher")
     config = llm.llm_engine.vllm_config.parallel_config
-    mine = [i for i in range(len(PROMPTS)) if i % config.data_parallel_size == config.data_parallel_rank]
-    params = SamplingParams(temperature=temperature, max_tokens=10, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for i in mine], params, use_tqdm=False)
+    mine = [i for i in range(len(prompts)) if i % config.data_parallel_size == config.data_parallel_rank]
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in mine], params, use_tqdm=False)
     result = {"dp_rank": config.data_parallel_rank, "dp_size": config.data_parallel_size,
               "num_blocks": llm.llm_engine.num_blocks,
               "world_rank": dist.get_rank(group=get_world_group().cpu_group),
@@ -41,4 +45,6 @@ def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))
+    given = json.loads(open(sys.argv[7]).read()) if len(sys.argv) > 7 else PROMPTS
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), given,
+         int(sys.argv[8]) if len(sys.argv) > 8 else 10)
