@@ -20,6 +20,7 @@ import torch
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.communication import broadcast_from_driver, min_over_engine
 from pagedllm.executor.abstract import Executor
+from pagedllm.sampling_params import LogitsProcessor
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class ExternalLauncherExecutor(Executor):
         ValueError: without torchrun's environment, or when its WORLD_SIZE is not
             data_parallel_size x pipeline_parallel_size x tensor_parallel_size (from ``ParallelConfig``).
     """
+
+    uses_in_process_worker = True   # every rank holds the callables; its driver applies them
 
     def __init__(self, model_config, cache_config, scheduler_config, parallel_config, kernel_config) -> None:
         super().__init__(model_config, cache_config, scheduler_config, parallel_config, kernel_config)
@@ -102,6 +105,9 @@ class ExternalLauncherExecutor(Executor):
         future: Future[ModelRunnerOutput] = Future()
         future.set_result(output)
         return future
+
+    def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
+        self.local_worker.add_logits_processors(req_id, processors)
 
     def check_health(self) -> None:
         self.local_worker.check_health()

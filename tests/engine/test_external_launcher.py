@@ -150,6 +150,7 @@ def test_every_rank_equals_single_process(tmp_path, llama, reference, tp, pp):
     for rank, result in enumerate(results):
         assert (result["dp_rank"], result["dp_size"], result["world_rank"]) == (0, 1, rank)
         assert result["tokens"] == reference
+        assert result["forced"] == [42, 42, 42]   # a logits processor, applied by the engine's driver
     assert results[0]["num_blocks"] == results[1]["num_blocks"]
     assert results[0]["num_params"] > 0 and results[1]["num_params"] > 0
 
@@ -172,6 +173,7 @@ def test_sampled_tokens_agree_on_both_tensor_ranks(tmp_path, llama, reference):
     assert run.returncode == 0, run.stderr[-4000:]
     first, second = _rank_results(tmp_path)
     assert first["tokens"] == second["tokens"] and len(first["tokens"]) == 4
+    assert first["forced"] == second["forced"] == [42, 42, 42]
     assert all(len(t) == 10 for t in first["tokens"].values())
     assert first["tokens"] != reference   # sampled, not greedy
 

@@ -24,6 +24,13 @@ from pagedllm.distributed.parallel_state import get_world_group
 PROMPTS = [[5, 9, 13, 200, 17, 3, 3, 40] * 3, [7, 8, 9], list(range(30, 70)), [11, 12, 13, 14, 15]]
 
 
+def _only_42(token_ids: list[int], logits):
+    keep = logits[42].clone()
+    logits.fill_(float("-inf"))
+    logits[42] = keep
+    return logits
+
+
 def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float, prompts: list[list[int]],
          max_tokens: int) -> None:
     size = dict(model=None, max_model_len=256, kv_cache_memory_bytes=64 << 20) if model == "default" else \
@@ -34,7 +41,11 @@ def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float
     mine = [i for i in range(len(prompts)) if i % config.data_parallel_size == config.data_parallel_rank]
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in mine], params, use_tqdm=False)
-    result = {"dp_rank": config.data_parallel_rank, "dp_size": config.data_parallel_size,
+    # A logits processor (a callable, applied where the engine's driver samples) that allows only token 42.
+    forced = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                          SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True,
+                                         logits_processors=[_only_42]), use_tqdm=False)
+    result = {"forced": list(forced[0].outputs[0].token_ids), "dp_rank": config.data_parallel_rank, "dp_size": config.data_parallel_size,
               "num_blocks": llm.llm_engine.num_blocks,
               "world_rank": dist.get_rank(group=get_world_group().cpu_group),
               "num_params": sum(p.numel() for p in
