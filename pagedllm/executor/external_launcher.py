@@ -11,16 +11,13 @@ the world is D engines of ``world_size`` ranks, each independent (its own share 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.communication import broadcast_from_driver, min_over_engine
-from pagedllm.executor.abstract import Executor
-from pagedllm.sampling_params import LogitsProcessor
+from pagedllm.executor.uniproc import UniProcExecutor
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -38,8 +35,9 @@ class WorkerWrapper:
     worker: Worker
 
 
-class ExternalLauncherExecutor(Executor):
-    """One ``Worker`` for this torchrun rank, in this process.
+class ExternalLauncherExecutor(UniProcExecutor):
+    """One ``Worker`` for this torchrun rank, in this process; logits processors (callables) reach
+    it as with ``UniProcExecutor`` (every rank makes its own; the engine's driver applies them).
 
     Args:
         model_config, cache_config, scheduler_config, parallel_config, kernel_config: see
@@ -48,32 +46,22 @@ class ExternalLauncherExecutor(Executor):
         driver_worker: a ``WorkerWrapper`` around this rank's worker (vLLM's attribute name; on
             every rank, not only the engine's driver).
     Raises:
-        ValueError: without torchrun's environment, or when its WORLD_SIZE is not
-            data_parallel_size x pipeline_parallel_size x tensor_parallel_size (from ``ParallelConfig``).
+        ValueError: without ``parallel_config.launcher`` (torchrun's environment; ``ParallelConfig``
+            also refuses a WORLD_SIZE other than data_parallel_size x pipeline_parallel_size x
+            tensor_parallel_size).
     """
 
-    uses_in_process_worker = True   # every rank holds the callables; its driver applies them
-
     def __init__(self, model_config, cache_config, scheduler_config, parallel_config, kernel_config) -> None:
-        super().__init__(model_config, cache_config, scheduler_config, parallel_config, kernel_config)
         if not parallel_config.uses_external_launcher:
             raise ValueError("ExternalLauncherExecutor needs distributed_executor_backend='external_launcher' "
                              "and torchrun's environment (ParallelConfig.launcher)")
-        self.driver_worker = WorkerWrapper(Worker(model_config, cache_config, scheduler_config, parallel_config,
-                                                  kernel_config, rank=parallel_config.launcher.rank))
+        super().__init__(model_config, cache_config, scheduler_config, parallel_config, kernel_config,
+                         rank=parallel_config.launcher.rank)
+        self.driver_worker = WorkerWrapper(self.driver_worker)
 
     @property
     def local_worker(self) -> Worker:
         return self.driver_worker.worker
-
-    @property
-    def model_dtype(self) -> Any:
-        return self.local_worker.dtype
-
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """``[getattr(worker, method)(*args, **kwargs)]`` on this rank's worker (every rank makes the
-        same call itself, as vLLM's)."""
-        return [getattr(self.local_worker, method)(*args, **(kwargs or {}))]
 
     def initialize(self) -> None:
         """Set this rank's torch threads on the CPU (``cpu_threads_per_rank``), join torchrun's
@@ -81,12 +69,11 @@ class ExternalLauncherExecutor(Executor):
         threads = self.parallel_config.cpu_threads_per_rank
         if threads is not None and (self.model_config.device or "cpu") == "cpu":
             torch.set_num_threads(threads)
-        self.collective_rpc("init_device")
-        self.collective_rpc("load_model")
-        ctx = self.local_worker.parallel
+        super().initialize()
         logger.info("external_launcher: rank %d of %d, data-parallel rank %d of %d, %d torch thread(s)",
-                    ctx.rank, self.parallel_config.world_size_across_dp, self.parallel_config.data_parallel_rank,
-                    self.parallel_config.data_parallel_size, torch.get_num_threads())
+                    self.local_worker.parallel.rank, self.parallel_config.world_size_across_dp,
+                    self.parallel_config.data_parallel_rank, self.parallel_config.data_parallel_size,
+                    torch.get_num_threads())
 
     def determine_num_blocks(self) -> int:
         """This rank's KV blocks, the minimum over the engine's ranks (the same on each)."""
@@ -95,23 +82,7 @@ class ExternalLauncherExecutor(Executor):
     def determine_num_cpu_blocks(self) -> int:
         return min_over_engine(self.local_worker.determine_num_cpu_blocks(), self.local_worker.parallel)
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+    def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step on this rank; every rank returns the engine driver's output (broadcast
-        over the engine's gloo group). ``non_block`` wraps it in a completed future."""
-        output = broadcast_from_driver(self.local_worker.execute_model(scheduler_output), self.local_worker.parallel)
-        if not non_block:
-            return output
-        future: Future[ModelRunnerOutput] = Future()
-        future.set_result(output)
-        return future
-
-    def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
-        self.local_worker.add_logits_processors(req_id, processors)
-
-    def check_health(self) -> None:
-        self.local_worker.check_health()
-
-    def shutdown(self) -> None:
-        """Drop this rank's model and KV cache; torchrun's world and the groups stay (the script's)."""
-        self.local_worker.shutdown()
+        over the engine's gloo group)."""
+        return broadcast_from_driver(super()._run_step(scheduler_output), self.local_worker.parallel)
