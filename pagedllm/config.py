@@ -347,14 +347,12 @@ class SpeculativeConfig:
 # Ray actor per rank (``executor/ray_executor.py``), "external_launcher" this process as one rank of
 # a world that torchrun started (``executor/external_launcher.py``).
 SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray", "external_launcher")
-# The variables torchrun (``torch.distributed.run``) sets in every process it starts.
-TORCHRUN_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
 class LauncherEnv:
     """This process's place in a world that an outside launcher (torchrun) started; the values of
-    ``TORCHRUN_ENV_VARS``, read once at the edge (``EngineArgs``) for
+    ``envs.TORCHRUN_ENV_VARS``, read once at the edge (``EngineArgs``) for
     ``distributed_executor_backend="external_launcher"``.
 
     Attributes:
@@ -387,13 +385,13 @@ class LauncherEnv:
             ValueError: naming the variables that are missing or not integers (external_launcher
                 needs the process started by torchrun or an equivalent launcher).
         """
-        missing = [name for name in TORCHRUN_ENV_VARS if not str(environ.get(name, "")).strip()]
+        missing = [name for name in envs.TORCHRUN_ENV_VARS if not str(environ.get(name, "")).strip()]
         if missing:
-            raise ValueError(f"distributed_executor_backend='external_launcher' needs the environment torchrun sets "
-                             f"({', '.join(TORCHRUN_ENV_VARS)}); missing: {', '.join(missing)}. Start the script with "
-                             "`torchrun --nproc-per-node=N script.py`")
+            raise ValueError(f"distributed_executor_backend='external_launcher' needs the environment torchrun "
+                             f"sets ({', '.join(envs.TORCHRUN_ENV_VARS)}); missing: {', '.join(missing)}. Start the "
+                             "script with `torchrun --nproc-per-node=N script.py`")
         values = {}
-        for name in TORCHRUN_ENV_VARS:
+        for name in envs.TORCHRUN_ENV_VARS:
             if name == "MASTER_ADDR":
                 continue
             try:
@@ -485,7 +483,7 @@ class ParallelConfig:
             return
         if self.launcher is None:
             raise ValueError("distributed_executor_backend='external_launcher' needs torchrun's environment "
-                             f"({', '.join(TORCHRUN_ENV_VARS)}): start the script with torchrun")
+                             f"({', '.join(envs.TORCHRUN_ENV_VARS)}): start the script with torchrun")
         if self.launcher.world_size != self.world_size_across_dp:
             raise ValueError(
                 f"external_launcher: torchrun's WORLD_SIZE={self.launcher.world_size}, but data_parallel_size x "

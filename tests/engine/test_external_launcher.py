@@ -14,8 +14,9 @@ import sys
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import TORCHRUN_ENV_VARS, LauncherEnv, ParallelConfig
+from pagedllm.config import LauncherEnv, ParallelConfig
 from pagedllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from pagedllm.envs import TORCHRUN_ENV_VARS
 
 DRIVER = os.path.join(os.path.dirname(__file__), "torchrun_driver.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,7 +68,8 @@ def reference(llama) -> dict[str, list[int]]:
 
 def test_launcher_env_names_missing_variables():
     with pytest.raises(ValueError, match="missing: LOCAL_WORLD_SIZE, MASTER_PORT"):
-        LauncherEnv.from_environ({k: v for k, v in TORCHRUN_ENV.items() if k not in ("LOCAL_WORLD_SIZE", "MASTER_PORT")})
+        LauncherEnv.from_environ({k: v for k, v in TORCHRUN_ENV.items()
+                                  if k not in ("LOCAL_WORLD_SIZE", "MASTER_PORT")})
     with pytest.raises(ValueError, match=r"\$RANK must be an integer, got 'x'"):
         LauncherEnv.from_environ(dict(TORCHRUN_ENV, RANK="x"))
     env = LauncherEnv.from_environ(TORCHRUN_ENV)
@@ -92,7 +94,8 @@ def test_engine_args_read_torchrun_env_and_threads(monkeypatch):
     for name, value in TORCHRUN_ENV.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("PAGEDLLM_CPU_THREADS_PER_RANK", raising=False)
-    args = EngineArgs(tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="external_launcher")
+    args = EngineArgs(tensor_parallel_size=2, pipeline_parallel_size=2,
+                      distributed_executor_backend="external_launcher")
     parallel = args.create_engine_config().parallel_config
     assert parallel.launcher.rank == 1 and parallel.data_parallel_rank == 0
     # 4 ranks on this machine share its cores, never less than one thread each.

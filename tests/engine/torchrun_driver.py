@@ -45,7 +45,8 @@ def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float
     forced = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                           SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True,
                                          logits_processors=[_only_42]), use_tqdm=False)
-    result = {"forced": list(forced[0].outputs[0].token_ids), "dp_rank": config.data_parallel_rank, "dp_size": config.data_parallel_size,
+    result = {"forced": list(forced[0].outputs[0].token_ids),
+              "dp_rank": config.data_parallel_rank, "dp_size": config.data_parallel_size,
               "num_blocks": llm.llm_engine.num_blocks,
               "world_rank": dist.get_rank(group=get_world_group().cpu_group),
               "num_params": sum(p.numel() for p in
