@@ -1,8 +1,9 @@
 """``distributed_executor_backend="external_launcher"`` (vLLM's torchrun mode): processes started by
 torchrun, each one rank running its own engine on the same inputs. On tiny random float32
 checkpoints every rank's greedy tokens equal the single-process engine's (TP 2, PP 2); with DP 2
-each rank generates its own share and the union equals the single engine's; sampled tokens agree on
-both TP ranks; a missing torchrun variable or a wrong WORLD_SIZE is a ValueError naming it."""
+(also DP 2 x TP 2 and DP 2 x PP 2 over four processes) each rank generates its own share and the
+union equals the single engine's; sampled tokens agree on both TP ranks; a missing torchrun variable
+or a wrong WORLD_SIZE is a ValueError naming it."""
 
 from __future__ import annotations
 
@@ -167,6 +168,22 @@ def test_data_parallel_shares_union_equals_single_process(tmp_path, llama, refer
     assert [(r["dp_rank"], r["dp_size"]) for r in results] == [(0, 2), (1, 2)]
     assert sorted(results[0]["tokens"]) == ["0", "2"] and sorted(results[1]["tokens"]) == ["1", "3"]
     assert {**results[0]["tokens"], **results[1]["tokens"]} == reference
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["dp2-tp2", "dp2-pp2"])
+def test_data_parallel_engines_of_two_ranks(tmp_path, llama, reference, tp, pp):
+    """Four processes, DP 2 x (TP 2 or PP 2): ranks 0-1 are engine 0, ranks 2-3 engine 1 (each with
+    its own groups and driver); an engine's two ranks agree, and the two shares make the reference."""
+    run = _torchrun(tmp_path, llama, tp, pp, 2, nproc=4)
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = _rank_results(tmp_path, nproc=4)
+    assert [(r["dp_rank"], r["world_rank"]) for r in results] == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    assert results[0]["tokens"] == results[1]["tokens"] and results[2]["tokens"] == results[3]["tokens"]
+    assert sorted(results[0]["tokens"]) == ["0", "2"] and sorted(results[2]["tokens"]) == ["1", "3"]
+    assert {**results[0]["tokens"], **results[2]["tokens"]} == reference
+    assert all(r["forced"] == [42, 42, 42] for r in results)
 
 
 @pytest.mark.multiprocess
