@@ -401,6 +401,8 @@ class LauncherEnv:
         return cls(rank=values["RANK"], local_rank=values["LOCAL_RANK"], world_size=values["WORLD_SIZE"],
                    local_world_size=values["LOCAL_WORLD_SIZE"], master_addr=environ["MASTER_ADDR"],
                    master_port=values["MASTER_PORT"])
+
+
 # ``ParallelConfig.ray_placement_strategy`` values (Ray's placement group strategies).
 RAY_PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD")
 

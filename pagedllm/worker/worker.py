@@ -107,7 +107,8 @@ class Worker:
             ``model_config.model_folder`` names the weights.
         kernel_config: the kernel settings (``config.KernelConfig``) the kernel plan and the
             model's layers are chosen from; None: its defaults.
-        rank: this worker's rank among ``parallel_config.world_size``.
+        rank: this worker's rank among ``parallel_config.world_size`` (with external_launcher:
+            torchrun's global ``RANK`` among ``world_size_across_dp``).
         weights: (name, tensor) pairs to load instead of reading ``model_config.model_folder``
             (tests, benchmarks).
         distributed_init_method: torch.distributed's rendezvous URL when the world has more than
