@@ -345,8 +345,65 @@ class SpeculativeConfig:
 
 # ``ParallelConfig.distributed_executor_backend`` values (vLLM's names): "uni" runs one worker in
 # the engine's process, "mp" one worker process per rank (``executor/multiproc.py``), "ray" one
-# Ray actor per rank (``executor/ray_executor.py``).
-SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
+# Ray actor per rank (``executor/ray_executor.py``), "external_launcher" this process as one rank of
+# a world that torchrun started (``executor/external_launcher.py``).
+SUPPORTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray", "external_launcher")
+
+
+@dataclass(frozen=True)
+class LauncherEnv:
+    """This process's place in a world that an outside launcher (torchrun) started; the values of
+    ``envs.TORCHRUN_ENV_VARS``, read once at the edge (``EngineArgs``) for
+    ``distributed_executor_backend="external_launcher"``.
+
+    Attributes:
+        rank: this process's global rank in [0, world_size) (``$RANK``).
+        local_rank: its rank on this machine (``$LOCAL_RANK``; picks the CUDA device).
+        world_size: processes in the world (``$WORLD_SIZE``).
+        local_world_size: processes on this machine (``$LOCAL_WORLD_SIZE``; shares the CPU cores
+            and the CPU KV budget).
+        master_addr, master_port: the rendezvous (``$MASTER_ADDR``, ``$MASTER_PORT``; torch's
+            ``env://`` reads them itself).
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size or not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(f"torchrun's environment is inconsistent: RANK={self.rank}, WORLD_SIZE={self.world_size}, "
+                             f"LOCAL_RANK={self.local_rank}, LOCAL_WORLD_SIZE={self.local_world_size}")
+
+    @classmethod
+    def from_environ(cls, environ) -> "LauncherEnv":
+        """The launcher's values from ``environ`` (a mapping such as ``os.environ``).
+
+        Raises:
+            ValueError: naming the variables that are missing or not integers (external_launcher
+                needs the process started by torchrun or an equivalent launcher).
+        """
+        missing = [name for name in envs.TORCHRUN_ENV_VARS if not str(environ.get(name, "")).strip()]
+        if missing:
+            raise ValueError(f"distributed_executor_backend='external_launcher' needs the environment torchrun "
+                             f"sets ({', '.join(envs.TORCHRUN_ENV_VARS)}); missing: {', '.join(missing)}. Start the "
+                             "script with `torchrun --nproc-per-node=N script.py`")
+        values = {}
+        for name in envs.TORCHRUN_ENV_VARS:
+            if name == "MASTER_ADDR":
+                continue
+            try:
+                values[name] = int(environ[name])
+            except ValueError:
+                raise ValueError(f"${name} must be an integer, got {environ[name]!r}") from None
+        return cls(rank=values["RANK"], local_rank=values["LOCAL_RANK"], world_size=values["WORLD_SIZE"],
+                   local_world_size=values["LOCAL_WORLD_SIZE"], master_addr=environ["MASTER_ADDR"],
+                   master_port=values["MASTER_PORT"])
+
+
 # ``ParallelConfig.ray_placement_strategy`` values (Ray's placement group strategies).
 RAY_PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD")
 
@@ -368,7 +425,12 @@ class ParallelConfig:
         distributed_executor_backend: which executor runs the workers (``executor/``): None
             picks by world size ("uni" for 1, "mp" above); "uni" forces the in-process worker
             (world size 1), "mp" one worker process per rank, "ray" one Ray actor per rank
-            (possibly on several machines of a Ray cluster).
+            (possibly on several machines of a Ray cluster), "external_launcher" this process as
+            one rank of torchrun's world (``launcher``), with every rank running its own engine on
+            the same inputs (vLLM's torchrun mode).
+        launcher: torchrun's values (``LauncherEnv``), required with "external_launcher" (whose
+            world is ``data_parallel_size`` x ``world_size`` ranks: DP group ``d`` is ranks
+            ``[d W, (d + 1) W)``), None otherwise.
         ray_placement_strategy: how the Ray executor's placement group places its bundles (one
             per rank): "STRICT_PACK" (default: all on one node), "PACK" (as few nodes as
             possible) or "SPREAD" (across nodes).
@@ -381,7 +443,8 @@ class ParallelConfig:
             possible, earlier stages taking the remainder.
         cpu_threads_per_rank: torch threads in each worker process on the CPU (``EngineArgs``
             defaults it to ``$PAGEDLLM_CPU_THREADS_PER_RANK``); None = ``os.cpu_count() //
-            world_size``, which must be >= 1.
+            world_size``, which must be >= 1 (with "external_launcher": ``os.cpu_count() //
+            launcher.local_world_size``, at least 1).
     """
 
     tensor_parallel_size: int = 1
@@ -392,6 +455,7 @@ class ParallelConfig:
     cpu_threads_per_rank: int | None = None
     ray_placement_strategy: str = "STRICT_PACK"
     enable_expert_parallel: bool = False
+    launcher: LauncherEnv | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -415,11 +479,47 @@ class ParallelConfig:
         if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank < 1:
             raise ValueError(f"cpu_threads_per_rank ($PAGEDLLM_CPU_THREADS_PER_RANK) must be >= 1, "
                              f"got {self.cpu_threads_per_rank}")
+        self._check_launcher()
+
+    def _check_launcher(self) -> None:
+        if self.distributed_executor_backend != "external_launcher":
+            return
+        if self.launcher is None:
+            raise ValueError("distributed_executor_backend='external_launcher' needs torchrun's environment "
+                             f"({', '.join(envs.TORCHRUN_ENV_VARS)}): start the script with torchrun")
+        if self.launcher.world_size != self.world_size_across_dp:
+            raise ValueError(
+                f"external_launcher: torchrun's WORLD_SIZE={self.launcher.world_size}, but data_parallel_size x "
+                f"pipeline_parallel_size x tensor_parallel_size = {self.data_parallel_size} x "
+                f"{self.pipeline_parallel_size} x {self.tensor_parallel_size} = {self.world_size_across_dp}; "
+                f"start {self.world_size_across_dp} processes (torchrun --nproc-per-node={self.world_size_across_dp})")
 
     @property
     def world_size(self) -> int:
         """Workers of one engine: tensor x pipeline parallel ranks."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def world_size_across_dp(self) -> int:
+        """Ranks of all ``data_parallel_size`` engines (vLLM's name): D x PP x TP."""
+        return self.data_parallel_size * self.world_size
+
+    @property
+    def uses_external_launcher(self) -> bool:
+        """Whether this process is one rank of torchrun's world (``external_launcher``)."""
+        return self.launcher is not None and self.distributed_executor_backend == "external_launcher"
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's engine among the ``data_parallel_size`` (vLLM's name): with
+        external_launcher ``RANK // world_size`` (which share of the prompts is its own); else 0."""
+        return self.launcher.rank // self.world_size if self.uses_external_launcher else 0
+
+    @property
+    def ranks_on_this_machine(self) -> int:
+        """Worker processes sharing this machine's cores and RAM: torchrun's local world size with
+        external_launcher, else ``world_size``."""
+        return self.launcher.local_world_size if self.uses_external_launcher else self.world_size
 
     def check_model(self, num_attention_heads: int, num_key_value_heads: int, intermediate_size: int,
                     num_hidden_layers: int, num_experts: int = 0, moe_intermediate_size: int = 0) -> None:

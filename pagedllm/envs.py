@@ -24,6 +24,8 @@ PAGEDLLM_PP_LAYER_PARTITION = "PAGEDLLM_PP_LAYER_PARTITION"    # -> EngineArgs.p
 PAGEDLLM_CPU_THREADS_PER_RANK = "PAGEDLLM_CPU_THREADS_PER_RANK"  # -> EngineArgs.cpu_threads_per_rank
 # -> EngineArgs.profiler_config {"profiler": "torch", "torch_profiler_dir": ...}; vLLM's older name read too.
 TORCH_PROFILER_DIR = ("PAGEDLLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR")
+# torchrun's, read only with distributed_executor_backend="external_launcher" -> ParallelConfig.launcher.
+TORCHRUN_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 PAGEDLLM_API_KEY = "PAGEDLLM_API_KEY"                          # -> the server's --api-key
 PAGEDLLM_CACHE_DIR = "PAGEDLLM_CACHE_DIR"                      # -> loaders.model_files.default_cache_root
 # -> EngineArgs.otlp_traces_protocol ("grpc" | "http/protobuf"; the OpenTelemetry SDK's variable, as vLLM reads it)

@@ -5,6 +5,7 @@ nothing. Each adds its wall time to ``ctx.step_times`` (two ``perf_counter`` cal
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,3 +53,24 @@ def recv_from_prev_stage(shape: tuple[int, ...], dtype: torch.dtype, device: tor
     dist.recv(x, src=ctx.prev_rank)
     ctx.step_times.recv += time.perf_counter() - t0
     return x
+
+
+def broadcast_from_driver(obj: Any, ctx: ParallelContext) -> Any:
+    """[external_launcher] The engine driver's ``obj`` (any picklable value, e.g. a step's
+    ``ModelRunnerOutput``) on every rank of the engine, over its gloo ``engine_group``; the
+    other ranks' ``obj`` is ignored. ``obj`` itself with no engine group (one rank)."""
+    if ctx.engine_group is None:
+        return obj
+    box = [obj if ctx.rank == ctx.engine_driver_rank else None]
+    dist.broadcast_object_list(box, src=ctx.engine_driver_rank, group=ctx.engine_group)
+    return box[0]
+
+
+def min_over_engine(value: int, ctx: ParallelContext) -> int:
+    """[external_launcher] The minimum of ``value`` (an int, e.g. KV blocks) over the engine's ranks,
+    so that every rank's scheduler gets the same number; ``value`` with no engine group."""
+    if ctx.engine_group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.engine_group)
+    return int(t.item())

@@ -63,6 +63,8 @@ class ParallelContext:
         tp_group: the torch.distributed group of this stage's tensor-parallel ranks (None for T = 1).
         enable_expert_parallel: MoE layers place whole experts on the tensor ranks
             (``ParallelConfig.enable_expert_parallel``).
+        engine_group: [external_launcher] the gloo group of this engine's ``world_size`` ranks
+            (the driver's step output is broadcast over it); None otherwise.
         step_times: where this rank's step time goes (``--breakdown``; the one mutable part).
     """
 
@@ -75,6 +77,7 @@ class ParallelContext:
     layer_end: int | None = None
     tp_group: Any = None
     enable_expert_parallel: bool = False
+    engine_group: Any = None
     step_times: StepTimes = field(default_factory=StepTimes, compare=False)
 
     @property
@@ -99,6 +102,12 @@ class ParallelContext:
     def next_rank(self) -> int:
         """Global rank this stage sends hidden states to."""
         return self.rank + self.tp_size
+
+    @property
+    def engine_driver_rank(self) -> int:
+        """Global rank of this engine's driver (with external_launcher, engine ``d``'s ranks start at
+        ``d x world_size``)."""
+        return self.rank - (self.pp_rank * self.tp_size + self.tp_rank) + (self.pp_size - 1) * self.tp_size
 
     def owns_layer(self, index: int) -> bool:
         return self.layer_start <= index < (self.layer_end if self.layer_end is not None else index + 1)
@@ -135,14 +144,56 @@ def init_parallel_context(parallel_config: ParallelConfig, rank: int, num_hidden
             group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), backend=backend)
             if stage == rank // tp:
                 tp_group = group
-    pp_rank = rank // tp
+    return make_parallel_context(parallel_config, rank, num_hidden_layers, tp_group)
+
+
+def make_parallel_context(parallel_config: ParallelConfig, rank: int, num_hidden_layers: int, tp_group: Any,
+                          engine_group: Any = None) -> ParallelContext:
+    """The ``ParallelContext`` of global rank ``rank`` once its groups exist: tensor rank ``rank %
+    T``, stage ``(rank % world_size) // T`` (engines of ``world_size`` ranks side by side)."""
+    tp, pp = parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
+    pp_rank = (rank % parallel_config.world_size) // tp
     start, end = parallel_config.stage_layers(num_hidden_layers, pp_rank)
     ctx = ParallelContext(rank=rank, tp_rank=rank % tp, tp_size=tp, pp_rank=pp_rank, pp_size=pp,
                           layer_start=start, layer_end=end, tp_group=tp_group if tp > 1 else None,
-                          enable_expert_parallel=parallel_config.enable_expert_parallel)
+                          enable_expert_parallel=parallel_config.enable_expert_parallel, engine_group=engine_group)
     logger.info("rank %d: tensor rank %d/%d, pipeline stage %d/%d, layers [%d, %d)", rank, ctx.tp_rank, tp,
                 pp_rank, pp, start, end)
     return ctx
+
+
+@dataclass(frozen=True)
+class WorldGroup:
+    """vLLM's world ``GroupCoordinator``, reduced to what its torchrun examples use.
+
+    Attributes:
+        cpu_group: a group of every rank for CPU tensors and objects (gloo).
+        device_group: the same ranks for the model's device tensors (gloo on the CPU, NCCL on CUDA).
+    """
+
+    cpu_group: Any
+    device_group: Any
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+
+def get_world_group() -> WorldGroup:
+    """vLLM's ``get_world_group()``: torch.distributed's default group, which an external_launcher
+    engine joins with gloo on the CPU and ``cpu:gloo,cuda:nccl`` on CUDA, so one group serves both.
+
+    Raises:
+        RuntimeError: if this process has no process group (no multi-rank engine here).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("get_world_group(): torch.distributed is not initialized in this process "
+                           "(only engines of several ranks in this process, external_launcher, join one)")
+    return WorldGroup(cpu_group=dist.group.WORLD, device_group=dist.group.WORLD)
 
 
 def destroy_parallel_context() -> None:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from pagedllm import envs
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                              SUPPORTED_LOAD_FORMATS, SUPPORTED_QUANTIZATION, CacheConfig, KernelConfig, KVEventsConfig,
-                             ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig)
+                             LauncherEnv, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class EngineArgs:
         cpu_kvcache_space: [GiB] the CPU KV budget when ``kv_cache_memory_bytes`` is None; default
             ``$PAGEDLLM_CPU_KVCACHE_SPACE`` or None (min(25% of available RAM, 4 GiB)).
         distributed_executor_backend: None (by world size: "uni" for 1, else "mp"), "uni", "mp"
-            or "ray" (``executor/``; "ray" needs the ``[ray]`` extra).
+            or "ray" (``executor/``; "ray" needs the ``[ray]`` extra), or "external_launcher" (this
+            process is one rank that torchrun started; torchrun's variables are read here).
         ray_placement_strategy: "STRICT_PACK" (default), "PACK" or "SPREAD" (the Ray executor's
             placement group).
         enable_expert_parallel: whole experts per tensor rank in mixture-of-experts layers
@@ -97,7 +98,8 @@ class EngineArgs:
         pp_layer_partition: layers per pipeline stage, "10,8"; default ``$PAGEDLLM_PP_LAYER_PARTITION``
             or None (even split).
         cpu_threads_per_rank: torch threads per worker process; default
-            ``$PAGEDLLM_CPU_THREADS_PER_RANK`` or None (``os.cpu_count() // world_size``).
+            ``$PAGEDLLM_CPU_THREADS_PER_RANK`` or None (``os.cpu_count() // world_size``; with
+            external_launcher ``max(1, os.cpu_count() // $LOCAL_WORLD_SIZE)``).
         generation_config: where ``LLM.get_default_sampling_params`` reads sampling defaults:
             "auto" (the model's generation_config.json), "vllm" (none) or a folder (vLLM's).
         override_generation_config: generation-config keys laid over the file's (dict).
@@ -321,7 +323,8 @@ class EngineArgs:
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
                                   self.distributed_executor_backend, self._pp_partition(), self._threads_per_rank(),
                                   ray_placement_strategy=self.ray_placement_strategy,
-                                  enable_expert_parallel=bool(self.enable_expert_parallel))
+                                  enable_expert_parallel=bool(self.enable_expert_parallel),
+                                  launcher=self._launcher_env())
         if arch:  # before any weight loads: the model must split this way
             parallel.check_model(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size,
                                  model.num_hidden_layers, model.num_experts, model.moe_intermediate_size)
@@ -481,8 +484,21 @@ class EngineArgs:
             raise ValueError(f"pp_layer_partition (${envs.PAGEDLLM_PP_LAYER_PARTITION}) must be comma-separated layer "
                              f"counts, got {self.pp_layer_partition!r}") from None
 
+    def _launcher_env(self):
+        """torchrun's variables (``config.LauncherEnv``) for ``external_launcher``, read here, at the
+        edge, and only for that backend; None for the others.
+
+        Raises:
+            ValueError: naming the missing variables.
+        """
+        if self.distributed_executor_backend != "external_launcher":
+            return None
+        return LauncherEnv.from_environ(os.environ)
+
     def _threads_per_rank(self) -> int | None:
         if self.cpu_threads_per_rank is None or self.cpu_threads_per_rank == "":
+            if self.distributed_executor_backend == "external_launcher":   # torchrun's ranks share the cores
+                return max(1, (os.cpu_count() or 1) // self._launcher_env().local_world_size)
             return None
         try:
             return int(self.cpu_threads_per_rank)

@@ -473,6 +473,16 @@ class AsyncFrontEnd:
             self.request_tracer.shutdown()
 
 
+def check_not_external_launcher(backend: str | None) -> None:
+    """Raises:
+        ValueError: for ``distributed_executor_backend="external_launcher"``: its ranks stay in
+            lockstep only by scheduling the same inputs in the same order, which a server's
+            requests, arriving at one rank's port at their own times, do not give."""
+    if backend == "external_launcher":
+        raise ValueError("distributed_executor_backend='external_launcher' is for offline inference "
+                         "(LLM.generate in every torchrun rank); a server or AsyncLLM needs 'mp' or 'ray'")
+
+
 class AsyncLLM(AsyncFrontEnd):
     """An ``LLMEngine`` driven by a background thread, for many concurrent asyncio callers.
 
@@ -486,10 +496,13 @@ class AsyncLLM(AsyncFrontEnd):
             None disables them.
         log_requests: log each request's id, prompt length and params at INFO when it is added
             (``AsyncEngineArgs.enable_log_requests``).
+    Raises:
+        ValueError: for an external_launcher engine (offline ``LLM`` only, as in vLLM).
     """
 
     def __init__(self, engine: LLMEngine, stat_loggers: Iterable[StatLogger] = (),
                  log_stats_interval_s: float | None = DEFAULT_LOG_INTERVAL_S, log_requests: bool = False) -> None:
+        check_not_external_launcher(engine.args.distributed_executor_backend)
         self.engine = engine
         self.log_requests = log_requests
         self._stats_log = LoggingStatLogger(log_stats_interval_s) if log_stats_interval_s else None
@@ -531,6 +544,7 @@ class AsyncLLM(AsyncFrontEnd):
             ValueError: bad engine arguments (an OTLP endpoint without the ``otel`` extra among them,
                 before the model loads).
         """
+        check_not_external_launcher(args.distributed_executor_backend)
         observability = args.create_observability_config()
         if args.data_parallel_size > 1:
             from pagedllm.engine.dp_client import DPAsyncLLM

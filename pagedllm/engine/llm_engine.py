@@ -73,9 +73,10 @@ class LLMEngine:
         model_cfg, cache_cfg, sched_cfg = (self.vllm_config.model_config, self.vllm_config.cache_config,
                                            self.vllm_config.scheduler_config)
         parallel_cfg, kernel_cfg = self.vllm_config.parallel_config, self.vllm_config.kernel_config
-        if parallel_cfg.data_parallel_size != 1:
+        if parallel_cfg.data_parallel_size != 1 and not parallel_cfg.uses_external_launcher:
             raise ValueError(f"data_parallel_size={parallel_cfg.data_parallel_size}: one LLMEngine is one replica; "
-                             "LLM(...) and pagedllm serve start the replicas (engine/dp_client.py)")
+                             "LLM(...) and pagedllm serve start the replicas (engine/dp_client.py); with "
+                             "external_launcher each torchrun rank's engine is its own replica's")
         if model_cfg.load_format == "sharded_state":   # another layout or a missing file: fail before any worker
             check_sharded_state(files.folder, parallel_cfg.tensor_parallel_size, parallel_cfg.pipeline_parallel_size)
         if model_cfg.load_format == "tensorizer":   # a rank's file missing: fail before any worker
@@ -180,6 +181,11 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
+
+    @property
+    def model_executor(self) -> Executor:
+        """vLLM's name for ``executor`` (its torchrun example reaches the model through it)."""
+        return self.executor
 
     @property
     def max_model_len(self) -> int:
@@ -288,6 +294,8 @@ class LLMEngine:
             # [structured output] each sample gets its own matcher over the shared compiled grammar.
             grammar = (self.structured_output_manager.make_request(sp.structured_outputs)
                        if sp.structured_outputs is not None else None)
+            if grammar is not None and self.parallel_config.uses_external_launcher:
+                grammar.wait()   # every torchrun rank admits it at the same step (vLLM: no async compile)
             requests.append(Request(sid, processed.prompt_token_ids, sp, processed.max_tokens,
                                     arrival_time=arrival_time, structured_output_request=grammar,
                                     lora_request=lora_request, prompt_embeds=processed.prompt_embeds))

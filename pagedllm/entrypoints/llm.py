@@ -41,7 +41,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         observability = self.engine_args.create_observability_config()   # before the weights load
-        if self.engine_args.data_parallel_size > 1:
+        if self._spawns_replicas():
             # D replica processes; a batch is spread over them by load and prefix (README, "Data parallelism").
             from pagedllm.engine.dp_client import EngineCoreClient
             self.llm_engine = EngineCoreClient(self.engine_args)
@@ -54,6 +54,12 @@ class LLM:
         # vLLM's LLM logs no stats by default; disable_log_stats=False keeps Prometheus metrics
         # in memory for get_metrics().
         self._metrics_registry = None if kwargs.get("disable_log_stats", True) else self._attach_metrics()
+
+    def _spawns_replicas(self) -> bool:
+        """Whether this ``LLM`` fronts D > 1 replica processes; not with external_launcher, where
+        this process (a torchrun rank) runs its own data-parallel rank's engine."""
+        return self.engine_args.data_parallel_size > 1 \
+            and self.engine_args.distributed_executor_backend != "external_launcher"
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
@@ -96,7 +102,7 @@ class LLM:
                        kwargs: dict | None = None) -> list:
         """vLLM's ``LLM.collective_rpc``: ``LLMEngine.collective_rpc`` (one engine; not with
         ``data_parallel_size`` > 1: ``ValueError``)."""
-        if self.engine_args.data_parallel_size > 1:
+        if self._spawns_replicas():
             raise ValueError("collective_rpc needs one engine (data_parallel_size 1)")
         return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 

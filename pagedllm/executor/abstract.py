@@ -51,7 +51,8 @@ class Executor(ABC):
 
         ``distributed_executor_backend`` "uni", or None with a world size of 1, gives
         ``UniProcExecutor``; "mp", or None with more ranks, ``MultiprocExecutor``; "ray"
-        ``RayDistributedExecutor`` (which raises ImportError naming the ``[ray]`` extra without Ray).
+        ``RayDistributedExecutor`` (which raises ImportError naming the ``[ray]`` extra without Ray);
+        "external_launcher" ``ExternalLauncherExecutor`` (this process is one of torchrun's ranks).
 
         Raises:
             ValueError: for a backend or world size no executor implements.
@@ -65,6 +66,9 @@ class Executor(ABC):
         if backend == "ray":
             from pagedllm.executor.ray_executor import RayDistributedExecutor
             return RayDistributedExecutor
+        if backend == "external_launcher":
+            from pagedllm.executor.external_launcher import ExternalLauncherExecutor
+            return ExternalLauncherExecutor
         if backend == "uni":
             if parallel_config.world_size != 1:
                 raise ValueError(f"distributed_executor_backend='uni' runs one worker, "
@@ -72,7 +76,7 @@ class Executor(ABC):
             from pagedllm.executor.uniproc import UniProcExecutor
             return UniProcExecutor
         raise ValueError(f"distributed_executor_backend={backend!r} with world size "
-                         f"{parallel_config.world_size} is not supported ('uni', 'mp', 'ray')")
+                         f"{parallel_config.world_size} is not supported ('uni', 'mp', 'ray', 'external_launcher')")
 
     # -- lifecycle ------------------------------------------------------------------------
 

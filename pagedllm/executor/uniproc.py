@@ -17,6 +17,7 @@ class UniProcExecutor(Executor):
     Args:
         model_config, cache_config, scheduler_config, parallel_config, kernel_config: see ``Executor``.
         weights: (name, tensor) pairs to load instead of ``model_config.model_folder``.
+        rank: the worker's global rank (0; ``ExternalLauncherExecutor`` passes torchrun's).
     Attributes:
         driver_worker: the worker.
     """
@@ -24,14 +25,14 @@ class UniProcExecutor(Executor):
     uses_in_process_worker = True
 
     def __init__(self, model_config, cache_config, scheduler_config, parallel_config, kernel_config,
-                 weights=None) -> None:
+                 weights=None, rank: int = 0) -> None:
         super().__init__(model_config, cache_config, scheduler_config, parallel_config, kernel_config)
         self.driver_worker = Worker(model_config, cache_config, scheduler_config, parallel_config, kernel_config,
-                                    rank=0, weights=weights)
+                                    rank=rank, weights=weights)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """``[getattr(worker, method)(*args, **kwargs)]`` on the one worker."""
-        return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]
+        return [getattr(self.local_worker, method)(*args, **(kwargs or {}))]
 
     @property
     def local_worker(self) -> Any:
@@ -39,17 +40,21 @@ class UniProcExecutor(Executor):
 
     @property
     def model_dtype(self) -> Any:
-        return self.driver_worker.dtype
+        return self.local_worker.dtype
 
     def initialize(self) -> None:
         self.collective_rpc("init_device")
         self.collective_rpc("load_model")
 
+    def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The step's output as the engine gets it (here: the worker's)."""
+        return self.local_worker.execute_model(scheduler_output)
+
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         """Run the step now (one worker: nothing to overlap); ``non_block`` wraps the output
         in a completed future."""
-        output = self.driver_worker.execute_model(scheduler_output)
+        output = self._run_step(scheduler_output)
         if not non_block:
             return output
         future: Future[ModelRunnerOutput] = Future()
@@ -57,10 +62,10 @@ class UniProcExecutor(Executor):
         return future
 
     def add_logits_processors(self, req_id: str, processors: list[LogitsProcessor]) -> None:
-        self.driver_worker.add_logits_processors(req_id, processors)
+        self.local_worker.add_logits_processors(req_id, processors)
 
     def check_health(self) -> None:
-        self.driver_worker.check_health()
+        self.local_worker.check_health()
 
     def shutdown(self) -> None:
-        self.driver_worker.shutdown()
+        self.local_worker.shutdown()

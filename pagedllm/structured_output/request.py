@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import numpy as np
 
@@ -39,6 +39,12 @@ class StructuredOutputRequest:
         except Exception as e:  # noqa: BLE001 - reported through ``error``
             self._error = f"{type(e).__name__}: {e}"
         return True
+
+    def wait(self) -> None:
+        """Block until the compile has ended (then ``is_ready()`` is True). For engines that must
+        admit the request at the same step on every rank (external_launcher)."""
+        wait([self._compiled])
+        self.is_ready()
 
     @property
     def error(self) -> str | None:

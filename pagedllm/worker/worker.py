@@ -15,6 +15,7 @@ from pagedllm.config import (DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, Kernel
                              SchedulerConfig)
 from pagedllm.core.kv_cache_spec import NULL_BLOCK_ID, KVCacheGroups, kv_cache_groups_for
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.external_launcher import init_launcher_context
 from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.loaders.sharded_state import check_sharded_state, load_rank_state, rank_state_dict, save_rank_state
@@ -114,7 +115,8 @@ class Worker:
             ``model_config.model_folder`` names the weights.
         kernel_config: the kernel settings (``config.KernelConfig``) the kernel plan and the
             model's layers are chosen from; None: its defaults.
-        rank: this worker's rank among ``parallel_config.world_size``.
+        rank: this worker's rank among ``parallel_config.world_size`` (with external_launcher:
+            torchrun's global ``RANK`` among ``world_size_across_dp``).
         weights: (name, tensor) pairs to load instead of reading ``model_config.model_folder``
             (tests, benchmarks).
         distributed_init_method: torch.distributed's rendezvous URL when the world has more than
@@ -159,7 +161,8 @@ class Worker:
     def init_device(self) -> None:
         """Pick the device, seed the global RNGs with the engine's seed
         (``utils.torch_utils.set_random_seed``); with more than one rank, join the process group
-        (gloo on the CPU, NCCL on CUDA, where rank ``r`` takes ``cuda:r``).
+        (gloo on the CPU, NCCL on CUDA, where rank ``r`` takes ``cuda:r``); with external_launcher,
+        torchrun's world (``distributed/external_launcher.py``; ``cuda:$LOCAL_RANK``).
 
         Raises:
             ValueError: if cuda is asked for and not available.
@@ -167,12 +170,18 @@ class Worker:
         self.device = resolve_device(self.model_config.device)
         set_random_seed(self.model_config.seed)   # as vLLM's workers: random, numpy and torch global RNGs
         world = self.parallel_config.world_size
-        if world > 1 and self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
+        launcher = self.parallel_config.launcher if self.parallel_config.uses_external_launcher else None
+        if (world > 1 or launcher is not None) and self.device.type == "cuda" and self.device.index is None:
+            local_rank = self.rank if launcher is None else launcher.local_rank
+            self.device = torch.device("cuda", local_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if launcher is not None:   # one rank of torchrun's world
+            self.parallel = init_launcher_context(self.parallel_config, self.model_config.num_hidden_layers, backend)
+            return
         self.parallel = init_parallel_context(
             self.parallel_config, self.rank, self.model_config.num_hidden_layers, self.distributed_init_method,
-            "nccl" if self.device.type == "cuda" else "gloo")
+            backend)
 
     def load_model(self) -> None:
         """Choose the kernel plan on a first call (``worker/kernel_plan.py``: dtype, linear layers,
@@ -403,7 +412,7 @@ class Worker:
                             cache_config.gpu_memory_utilization)
             budget = default_cpu_kv_cache_bytes(cache_config.cpu_kvcache_space_bytes)
             if cache_config.cpu_kvcache_space_bytes is None:  # the ranks share one machine's RAM
-                budget //= self.parallel_config.world_size
+                budget //= self.parallel_config.ranks_on_this_machine
         else:
             budget = kv_bytes_from_utilization(
                 torch.cuda.get_device_properties(self.device).total_memory,
@@ -611,8 +620,8 @@ class Worker:
         self.draft_kv_caches = []
         self.model = None
         self.draft_model = None
-        if self.parallel_config.world_size > 1:
-            destroy_parallel_context()
+        if self.parallel_config.world_size > 1 and not self.parallel_config.uses_external_launcher:
+            destroy_parallel_context()   # torchrun's world is the script's: it stays
 
     def _profile_peak_bytes(self, scheduler_config: SchedulerConfig) -> int:
         """Peak accelerator bytes of a forward over ``max_num_batched_tokens`` tokens with a
