@@ -12,7 +12,7 @@ from typing import Any, Callable
 from pagedllm import envs
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                              SUPPORTED_LOAD_FORMATS, SUPPORTED_QUANTIZATION, CacheConfig, KernelConfig, ModelConfig,
-                             ParallelConfig, SchedulerConfig, VllmConfig)
+                             ParallelConfig, SchedulerConfig, VllmConfig, WatermarkConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,8 @@ class EngineArgs:
         speculative_config: vLLM's speculative decoding settings: a dict of
             ``config.SpeculativeConfig`` fields (``{"method": "ngram", "num_speculative_tokens":
             4}``) or a ``SpeculativeConfig``; None: no speculative decoding.
+        watermark_config: vLLM's text watermarking: a dict of ``config.WatermarkConfig`` fields
+            (``{"key": 1234}``) or a ``WatermarkConfig``; None: off. Not with speculative decoding.
         enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_dtype: LoRA adapters
             (``lora.config.LoRAConfig``: slots, their rank, adapters cached on the host, dtype).
     """
@@ -177,6 +179,7 @@ class EngineArgs:
     profiler_config: Any = field(default_factory=_profiler_config_from_env)
     logits_processors: list[Any] | None = None
     speculative_config: Any = None
+    watermark_config: Any = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -307,7 +310,24 @@ class EngineArgs:
                                  model.num_hidden_layers, model.num_experts, model.moe_intermediate_size)
         return VllmConfig(model, cache, sched, parallel, kernel,
                           structured_outputs_config=self.create_structured_outputs_config(),
-                          speculative_config=self.create_speculative_config(), lora_config=self.create_lora_config())
+                          speculative_config=self.create_speculative_config(), lora_config=self.create_lora_config(),
+                          watermark_config=self.create_watermark_config())
+
+    def create_watermark_config(self) -> WatermarkConfig | None:
+        """The ``WatermarkConfig`` of ``watermark_config`` (None: no watermark), checked once.
+
+        Raises:
+            ValueError: naming watermark_config: a bad field (``WatermarkConfig``), or speculative
+                decoding, which pagedllm does not watermark (vLLM's dual-key scheme is not here).
+        """
+        config = WatermarkConfig.from_any(self.watermark_config)
+        if config is not None and self.speculative_config is not None:
+            raise ValueError("watermark_config with speculative_config: pagedllm does not watermark speculative "
+                             "decoding (vLLM's 'dual_key_gumbel' and target-only watermarking are not implemented); "
+                             "drop one of them")
+        if config is not None:
+            logger.info("watermarking: %r", config)
+        return config
 
     def create_profiler_config(self):
         """The ``profiler.ProfilerConfig`` of ``profiler_config`` (disabled when None).
@@ -545,6 +565,10 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                         "or '{\"method\": \"suffix\"}' or '{\"method\": \"self_int8\", \"num_speculative_tokens\": 4}' "
                         "(README, \"Speculative decoding\"; default: off)")
+    g.add_argument("--watermark-config", type=_json_dict, default=None,
+                   help="text watermarking, vLLM's JSON keys, e.g. '{\"key\": 1234}' (also \"context_width\", "
+                        "\"deduplicate_contexts\", \"deduplicate_contexts_max_history\", \"prf\"; README, "
+                        "\"Watermarking\"; default: off)")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (README, \"LoRA adapters\")")
     g.add_argument("--max-loras", type=int, default=1, help="adapters in one batch (slots; default 1)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
