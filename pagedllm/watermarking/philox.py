@@ -16,8 +16,8 @@ encryption of ``(t >> 2, s0, s1, s2)`` under ``(k0 ^ s3, k1 ^ TOKEN_DOMAIN)``, a
 24 bits ``m`` give the uniform ``(m + 1) / (2**24 + 1)`` in (0, 1), a float32. Four consecutive
 token ids share one encryption, so a whole vocabulary costs ``V / 4`` of them per context.
 
-All arithmetic is int64 on 32-bit values (products are split into 16-bit halves so nothing
-overflows), device-agnostic torch.
+All arithmetic is int64 on 32-bit values (a 32 x 32-bit product wraps modulo 2**64 in int64, which
+keeps its bits), device-agnostic torch.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ CONTEXT_DOMAIN = 0x574D4358
 TOKEN_DOMAIN = 0x574D544B
 # Uniforms are (m + 1) / (2**24 + 1) for the top 24 bits m of a word: exact in float32, never 0 or 1.
 _UNIFORM_BITS = 24
+# vocab_uniform's working set: counters per chunk (int64: 512 KiB per temporary).
+_CHUNK_ELEMENTS = 1 << 16
 
 Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -43,14 +45,14 @@ Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 def mulhilo32(multiplier: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """High and low 32 bits of ``multiplier * x`` for 32-bit ``x`` (int64 tensor).
 
-    The 64-bit product would overflow int64, so it is built from ``a = x * (m & 0xFFFF)`` and
-    ``b = x * (m >> 16)`` (each < 2**48): product = a + b * 2**16.
+    The 64-bit product is formed in int64, where torch's multiplication wraps modulo 2**64 (two's
+    complement), so its bit pattern is the unsigned product's: the low word is ``p & 0xFFFFFFFF``
+    and the high word ``(p >> 32) & 0xFFFFFFFF`` (the arithmetic shift's sign bits are masked
+    off). Four passes instead of the nine of a product split into 16-bit halves; the known-answer
+    and vLLM reference tests check the bits.
     """
-    a = x * (multiplier & 0xFFFF)
-    b = x * (multiplier >> 16)
-    low = (a + ((b & 0xFFFF) << 16)) & _MASK32
-    high = (((a >> 16) + b) >> 16) & _MASK32
-    return high, low
+    p = x * multiplier
+    return (p >> 32) & _MASK32, p & _MASK32
 
 
 def philox4x32(counter: Words, key: tuple[torch.Tensor | int, torch.Tensor | int]) -> Words:
@@ -152,10 +154,18 @@ class PhiloxPRF:
             [N, V] float32.
         """
         s0, s1, s2, s3 = (s.unsqueeze(-1) for s in self.context_state(contexts))   # [N, 1] each
-        groups = torch.arange((vocab_size + 3) // 4, dtype=torch.int64, device=contexts.device)
-        out = philox4x32((groups, s0, s1, s2), (self._k0 ^ s3, self._k1 ^ TOKEN_DOMAIN))  # [N, G] x4
-        words = torch.stack(out, dim=-1).flatten(-2)[:, :vocab_size]   # [N, G, 4] -> [N, V]
-        return words_to_uniform(words)
+        key = (self._k0 ^ s3, self._k1 ^ TOKEN_DOMAIN)
+        num_groups = (vocab_size + 3) // 4
+        n = contexts.shape[0]
+        out = torch.empty(n, num_groups, 4, dtype=torch.float32, device=contexts.device)
+        # Chunks of about _CHUNK_ELEMENTS counters: the ~250 elementwise passes of the 10 rounds
+        # then run on int64 tensors that stay in the CPU's L2 cache (about 3x faster at batch 16 than whole rows).
+        step = max(1, _CHUNK_ELEMENTS // max(n, 1))
+        for g0 in range(0, num_groups, step):
+            groups = torch.arange(g0, min(g0 + step, num_groups), dtype=torch.int64, device=contexts.device)
+            words = philox4x32((groups, s0, s1, s2), key)   # 4 x [N, chunk]
+            out[:, g0:g0 + step] = words_to_uniform(torch.stack(words, dim=-1))   # [N, chunk, 4]
+        return out.view(n, num_groups * 4)[:, :vocab_size]   # token 4g + j = word j of group g
 
 
 def create_prf(name: str, key: int) -> PhiloxPRF:
