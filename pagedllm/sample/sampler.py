@@ -4,7 +4,8 @@
 2. ``allowed_token_ids`` / bad words / ``min_tokens`` masks (-inf), ``logit_bias``, logits
    processors, repetition (CTRL, prompt + output) then frequency / presence penalties (output).
 3. Greedy rows: argmax of the processed logits. Random rows: temperature, min_p, top_k, top_p,
-   then one inverse-CDF draw per row.
+   then one inverse-CDF draw per row; watermarked rows (``watermark_config``) take the keyed
+   Gumbel-max draw after the same steps instead (``watermarking/sampling.py``).
 
 Greedy and unseeded rows go through the batch in one pass; the only per-row Python loops are the
 seeded generators (one uniform each) and logits processors. top_k / top_p never sort a whole

@@ -93,10 +93,21 @@ class WatermarkRows:
     watermarker: GumbelWatermarker
 
     def sample(self, x: torch.Tensor) -> torch.Tensor:
-        """[W] int64 tokens from ``x`` [W, V] float32, these rows' logits after min_p."""
-        if self.top_k is not None:
-            x = top_k_top_p_mask(x, self.top_k, self.top_p)
-        return self.watermarker.sample(x, self.contexts)
+        """[W] int64 tokens from ``x`` [W, V] float32, these rows' logits after min_p.
+
+        When every row sets top_k, the noise is needed only at the candidates: the PRF runs on the
+        ``max(top_k)`` best ids of each row instead of the whole vocabulary (the same uniforms, so
+        the same token as the full-vocabulary argmax over the masked logits)."""
+        if self.top_k is None:
+            return self.watermarker.sample(x, self.contexts)
+        k_max = int(self.top_k.max())
+        if k_max >= x.shape[1]:
+            return self.watermarker.sample(top_k_top_p_mask(x, self.top_k, self.top_p), self.contexts)
+        vals, ids = x.topk(k_max, dim=-1)   # [W, K] descending
+        kept = top_k_top_p_mask(vals, self.top_k, self.top_p)   # already sorted: masks in place of sort
+        u = self.watermarker.prf.uniform(self.contexts, ids)   # [W, K]
+        noisy = u.log_().neg_().log_().neg_().add_(kept)
+        return ids.gather(1, noisy.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
 class WatermarkSampler:

@@ -174,3 +174,22 @@ def test_sampling_params_watermarking_field():
     assert SamplingParams().watermarking is None
     with pytest.raises(ValueError, match="watermarking"):
         SamplingParams(watermarking=1)
+
+
+def test_top_k_candidates_path_equals_full_vocabulary_argmax():
+    from pagedllm.watermarking.sampling import WatermarkRows
+
+    torch.manual_seed(1)
+    v = 3000
+    x = torch.randn(3, v) * 4
+    marker = GumbelWatermarker(5)
+    ctx = torch.tensor([[1, 2, 3, 4], [-1, -1, 7, 8], [9, 9, 9, 9]])
+    top_k = torch.tensor([50, 7, 200])
+    top_p = torch.tensor([float("inf"), 0.9, 0.5], dtype=torch.float64)
+    rows = WatermarkRows(torch.arange(3), ctx, top_k, top_p, marker)
+    full = marker.sample(top_k_top_p_mask(x, top_k, top_p), ctx)
+    assert torch.equal(rows.sample(x), full)
+    for key in range(200):   # many draws: the two paths never differ
+        m = GumbelWatermarker(key)
+        r = WatermarkRows(torch.arange(3), ctx, top_k, top_p, m)
+        assert torch.equal(r.sample(x), m.sample(top_k_top_p_mask(x, top_k, top_p), ctx))

@@ -3,7 +3,8 @@ the default model's 262,144-token vocabulary, float32 random logits, temperature
 
 Usage: python tools/watermarking/bench_sampler.py [--repeats 15]
 Prints, per batch size, the minimum and median over ``--repeats`` interleaved runs of one sampler
-call with every row watermarked and with none (ms), and the machine's torch thread count.
+call (metadata build included) with every row watermarked and with none, each also with top_k 64
+(ms), and the machine's torch thread count.
 """
 
 from __future__ import annotations
@@ -32,17 +33,19 @@ def main() -> None:
     for n in (1, 16):
         logits = torch.randn(n, VOCAB)
         outputs = [[int(t) for t in torch.randint(0, VOCAB, (20,))] for _ in range(n)]
-        times = {"watermarked": [], "plain": []}
+        variants = (("watermarked", True, wm, 0), ("watermarked top_k=64", True, wm, 64),
+                    ("plain", False, None, 0), ("plain top_k=64", False, None, 64))
+        times = {name: [] for name, *_ in variants}
         for _ in range(args.repeats + 1):
-            for name, watermarking, marker in (("watermarked", True, wm), ("plain", False, None)):
-                params = [SamplingParams(watermarking=watermarking)] * n
+            for name, watermarking, marker, top_k in variants:
+                params = [SamplingParams(watermarking=watermarking, top_k=top_k)] * n
                 t0 = time.perf_counter()
                 md = SamplingMetadata.build(params, outputs, [[1]] * n, None, VOCAB, "cpu", watermark=marker)
                 sampler(logits, md)
                 times[name].append(time.perf_counter() - t0)
         for name, ts in times.items():
             ts = ts[1:]   # the first run warms up
-            print(f"batch {n:2d} {name:11s}: min {min(ts) * 1e3:7.1f} ms, median {statistics.median(ts) * 1e3:7.1f} ms")
+            print(f"batch {n:2d} {name:20s}: min {min(ts) * 1e3:7.1f} ms, median {statistics.median(ts) * 1e3:7.1f} ms")
 
 
 if __name__ == "__main__":
