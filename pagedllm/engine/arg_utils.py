@@ -11,8 +11,9 @@ from typing import Any, Callable
 
 from pagedllm import envs
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-                             SUPPORTED_LOAD_FORMATS, SUPPORTED_QUANTIZATION, CacheConfig, KernelConfig, ModelConfig,
-                             ParallelConfig, SchedulerConfig, VllmConfig, WatermarkConfig)
+                             MIN_RECOMMENDED_DEDUP_HISTORY, SUPPORTED_LOAD_FORMATS, SUPPORTED_QUANTIZATION,
+                             CacheConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig,
+                             WatermarkConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -327,6 +328,11 @@ class EngineArgs:
                              "drop one of them")
         if config is not None:
             logger.info("watermarking: %r", config)
+            history = config.deduplicate_contexts_max_history
+            if config.deduplicate_contexts == "none" or (history is not None and history < MIN_RECOMMENDED_DEDUP_HISTORY):
+                logger.warning("watermark_config: without context deduplication over at least %d positions, "
+                               "Gumbel-max watermarking can make degenerate, repeating text (vLLM's warning); "
+                               "use deduplicate_contexts 'single_turn' or 'all'", MIN_RECOMMENDED_DEDUP_HISTORY)
         return config
 
     def create_profiler_config(self):
