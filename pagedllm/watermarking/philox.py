@@ -17,10 +17,15 @@ encryption of ``(t >> 2, s0, s1, s2)`` under ``(k0 ^ s3, k1 ^ TOKEN_DOMAIN)``, a
 token ids share one encryption, so a whole vocabulary costs ``V / 4`` of them per context.
 
 All arithmetic is int64 on 32-bit values (a 32 x 32-bit product wraps modulo 2**64 in int64, which
-keeps its bits), device-agnostic torch.
+keeps its bits), device-agnostic torch; on the CPU, ``vocab_uniform`` runs the rounds in C++
+(``csrc/philox.cpp``, the same bits, 5-6x faster at batch 16) when that builds.
 """
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -143,17 +148,25 @@ class PhiloxPRF:
                                                           torch.where(lane == 2, out[2], out[3])))
         return words_to_uniform(word)
 
-    def vocab_uniform(self, contexts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    def vocab_uniform(self, contexts: torch.Tensor, vocab_size: int, use_kernel: bool = True) -> torch.Tensor:
         """Uniforms of every token ``0 .. vocab_size-1`` per context, one encryption per four tokens
         (equal to ``uniform(contexts, arange(vocab_size))``, about 4x cheaper).
 
         Args:
             contexts: [N, w] int64.
             vocab_size: V (tokens).
+            use_kernel: on the CPU, the C++ kernel (``csrc/philox.cpp``, the same bits) when it
+                builds; else, and on other devices, torch.
         Returns:
             [N, V] float32.
         """
-        s0, s1, s2, s3 = (s.unsqueeze(-1) for s in self.context_state(contexts))   # [N, 1] each
+        state = self.context_state(contexts)
+        if use_kernel and contexts.device.type == "cpu":
+            kernel = load_philox_kernel()
+            if kernel is not None:
+                return kernel.philox_vocab_uniform(torch.stack(state, dim=-1), self._k0, self._k1 ^ TOKEN_DOMAIN,
+                                                   vocab_size)
+        s0, s1, s2, s3 = (s.unsqueeze(-1) for s in state)   # [N, 1] each
         key = (self._k0 ^ s3, self._k1 ^ TOKEN_DOMAIN)
         num_groups = (vocab_size + 3) // 4
         n = contexts.shape[0]
@@ -166,6 +179,16 @@ class PhiloxPRF:
             words = philox4x32((groups, s0, s1, s2), key)   # 4 x [N, chunk]
             out[:, g0:g0 + step] = words_to_uniform(torch.stack(words, dim=-1))   # [N, chunk, 4]
         return out.view(n, num_groups * 4)[:, :vocab_size]   # token 4g + j = word j of group g
+
+
+@functools.cache
+def load_philox_kernel() -> ModuleType | None:
+    """The C++ vocabulary kernel (``philox_vocab_uniform``), compiled first on a machine that has
+    not yet; None (one WARNING) if that fails, and torch runs."""
+    from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
+
+    return load_extension(CpuExtension("watermark_philox", Path(__file__).resolve().parent / "csrc" / "philox.cpp",
+                                       "watermark Philox kernel", "the torch Philox rounds"))
 
 
 def create_prf(name: str, key: int) -> PhiloxPRF:

@@ -47,13 +47,27 @@ def test_prf_uniform_equals_vllm(key, context, token, expected):
     assert u.item() == expected   # bit-exact: the same 24-bit mantissa
 
 
-def test_vocab_row_equals_vllm_and_per_token_calls():
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_vocab_row_equals_vllm_and_per_token_calls(use_kernel):
+    """Both vocabulary paths (the C++ kernel where it builds, and torch) give vLLM's bits."""
     prf = PhiloxPRF(1234)
     ctx = torch.tensor([[1, 2, 3, 4]])
-    assert prf.vocab_uniform(ctx, 16)[0].tolist() == VOCAB_ROW_1234
+    assert prf.vocab_uniform(ctx, 16, use_kernel=use_kernel)[0].tolist() == VOCAB_ROW_1234
     # the 4-tokens-per-encryption path equals one call per token, vocab not a multiple of 4 too
     ctxs = torch.tensor([[1, 2, 3, 4], [-1, -1, -1, 9], [7, 7, 7, 7]])
-    assert torch.equal(prf.vocab_uniform(ctxs, 1001), prf.uniform(ctxs, torch.arange(1001)))
+    assert torch.equal(prf.vocab_uniform(ctxs, 1001, use_kernel=use_kernel), prf.uniform(ctxs, torch.arange(1001)))
+
+
+def test_kernel_equals_torch_on_random_contexts():
+    from pagedllm.watermarking.philox import load_philox_kernel
+
+    if load_philox_kernel() is None:
+        pytest.skip("the C++ Philox kernel did not build here (torch runs instead)")
+    gen = torch.Generator().manual_seed(0)
+    ctxs = torch.randint(-1, 262144, (5, 4), generator=gen)
+    for key in (0, 1234, 2**64 - 1, 0xDEADBEEF12345678):
+        prf = PhiloxPRF(key)
+        assert torch.equal(prf.vocab_uniform(ctxs, 70001), prf.vocab_uniform(ctxs, 70001, use_kernel=False))
 
 
 def test_philox_known_answer():
