@@ -55,4 +55,7 @@ class GumbelWatermarker:
         if logits.dim() != 2 or contexts.shape != (logits.shape[0], self.context_width):
             raise ValueError(f"logits must be [N, V] and contexts [N, {self.context_width}], "
                              f"got {list(logits.shape)} and {list(contexts.shape)}")
+        fused = self.prf.gumbel_argmax(contexts, logits)   # the CPU kernel: one pass, no [N, V] noise
+        if fused is not None:
+            return fused
         return (self.gumbel_noise(contexts, logits.shape[1]).add_(logits)).argmax(dim=-1)

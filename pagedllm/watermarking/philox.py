@@ -181,6 +181,25 @@ class PhiloxPRF:
         return out.view(n, num_groups * 4)[:, :vocab_size]   # token 4g + j = word j of group g
 
 
+    def gumbel_argmax(self, contexts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
+        """``argmax(logits - log(-log(u)))`` per row in one C++ pass (no [N, V] temporaries), or
+        None where the kernel does not run (not the CPU, not float32, or it did not build).
+
+        Args:
+            contexts: [N, w] int64.
+            logits: [N, V] float32.
+        Returns:
+            [N] int64 token ids (the first maximum on ties), or None.
+        """
+        if logits.device.type != "cpu" or logits.dtype != torch.float32:
+            return None
+        kernel = load_philox_kernel()
+        if kernel is None:
+            return None
+        state = torch.stack(self.context_state(contexts), dim=-1)   # [N, 4]
+        return kernel.philox_gumbel_argmax(state, self._k0, self._k1 ^ TOKEN_DOMAIN, logits)
+
+
 @functools.cache
 def load_philox_kernel() -> ModuleType | None:
     """The C++ vocabulary kernel (``philox_vocab_uniform``), compiled first on a machine that has

@@ -193,3 +193,21 @@ def test_top_k_candidates_path_equals_full_vocabulary_argmax():
         m = GumbelWatermarker(key)
         r = WatermarkRows(torch.arange(3), ctx, top_k, top_p, m)
         assert torch.equal(r.sample(x), m.sample(top_k_top_p_mask(x, top_k, top_p), ctx))
+
+
+def test_fused_kernel_draw_equals_torch_noise_argmax():
+    """The C++ one-pass draw (with its logit bound skipping hopeless tokens) picks the token the
+    torch noise + argmax picks, over logit scales from flat to peaked and masked rows."""
+    from pagedllm.watermarking.philox import load_philox_kernel
+
+    if load_philox_kernel() is None:
+        pytest.skip("the C++ Philox kernel did not build here (torch runs instead)")
+    gen = torch.Generator().manual_seed(0)
+    for key in range(60):
+        marker = GumbelWatermarker(key)
+        x = torch.randn(3, 5003, generator=gen) * (1 + key % 20)
+        x[1, :2500] = float("-inf")
+        ctx = torch.randint(-1, 5000, (3, 4), generator=gen)
+        assert torch.equal(marker.sample(x, ctx), (marker.gumbel_noise(ctx, 5003).add_(x)).argmax(dim=-1))
+    all_masked = torch.full((2, 10), float("-inf"))
+    assert GumbelWatermarker(1).sample(all_masked, torch.zeros(2, 4, dtype=torch.int64)).tolist() == [0, 0]

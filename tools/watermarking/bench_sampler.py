@@ -4,7 +4,8 @@ the default model's 262,144-token vocabulary, float32 random logits, temperature
 Usage: python tools/watermarking/bench_sampler.py [--repeats 15]
 Prints, per batch size, the minimum and median over ``--repeats`` interleaved runs of one sampler
 call (metadata build included) with every row watermarked and with none, each also with top_k 64
-(ms), and the machine's torch thread count.
+(ms), then the vocabulary PRF alone, C++ kernel against torch rounds, and the machine's torch
+thread count.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ def main() -> None:
                 md = SamplingMetadata.build(params, outputs, [[1]] * n, None, VOCAB, "cpu", watermark=marker)
                 sampler(logits, md)
                 times[name].append(time.perf_counter() - t0)
+        # the vocabulary PRF alone: the C++ kernel against the torch rounds, interleaved
+        contexts = torch.tensor([o[-4:] for o in outputs])
+        prf = wm.watermarker.prf
+        for use_kernel in (True, False) * (args.repeats + 1):
+            t0 = time.perf_counter()
+            prf.vocab_uniform(contexts, VOCAB, use_kernel=use_kernel)
+            times.setdefault(f"PRF {'C++' if use_kernel else 'torch'}", []).append(time.perf_counter() - t0)
         for name, ts in times.items():
             ts = ts[1:]   # the first run warms up
             print(f"batch {n:2d} {name:20s}: min {min(ts) * 1e3:7.1f} ms, median {statistics.median(ts) * 1e3:7.1f} ms")
