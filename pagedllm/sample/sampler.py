@@ -290,7 +290,9 @@ def _sample_random(x: torch.Tensor, rs: RandomSampling, owned: bool) -> torch.Te
         x = x.masked_fill_(x < threshold, _NEG_INF) if owned else x.masked_fill(x < threshold,
                                                                                 _NEG_INF)
     wm = rs.watermark
-    watermarked = wm.sample(x.index_select(0, wm.rows)) if wm is not None else None
+    watermarked = None
+    if wm is not None:   # (read-only: every random row watermarked needs no copy)
+        watermarked = wm.sample(x if wm.rows.numel() == x.shape[0] else x.index_select(0, wm.rows))
     out = _draw_tokens(x, rs)
     if watermarked is not None:
         out[wm.rows] = watermarked
