@@ -408,6 +408,88 @@ class LauncherEnv:
 RAY_PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD")
 
 
+WATERMARK_ALGORITHMS = ("gumbel", "dual_key_gumbel")
+WATERMARK_CONTEXT_SCOPES = ("none", "single_turn", "all")
+# vLLM warns below this deduplication history (positions): degenerate, repeating generations.
+MIN_RECOMMENDED_DEDUP_HISTORY = 1024
+
+
+@dataclass(frozen=True)
+class WatermarkConfig:
+    """vLLM's ``watermark_config``: Gumbel-max text watermarking (``pagedllm/watermarking``).
+
+    Attributes:
+        key: the secret key, an int in [0, 2**64) (required; kept out of ``repr``).
+        algorithm: ``"gumbel"``; vLLM's ``"dual_key_gumbel"`` (its speculative decoding scheme)
+            is refused.
+        alpha: dual-key routing probability in [0, 1]; validated, unused by ``"gumbel"``.
+        context_width: previous generated tokens the PRF reads (tokens, >= 1).
+        deduplicate_contexts: ``"single_turn"`` (default): a context already seen among this
+            request's generated tokens is sampled without the watermark; ``"all"``: the prompt
+            too, and the first ``context_width`` generated tokens are not watermarked; ``"none"``.
+        deduplicate_contexts_max_history: most recent history positions searched (tokens, >= 1),
+            None for all.
+        prf: the pseudorandom function, ``"philox"`` (Philox4x32-10).
+        allow_target_only_watermarking: vLLM's opt-in for speculative decoding with unwatermarked
+            drafts; accepted, but pagedllm refuses watermarking with speculative decoding anyway.
+    Raises:
+        ValueError: naming the field and its value.
+    """
+
+    key: int = field(repr=False)
+    algorithm: str = "gumbel"
+    alpha: float = 0.1
+    context_width: int = 4
+    deduplicate_contexts: str = "single_turn"
+    deduplicate_contexts_max_history: int | None = 8192
+    prf: str = "philox"
+    allow_target_only_watermarking: bool = False
+
+    @classmethod
+    def from_any(cls, value: Any) -> "WatermarkConfig | None":
+        """The engine argument: a ``WatermarkConfig``, a dict of its fields, or None (off)."""
+        return None if value is None else config_from_any(cls, value, "watermark_config")
+
+    def __post_init__(self) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.key) or not 0 <= self.key < 1 << 64:
+            raise ValueError("watermark_config: key must be an int in [0, 2**64)")   # not echoed
+        if self.algorithm == "dual_key_gumbel":
+            raise ValueError("watermark_config: algorithm 'dual_key_gumbel' (vLLM's scheme for speculative "
+                             "decoding) is not supported; use 'gumbel'")
+        if self.algorithm not in WATERMARK_ALGORITHMS:
+            raise ValueError(f"watermark_config: algorithm must be 'gumbel', got {self.algorithm!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
+            raise ValueError(f"watermark_config: alpha must be in [0, 1], got {self.alpha!r}")
+        if not is_int(self.context_width) or self.context_width < 1:
+            raise ValueError(f"watermark_config: context_width must be an int >= 1, got {self.context_width!r}")
+        if self.deduplicate_contexts not in WATERMARK_CONTEXT_SCOPES:
+            raise ValueError(f"watermark_config: deduplicate_contexts must be one of {WATERMARK_CONTEXT_SCOPES}, "
+                             f"got {self.deduplicate_contexts!r}")
+        history = self.deduplicate_contexts_max_history
+        if history is not None and (not is_int(history) or history < 1):
+            raise ValueError(f"watermark_config: deduplicate_contexts_max_history must be an int >= 1 or null, "
+                             f"got {history!r}")
+        if self.prf != "philox":
+            raise ValueError(f"watermark_config: prf must be 'philox', got {self.prf!r}")
+        if not isinstance(self.allow_target_only_watermarking, bool):
+            raise ValueError(f"watermark_config: allow_target_only_watermarking must be true or false, "
+                             f"got {self.allow_target_only_watermarking!r}")
+
+    @property
+    def supports_speculative_decoding(self) -> bool:
+        """vLLM's property: only its dual-key algorithm does (refused here): False."""
+        return False
+
+    def watermarks(self, params: Any) -> bool:
+        """Whether a request with these ``SamplingParams`` is watermarked (vLLM's rules): not when
+        it opts out (``watermarking=False``), is greedy (temperature 0) or replays a trace."""
+        return (params.watermarking is not False and not params.sampling_type_greedy
+                and params.trace_decode_token_ids is None)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How one engine's model is split over worker processes (ranks).
@@ -937,6 +1019,7 @@ class VllmConfig:
         structured_outputs_config, speculative_config, lora_config: as vLLM's; the last two None
             when the feature is off (and where a worker builds the config for logits processors).
         kv_events_config: KV-cache event publishing (``KVEventsConfig``); None: off.
+        watermark_config: text watermarking (``WatermarkConfig``), None when off.
     """
 
     model_config: ModelConfig
@@ -948,6 +1031,7 @@ class VllmConfig:
     speculative_config: SpeculativeConfig | None = None
     lora_config: Any = None   # pagedllm.lora.config.LoRAConfig (not imported here: lora imports torch)
     kv_events_config: KVEventsConfig | None = None
+    watermark_config: WatermarkConfig | None = None
 
 
 def __getattr__(name: str):

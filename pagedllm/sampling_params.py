@@ -139,6 +139,10 @@ class SamplingParams:
             the model's. ``max_tokens`` becomes its length and EOS ids in it do not stop the
             request (``ignore_eos``). Needs ``n`` 1 and no ``best_of``, ``prompt_logprobs``,
             ``structured_outputs`` or ``bad_words_token_ids``.
+        watermarking: whether the engine's ``watermark_config`` watermarks this request (vLLM's
+            field): None (default) or True: yes where it can (a random request; greedy and trace
+            replay requests are never watermarked); False: opt out. The engine resolves it to
+            True / False when the request is added.
         skip_clone: vLLM's hint that the caller will not reuse these params (its engine then
             skips a deep copy); accepted, no effect here.
     Raises:
@@ -173,6 +177,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict | None = None
     trace_decode_token_ids: list[int] | None = None
+    watermarking: bool | None = None
     skip_clone: bool = False
     # Filled by the engine from the model: EOS ids (tokenizer EOS + model extras such as Gemma's
     # <end_of_turn>). Not part of the public API.
@@ -240,6 +245,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.watermarking is not None and not isinstance(self.watermarking, bool):
+            raise ValueError(f"watermarking must be None, True or False, got {self.watermarking!r}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

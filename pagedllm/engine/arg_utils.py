@@ -11,8 +11,9 @@ from typing import Any, Callable
 
 from pagedllm import envs
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-                             SUPPORTED_LOAD_FORMATS, SUPPORTED_QUANTIZATION, CacheConfig, KernelConfig, KVEventsConfig,
-                             LauncherEnv, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig)
+                             MIN_RECOMMENDED_DEDUP_HISTORY, SUPPORTED_LOAD_FORMATS, SUPPORTED_QUANTIZATION,
+                             CacheConfig, KernelConfig, KVEventsConfig, LauncherEnv, ModelConfig, ParallelConfig,
+                             SchedulerConfig, VllmConfig, WatermarkConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ class EngineArgs:
             an external router): a dict of ``config.KVEventsConfig`` fields
             (``{"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events"}``) or a
             ``KVEventsConfig``; None: off (README, "KV-cache events").
+        watermark_config: vLLM's text watermarking: a dict of ``config.WatermarkConfig`` fields
+            (``{"key": 1234}``) or a ``WatermarkConfig``; None: off. Not with speculative decoding.
         enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_dtype: LoRA adapters
             (``lora.config.LoRAConfig``: slots, their rank, adapters cached on the host, dtype).
         otlp_traces_endpoint: OTLP collector URL for one OpenTelemetry span per finished request
@@ -194,6 +197,7 @@ class EngineArgs:
     logits_processors: list[Any] | None = None
     speculative_config: Any = None
     kv_events_config: Any = None
+    watermark_config: Any = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -331,7 +335,8 @@ class EngineArgs:
         return VllmConfig(model, cache, sched, parallel, kernel,
                           structured_outputs_config=self.create_structured_outputs_config(),
                           speculative_config=self.create_speculative_config(), lora_config=self.create_lora_config(),
-                          kv_events_config=self.create_kv_events_config())
+                          kv_events_config=self.create_kv_events_config(),
+                          watermark_config=self.create_watermark_config())
 
     def create_kv_events_config(self):
         """The ``config.KVEventsConfig`` of ``kv_events_config``, or None when it is None.
@@ -378,6 +383,28 @@ class EngineArgs:
         config.verify_with_parallel_config(self.tensor_parallel_size, self.pipeline_parallel_size)
         import_tensorizer()
         return config.to_serializable()
+
+
+    def create_watermark_config(self) -> WatermarkConfig | None:
+        """The ``WatermarkConfig`` of ``watermark_config`` (None: no watermark), checked once.
+
+        Raises:
+            ValueError: naming watermark_config: a bad field (``WatermarkConfig``), or speculative
+                decoding, which pagedllm does not watermark (vLLM's dual-key scheme is not here).
+        """
+        config = WatermarkConfig.from_any(self.watermark_config)
+        if config is not None and self.speculative_config is not None:
+            raise ValueError("watermark_config with speculative_config: pagedllm does not watermark speculative "
+                             "decoding (vLLM's 'dual_key_gumbel' and target-only watermarking are not implemented); "
+                             "drop one of them")
+        if config is not None:
+            logger.info("watermarking: %r", config)
+            history = config.deduplicate_contexts_max_history
+            if config.deduplicate_contexts == "none" or (history is not None and history < MIN_RECOMMENDED_DEDUP_HISTORY):
+                logger.warning("watermark_config: without context deduplication over at least %d positions, "
+                               "Gumbel-max watermarking can make degenerate, repeating text (vLLM's warning); "
+                               "use deduplicate_contexts 'single_turn' or 'all'", MIN_RECOMMENDED_DEDUP_HISTORY)
+        return config
 
     def create_profiler_config(self):
         """The ``profiler.ProfilerConfig`` of ``profiler_config`` (disabled when None).
@@ -661,6 +688,10 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
                         "\"tcp://*:5558\", \"topic\": \"kv-events\"}'; data-parallel rank r uses ports + r "
                         "(README, \"KV-cache events\"; default: off)")
+    g.add_argument("--watermark-config", type=_json_dict, default=None,
+                   help="text watermarking, vLLM's JSON keys, e.g. '{\"key\": 1234}' (also \"context_width\", "
+                        "\"deduplicate_contexts\", \"deduplicate_contexts_max_history\", \"prf\"; README, "
+                        "\"Watermarking\"; default: off)")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (README, \"LoRA adapters\")")
     g.add_argument("--max-loras", type=int, default=1, help="adapters in one batch (slots; default 1)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")

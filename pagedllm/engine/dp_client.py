@@ -136,7 +136,8 @@ class EngineCoreClient:
                                               self.vllm_config.structured_outputs_config,
                                               enable_trace_replay=engine_args.enable_trace_replay,
                                               enable_prompt_embeds=engine_args.enable_prompt_embeds,
-                                              hidden_size=model_cfg.hidden_size)
+                                              hidden_size=model_cfg.hidden_size,
+                                              watermark_config=self.vllm_config.watermark_config)
         self.balancer = DPLoadBalancer(self.num_replicas, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.stat_loggers: list[list] = [[] for _ in range(self.num_replicas)]
         self.initial_stats: list = [None] * self.num_replicas

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence, Union
 
-from pagedllm.config import StructuredOutputsConfig
+from pagedllm.config import StructuredOutputsConfig, WatermarkConfig
 from pagedllm.core.request import PromptEmbeds
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import Tokenizer, check_text
@@ -110,12 +110,17 @@ class InputProcessor:
         enable_trace_replay: accept ``SamplingParams.trace_decode_token_ids``.
         enable_prompt_embeds: accept ``{"prompt_embeds": tensor}`` prompts.
         hidden_size: the model's hidden size (the width ``prompt_embeds`` must have).
+        watermark_config: the engine's ``WatermarkConfig`` (None: no watermark); each request's
+            ``SamplingParams.watermarking`` is resolved to True / False against it (vLLM's
+            ``resolve_watermarking``).
     """
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20,
                  structured_outputs_config: StructuredOutputsConfig | None = None,
                  logits_processor_classes: Sequence[type] = (), enable_trace_replay: bool = False,
-                 enable_prompt_embeds: bool = False, hidden_size: int = 0) -> None:
+                 enable_prompt_embeds: bool = False, hidden_size: int = 0,
+                 watermark_config: WatermarkConfig | None = None) -> None:
+        self.watermark_config = watermark_config
         self.enable_trace_replay = enable_trace_replay
         self.enable_prompt_embeds = enable_prompt_embeds
         self.hidden_size = hidden_size
@@ -187,6 +192,7 @@ class InputProcessor:
             cls.validate_params(params)   # ValueError: the processor refuses the request's extra_args
         params = params.clone()
         params.update_from_model(self.tokenizer.eos_token_ids)
+        params.watermarking = self.watermark_config is not None and self.watermark_config.watermarks(params)
         if length_check is not None:
             params.max_tokens = max(1, self._strict_max_tokens(len(token_ids), params, length_check))
         room = self.max_model_len - len(token_ids)

@@ -106,6 +106,8 @@ class LLMEngine:
                 self.executor.collective_rpc("load_draft_model", (draft_cfg, spec.method == "self_int8"))
             if self.lora_config is not None:   # [LoRA] the target layers get their adapter slots
                 self.executor.collective_rpc("init_lora", (self.lora_config,))
+            if self.vllm_config.watermark_config is not None:   # [watermarking] every rank samples alike
+                self.executor.collective_rpc("init_watermarking", (self.vllm_config.watermark_config,))
             self.tokenizer = tokenizer_future.result()
         self.num_blocks = self.executor.determine_num_blocks()
         self.num_cpu_blocks = self.executor.determine_num_cpu_blocks()
@@ -147,7 +149,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, sched_cfg.max_model_len, self.vocab_size,
                                               args.max_logprobs, self.structured_outputs_config,
                                               self.logits_processor_classes, args.enable_trace_replay,
-                                              args.enable_prompt_embeds, model_cfg.hidden_size)
+                                              args.enable_prompt_embeds, model_cfg.hidden_size,
+                                              watermark_config=self.vllm_config.watermark_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self.stat_loggers: list[StatLogger] = []

@@ -12,11 +12,14 @@ from __future__ import annotations
 import functools
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from pagedllm.sampling_params import LogitsProcessor, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.watermarking.sampling import WatermarkRows, WatermarkSampler
 
 # top_p without top_k: the nucleus is looked for among the TOP_P_CANDIDATE_CAP most likely tokens
 # (one torch.topk); only rows whose top-cap mass is below top_p fall back to a full sort.
@@ -75,6 +78,7 @@ class RandomSampling:
         top_p: [F] float64 nucleus mass, +inf where off; None when no filtered row uses top_p.
         generators: random-row index -> the request's seeded ``torch.Generator``.
         default_generator: the engine's generator for the unseeded rows (None = global RNG).
+        watermark: the watermarked rows among them (``watermarking/sampling.py``), or None.
     """
 
     temperature: torch.Tensor | None
@@ -90,6 +94,7 @@ class RandomSampling:
     top_p: torch.Tensor | None
     generators: dict[int, torch.Generator]
     default_generator: torch.Generator | None = None
+    watermark: WatermarkRows | None = None
 
 
 @dataclass
@@ -127,8 +132,8 @@ class SamplingMetadata:
     @classmethod
     def build(cls, params: list[SamplingParams], output_token_ids: list[list[int]],
               prompt_token_ids: list[list[int]], generators: list[torch.Generator | None] | None,
-              vocab_size: int, device, default_generator: torch.Generator | None = None
-              ) -> "SamplingMetadata":
+              vocab_size: int, device, default_generator: torch.Generator | None = None,
+              watermark: WatermarkSampler | None = None) -> "SamplingMetadata":
         """Build the tensors for one step.
 
         Args:
@@ -142,6 +147,7 @@ class SamplingMetadata:
             device: where the tensors go (the logits' device).
             default_generator: the engine's generator for unseeded random rows (None = torch's
                 global RNG).
+            watermark: the engine's watermark (``WatermarkSampler``), None when it has none.
         Returns:
             The metadata; only the features some row uses have tensors.
         Token ids named by the params (``logit_bias``, ``allowed_token_ids``,
@@ -176,6 +182,9 @@ class SamplingMetadata:
         random = None
         if not all_greedy:
             random = _build_random(params, random_idx, generators, vocab_size, device, default_generator)
+            if watermark is not None:
+                random.watermark = watermark.rows(params, output_token_ids, prompt_token_ids, random_idx,
+                                                  vocab_size, device)
 
         adjustments = _build_adjustments(params, output_token_ids, prompt_token_ids, vocab_size,
                                          device)

@@ -4,7 +4,8 @@
 2. ``allowed_token_ids`` / bad words / ``min_tokens`` masks (-inf), ``logit_bias``, logits
    processors, repetition (CTRL, prompt + output) then frequency / presence penalties (output).
 3. Greedy rows: argmax of the processed logits. Random rows: temperature, min_p, top_k, top_p,
-   then one inverse-CDF draw per row.
+   then one inverse-CDF draw per row; watermarked rows (``watermark_config``) take the keyed
+   Gumbel-max draw after the same steps instead (``watermarking/sampling.py``).
 
 Greedy and unseeded rows go through the batch in one pass; the only per-row Python loops are the
 seeded generators (one uniform each) and logits processors. top_k / top_p never sort a whole
@@ -271,14 +272,15 @@ def _draw_uniforms(rs: RandomSampling, num_rows: int, device) -> torch.Tensor:
 
 
 def _sample_random(x: torch.Tensor, rs: RandomSampling, owned: bool) -> torch.Tensor:
-    """[R] int64 tokens of the random rows.
+    """[R] int64 tokens of the random rows; the watermarked ones (``rs.watermark``) take the
+    keyed Gumbel-max draw instead of the uniform one (which they still draw, so a seeded row's
+    generator advances as without the watermark).
 
     Args:
         x: [R, V] float32 processed logits of the random rows.
         rs: their parameters.
         owned: True when ``x`` may be modified in place.
     """
-    num_rows = x.shape[0]
     if rs.temperature is not None:
         x = x.div_(rs.temperature.unsqueeze(1)) if owned else x / rs.temperature.unsqueeze(1)
         owned = True
@@ -287,6 +289,20 @@ def _sample_random(x: torch.Tensor, rs: RandomSampling, owned: bool) -> torch.Te
         threshold = x.amax(dim=-1, keepdim=True) + rs.min_p.log().unsqueeze(1)  # [R, 1]
         x = x.masked_fill_(x < threshold, _NEG_INF) if owned else x.masked_fill(x < threshold,
                                                                                 _NEG_INF)
+    wm = rs.watermark
+    watermarked = None
+    if wm is not None:   # (read-only: every random row watermarked needs no copy)
+        watermarked = wm.sample(x if wm.rows.numel() == x.shape[0] else x.index_select(0, wm.rows))
+    out = _draw_tokens(x, rs)
+    if watermarked is not None:
+        out[wm.rows] = watermarked
+    return out
+
+
+def _draw_tokens(x: torch.Tensor, rs: RandomSampling) -> torch.Tensor:
+    """[R] int64 tokens drawn by inverse CDF from ``x`` [R, V] (after temperature and min_p),
+    restricted to each row's top_k / top_p."""
+    num_rows = x.shape[0]
     u = _draw_uniforms(rs, num_rows, x.device)
 
     if rs.filtered is None:

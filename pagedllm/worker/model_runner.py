@@ -95,6 +95,7 @@ class ModelRunner:
         # Plain greedy rows through the fused C++ argmax when the model runs the fused CPU ops.
         self.sampler = Sampler(greedy_argmax=greedy_argmax if getattr(model, "use_fused_ops", False) else None)
         self.default_generator = make_generator(seed, device)
+        self.watermark = None   # [watermarking] a ``WatermarkSampler`` (``Worker.init_watermarking``)
         self.requests = RequestStates(block_size, self.num_kv_cache_groups)
         # In-process logits processors of the next step's new requests (never in the message; see
         # ``add_logits_processors``), moved into the request's state by that step.
@@ -397,7 +398,8 @@ class ModelRunner:
             [st.output_token_ids for st in states],
             [st.prompt_token_ids for st in states],
             [self._generator_for(st) for st in states],
-            logits.shape[-1], self.device, default_generator=self.default_generator)
+            logits.shape[-1], self.device, default_generator=self.default_generator,
+            watermark=self.watermark)
         processors = self.batch_logits_processors
         if processors is not None:   # the batch they see: these rows, in this order
             processors.update([(st.req_id, st.sampling_params, st.prompt_token_ids, st.output_token_ids)

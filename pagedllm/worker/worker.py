@@ -155,6 +155,7 @@ class Worker:
         self.draft_kv_shape: KVCacheShape | None = None
         self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lora_manager = None   # [LoRA] ``init_lora``
+        self.watermark = None   # [watermarking] ``init_watermarking``
         # [hybrid KV cache] the layer groups (``_apply_kv_cache_groups``, after any draft model loads).
         self.kv_cache_groups: KVCacheGroups | None = None
 
@@ -487,6 +488,7 @@ class Worker:
                                         layer_groups=groups.layer_group(*self._stage_layers())
                                         if groups.num_groups > 1 else None, num_kv_cache_groups=groups.num_groups)
         self.model_runner.lora_manager = self.lora_manager
+        self.model_runner.watermark = self.watermark
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (``ModelRunner.execute_model``), timed into ``parallel.step_times``; while
@@ -570,6 +572,15 @@ class Worker:
                 self.model_config.model_folder).to_serializable()
         self.model_config = dataclasses.replace(self.model_config, load_format=load_format,
                                                 model_loader_extra_config=extra)
+
+    def init_watermarking(self, watermark_config) -> None:
+        """Watermark the sampled tokens of the requests whose ``watermarking`` resolved to True
+        (``watermarking/sampling.py``; ``watermark_config`` a ``WatermarkConfig``)."""
+        from pagedllm.watermarking.sampling import WatermarkSampler
+
+        self.watermark = WatermarkSampler(watermark_config)
+        if self.model_runner is not None:
+            self.model_runner.watermark = self.watermark
 
     # -- [LoRA] adapters (lora/worker_manager.py) ----------------------------------------------
 

@@ -61,7 +61,15 @@ runone tensorize features/tensorize_vllm_model.py --model default serialize --se
 runone tensorize_load features/tensorize_vllm_model.py --model default deserialize --path-to-tensors $TRIAL/tens/vllm/default/v1/model.tensors
 runone torchrun_example -m torch.distributed.run --nproc-per-node=4 features/torchrun/torchrun_example_offline.py
 runone torchrun_dp -m torch.distributed.run --nproc-per-node=2 features/torchrun/torchrun_dp_example_offline.py
-TO=60 runone watermark_server basic/online_serving/watermark_detection_server.py --tokenizer default --key 42
+# vLLM's watermark detection server: up, one POST /detect, then SIGTERM; its rc is the exit status
+# after SIGTERM (uvicorn >= 0.29 re-raises the signal after a clean shutdown: 143).
+(cd run && exec python basic/online_serving/watermark_detection_server.py --tokenizer default --key 42 --port 8010) \
+  > logs/watermark_server.log 2>&1 &
+WPID=$!; start=$(date +%s)
+for i in $(seq 1 60); do curl -sf -o /dev/null localhost:8010/docs && break; sleep 1; done
+curl -sf localhost:8010/detect -H 'Content-Type: application/json' -d '{"text": "Hello world, a short text."}' \
+  >> logs/watermark_server.log
+kill -TERM $WPID; wait $WPID; echo "watermark_server rc=$? t=$(( $(date +%s)-start ))s" >> results.txt
 runone chat_with_template_arg basic/offline_inference/chat.py --chat-template-path $PYTHONPATH/pagedllm/data/gemma_chat_template.jinja
 # vLLM's demo /generate server and its client against it (as client.py's docstring says; not
 # against pagedllm serve): the server's rc is its exit status after SIGTERM.

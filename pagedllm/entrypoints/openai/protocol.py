@@ -102,6 +102,7 @@ class _SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
+    watermarking: bool | None = None   # vLLM's: False opts out of the engine's --watermark-config
     # vLLM's beam search: n = the beam width; length_penalty applies only with it.
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0

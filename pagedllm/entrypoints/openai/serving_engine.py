@@ -419,7 +419,7 @@ class OpenAIServing:
             spaces_between_special_tokens=pick(request.spaces_between_special_tokens, True),
             include_stop_str_in_output=bool(request.include_stop_str_in_output), logit_bias=logit_bias,
             allowed_token_ids=request.allowed_token_ids, bad_words_token_ids=request.bad_words_token_ids,
-            output_kind=output_kind, structured_outputs=structured_outputs)
+            output_kind=output_kind, structured_outputs=structured_outputs, watermarking=request.watermarking)
 
     @staticmethod
     def warn_unknown_fields(request, known: dict[str, Any] | None = None) -> None:
