@@ -6,6 +6,9 @@ a DRY-style penalty (what vLLM's ``features/logits_processor/dry.py`` does) read
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -290,3 +293,39 @@ def test_dry_style_penalty_over_the_buffer_equals_its_v1_form(path, plain):
         assert b.outputs[0].token_ids[0] == r[1] != g.outputs[0].token_ids[0]     # the repeat is broken
         tokens = r + g.outputs[0].token_ids
         assert all(dry_penalties(tokens[:k], 1.0, 1.75, 1).get(tokens[k]) is None for k in range(3, len(tokens)))
+
+
+class RefuseThirteen(LogitsProcessor):
+    """Refuses ``max_tokens=13`` at admission (the server sends no ``extra_args``)."""
+
+    @classmethod
+    def validate_params(cls, params):
+        if params.max_tokens == 13:
+            raise ValueError("max_tokens=13 is refused by RefuseThirteen")
+
+    def apply(self, logits, ctx):
+        return logits
+
+
+def test_server_answers_a_refused_request_with_400(path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))   # the server tests' helper
+    from asgi_utils import run_with_clients
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.openai.api_server import build_state
+
+    args = EngineArgs(model=path, dtype="float32", max_model_len=48, block_size=4, kv_cache_memory_bytes=4 << 20,
+                      seed=0, logits_processors=[RefuseThirteen])
+    state = build_state(args, ["tiny"], log_requests=False, log_stats_interval_s=None)
+
+    async def calls(client, http):
+        bad = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 13})
+        good = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        return bad, good
+
+    try:
+        bad, good = run_with_clients(state, calls)
+    finally:
+        state.engine.shutdown()
+    assert bad.status_code == 400 and "RefuseThirteen" in bad.json()["error"]["message"]
+    assert good.status_code == 200
