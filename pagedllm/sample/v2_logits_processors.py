@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from pagedllm.utils.torch_utils import async_tensor_h2d
 from pagedllm.v1.worker.gpu.sample.logits_processor.interface import (
     LogitsContext,
     LogitsProcessor,
@@ -168,11 +169,11 @@ class V2LogitsProcessors:
         idx = np.fromiter((self.slots[st.req_id] for st in states), dtype=np.int32, count=len(states))
         seq_lens = np.fromiter((len(st.token_ids) for st in states), dtype=np.int32, count=len(states))
         last = np.fromiter((st.token_ids[-1] for st in states), dtype=np.int32, count=len(states))
-        idx_t = torch.from_numpy(idx).to(device)
+        idx_t = async_tensor_h2d(idx, device)
         self._ctx = LogitsContext(
             expanded_idx_mapping=idx_t, idx_mapping=idx_t, idx_mapping_np=idx,
             expanded_local_pos=torch.zeros(len(states), dtype=torch.int32, device=device),
-            input_ids=torch.from_numpy(last).to(device), pos=torch.from_numpy(seq_lens - 1).to(device),
+            input_ids=async_tensor_h2d(last, device), pos=async_tensor_h2d(seq_lens - 1, device),
             seq_lens_upper_bound_np=seq_lens)
         return self._ctx
 

@@ -329,3 +329,59 @@ def test_server_answers_a_refused_request_with_400(path):
         state.engine.shutdown()
     assert bad.status_code == 400 and "RefuseThirteen" in bad.json()["error"]["message"]
     assert good.status_code == 200
+
+
+# -- the slots alone (no engine) -------------------------------------------------------------
+
+def _message(scheduled=(), finished=(), preempted=(), resumed=()):
+    from types import SimpleNamespace
+    return SimpleNamespace(num_scheduled_tokens={rid: 1 for rid in scheduled}, finished_req_ids=set(finished),
+                           preempted_req_ids=set(preempted),
+                           scheduled_cached_reqs=[SimpleNamespace(req_id=r, resumed_from_preemption=True) for r in resumed])
+
+
+def test_slots_take_the_lowest_free_one_and_refuse_past_max_num_reqs():
+    from pagedllm.sample.v2_logits_processors import V2LogitsProcessors
+    from pagedllm.worker.request_states import CachedRequestState
+
+    class Adds(LogitsProcessor):
+        def __init__(self, vllm_config, req_states):
+            self.adds = []
+
+        def add_request(self, req_idx, params):
+            self.adds.append((req_idx, params.extra_args["tag"]))
+            return True
+
+        def apply(self, logits, ctx):
+            return logits
+
+    v2 = V2LogitsProcessors.build([Adds], None, torch.device("cpu"), max_num_reqs=2, max_model_len=8, vocab_size=5)
+    proc, rs = v2.processors[0], v2.req_states
+    assert rs.all_token_ids.gpu.shape == (2, 8) and rs.all_token_ids.gpu.dtype == torch.int32
+
+    def state(rid, prompt, out=()):
+        return CachedRequestState(req_id=rid, prompt_token_ids=list(prompt), sampling_params=SamplingParams(
+            extra_args={"tag": rid}), token_ids=list(prompt) + list(out), output_token_ids=list(out), block_ids=[],
+            num_computed_tokens=0)
+
+    reqs = {"a": state("a", [1, 2]), "b": state("b", [3])}
+    v2.update_slots(_message(["a", "b"]), reqs)
+    assert v2.slots == {"a": 0, "b": 1} and proc.adds == [(0, "a"), (1, "b")]
+    reqs["c"] = state("c", [4, 4, 4])
+    with pytest.raises(RuntimeError, match="2 of 2 held"):
+        v2.update_slots(_message(["c"]), reqs)
+    reqs["a"].token_ids.append(7)
+    v2.update_slots(_message(["a", "c"], finished=["b"]), reqs)        # b's slot 1 goes to c
+    assert v2.slots == {"a": 0, "c": 1} and proc.adds[-1] == (1, "c")
+    assert rs.all_token_ids.gpu[0, :3].tolist() == [1, 2, 7] and rs.total_len.gpu.tolist() == [3, 3]
+    reqs["a"].token_ids += [8, 9]
+    v2.update_slots(_message(["c"], preempted=["a"]), reqs)
+    v2.update_slots(_message(["a"], resumed=["a"]), reqs)               # a resumes: slot 0 again, refilled
+    assert v2.slots["a"] == 0 and proc.adds[-1] == (0, "a")
+    assert rs.all_token_ids.gpu[0, :5].tolist() == [1, 2, 7, 8, 9]
+    assert (rs.prompt_len.gpu[0], rs.prefill_len.gpu[0], rs.total_len.gpu[0]) == (2, 5, 5)
+    ctx = v2.prepare([reqs["c"], reqs["a"]])
+    assert ctx.idx_mapping_np.tolist() == [1, 0] and ctx.seq_lens_upper_bound_np.tolist() == [3, 5]
+    assert ctx.input_ids.tolist() == [4, 9] and ctx.pos.tolist() == [2, 4]
+    with pytest.raises(RuntimeError, match="3 rows"):
+        v2.apply(torch.zeros(3, 5))
