@@ -198,6 +198,25 @@ def test_v1_and_v2_classes_mix_in_one_list(path, plain):
     mixed.llm_engine.shutdown()
 
 
+
+def test_v2_processors_run_on_the_sampling_rank_of_worker_processes(path, plain):
+    """The multiprocess executor (2 tensor ranks): the classes travel by name; only the sampling
+    rank builds the slots and buffers; outputs equal the in-process engine's."""
+    base = plain.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    bans = [base[0].outputs[0].token_ids[:1], None]
+    mp = LLM(path, **ENGINE_KW, distributed_executor_backend="mp", tensor_parallel_size=2,
+             logits_processors=[BanV2, BanV1])
+    try:
+        got = mp.generate(PROMPTS[:2], [_params(i, b, "ban2", 6) for i, b in enumerate(bans)], use_tqdm=False)
+    finally:
+        mp.llm_engine.shutdown()
+    one = LLM(path, **ENGINE_KW, logits_processors=[BanV2])
+    want = one.generate(PROMPTS[:2], [_params(i, b, "ban2", 6) for i, b in enumerate(bans)], use_tqdm=False)
+    one.llm_engine.shutdown()
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert got[0].outputs[0].token_ids != base[0].outputs[0].token_ids
+    assert got[1].outputs[0].token_ids == base[1].outputs[0].token_ids
+
 # -- a DRY-style penalty (the shape of vLLM's dry.py, small) ------------------------------------
 
 def dry_penalties(tokens: list[int], multiplier: float, base: float, allowed: int) -> dict[int, float]:
