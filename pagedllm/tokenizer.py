@@ -297,6 +297,11 @@ class Tokenizer:
             text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
+    def batch_decode(self, ids_list: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """:meth:`decode` of each id list (transformers' ``batch_decode``; one Rust call, GIL-free)."""
+        texts = self.backend.decode_batch([list(ids) for ids in ids_list], skip_special_tokens=skip_special_tokens)
+        return [_clean_up_tokenization(t) for t in texts] if self._clean_up_spaces else texts
+
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes one token adds to decoded text (special tokens: their written form).
 

@@ -105,8 +105,9 @@ class InputProcessor:
         vocab_size: logits width; every token id must be below it.
         max_logprobs: most top logprobs a request may ask for.
         structured_outputs_config: grammar settings (the JSON whitespace default, the backend).
-        logits_processor_classes: the engine's class-based logits processors; each one's
-            ``validate_params`` checks every request.
+        logits_processor_classes: the engine's class-based logits processors (vLLM V1's and Model
+            Runner V2's); each one's ``validate_params`` checks every request (a ``ValueError``
+            refuses it).
         enable_trace_replay: accept ``SamplingParams.trace_decode_token_ids``.
         enable_prompt_embeds: accept ``{"prompt_embeds": tensor}`` prompts.
         hidden_size: the model's hidden size (the width ``prompt_embeds`` must have).

@@ -8,7 +8,9 @@ from typing import Sequence
 import torch
 
 from pagedllm.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality, VllmConfig
+from pagedllm.sample.v2_logits_processors import V2LogitsProcessors
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
 
 
 class BatchLogitsProcessors:
@@ -22,22 +24,41 @@ class BatchLogitsProcessors:
     keeps its index while it stays; new requests take the lowest free index, the last requests
     fill holes (``UNIDIRECTIONAL``) and swaps put the rest in row order (``SWAP``).
 
+    Model Runner V2 processors (``v2``), when any, run after the penalties on the same rows
+    (``V2LogitsProcessors``: their own request slots and token buffers).
+
     Args:
-        processors: built processors, in the order they run within each group.
+        processors: built V1 processors, in the order they run within each group.
+        v2: the V2 processors, or None.
     """
 
-    def __init__(self, processors: Sequence[LogitsProcessor]) -> None:
+    def __init__(self, processors: Sequence[LogitsProcessor], v2: V2LogitsProcessors | None = None) -> None:
         self.processors = list(processors)
+        self.v2 = v2
         self.non_argmax_invariant = [p for p in self.processors if not p.is_argmax_invariant()]
         self.argmax_invariant = [p for p in self.processors if p.is_argmax_invariant()]
         self._slots: list[str] = []   # request id at each batch index after the last update
 
+    @property
+    def changes_argmax(self) -> bool:
+        """Whether any processor may change a greedy row's token (V1 non-argmax-invariant, or V2)."""
+        return bool(self.non_argmax_invariant) or self.v2 is not None
+
     @classmethod
-    def build(cls, classes: Sequence[type[LogitsProcessor]], vllm_config: VllmConfig,
-              device: torch.device) -> "BatchLogitsProcessors":
-        """``cls(vllm_config, device, is_pin_memory)`` for each class (pinned memory on CUDA)."""
+    def build(cls, classes: Sequence[type], vllm_config: VllmConfig, device: torch.device,
+              vocab_size: int) -> "BatchLogitsProcessors":
+        """V1 classes: ``cls(vllm_config, device, is_pin_memory)`` (pinned memory on CUDA); V2
+        classes (subclasses of ``v1.worker.gpu.sample.logits_processor.LogitsProcessor``, in the
+        same list): ``V2LogitsProcessors.build`` with ``max_num_seqs`` slots of ``max_model_len``
+        tokens (``vocab_size``: logits columns)."""
         pin = device.type == "cuda"
-        return cls([c(vllm_config, device, pin) for c in classes])
+        v2_classes = [c for c in classes if issubclass(c, V2LogitsProcessor)]
+        v2 = None
+        if v2_classes:
+            sc = vllm_config.scheduler_config
+            v2 = V2LogitsProcessors.build(v2_classes, vllm_config, device, sc.max_num_seqs, sc.max_model_len,
+                                          vocab_size)
+        return cls([c(vllm_config, device, pin) for c in classes if not issubclass(c, V2LogitsProcessor)], v2)
 
     def update(self, rows: Sequence[tuple[str, SamplingParams, list[int] | None, list[int]]]) -> BatchUpdate | None:
         """Tell every processor this step's batch (``update_state``, every step).

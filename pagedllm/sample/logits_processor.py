@@ -27,6 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedllm.config import VllmConfig
+from pagedllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
 
 if TYPE_CHECKING:
     import torch
@@ -182,7 +183,8 @@ def resolve_logits_processor_classes(entries: Iterable[Any] | None) -> list[type
     """The ``logits_processors`` engine argument -> classes.
 
     Args:
-        entries: ``LogitsProcessor`` subclasses, or their names (``"pkg.module:Class"`` or
+        entries: ``LogitsProcessor`` subclasses (V1's here, or Model Runner V2's,
+            ``v1.worker.gpu.sample.logits_processor``), or their names (``"pkg.module:Class"`` or
             ``"pkg.module.Class"``, imported here).
     Raises:
         ValueError: naming ``logits_processors``, for a name that does not import or an entry
@@ -197,8 +199,8 @@ def resolve_logits_processor_classes(entries: Iterable[Any] | None) -> list[type
                 cls = getattr(importlib.import_module(module), name) if sep and module else None
             except (ImportError, AttributeError) as e:
                 raise ValueError(f"logits_processors: cannot import {entry!r}: {e}") from e
-        if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
-            raise ValueError(f"logits_processors entries must be LogitsProcessor subclasses or their "
-                             f"'module:Class' names, got {entry!r}")
+        if not (isinstance(cls, type) and issubclass(cls, (LogitsProcessor, V2LogitsProcessor))):
+            raise ValueError(f"logits_processors entries must be LogitsProcessor subclasses (vLLM V1's or Model "
+                             f"Runner V2's) or their 'module:Class' names, got {entry!r}")
         classes.append(cls)
     return classes

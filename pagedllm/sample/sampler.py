@@ -109,7 +109,7 @@ class Sampler:
                 f"logits must be [{metadata.num_reqs}, {metadata.vocab_size}], "
                 f"got {list(logits.shape)}")
         rows = metadata.logprob_rows
-        early = processors.non_argmax_invariant if processors is not None else []
+        early = processors is not None and processors.changes_argmax
         if metadata.all_greedy and metadata.adjustments is None and metadata.max_num_logprobs is None \
                 and rows is not None and rows.numel() == 0 and not early:
             # Plain greedy rows, no logprobs: the argmax of the logits in their own dtype. ``max``'s
@@ -218,7 +218,8 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
 def _apply_adjustments(logits: torch.Tensor, adj: LogitsAdjustments | None,
                        processors: BatchLogitsProcessors | None = None) -> torch.Tensor:
     """The logits after masks, bias, per-request processors, the class-based processors that can
-    change an argmax, and penalties; a new tensor unless there is nothing to do.
+    change an argmax, penalties, then the Model Runner V2 processors (vLLM's V2 order); a new
+    tensor unless there is nothing to do.
 
     Args:
         logits: [N, V] float32 raw logits (not modified).
@@ -226,11 +227,13 @@ def _apply_adjustments(logits: torch.Tensor, adj: LogitsAdjustments | None,
         processors: the class-based processors (their non-argmax-invariant ones run here).
     """
     early = processors is not None and processors.non_argmax_invariant
-    if adj is None and not early:
+    v2 = processors.v2 if processors is not None else None
+    if adj is None and not early and v2 is None:
         return logits
     x = logits.clone()  # [N, V], contiguous
     if adj is None:
-        return processors.apply_non_argmax_invariant(x)
+        x = processors.apply_non_argmax_invariant(x) if early else x
+        return v2.apply(x) if v2 is not None else x
     flat = x.view(-1)  # [N * V]; keys are row * V + token
     if adj.allowed_rows is not None:
         rows = x.index_select(0, adj.allowed_rows).masked_fill_(~adj.allowed_mask, _NEG_INF)
@@ -253,6 +256,8 @@ def _apply_adjustments(logits: torch.Tensor, adj: LogitsAdjustments | None,
         flat[adj.repetition_keys] = torch.where(vals > 0, vals / pen, vals * pen)
     if adj.penalty_keys is not None:
         flat.index_add_(0, adj.penalty_keys, adj.penalty_deltas)
+    if v2 is not None:   # Model Runner V2 processors: after the penalties, before temperature
+        x = v2.apply(x)
     return x
 
 

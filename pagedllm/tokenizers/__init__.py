@@ -1,5 +1,6 @@
 """vLLM's ``vllm.tokenizers`` import path: ``TokenizerLike`` (what a tokenizer offers) and
-``get_tokenizer`` / ``cached_get_tokenizer`` (a tokenizer by model name, as the engine loads it)."""
+``get_tokenizer`` / ``cached_get_tokenizer`` (a tokenizer by model name, as the engine loads it),
+``cached_tokenizer_from_config`` (the one of a ``ModelConfig``)."""
 
 from __future__ import annotations
 
@@ -41,4 +42,16 @@ def cached_get_tokenizer(tokenizer_name: str) -> Tokenizer:
     return get_tokenizer(tokenizer_name)
 
 
-__all__ = ["TokenizerLike", "cached_get_tokenizer", "get_tokenizer"]
+def cached_tokenizer_from_config(model_config) -> Tokenizer:
+    """The engine's tokenizer for a ``ModelConfig`` (vLLM's ``cached_tokenizer_from_config``):
+    ``model_config.tokenizer``, else its resolved ``model_folder``, else its ``model`` argument
+    (None: the default model), through ``cached_get_tokenizer``.
+
+    Raises:
+        ValueError: if that resolves to nothing with a ``tokenizer.json``.
+    """
+    name = model_config.tokenizer or model_config.model_folder or model_config.model or "default"
+    return cached_get_tokenizer(name)
+
+
+__all__ = ["TokenizerLike", "cached_get_tokenizer", "cached_tokenizer_from_config", "get_tokenizer"]

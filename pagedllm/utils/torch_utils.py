@@ -27,3 +27,32 @@ def set_random_seed(seed: int | None) -> None:
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)   # also seeds every CUDA device (lazily when CUDA is not initialized yet)
+
+
+def async_tensor_h2d(data, device, dtype: torch.dtype | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """A host array on ``device`` without waiting for the copy (vLLM's ``async_tensor_h2d``).
+
+    Args:
+        data: a numpy array, a CPU tensor or a list (any shape); numpy arrays keep their dtype
+            (int64 stays int64, bool stays bool).
+        device: the destination device (str or ``torch.device``); ignored when ``out`` is given.
+        dtype: the result's dtype (None: the data's, or ``out``'s).
+        out: a device tensor of the same shape to copy into (returned).
+    Returns:
+        The device tensor. On CUDA the data is staged in pinned memory and copied with
+        ``non_blocking=True`` (the copy is ordered on the current stream); on the CPU it is a copy
+        (never a view of ``data``, so later writes to the array do not show through).
+    """
+    t = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else \
+        data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if dtype is None:
+        dtype = out.dtype if out is not None else t.dtype
+    target = out.device if out is not None else torch.device(device)
+    if target.type == "cuda":
+        t = torch.empty(t.shape, dtype=dtype, pin_memory=True).copy_(t)
+    if out is not None:
+        return out.copy_(t, non_blocking=True)
+    if target.type == "cpu":
+        return t.to(dtype=dtype, copy=True)
+    return t.to(device=target, dtype=dtype, non_blocking=True)

@@ -130,7 +130,8 @@ class ModelRunner:
         return state.generator
 
     def _update_states(self, sched: SchedulerOutput) -> list[ScheduledRequest]:
-        """Apply the step's diffs; attach in-process logits processors to new requests."""
+        """Apply the step's diffs; attach in-process logits processors to new requests; update the
+        Model Runner V2 processors' slots and token buffers."""
         reqs = self.requests.update(sched)
         if self._logits_processors:
             for new in sched.scheduled_new_reqs:
@@ -139,6 +140,9 @@ class ModelRunner:
                     state = self.requests.requests[new.req_id]
                     state.sampling_params = state.sampling_params.clone()
                     state.sampling_params.logits_processors = processors
+        v2 = self.batch_logits_processors.v2 if self.batch_logits_processors is not None else None
+        if v2 is not None:   # Model Runner V2 processors: request slots and token buffers
+            v2.update_slots(sched, self.requests.requests)
         return reqs
 
     @torch.inference_mode()
@@ -404,6 +408,8 @@ class ModelRunner:
         if processors is not None:   # the batch they see: these rows, in this order
             processors.update([(st.req_id, st.sampling_params, st.prompt_token_ids, st.output_token_ids)
                                for st in states])
+            if processors.v2 is not None:   # Model Runner V2: the rows' slots and lengths
+                processors.v2.prepare(states)
         sampled = self.sampler(logits, metadata, processors)
         output.req_ids = [st.req_id for st in states]
         output.sampled_token_ids = sampled.sampled_token_ids.tolist()
@@ -468,7 +474,7 @@ class ModelRunner:
         one row per state: forks have their own masks) likewise. Fallback rows are left out; none
         with class-based logits processors that can change an argmax."""
         processors = self.batch_logits_processors
-        if processors is not None and processors.non_argmax_invariant:
+        if processors is not None and processors.changes_argmax:
             return {}
         grammar_rows = sched.structured_output_request_ids
         plain, masked = [], []

@@ -528,7 +528,7 @@ class Worker:
 
     def init_batch_logits_processors(self, classes: list) -> None:
         """Build the class-based logits processors (vLLM V1's ``cls(vllm_config, device,
-        is_pin_memory)``) on the rank that samples and hand them to the model runner (after
+        is_pin_memory)``, Model Runner V2's ``cls(vllm_config, req_states)``) on the rank that samples and hand them to the model runner (after
         ``initialize_cache``); other ranks build none."""
         from pagedllm.sample.batch_logits_processors import BatchLogitsProcessors
         from pagedllm.sample.logits_processor import VllmConfig
@@ -537,7 +537,8 @@ class Worker:
             return
         config = VllmConfig(self.model_config, self.cache_config, self.scheduler_config, self.parallel_config,
                             self.kernel_config)
-        self.model_runner.set_batch_logits_processors(BatchLogitsProcessors.build(classes, config, self.device))
+        self.model_runner.set_batch_logits_processors(BatchLogitsProcessors.build(classes, config, self.device,
+                                                                                 self.model_runner.vocab_size))
         logger.info("logits processors: %s", ", ".join(c.__name__ for c in classes))
 
     def add_logits_processors(self, req_id: str, processors) -> None:
