@@ -38,7 +38,11 @@ from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepEr
 from pagedllm.engine.input_processor import LengthCheck
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.protocol_responses import (InputTokensDetails, ResponseFunctionToolCall,
+from pagedllm.entrypoints.openai.mcp_client import McpConnectionError, McpUnavailableError, list_tools, require_sdk
+from pagedllm.entrypoints.openai.mcp_loop import ModelRound, run_mcp_call, tool_messages
+from pagedllm.entrypoints.openai.mcp_tools import McpLimits, McpTool, function_tools, list_tools_item, parse_mcp_tools
+from pagedllm.entrypoints.openai.protocol_responses import (InputTokensDetails, McpCallItem, McpListToolsItem,
+                                                            ResponseFunctionToolCall,
                                                             ResponseOutputMessage, ResponseOutputText,
                                                             ResponseReasoningItem, ResponseReasoningText,
                                                             ResponsesRequest, ResponsesResponse, ResponseUsage)
@@ -146,7 +150,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     """``input`` as chat messages: a string is one user message; a ``message`` item keeps its role
     and text; consecutive ``function_call`` items become one assistant message's ``tool_calls``
     (joined to the assistant message right before them); a ``function_call_output`` item a
-    ``tool`` message; ``reasoning`` items are skipped.
+    ``tool`` message; ``reasoning``, ``mcp_list_tools`` and ``mcp_call`` items are skipped.
 
     Raises:
         OpenAIError: 400 naming ``input`` for an unknown item type or role, a missing field, or
@@ -182,7 +186,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                 raise bad_request(f"{where} (function_call_output) needs a string 'call_id'", param="input")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _parts_text(item.get("output"), f"{where}.output")})
-        elif kind != "reasoning":
+        elif kind not in ("reasoning", "mcp_list_tools", "mcp_call"):
             raise bad_request(f"{where}.type must be 'message', 'function_call' or 'function_call_output', got "
                               f"{kind!r}", param="input")
     if not messages:
@@ -264,6 +268,7 @@ class OpenAIServingResponses(OpenAIServing):
             for ``tool_choice: "auto"``.
         store: where stored responses live (its size is ``--max-stored-responses``); None: a
             ``ResponseStore`` of ``DEFAULT_MAX_STORED_RESPONSES``.
+        mcp_limits: rounds and seconds of the ``mcp`` tool loop; None: ``McpLimits()``.
     """
 
     fields = set(ResponsesRequest.model_fields)
@@ -271,15 +276,19 @@ class OpenAIServingResponses(OpenAIServing):
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, chat: OpenAIServingChat,
                  log_requests: bool = True, max_n: int = DEFAULT_MAX_N,
                  pool: concurrent.futures.Executor | None = None,
-                 store: ResponseStore | None = None) -> None:
+                 store: ResponseStore | None = None, mcp_limits: McpLimits | None = None) -> None:
         super().__init__(engine, models, log_requests, max_n, pool)
         self.chat = chat
         self.store = ResponseStore() if store is None else store
+        self.mcp_limits = McpLimits() if mcp_limits is None else mcp_limits
 
     # -- checks and conversion ---------------------------------------------------------------
 
-    def chat_request(self, request: ResponsesRequest) -> tuple[ChatCompletionRequest, StoredResponse | None]:
+    def chat_request(self, request: ResponsesRequest, mcp_tools: list[dict[str, Any]] = ()
+                     ) -> tuple[ChatCompletionRequest, StoredResponse | None]:
         """The chat request a Responses request runs as, and the previous response it continues.
+        ``mcp_tools``: the MCP servers' allowed tools as flat function tools, offered in place of
+        the request's ``mcp`` entries.
 
         Raises:
             OpenAIError: 404 naming ``previous_response_id`` for an id not stored; 400 naming the
@@ -297,7 +306,8 @@ class OpenAIServingResponses(OpenAIServing):
         messages += [dict(m) for m in previous.messages] if previous is not None else []
         messages += input_messages(request.input)
         chat = ChatCompletionRequest(
-            model=request.model, messages=messages, tools=chat_tools(request.tools),
+            model=request.model, messages=messages, tools=chat_tools(
+                [t for t in request.tools or [] if not _is_mcp(t)] + list(mcp_tools)),
             tool_choice=chat_tool_choice(request.tool_choice), parallel_tool_calls=request.parallel_tool_calls,
             response_format=response_format(request.text), max_tokens=request.max_output_tokens,
             temperature=request.temperature, top_p=request.top_p, seed=request.seed, top_k=request.top_k,
@@ -320,36 +330,18 @@ class OpenAIServingResponses(OpenAIServing):
         model_name = self.models.resolve(request.model)
         self.check_unsupported_fields(request, RESPONSES_UNSUPPORTED_FIELDS)
         self.warn_unknown_fields(request, RESPONSES_UNSUPPORTED_FIELDS)
+        _, mcp = parse_mcp_tools(request.tools, self.mcp_limits)
+        if mcp:
+            return await self._create_with_mcp(request, mcp, model_name, raw_request, arrival_time)
         try:
             chat, previous = self.chat_request(request)
-            tool_plan, structured_outputs, origin = self.chat.plan_tools_and_constraint(chat, "text.format", request.tool_choice)
-            prompt = await self.run_in_pool(self.chat.render, chat)
         except OpenAIError as e:
             raise _renamed(e) from e
         stream = bool(request.stream)
-        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         response_id = f"resp_{uuid.uuid4().hex}"
-        try:
-            params = self.sampling_params(chat, request.max_output_tokens, None, kind,
-                                          structured_outputs=structured_outputs)
-            processed = await self.run_in_pool(self.engine.process_inputs, prompt, params,
-                                               LengthCheck("max_output_tokens", "input"))
-            processed = processed.with_lora(self.models.lora_for(model_name))   # the adapter `model` names
-            num_input = len(processed.prompt_token_ids)
-            self.log_request(response_id, processed.prompt, num_input, processed.params)
-            outputs = self.engine.add_request(response_id, processed, arrival_time=arrival_time,
-                                              trace_headers=self.trace_headers(raw_request))
-        except StructuredOutputsError as e:   # named by the chat field it came from: rename it
-            raise _renamed(error_from_exception(e, constraint=origin)) from e
-        except Exception as e:
-            raise error_from_exception(e, self.fields, prompt_param="input") from e
-        base = ResponsesResponse(
-            id=response_id, status="in_progress", model=model_name, instructions=request.instructions,
-            max_output_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,
-            tools=list(request.tools or []), tool_choice=request.tool_choice or ("auto" if request.tools else "none"),
-            parallel_tool_calls=request.parallel_tool_calls is not False,
-            text=request.text or {"format": {"type": "text"}}, previous_response_id=request.previous_response_id,
-            store=bool(request.store), metadata=request.metadata, user=request.user)
+        tool_plan, outputs, num_input = await self._submit(request, chat, model_name, response_id, raw_request,
+                                                           arrival_time, stream)
+        base = self._base(request, response_id, model_name)
         history = chat.messages[1:] if request.instructions else chat.messages
         if stream:
             return StreamingResponse(self._stream(request, base, outputs, tool_plan, num_input, history),
@@ -358,6 +350,128 @@ class OpenAIServingResponses(OpenAIServing):
         o = final.outputs[0]
         response = self._finish(request, base, self._output_items(tool_plan, o.text), o, num_input,
                                 final.num_cached_tokens, history)
+        return JSONResponse(response.model_dump())
+
+    async def _submit(self, request: ResponsesRequest, chat: ChatCompletionRequest, model_name: str,
+                      request_id: str, raw_request: Request | None, arrival_time: float, stream: bool
+                      ) -> tuple[ToolPlan, OutputStream, int]:
+        """Plan tools, render ``chat`` and queue it as engine request ``request_id``: (the tool
+        plan, its output stream, the prompt's length in tokens).
+
+        Raises:
+            OpenAIError: 400 naming the Responses field for a bad constraint, tool choice or
+                prompt (too long for ``max_model_len``).
+        """
+        try:
+            tool_plan, structured_outputs, origin = self.chat.plan_tools_and_constraint(chat, "text.format", request.tool_choice)
+            prompt = await self.run_in_pool(self.chat.render, chat)
+        except OpenAIError as e:
+            raise _renamed(e) from e
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        try:
+            params = self.sampling_params(chat, request.max_output_tokens, None, kind,
+                                          structured_outputs=structured_outputs)
+            processed = await self.run_in_pool(self.engine.process_inputs, prompt, params,
+                                               LengthCheck("max_output_tokens", "input"))
+            processed = processed.with_lora(self.models.lora_for(model_name))   # the adapter `model` names
+            num_input = len(processed.prompt_token_ids)
+            self.log_request(request_id, processed.prompt, num_input, processed.params)
+            outputs = self.engine.add_request(request_id, processed, arrival_time=arrival_time,
+                                              trace_headers=self.trace_headers(raw_request))
+        except StructuredOutputsError as e:   # named by the chat field it came from: rename it
+            raise _renamed(error_from_exception(e, constraint=origin)) from e
+        except Exception as e:
+            raise error_from_exception(e, self.fields, prompt_param="input") from e
+        return tool_plan, outputs, num_input
+
+    @staticmethod
+    def _base(request: ResponsesRequest, response_id: str, model_name: str) -> ResponsesResponse:
+        """The response as it starts (``in_progress``, no output), echoing the request's settings."""
+        return ResponsesResponse(
+            id=response_id, status="in_progress", model=model_name, instructions=request.instructions,
+            max_output_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,
+            tools=list(request.tools or []), tool_choice=request.tool_choice or ("auto" if request.tools else "none"),
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+            text=request.text or {"format": {"type": "text"}}, previous_response_id=request.previous_response_id,
+            store=bool(request.store), metadata=request.metadata, user=request.user)
+
+    async def generate_round(self, request: ResponsesRequest, chat: ChatCompletionRequest, model_name: str,
+                             request_id: str, raw_request: Request | None, arrival_time: float) -> ModelRound:
+        """One model reply to ``chat`` (a round of the ``mcp`` tool loop), awaited whole.
+
+        Raises:
+            OpenAIError: as ``_submit``.
+        """
+        plan, outputs, num_input = await self._submit(request, chat, model_name, request_id, raw_request,
+                                                      arrival_time, stream=False)
+        final = (await self.final_outputs(outputs))[request_id]
+        return ModelRound(plan, final.outputs[0], num_input, final.num_cached_tokens or 0)
+
+    async def _create_with_mcp(self, request: ResponsesRequest, mcp: list[McpTool], model_name: str,
+                               raw_request: Request | None, arrival_time: float) -> Response:
+        """The ``mcp`` tool loop: list each server's tools (an ``mcp_list_tools`` item each), offer
+        the allowed ones as function tools, and while the model calls them (at most
+        ``mcp_limits.max_rounds`` replies) call them on their servers (an ``mcp_call`` item each)
+        and feed the results back as tool messages. A call of one of the request's own function
+        tools ends the loop with its ``function_call`` item, as without MCP.
+
+        Raises:
+            OpenAIError: 400 for ``stream`` (not supported with MCP tools) or without the ``mcp``
+                extra; 424 naming the server when its tools cannot be listed (OpenAI's status for
+                an MCP server it cannot reach); as ``_submit``.
+        """
+        if request.stream:
+            raise bad_request("stream is not supported with mcp tools on this server; send stream: false",
+                              param="stream")
+        try:
+            require_sdk()
+        except McpUnavailableError as e:
+            raise bad_request(str(e), param="tools") from e
+        items: list = []
+        for tool in mcp:
+            try:
+                listed = await list_tools(tool.server)
+            except McpConnectionError as e:
+                raise OpenAIError(424, f"Error retrieving tool list from MCP server: {tool.server.server_label!r} "
+                                  f"({tool.server.server_url}): {e}", "external_connector_error", "tools",
+                                  "mcp_list_tools_failed") from e
+            items.append(list_tools_item(tool, listed))
+        try:
+            chat, previous = self.chat_request(request, function_tools(items))
+        except OpenAIError as e:
+            raise _renamed(e) from e
+        history = chat.messages[1:] if request.instructions else chat.messages
+        own = {t["function"]["name"] for t in chat_tools([t for t in request.tools if not _is_mcp(t)]) or []}
+        servers = {t.server.server_label: t for t in mcp}
+        offered = {t.name: item.server_label for item in items for t in item.tools}
+        response_id = f"resp_{uuid.uuid4().hex}"
+        num_input = num_output = num_cached = 0
+        for k in range(self.mcp_limits.max_rounds):
+            step = await self.generate_round(request, chat, model_name, f"{response_id}-{k}", raw_request,
+                                              arrival_time)
+            num_input += step.num_input
+            num_output += len(step.output.token_ids)
+            num_cached += step.num_cached
+            reply = self._output_items(step.plan, step.output.text)
+            calls = [i for i in reply if isinstance(i, ResponseFunctionToolCall)]
+            mcp_calls = [i for i in calls if i.name not in own]
+            called = []
+            for item in reply:
+                if item in mcp_calls:
+                    label = offered.get(item.name, mcp[0].server.server_label)
+                    done = await run_mcp_call(servers[label], item.name, item.arguments, item.name in offered)
+                    called.append((item, done))
+                    items.append(done)
+                else:
+                    items.append(item)
+            if not mcp_calls or len(mcp_calls) < len(calls) or step.output.finish_reason == "length":
+                break
+            chat.messages = [*chat.messages, *tool_messages(reply, called)]
+        else:   # the last reply still called tools: cut off like a reply at max_output_tokens
+            step = ModelRound(step.plan, CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
+                                                          logprobs=None, finish_reason="length"), 0, 0)
+        response = self._finish(request, self._base(request, response_id, model_name), items, step.output,
+                                num_input, num_cached, history, num_output=num_output)
         return JSONResponse(response.model_dump())
 
     async def retrieve_responses(self, response_id: str) -> Response:
@@ -422,13 +536,16 @@ class OpenAIServingResponses(OpenAIServing):
         return items
 
     def _finish(self, request: ResponsesRequest, base: ResponsesResponse, items: list, o: CompletionOutput,
-                num_input: int, num_cached: int | None, history: list[dict[str, Any]]) -> ResponsesResponse:
-        """The finished response (status, usage), stored when ``request.store``."""
+                num_input: int, num_cached: int | None, history: list[dict[str, Any]],
+                num_output: int | None = None) -> ResponsesResponse:
+        """The finished response (status, usage), stored when ``request.store``. ``o`` is the
+        last reply; ``num_output``: the output tokens of all replies (tokens; None: ``o``'s)."""
         incomplete = o.finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
         for item in items:
-            item.status = status
-        num_output = len(o.token_ids)
+            if not isinstance(item, (McpListToolsItem, McpCallItem)):   # those keep their own status
+                item.status = status
+        num_output = len(o.token_ids) if num_output is None else num_output
         response = base.model_copy(update=dict(
             status=status, output=items,
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
@@ -552,6 +669,10 @@ class OpenAIServingResponses(OpenAIServing):
                                 part=part.model_dump()))
         pieces.append(event("response.output_item.done", output_index=index, item=item.model_dump()))
         return pieces
+
+
+def _is_mcp(tool: Any) -> bool:
+    return isinstance(tool, dict) and tool.get("type") == "mcp"
 
 
 def _as_messages(items: list) -> list[dict[str, Any]]:
