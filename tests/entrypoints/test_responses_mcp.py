@@ -136,17 +136,36 @@ def test_unreachable_server_is_a_424(state):
     assert error.status_code == 424 and "MCP server: 'demo'" in error.message and "ConnectError" in error.message
 
 
-def test_stream_and_approval_are_400s(state, mcp_url):
+def test_approval_is_a_400(state, mcp_url):
     async def fn(client, http):
-        out = []
-        for kwargs in ({"stream": True}, {"tool": {"require_approval": "always"}}):
-            with pytest.raises(openai.BadRequestError) as e:
-                await _create(client, mcp_url, **kwargs)
-            out.append(e.value)
-        return out
-    stream, approval = run_with_clients(state, fn)
-    assert "stream is not supported with mcp tools" in stream.message and stream.body["param"] == "stream"
+        with pytest.raises(openai.BadRequestError) as e:
+            await _create(client, mcp_url, tool={"require_approval": "always"})
+        return e.value
+    approval = run_with_clients(state, fn)
     assert "no approval flow" in approval.message and approval.body["param"] == "tools"
+
+
+def test_stream_sends_the_mcp_events(state, mcp_url, monkeypatch):
+    _force_first_round(monkeypatch, state, "search", {"query": "machine learning"})
+
+    async def fn(client, http):
+        stream = await _create(client, mcp_url, max_output_tokens=120, stream=True)
+        return [event async for event in stream]
+    events = run_with_clients(state, fn)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds[2:6] == ["response.output_item.added", "response.mcp_list_tools.in_progress",
+                          "response.mcp_list_tools.completed", "response.output_item.done"]
+    assert kinds[6:12] == ["response.output_item.added", "response.mcp_call_arguments.delta",
+                           "response.mcp_call_arguments.done", "response.mcp_call.in_progress",
+                           "response.mcp_call.completed", "response.output_item.done"]
+    final = events[-1].response
+    call = final.output[1]
+    assert call.type == "mcp_call" and call.output == "[2] Machine learning" and final.output[-1].type == "message"
+    assert events[11].item.id == events[6].item.id == events[10].item_id == call.id
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert done == [item.type for item in final.output]
 
 
 def test_missing_extra_is_a_400_naming_it(state, mcp_url, monkeypatch):

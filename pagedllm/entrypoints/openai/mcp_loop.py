@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.entrypoints.openai.mcp_client import McpConnectionError, call_tool
-from pagedllm.entrypoints.openai.mcp_tools import McpTool, call_item, parse_arguments, result_text
+from pagedllm.entrypoints.openai.mcp_tools import McpTool, parse_arguments, result_text
 from pagedllm.entrypoints.openai.protocol_responses import (McpCallItem, ResponseFunctionToolCall,
                                                             ResponseOutputMessage)
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan
@@ -25,22 +25,24 @@ _INVALID_PARAMS = -32602
 
 @dataclass
 class ModelRound:
-    """One model reply of the loop: the tool plan it ran under, its output, its prompt's length
-    and how much of it was cached (tokens)."""
+    """One model reply of the loop (or the loop's total): the tool plan it ran under, its output,
+    its prompt's length, how much of it was cached and its output's length (tokens)."""
 
-    plan: ToolPlan
-    output: CompletionOutput
+    plan: ToolPlan | None
+    output: CompletionOutput | None
     num_input: int
     num_cached: int
+    num_output: int
 
 
-async def run_mcp_call(tool: McpTool, name: str, arguments: str, allowed: bool) -> McpCallItem:
-    """Call ``name`` on ``tool``'s server; never raises. The item's ``output`` is the tool's text
+async def run_mcp_call(tool: McpTool, item: McpCallItem, allowed: bool) -> McpCallItem:
+    """Run the call ``item`` (``name``, ``arguments``) on ``tool``'s server: the item done; never
+    raises. Its ``output`` is the tool's text
     (status ``completed``), or its ``error`` (status ``failed``): ``mcp_protocol_error`` for a
     tool not in ``allowed_tools`` (not sent to the server), arguments that are not a JSON object,
     or a protocol error the server answered; ``mcp_tool_execution_error`` (the content) when the
     tool failed; ``http_error`` when the server could not be reached."""
-    item = call_item(tool.server.server_label, name, arguments)
+    name, arguments = item.name, item.arguments
 
     def failed(error: dict[str, Any]) -> McpCallItem:
         logger.info("MCP call %s on %s failed: %s", name, tool.server.server_label, error)

@@ -39,8 +39,10 @@ from pagedllm.engine.input_processor import LengthCheck
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.mcp_client import McpConnectionError, McpUnavailableError, list_tools, require_sdk
+from pagedllm.entrypoints.openai.mcp_events import call_done_events, call_started_events, list_tools_events
 from pagedllm.entrypoints.openai.mcp_loop import ModelRound, run_mcp_call, tool_messages
-from pagedllm.entrypoints.openai.mcp_tools import McpLimits, McpTool, function_tools, list_tools_item, parse_mcp_tools
+from pagedllm.entrypoints.openai.mcp_tools import (McpLimits, McpTool, call_item, function_tools, list_tools_item,
+                                                   parse_mcp_tools)
 from pagedllm.entrypoints.openai.protocol_responses import (InputTokensDetails, McpCallItem, McpListToolsItem,
                                                             ResponseFunctionToolCall,
                                                             ResponseOutputMessage, ResponseOutputText,
@@ -405,7 +407,8 @@ class OpenAIServingResponses(OpenAIServing):
         plan, outputs, num_input = await self._submit(request, chat, model_name, request_id, raw_request,
                                                       arrival_time, stream=False)
         final = (await self.final_outputs(outputs))[request_id]
-        return ModelRound(plan, final.outputs[0], num_input, final.num_cached_tokens or 0)
+        o = final.outputs[0]
+        return ModelRound(plan, o, num_input, final.num_cached_tokens or 0, len(o.token_ids))
 
     async def _create_with_mcp(self, request: ResponsesRequest, mcp: list[McpTool], model_name: str,
                                raw_request: Request | None, arrival_time: float) -> Response:
@@ -413,66 +416,125 @@ class OpenAIServingResponses(OpenAIServing):
         the allowed ones as function tools, and while the model calls them (at most
         ``mcp_limits.max_rounds`` replies) call them on their servers (an ``mcp_call`` item each)
         and feed the results back as tool messages. A call of one of the request's own function
-        tools ends the loop with its ``function_call`` item, as without MCP.
+        tools ends the loop with its ``function_call`` item, as without MCP. Streamed, each item
+        is sent when it is done (with OpenAI's ``response.mcp_list_tools.*`` and
+        ``response.mcp_call*`` events), each reply whole.
 
         Raises:
-            OpenAIError: 400 for ``stream`` (not supported with MCP tools) or without the ``mcp``
-                extra; 424 naming the server when its tools cannot be listed (OpenAI's status for
-                an MCP server it cannot reach); as ``_submit``.
+            OpenAIError: 400 without the ``mcp`` extra; 424 naming the server when its tools
+                cannot be listed (OpenAI's status for an MCP server it cannot reach); as
+                ``_submit`` for the first reply.
         """
-        if request.stream:
-            raise bad_request("stream is not supported with mcp tools on this server; send stream: false",
-                              param="stream")
         try:
             require_sdk()
         except McpUnavailableError as e:
             raise bad_request(str(e), param="tools") from e
-        items: list = []
+        listed: list[McpListToolsItem] = []
         for tool in mcp:
             try:
-                listed = await list_tools(tool.server)
+                tools = await list_tools(tool.server)
             except McpConnectionError as e:
                 raise OpenAIError(424, f"Error retrieving tool list from MCP server: {tool.server.server_label!r} "
                                   f"({tool.server.server_url}): {e}", "external_connector_error", "tools",
                                   "mcp_list_tools_failed") from e
-            items.append(list_tools_item(tool, listed))
+            listed.append(list_tools_item(tool, tools))
         try:
-            chat, previous = self.chat_request(request, function_tools(items))
+            chat, previous = self.chat_request(request, function_tools(listed))
         except OpenAIError as e:
             raise _renamed(e) from e
         history = chat.messages[1:] if request.instructions else chat.messages
+        base = self._base(request, f"resp_{uuid.uuid4().hex}", model_name)
+        loop = self._mcp_rounds(request, chat, mcp, listed, base, raw_request, arrival_time)
+        head = []   # the steps up to the first reply's: its errors are still an HTTP status
+        while not head or (head[-1][0] == "item" and isinstance(head[-1][1], McpListToolsItem)):
+            head.append(await anext(loop))
+        if request.stream:
+            return StreamingResponse(self._mcp_stream(request, base, history, head, loop),
+                                     media_type="text/event-stream")
+        steps = head + [step async for step in loop]
+        items = [item for kind, item in steps if kind == "item"]
+        return JSONResponse(self._mcp_finish(request, base, history, items, steps[-1][1]).model_dump())
+
+    async def _mcp_rounds(self, request: ResponsesRequest, chat: ChatCompletionRequest, mcp: list[McpTool],
+                          listed: list[McpListToolsItem], base: ResponsesResponse, raw_request: Request | None,
+                          arrival_time: float) -> AsyncIterator[tuple[str, Any]]:
+        """The loop's steps, in order: ``("item", item)`` for each finished output item (the
+        ``mcp_list_tools`` items first), ``("calling", item)`` before an ``mcp_call`` runs, and
+        last ``("end", ModelRound)`` with the last reply and the token counts of all replies."""
         own = {t["function"]["name"] for t in chat_tools([t for t in request.tools if not _is_mcp(t)]) or []}
         servers = {t.server.server_label: t for t in mcp}
-        offered = {t.name: item.server_label for item in items for t in item.tools}
-        response_id = f"resp_{uuid.uuid4().hex}"
-        num_input = num_output = num_cached = 0
+        offered = {t.name: item.server_label for item in listed for t in item.tools}
+        for item in listed:
+            yield "item", item
+        total = ModelRound(None, None, 0, 0, 0)   # the last reply, the tokens of all
         for k in range(self.mcp_limits.max_rounds):
-            step = await self.generate_round(request, chat, model_name, f"{response_id}-{k}", raw_request,
-                                              arrival_time)
-            num_input += step.num_input
-            num_output += len(step.output.token_ids)
-            num_cached += step.num_cached
+            step = await self.generate_round(request, chat, base.model, f"{base.id}-{k}", raw_request, arrival_time)
+            total = ModelRound(step.plan, step.output, total.num_input + step.num_input, total.num_cached +
+                               step.num_cached, total.num_output + len(step.output.token_ids))
             reply = self._output_items(step.plan, step.output.text)
             calls = [i for i in reply if isinstance(i, ResponseFunctionToolCall)]
             mcp_calls = [i for i in calls if i.name not in own]
             called = []
             for item in reply:
-                if item in mcp_calls:
-                    label = offered.get(item.name, mcp[0].server.server_label)
-                    done = await run_mcp_call(servers[label], item.name, item.arguments, item.name in offered)
-                    called.append((item, done))
-                    items.append(done)
-                else:
-                    items.append(item)
+                if item not in mcp_calls:
+                    yield "item", item
+                    continue
+                tool = servers[offered.get(item.name, mcp[0].server.server_label)]
+                pending = call_item(tool.server.server_label, item.name, item.arguments)
+                yield "calling", pending
+                done = await run_mcp_call(tool, pending, item.name in offered)
+                called.append((item, done))
+                yield "item", done
             if not mcp_calls or len(mcp_calls) < len(calls) or step.output.finish_reason == "length":
                 break
             chat.messages = [*chat.messages, *tool_messages(reply, called)]
         else:   # the last reply still called tools: cut off like a reply at max_output_tokens
-            step = ModelRound(step.plan, CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
-                                                          logprobs=None, finish_reason="length"), 0, 0)
-        response = self._finish(request, self._base(request, response_id, model_name), items, step.output,
-                                num_input, num_cached, history, num_output=num_output)
-        return JSONResponse(response.model_dump())
+            total.output = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                            finish_reason="length")
+        yield "end", total
+
+    def _mcp_finish(self, request: ResponsesRequest, base: ResponsesResponse, history: list[dict[str, Any]],
+                    items: list, end: ModelRound) -> ResponsesResponse:
+        """The finished response of the loop (``end``: its last step)."""
+        return self._finish(request, base, items, end.output, end.num_input, end.num_cached, history,
+                            num_output=end.num_output)
+
+    async def _mcp_stream(self, request: ResponsesRequest, base: ResponsesResponse, history: list[dict[str, Any]],
+                          head: list[tuple[str, Any]], loop: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[str]:
+        """The loop's event stream: created, in progress, each item's events as it is done,
+        completed (or an ``error`` event when a later reply fails)."""
+        event = EventCounter()
+        items: list = []
+        yield event("response.created", response=base.model_dump())
+        yield event("response.in_progress", response=base.model_dump())
+        try:
+            while True:
+                kind, item = head.pop(0) if head else await anext(loop)
+                if kind == "end":
+                    break
+                if kind == "calling":
+                    for piece in call_started_events(event, len(items), item):
+                        yield piece
+                elif isinstance(item, McpCallItem):
+                    for piece in call_done_events(event, len(items), item):
+                        yield piece
+                elif isinstance(item, McpListToolsItem):
+                    for piece in list_tools_events(event, len(items), item):
+                        yield piece
+                else:
+                    item.status = "completed"
+                    for piece in self._item_events(event, len(items), item, announced=False):
+                        yield piece
+                if kind == "item":
+                    items.append(item)
+            response = self._mcp_finish(request, base, history, items, item)
+            yield event("response.completed", response=response.model_dump())
+        except (OpenAIError, EngineStepError, EngineDeadError) as e:
+            logger.error("request %s failed: %s", base.id, e)
+            error = e if isinstance(e, OpenAIError) else error_from_exception(e)
+            yield event("error", code=error.code or error.type, message=error.message, param=error.param)
+        finally:
+            await loop.aclose()
 
     async def retrieve_responses(self, response_id: str) -> Response:
         """``GET /v1/responses/{id}``: the stored response.
@@ -559,13 +621,7 @@ class OpenAIServingResponses(OpenAIServing):
 
     async def _stream(self, request: ResponsesRequest, base: ResponsesResponse, outputs: OutputStream,
                       plan: ToolPlan, num_input: int, history: list[dict[str, Any]]) -> AsyncIterator[str]:
-        sequence_number = 0
-
-        def event(kind: str, **fields: Any) -> str:
-            nonlocal sequence_number
-            body = {"type": kind, "sequence_number": sequence_number, **fields}
-            sequence_number += 1
-            return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        event = EventCounter()
 
         def dump(item) -> dict[str, Any]:
             return item.model_dump()
@@ -669,6 +725,18 @@ class OpenAIServingResponses(OpenAIServing):
                                 part=part.model_dump()))
         pieces.append(event("response.output_item.done", output_index=index, item=item.model_dump()))
         return pieces
+
+
+class EventCounter:
+    """Writes one stream's server-sent events, numbering them (``sequence_number`` from 0)."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def _is_mcp(tool: Any) -> bool:
