@@ -20,6 +20,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.api_server import build_state
 from pagedllm.entrypoints.openai.mcp_client import McpServer, list_tools, transport_urls
+from pagedllm.entrypoints.openai.mcp_tools import McpLimits
 from asgi_utils import run_with_clients
 from conftest import free_port
 
@@ -62,9 +63,9 @@ def state(long_checkpoint):
     st.engine.shutdown()
 
 
-def _force_first_round(monkeypatch, state, name: str, arguments: dict) -> list[dict]:
-    """Force the first reply to be a hermes call of ``name``; returns the rendered prompts of all
-    rounds (``prompt``, ``prompt_token_ids``)."""
+def _force_first_round(monkeypatch, state, name: str, arguments: dict, every_round: bool = False) -> list[dict]:
+    """Force the first reply (or each) to be a hermes call of ``name``; returns the rendered
+    prompts of all rounds (``prompt``, ``prompt_token_ids``)."""
     prompts: list[dict] = []
     generate, render = state.responses.generate_round, state.chat.render
     call = json.dumps({"name": name, "arguments": arguments}).replace("{", r"\{").replace("}", r"\}")
@@ -76,7 +77,7 @@ def _force_first_round(monkeypatch, state, name: str, arguments: dict) -> list[d
         return prompt
 
     async def forced(request, chat, *args):
-        if not prompts:
+        if not prompts or every_round:
             chat = chat.model_copy(update={"structured_outputs": {"regex": f"<tool_call>\n{call}\n</tool_call>"}})
         return await generate(request, chat, *args)
     monkeypatch.setattr(state.responses, "generate_round", forced)
@@ -125,6 +126,31 @@ def test_disallowed_tool_call_is_an_error_item(state, mcp_url, monkeypatch):
     assert call.name == "open" and call.output is None and call.status == "failed"
     assert call.error.type == "mcp_protocol_error" and "allowed tools" in call.error.message
     assert response.output[-1].type == "message"
+
+
+def test_rounds_are_bounded(state, mcp_url, monkeypatch):
+    prompts = _force_first_round(monkeypatch, state, "find", {"pattern": "protocol"}, every_round=True)
+    monkeypatch.setattr(state.responses, "mcp_limits", McpLimits(max_rounds=3))
+    response = run_with_clients(state, lambda client, http: _create(client, mcp_url, max_output_tokens=120))
+    calls = [item for item in response.output if item.type != "mcp_list_tools"]
+    assert [(c.type, c.output) for c in calls] == [("mcp_call", "3")] * 3 and len(prompts) == 3
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+
+
+@pytest.mark.parametrize("tool, fragment", [
+    ({"type": "mcp", "server_label": "a"}, "needs a 'server_url'"),
+    ({"type": "mcp", "server_url": "http://h:1"}, "needs a string 'server_label'"),
+    ({"type": "mcp", "server_label": "a", "server_url": "ftp://h"}, "http(s) URL"),
+    ({"type": "mcp", "server_label": "a", "server_url": "http://h:1", "allowed_tools": "search"}, "list of tool names"),
+    ({"type": "mcp", "server_label": "a", "server_url": "http://h:1", "headers": {"x": 1}}, "map names to strings")])
+def test_bad_mcp_tools_are_400s(tool, fragment):
+    from pagedllm.entrypoints.openai.errors import OpenAIError
+    from pagedllm.entrypoints.openai.mcp_tools import parse_mcp_tools
+    with pytest.raises(OpenAIError) as e:
+        parse_mcp_tools([tool], McpLimits())
+    assert e.value.status_code == 400 and e.value.param == "tools" and fragment in e.value.message
+    with pytest.raises(OpenAIError, match="used twice"):
+        parse_mcp_tools([{"type": "mcp", "server_label": "a", "server_url": "http://h:1"}] * 2, McpLimits())
 
 
 def test_unreachable_server_is_a_424(state):

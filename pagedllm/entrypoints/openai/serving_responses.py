@@ -13,6 +13,11 @@ per tool call. Streamed, it is OpenAI's event sequence
 under tools is sent whole when it ends (a call is known only then). As vLLM does, the last event
 is ``response.completed`` whatever the status (``incomplete`` when cut by ``max_output_tokens``).
 
+``{"type": "mcp"}`` tools (the ``mcp`` extra) run a bounded loop of replies: the servers' allowed
+tools (``mcp_tools``) are offered as function tools, each call the model makes is run on its
+server (``mcp_loop``) and fed back, and the output holds ``mcp_list_tools`` / ``mcp_call`` items
+(streamed with ``mcp_events``).
+
 Stored responses (``store``, OpenAI's default true) live in memory, in a ``ResponseStore`` of at
 most ``--max-stored-responses`` (least recently used dropped first); ``previous_response_id``
 puts that response's conversation (its input and output, not its ``instructions``) before the new
