@@ -6,7 +6,8 @@ deadline, so nothing outlives the HTTP request that needed it. The transport fol
 a path ending in ``/sse`` is the SDK's SSE client; a bare ``http://host:port`` (no path) tries
 streamable HTTP at ``/mcp`` then SSE at ``/sse`` (``FastMCP``'s default paths); any other path
 tries streamable HTTP then SSE at that URL. A transport is abandoned only when connecting or
-``initialize`` fails, so a tool is never called twice.
+``initialize`` fails, so a tool is never called twice. ``streamablehttp_client`` is used (mcp
+1.10 has no other; 1.2x marks it deprecated in favour of ``streamable_http_client``).
 """
 
 from __future__ import annotations
