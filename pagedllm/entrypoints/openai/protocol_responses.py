@@ -97,6 +97,42 @@ class ResponseFunctionToolCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
+class McpListToolsTool(BaseModel):
+    """One tool of an ``mcp_list_tools`` item, as the MCP server lists it."""
+
+    name: str
+    input_schema: dict[str, Any] = Field(default_factory=dict)
+    description: str | None = None
+    annotations: dict[str, Any] | None = None
+
+
+class McpListToolsItem(BaseModel):
+    """An ``mcp_list_tools`` output item (``id`` "mcpl_..."): the tools of one MCP server that
+    the request's ``allowed_tools`` lets the model see."""
+
+    id: str
+    type: Literal["mcp_list_tools"] = "mcp_list_tools"
+    server_label: str
+    tools: list[McpListToolsTool] = Field(default_factory=list)
+    error: str | None = None
+
+
+class McpCallItem(BaseModel):
+    """An ``mcp_call`` output item (``id`` "mcp_..."): one tool the model called on an MCP server.
+    ``arguments`` is a JSON string; ``output`` the tool's text; ``error`` (OpenAI's
+    ``mcp_protocol_error`` / ``mcp_tool_execution_error`` / ``http_error`` object) when it failed."""
+
+    id: str
+    type: Literal["mcp_call"] = "mcp_call"
+    server_label: str
+    name: str
+    arguments: str
+    output: str | None = None
+    error: dict[str, Any] | None = None
+    approval_request_id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete", "calling", "failed"] = "completed"
+
+
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
 
@@ -125,7 +161,8 @@ class ResponsesResponse(BaseModel):
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"] = "completed"
     model: str
-    output: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionToolCall] = Field(default_factory=list)
+    output: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionToolCall | McpListToolsItem |
+                 McpCallItem] = Field(default_factory=list)
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None

@@ -13,6 +13,11 @@ per tool call. Streamed, it is OpenAI's event sequence
 under tools is sent whole when it ends (a call is known only then). As vLLM does, the last event
 is ``response.completed`` whatever the status (``incomplete`` when cut by ``max_output_tokens``).
 
+``{"type": "mcp"}`` tools (the ``mcp`` extra) run a bounded loop of replies: the servers' allowed
+tools (``mcp_tools``) are offered as function tools, each call the model makes is run on its
+server (``mcp_loop``) and fed back, and the output holds ``mcp_list_tools`` / ``mcp_call`` items
+(streamed with ``mcp_events``).
+
 Stored responses (``store``, OpenAI's default true) live in memory, in a ``ResponseStore`` of at
 most ``--max-stored-responses`` (least recently used dropped first); ``previous_response_id``
 puts that response's conversation (its input and output, not its ``instructions``) before the new
@@ -38,7 +43,13 @@ from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepEr
 from pagedllm.engine.input_processor import LengthCheck
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_from_exception
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.protocol_responses import (InputTokensDetails, ResponseFunctionToolCall,
+from pagedllm.entrypoints.openai.mcp_client import McpConnectionError, McpUnavailableError, list_tools, require_sdk
+from pagedllm.entrypoints.openai.mcp_events import call_done_events, call_started_events, list_tools_events
+from pagedllm.entrypoints.openai.mcp_loop import ModelRound, run_mcp_call, tool_messages
+from pagedllm.entrypoints.openai.mcp_tools import (McpLimits, McpTool, call_item, function_tools, list_tools_item,
+                                                   parse_mcp_tools)
+from pagedllm.entrypoints.openai.protocol_responses import (InputTokensDetails, McpCallItem, McpListToolsItem,
+                                                            ResponseFunctionToolCall,
                                                             ResponseOutputMessage, ResponseOutputText,
                                                             ResponseReasoningItem, ResponseReasoningText,
                                                             ResponsesRequest, ResponsesResponse, ResponseUsage)
@@ -146,7 +157,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     """``input`` as chat messages: a string is one user message; a ``message`` item keeps its role
     and text; consecutive ``function_call`` items become one assistant message's ``tool_calls``
     (joined to the assistant message right before them); a ``function_call_output`` item a
-    ``tool`` message; ``reasoning`` items are skipped.
+    ``tool`` message; ``reasoning``, ``mcp_list_tools`` and ``mcp_call`` items are skipped.
 
     Raises:
         OpenAIError: 400 naming ``input`` for an unknown item type or role, a missing field, or
@@ -182,7 +193,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                 raise bad_request(f"{where} (function_call_output) needs a string 'call_id'", param="input")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _parts_text(item.get("output"), f"{where}.output")})
-        elif kind != "reasoning":
+        elif kind not in ("reasoning", "mcp_list_tools", "mcp_call"):
             raise bad_request(f"{where}.type must be 'message', 'function_call' or 'function_call_output', got "
                               f"{kind!r}", param="input")
     if not messages:
@@ -264,6 +275,7 @@ class OpenAIServingResponses(OpenAIServing):
             for ``tool_choice: "auto"``.
         store: where stored responses live (its size is ``--max-stored-responses``); None: a
             ``ResponseStore`` of ``DEFAULT_MAX_STORED_RESPONSES``.
+        mcp_limits: rounds and seconds of the ``mcp`` tool loop; None: ``McpLimits()``.
     """
 
     fields = set(ResponsesRequest.model_fields)
@@ -271,15 +283,19 @@ class OpenAIServingResponses(OpenAIServing):
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, chat: OpenAIServingChat,
                  log_requests: bool = True, max_n: int = DEFAULT_MAX_N,
                  pool: concurrent.futures.Executor | None = None,
-                 store: ResponseStore | None = None) -> None:
+                 store: ResponseStore | None = None, mcp_limits: McpLimits | None = None) -> None:
         super().__init__(engine, models, log_requests, max_n, pool)
         self.chat = chat
         self.store = ResponseStore() if store is None else store
+        self.mcp_limits = McpLimits() if mcp_limits is None else mcp_limits
 
     # -- checks and conversion ---------------------------------------------------------------
 
-    def chat_request(self, request: ResponsesRequest) -> tuple[ChatCompletionRequest, StoredResponse | None]:
+    def chat_request(self, request: ResponsesRequest, mcp_tools: list[dict[str, Any]] = ()
+                     ) -> tuple[ChatCompletionRequest, StoredResponse | None]:
         """The chat request a Responses request runs as, and the previous response it continues.
+        ``mcp_tools``: the MCP servers' allowed tools as flat function tools, offered in place of
+        the request's ``mcp`` entries.
 
         Raises:
             OpenAIError: 404 naming ``previous_response_id`` for an id not stored; 400 naming the
@@ -297,7 +313,8 @@ class OpenAIServingResponses(OpenAIServing):
         messages += [dict(m) for m in previous.messages] if previous is not None else []
         messages += input_messages(request.input)
         chat = ChatCompletionRequest(
-            model=request.model, messages=messages, tools=chat_tools(request.tools),
+            model=request.model, messages=messages, tools=chat_tools(
+                [t for t in request.tools or [] if not _is_mcp(t)] + list(mcp_tools)),
             tool_choice=chat_tool_choice(request.tool_choice), parallel_tool_calls=request.parallel_tool_calls,
             response_format=response_format(request.text), max_tokens=request.max_output_tokens,
             temperature=request.temperature, top_p=request.top_p, seed=request.seed, top_k=request.top_k,
@@ -320,36 +337,18 @@ class OpenAIServingResponses(OpenAIServing):
         model_name = self.models.resolve(request.model)
         self.check_unsupported_fields(request, RESPONSES_UNSUPPORTED_FIELDS)
         self.warn_unknown_fields(request, RESPONSES_UNSUPPORTED_FIELDS)
+        _, mcp = parse_mcp_tools(request.tools, self.mcp_limits)
+        if mcp:
+            return await self._create_with_mcp(request, mcp, model_name, raw_request, arrival_time)
         try:
             chat, previous = self.chat_request(request)
-            tool_plan, structured_outputs, origin = self.chat.plan_tools_and_constraint(chat, "text.format", request.tool_choice)
-            prompt = await self.run_in_pool(self.chat.render, chat)
         except OpenAIError as e:
             raise _renamed(e) from e
         stream = bool(request.stream)
-        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         response_id = f"resp_{uuid.uuid4().hex}"
-        try:
-            params = self.sampling_params(chat, request.max_output_tokens, None, kind,
-                                          structured_outputs=structured_outputs)
-            processed = await self.run_in_pool(self.engine.process_inputs, prompt, params,
-                                               LengthCheck("max_output_tokens", "input"))
-            processed = processed.with_lora(self.models.lora_for(model_name))   # the adapter `model` names
-            num_input = len(processed.prompt_token_ids)
-            self.log_request(response_id, processed.prompt, num_input, processed.params)
-            outputs = self.engine.add_request(response_id, processed, arrival_time=arrival_time,
-                                              trace_headers=self.trace_headers(raw_request))
-        except StructuredOutputsError as e:   # named by the chat field it came from: rename it
-            raise _renamed(error_from_exception(e, constraint=origin)) from e
-        except Exception as e:
-            raise error_from_exception(e, self.fields, prompt_param="input") from e
-        base = ResponsesResponse(
-            id=response_id, status="in_progress", model=model_name, instructions=request.instructions,
-            max_output_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,
-            tools=list(request.tools or []), tool_choice=request.tool_choice or ("auto" if request.tools else "none"),
-            parallel_tool_calls=request.parallel_tool_calls is not False,
-            text=request.text or {"format": {"type": "text"}}, previous_response_id=request.previous_response_id,
-            store=bool(request.store), metadata=request.metadata, user=request.user)
+        tool_plan, outputs, num_input = await self._submit(request, chat, model_name, response_id, raw_request,
+                                                           arrival_time, stream)
+        base = self._base(request, response_id, model_name)
         history = chat.messages[1:] if request.instructions else chat.messages
         if stream:
             return StreamingResponse(self._stream(request, base, outputs, tool_plan, num_input, history),
@@ -359,6 +358,188 @@ class OpenAIServingResponses(OpenAIServing):
         response = self._finish(request, base, self._output_items(tool_plan, o.text), o, num_input,
                                 final.num_cached_tokens, history)
         return JSONResponse(response.model_dump())
+
+    async def _submit(self, request: ResponsesRequest, chat: ChatCompletionRequest, model_name: str,
+                      request_id: str, raw_request: Request | None, arrival_time: float, stream: bool
+                      ) -> tuple[ToolPlan, OutputStream, int]:
+        """Plan tools, render ``chat`` and queue it as engine request ``request_id``: (the tool
+        plan, its output stream, the prompt's length in tokens).
+
+        Raises:
+            OpenAIError: 400 naming the Responses field for a bad constraint, tool choice or
+                prompt (too long for ``max_model_len``).
+        """
+        try:
+            tool_plan, structured_outputs, origin = self.chat.plan_tools_and_constraint(chat, "text.format", request.tool_choice)
+            prompt = await self.run_in_pool(self.chat.render, chat)
+        except OpenAIError as e:
+            raise _renamed(e) from e
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        try:
+            params = self.sampling_params(chat, request.max_output_tokens, None, kind,
+                                          structured_outputs=structured_outputs)
+            processed = await self.run_in_pool(self.engine.process_inputs, prompt, params,
+                                               LengthCheck("max_output_tokens", "input"))
+            processed = processed.with_lora(self.models.lora_for(model_name))   # the adapter `model` names
+            num_input = len(processed.prompt_token_ids)
+            self.log_request(request_id, processed.prompt, num_input, processed.params)
+            outputs = self.engine.add_request(request_id, processed, arrival_time=arrival_time,
+                                              trace_headers=self.trace_headers(raw_request))
+        except StructuredOutputsError as e:   # named by the chat field it came from: rename it
+            raise _renamed(error_from_exception(e, constraint=origin)) from e
+        except Exception as e:
+            raise error_from_exception(e, self.fields, prompt_param="input") from e
+        return tool_plan, outputs, num_input
+
+    @staticmethod
+    def _base(request: ResponsesRequest, response_id: str, model_name: str) -> ResponsesResponse:
+        """The response as it starts (``in_progress``, no output), echoing the request's settings."""
+        return ResponsesResponse(
+            id=response_id, status="in_progress", model=model_name, instructions=request.instructions,
+            max_output_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,
+            tools=list(request.tools or []), tool_choice=request.tool_choice or ("auto" if request.tools else "none"),
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+            text=request.text or {"format": {"type": "text"}}, previous_response_id=request.previous_response_id,
+            store=bool(request.store), metadata=request.metadata, user=request.user)
+
+    async def generate_round(self, request: ResponsesRequest, chat: ChatCompletionRequest, model_name: str,
+                             request_id: str, raw_request: Request | None, arrival_time: float) -> ModelRound:
+        """One model reply to ``chat`` (a round of the ``mcp`` tool loop), awaited whole.
+
+        Raises:
+            OpenAIError: as ``_submit``.
+        """
+        plan, outputs, num_input = await self._submit(request, chat, model_name, request_id, raw_request,
+                                                      arrival_time, stream=False)
+        final = (await self.final_outputs(outputs))[request_id]
+        o = final.outputs[0]
+        return ModelRound(plan, o, num_input, final.num_cached_tokens or 0, len(o.token_ids))
+
+    async def _create_with_mcp(self, request: ResponsesRequest, mcp: list[McpTool], model_name: str,
+                               raw_request: Request | None, arrival_time: float) -> Response:
+        """The ``mcp`` tool loop: list each server's tools (an ``mcp_list_tools`` item each), offer
+        the allowed ones as function tools, and while the model calls them (at most
+        ``mcp_limits.max_rounds`` replies) call them on their servers (an ``mcp_call`` item each)
+        and feed the results back as tool messages. A call of one of the request's own function
+        tools ends the loop with its ``function_call`` item, as without MCP. Streamed, each item
+        is sent when it is done (with OpenAI's ``response.mcp_list_tools.*`` and
+        ``response.mcp_call*`` events), each reply whole.
+
+        Raises:
+            OpenAIError: 400 without the ``mcp`` extra; 424 naming the server when its tools
+                cannot be listed (OpenAI's status for an MCP server it cannot reach); as
+                ``_submit`` for the first reply.
+        """
+        try:
+            require_sdk()
+        except McpUnavailableError as e:
+            raise bad_request(str(e), param="tools") from e
+        listed: list[McpListToolsItem] = []
+        for tool in mcp:
+            try:
+                tools = await list_tools(tool.server)
+            except McpConnectionError as e:
+                raise OpenAIError(424, f"Error retrieving tool list from MCP server: {tool.server.server_label!r} "
+                                  f"({tool.server.server_url}): {e}", "external_connector_error", "tools",
+                                  "mcp_list_tools_failed") from e
+            listed.append(list_tools_item(tool, tools))
+        try:
+            chat, previous = self.chat_request(request, function_tools(listed))
+        except OpenAIError as e:
+            raise _renamed(e) from e
+        history = chat.messages[1:] if request.instructions else chat.messages
+        base = self._base(request, f"resp_{uuid.uuid4().hex}", model_name)
+        loop = self._mcp_rounds(request, chat, mcp, listed, base, raw_request, arrival_time)
+        head = []   # the steps up to the first reply's: its errors are still an HTTP status
+        while not head or (head[-1][0] == "item" and isinstance(head[-1][1], McpListToolsItem)):
+            head.append(await anext(loop))
+        if request.stream:
+            return StreamingResponse(self._mcp_stream(request, base, history, head, loop),
+                                     media_type="text/event-stream")
+        steps = head + [step async for step in loop]
+        items = [item for kind, item in steps if kind == "item"]
+        return JSONResponse(self._mcp_finish(request, base, history, items, steps[-1][1]).model_dump())
+
+    async def _mcp_rounds(self, request: ResponsesRequest, chat: ChatCompletionRequest, mcp: list[McpTool],
+                          listed: list[McpListToolsItem], base: ResponsesResponse, raw_request: Request | None,
+                          arrival_time: float) -> AsyncIterator[tuple[str, Any]]:
+        """The loop's steps, in order: ``("item", item)`` for each finished output item (the
+        ``mcp_list_tools`` items first), ``("calling", item)`` before an ``mcp_call`` runs, and
+        last ``("end", ModelRound)`` with the last reply and the token counts of all replies."""
+        own = {t["function"]["name"] for t in chat_tools([t for t in request.tools if not _is_mcp(t)]) or []}
+        servers = {t.server.server_label: t for t in mcp}
+        offered = {t.name: item.server_label for item in listed for t in item.tools}
+        for item in listed:
+            yield "item", item
+        total = ModelRound(None, None, 0, 0, 0)   # the last reply, the tokens of all
+        for k in range(self.mcp_limits.max_rounds):
+            step = await self.generate_round(request, chat, base.model, f"{base.id}-{k}", raw_request, arrival_time)
+            total = ModelRound(step.plan, step.output, total.num_input + step.num_input, total.num_cached +
+                               step.num_cached, total.num_output + len(step.output.token_ids))
+            reply = self._output_items(step.plan, step.output.text)
+            calls = [i for i in reply if isinstance(i, ResponseFunctionToolCall)]
+            mcp_calls = [i for i in calls if i.name not in own]
+            called = []
+            for item in reply:
+                if item not in mcp_calls:
+                    yield "item", item
+                    continue
+                tool = servers[offered.get(item.name, mcp[0].server.server_label)]
+                pending = call_item(tool.server.server_label, item.name, item.arguments)
+                yield "calling", pending
+                done = await run_mcp_call(tool, pending, item.name in offered)
+                called.append((item, done))
+                yield "item", done
+            if not mcp_calls or len(mcp_calls) < len(calls) or step.output.finish_reason == "length":
+                break
+            chat.messages = [*chat.messages, *tool_messages(reply, called)]
+        else:   # the last reply still called tools: cut off like a reply at max_output_tokens
+            total.output = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                            finish_reason="length")
+        yield "end", total
+
+    def _mcp_finish(self, request: ResponsesRequest, base: ResponsesResponse, history: list[dict[str, Any]],
+                    items: list, end: ModelRound) -> ResponsesResponse:
+        """The finished response of the loop (``end``: its last step)."""
+        return self._finish(request, base, items, end.output, end.num_input, end.num_cached, history,
+                            num_output=end.num_output)
+
+    async def _mcp_stream(self, request: ResponsesRequest, base: ResponsesResponse, history: list[dict[str, Any]],
+                          head: list[tuple[str, Any]], loop: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[str]:
+        """The loop's event stream: created, in progress, each item's events as it is done,
+        completed (or an ``error`` event when a later reply fails)."""
+        event = EventCounter()
+        items: list = []
+        yield event("response.created", response=base.model_dump())
+        yield event("response.in_progress", response=base.model_dump())
+        try:
+            while True:
+                kind, item = head.pop(0) if head else await anext(loop)
+                if kind == "end":
+                    break
+                if kind == "calling":
+                    for piece in call_started_events(event, len(items), item):
+                        yield piece
+                elif isinstance(item, McpCallItem):
+                    for piece in call_done_events(event, len(items), item):
+                        yield piece
+                elif isinstance(item, McpListToolsItem):
+                    for piece in list_tools_events(event, len(items), item):
+                        yield piece
+                else:
+                    item.status = "completed"
+                    for piece in self._item_events(event, len(items), item, announced=False):
+                        yield piece
+                if kind == "item":
+                    items.append(item)
+            response = self._mcp_finish(request, base, history, items, item)
+            yield event("response.completed", response=response.model_dump())
+        except (OpenAIError, EngineStepError, EngineDeadError) as e:
+            logger.error("request %s failed: %s", base.id, e)
+            error = e if isinstance(e, OpenAIError) else error_from_exception(e)
+            yield event("error", code=error.code or error.type, message=error.message, param=error.param)
+        finally:
+            await loop.aclose()
 
     async def retrieve_responses(self, response_id: str) -> Response:
         """``GET /v1/responses/{id}``: the stored response.
@@ -422,13 +603,16 @@ class OpenAIServingResponses(OpenAIServing):
         return items
 
     def _finish(self, request: ResponsesRequest, base: ResponsesResponse, items: list, o: CompletionOutput,
-                num_input: int, num_cached: int | None, history: list[dict[str, Any]]) -> ResponsesResponse:
-        """The finished response (status, usage), stored when ``request.store``."""
+                num_input: int, num_cached: int | None, history: list[dict[str, Any]],
+                num_output: int | None = None) -> ResponsesResponse:
+        """The finished response (status, usage), stored when ``request.store``. ``o`` is the
+        last reply; ``num_output``: the output tokens of all replies (tokens; None: ``o``'s)."""
         incomplete = o.finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
         for item in items:
-            item.status = status
-        num_output = len(o.token_ids)
+            if not isinstance(item, (McpListToolsItem, McpCallItem)):   # those keep their own status
+                item.status = status
+        num_output = len(o.token_ids) if num_output is None else num_output
         response = base.model_copy(update=dict(
             status=status, output=items,
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
@@ -442,13 +626,7 @@ class OpenAIServingResponses(OpenAIServing):
 
     async def _stream(self, request: ResponsesRequest, base: ResponsesResponse, outputs: OutputStream,
                       plan: ToolPlan, num_input: int, history: list[dict[str, Any]]) -> AsyncIterator[str]:
-        sequence_number = 0
-
-        def event(kind: str, **fields: Any) -> str:
-            nonlocal sequence_number
-            body = {"type": kind, "sequence_number": sequence_number, **fields}
-            sequence_number += 1
-            return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        event = EventCounter()
 
         def dump(item) -> dict[str, Any]:
             return item.model_dump()
@@ -552,6 +730,22 @@ class OpenAIServingResponses(OpenAIServing):
                                 part=part.model_dump()))
         pieces.append(event("response.output_item.done", output_index=index, item=item.model_dump()))
         return pieces
+
+
+class EventCounter:
+    """Writes one stream's server-sent events, numbering them (``sequence_number`` from 0)."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _is_mcp(tool: Any) -> bool:
+    return isinstance(tool, dict) and tool.get("type") == "mcp"
 
 
 def _as_messages(items: list) -> list[dict[str, Any]]:
