@@ -36,7 +36,6 @@ import shutil
 import tempfile
 import threading
 import time
-import weakref
 from typing import Any, Iterable
 
 from pagedllm.core.sched_output import SchedulerStats
@@ -178,8 +177,14 @@ class EngineCoreClient:
             self._remote = RemoteRanks(self._ctx, self.layout.handshake_address, self.layout.remote_ranks,
                                        self.num_replicas)
         # Stop the replicas at interpreter exit if nobody called shutdown(): registered after
-        # multiprocessing's own exit hook, so it runs first (that hook joins non-daemon children).
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        # multiprocessing's own exit hook, so it runs first (that hook joins non-daemon children,
+        # which wait for us). multiprocessing.util registers that hook when first imported, which
+        # may be only at the first Process.start() below: import it now. The hook holds this
+        # client (a weak reference let a dropped client be collected with its replicas still
+        # running, and the exit hung on them); shutdown() unregisters it.
+        import multiprocessing.util  # noqa: F401
+
+        atexit.register(self.shutdown)
         ctx = mp.get_context("spawn")
         for i in self.layout.local_ranks:
             address = f"ipc://{self._tmpdir}/input_{i}"
@@ -592,15 +597,12 @@ class EngineCoreClient:
                     sock.close(linger=0)
             if self._remote is not None:
                 self._remote.close()   # lingers up to 1 s so the remote ranks get their "shutdown"
+            atexit.unregister(self.shutdown)
             self._ctx.term()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
 
-def _shutdown_at_exit(ref: "weakref.ref[EngineCoreClient]") -> None:
-    client = ref()
-    if client is not None:
-        client.shutdown()
 
 
 class DPAsyncLLM(AsyncFrontEnd):
@@ -619,6 +621,9 @@ class DPAsyncLLM(AsyncFrontEnd):
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.log_requests = False   # log each request when it is added (enable_log_requests)
+        # At interpreter exit without shutdown(), stop the receiver before the client's own exit
+        # hook (registered earlier, so run later) closes the sockets it polls.
+        atexit.register(self._stop_receiver)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "DPAsyncLLM":
@@ -732,7 +737,14 @@ class DPAsyncLLM(AsyncFrontEnd):
         self.close_tracer()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        atexit.unregister(self._stop_receiver)
         self.client.shutdown()
+
+    def _stop_receiver(self) -> None:
+        """Stop the receiver thread (waits up to 5 s); outputs still on the way are not delivered."""
+        self._stopping = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
 
     def _receive(self) -> None:
         while not self._stopping:

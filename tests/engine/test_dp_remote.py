@@ -204,3 +204,42 @@ def test_headless_exits_0_on_sigterm(folder_port):
     finally:
         if headless.poll() is None:
             os.killpg(headless.pid, signal.SIGKILL)
+
+
+FRONT_END_WITHOUT_SHUTDOWN = """
+import asyncio, faulthandler, sys
+faulthandler.dump_traceback_later(60, exit=True)
+from pagedllm import SamplingParams
+from pagedllm.engine.arg_utils import AsyncEngineArgs
+from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+
+folder, port = sys.argv[1], int(sys.argv[2])
+
+async def main():   # the engine is a local, dropped when main returns (as in vLLM's example script)
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+        model=folder, data_parallel_size=2, data_parallel_size_local=1, data_parallel_address="127.0.0.1",
+        data_parallel_rpc_port=port, dtype="float32", max_model_len=512, block_size=8,
+        kv_cache_memory_bytes=8 << 20))
+    async for out in engine.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True),
+                                     "a", data_parallel_rank=1):
+        pass
+    print("tokens", len(out.outputs[0].token_ids), flush=True)
+
+asyncio.run(main())   # no shutdown(): the exit hooks stop the receiver, the replicas and the remote rank
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_front_end_exiting_without_shutdown_stops_the_headless_rank(folder_port):
+    folder, port = folder_port
+    headless = _start_headless(folder, port)
+    try:
+        front = subprocess.run([sys.executable, "-c", FRONT_END_WITHOUT_SHUTDOWN, folder, str(port)],
+                               capture_output=True, text=True, timeout=120)
+        assert front.returncode == 0, front.stderr[-3000:]
+        assert "tokens 4" in front.stdout and "Traceback" not in front.stderr
+        assert headless.wait(timeout=30) == 0
+    finally:
+        if headless.poll() is None:
+            os.killpg(headless.pid, signal.SIGKILL)
