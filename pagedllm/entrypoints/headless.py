@@ -42,7 +42,6 @@ def run_headless(engine_args: EngineArgs) -> int:
     from pagedllm.loaders import resolve_model
 
     layout = DataParallelLayout.from_engine_args(engine_args, headless=True)
-    resolve_model(engine_args.model)   # a GGUF is converted once, before the ranks start
     world_size = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
     threads = replica_threads(engine_args, world_size, os.cpu_count())
     rank_args = dataclasses.replace(engine_args, data_parallel_size=1, data_parallel_size_local=None,
@@ -59,6 +58,9 @@ def run_headless(engine_args: EngineArgs) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    resolve_model(engine_args.model)   # a GGUF is converted once, before the ranks start
+    if stopped.is_set():
+        return 0
     log_level = logging.getLogger("pagedllm").getEffectiveLevel()
     processes = []
     for rank in layout.local_ranks:

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -86,8 +87,16 @@ def _start_headless(folder: str, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", folder, "-dp", "2", "-dpr", "1",
            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port),
            "--data-parallel-size-local", "1", "--enforce-eager", "--headless", *CLI_FLAGS]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    log = tempfile.NamedTemporaryFile("w+", prefix="headless_", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc.log_path = log.name   # a file, not a pipe: nobody reads while it runs
+    return proc
+
+
+def _log(proc: subprocess.Popen) -> str:
+    with open(proc.log_path) as f:
+        return f.read()
 
 
 def _front_end(folder: str, port: int):
@@ -143,7 +152,7 @@ def test_headless_rank_serves_its_requests_and_leaves_with_the_front_end(folder_
     finally:
         if headless.poll() is None:
             os.killpg(headless.pid, signal.SIGKILL)
-        print(headless.stdout.read())
+        print(_log(headless))
 
 
 @pytest.mark.multiprocess
@@ -198,7 +207,9 @@ def test_front_end_without_its_remote_rank_times_out_naming_it(folder_port, monk
 def test_headless_exits_0_on_sigterm(folder_port):
     headless = _start_headless(*folder_port)
     try:
-        time.sleep(3)
+        deadline = time.monotonic() + 60   # its signal handlers are set once it says where it connects
+        while "connect to the front end at" not in _log(headless) and time.monotonic() < deadline:
+            time.sleep(0.2)
         os.kill(headless.pid, signal.SIGTERM)
         assert headless.wait(timeout=60) == 0
     finally:
