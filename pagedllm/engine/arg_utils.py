@@ -48,6 +48,12 @@ class EngineArgs:
         tensor_parallel_size, pipeline_parallel_size: ranks per layer / pipeline stages (README,
             "Tensor and pipeline parallelism").
         data_parallel_size: engine replicas behind one front end (README, "Data parallelism").
+        data_parallel_size_local, data_parallel_start_rank, data_parallel_address,
+            data_parallel_rpc_port: vLLM's multi-instance data parallelism: the ranks this process
+            runs (None: all D), the first of them (``--headless`` ranks only), the front end's
+            host and tcp port for remote ranks (``engine/dp_layout.py``).
+        data_parallel_external_lb, data_parallel_hybrid_lb: vLLM's; only False (refused).
+        disable_custom_all_reduce: vLLM's (a CUDA all-reduce kernel); accepted, no effect here.
         trust_remote_code, enforce_eager, tokenizer_mode, revision, download_dir,
         disable_log_stats: accepted for compatibility (see ``create_engine_config``).
         preemption_mode: "recompute" (default) or "swap" (``SchedulerConfig.preemption_mode``).
@@ -157,6 +163,13 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None   # ranks run by this process (None: data_parallel_size)
+    data_parallel_start_rank: int | None = None   # first rank of a --headless process
+    data_parallel_address: str | None = None      # the front end's host (None: 127.0.0.1)
+    data_parallel_rpc_port: int | None = None     # its tcp port for remote ranks (None: 29550)
+    data_parallel_external_lb: bool = False
+    data_parallel_hybrid_lb: bool = False
+    disable_custom_all_reduce: bool = False
     trust_remote_code: bool = False
     enforce_eager: bool = False
     tokenizer_mode: str = "auto"
@@ -281,6 +294,9 @@ class EngineArgs:
                 raise ValueError("create_engine_config needs model_max_len or hf_config")
             model_max_len = arch["max_position_embeddings"]
         self._check_env_settings()
+        from pagedllm.engine.dp_layout import DataParallelLayout
+
+        DataParallelLayout.from_engine_args(self)   # a ValueError naming a bad data-parallel flag
         if self.tokenizer_mode not in ("auto", "hf", "fast"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported (auto)")
         if self.revision is not None or self.tokenizer_revision is not None:
@@ -607,6 +623,21 @@ def add_engine_cli_args(parser, model_dest: str = "model_flag") -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="data-parallel ranks this process runs (default: all); fewer in a front end: the "
+                        "others connect from --headless processes")
+    g.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None,
+                   help="first data-parallel rank of a --headless process")
+    g.add_argument("--data-parallel-address", "-dpa", default=None,
+                   help="the front end's host, where remote (--headless) ranks connect (default 127.0.0.1)")
+    g.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None,
+                   help="the front end's tcp port for remote ranks; the same on every node (default 29550)")
+    g.add_argument("--data-parallel-external-lb", "-dpe", action="store_true",
+                   help="vLLM's external load balancing (not supported: an error)")
+    g.add_argument("--data-parallel-hybrid-lb", "-dph", action="store_true",
+                   help="vLLM's hybrid load balancing (not supported: an error)")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="vLLM's (a CUDA all-reduce kernel); no effect in pagedllm")
     g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="uni: one worker in the engine process; mp: one worker process per rank; ray: one "
                         "Ray actor per rank, across a Ray cluster (pip install 'pagedllm[ray]') "

@@ -79,6 +79,7 @@ class _NewRequest:
     processed: ProcessedInput
     arrival_time: float
     beam_params: BeamSearchParams | None = None   # a beam search (LLMEngine.add_beam_search_request)
+    data_parallel_rank: int | None = None          # the replica it must run on (None: the balancer's choice)
 
 
 @dataclass
@@ -267,7 +268,8 @@ class AsyncFrontEnd:
     def add_requests(self, requests: Sequence[tuple[str | None, PromptType | ProcessedInput,
                                                     SamplingParams | BeamSearchParams | None]],
                      arrival_time: float | None = None,
-                     trace_headers: Mapping[str, str] | None = None) -> OutputStream:
+                     trace_headers: Mapping[str, str] | None = None,
+                     data_parallel_rank: int | None = None) -> OutputStream:
         """Validate every request, then queue them all (all or nothing).
 
         Must be called from the event loop that will iterate the returned stream.
@@ -283,10 +285,13 @@ class AsyncFrontEnd:
             trace_headers: [tracing] the caller's W3C ``traceparent`` / ``tracestate`` headers:
                 with a ``request_tracer``, each request's span continues that trace (None: root
                 spans); without one they are ignored.
+            data_parallel_rank: the data-parallel replica all of them run on (vLLM's); None: the
+                load balancer picks one per request.
         Returns:
             One ``OutputStream`` over all of them.
         Raises:
-            ValueError: a bad prompt or params, or a request id that is in use (nothing is queued).
+            ValueError: a bad prompt or params, a request id that is in use, or a
+                ``data_parallel_rank`` outside [0, data_parallel_size) (nothing is queued).
             EngineDeadError: the engine is shut down or dead.
             EnginePausedError: generation is paused in ``abort`` / ``wait`` mode.
         """
@@ -294,7 +299,10 @@ class AsyncFrontEnd:
         self._check_not_paused()
         loop = asyncio.get_running_loop()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self._check_data_parallel_rank(data_parallel_rank)
         prepared = self._prepare_requests(requests, arrival_time)
+        for r in prepared:
+            r.data_parallel_rank = data_parallel_rank
         queue: asyncio.Queue = asyncio.Queue()
         traced = None if self.request_tracer is None else {r.request_id: _traced(r, trace_headers) for r in prepared}
         self._submit(prepared, {r.request_id: _Sink(loop, queue) for r in prepared})
@@ -393,9 +401,10 @@ class AsyncFrontEnd:
 
     def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
                     params: SamplingParams | BeamSearchParams | None = None,
-                    arrival_time: float | None = None, trace_headers: Mapping[str, str] | None = None) -> OutputStream:
+                    arrival_time: float | None = None, trace_headers: Mapping[str, str] | None = None,
+                    data_parallel_rank: int | None = None) -> OutputStream:
         """:meth:`add_requests` for one request."""
-        return self.add_requests([(request_id, prompt, params)], arrival_time, trace_headers)
+        return self.add_requests([(request_id, prompt, params)], arrival_time, trace_headers, data_parallel_rank)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, lora_request=None, tokenization_kwargs=None,
@@ -413,14 +422,14 @@ class AsyncFrontEnd:
             trace_headers: the caller's W3C trace headers (see :meth:`add_requests`).
             tokenization_kwargs: vLLM's; only None is supported.
             priority: vLLM's priority scheduling; only 0 (first come, first served).
-            data_parallel_rank: vLLM's; only None (the balancer picks the replica).
+            data_parallel_rank: the data-parallel replica to run on (vLLM's); None: the load
+                balancer picks one (see :meth:`add_requests`).
         Raises:
             ValueError: at the first ``__anext__``, for a bad prompt or params, or an unsupported
                 keyword (naming it; use :meth:`add_request` to get errors synchronously).
         """
         for name, value, default in (("tokenization_kwargs", tokenization_kwargs, None),
-                                     ("priority", priority, 0),
-                                     ("data_parallel_rank", data_parallel_rank, None)):
+                                     ("priority", priority, 0)):
             if value != default and not (name == "tokenization_kwargs" and value == {}):
                 raise ValueError(f"{name}={value!r} is not supported by pagedllm (only {default!r})")
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -430,7 +439,8 @@ class AsyncFrontEnd:
             if not isinstance(lora_request, LoRARequest):
                 raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
             prompt, params = self.process_inputs(prompt, params).with_lora(lora_request), None
-        stream = self.add_request(request_id, prompt, params, trace_headers=trace_headers)
+        stream = self.add_request(request_id, prompt, params, trace_headers=trace_headers,
+                                  data_parallel_rank=data_parallel_rank)
         try:
             async for out in stream:
                 yield out
@@ -466,6 +476,26 @@ class AsyncFrontEnd:
 
     def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
         """Checks a subclass adds after tokenizing one request (raise ``ValueError``)."""
+
+    def _check_data_parallel_rank(self, data_parallel_rank: int | None) -> None:
+        """Raises:
+            ValueError: ``data_parallel_rank`` is not None and not a replica (one engine: only 0)."""
+        if data_parallel_rank not in (None, 0) or isinstance(data_parallel_rank, bool):
+            raise ValueError(f"data_parallel_rank must be None or an int in [0, data_parallel_size=1), "
+                             f"got {data_parallel_rank!r}")
+
+    async def do_log_stats(self) -> None:
+        """Log the periodic stats line(s) now (vLLM's ``do_log_stats``): every stat logger with a
+        ``log`` method (``AggregatedLoggingStatLogger``, ``LoggingStatLogger``) logs what it has."""
+        for stat_logger in self._stat_loggers():
+            log = getattr(stat_logger, "log", None)
+            if callable(log):
+                log()
+
+    def _stat_loggers(self) -> list:
+        """The stat loggers of this front end's engine(s) (each once): those ``from_engine_args``
+        built from its ``stat_loggers``."""
+        return list(getattr(self, "extra_stat_loggers", []))
 
     def close_tracer(self) -> None:
         """[tracing] Export the spans still buffered and stop the exporter (shutdown calls it)."""
@@ -533,7 +563,9 @@ class AsyncLLM(AsyncFrontEnd):
                 ``DPAsyncLLM`` over that many replicas (``engine/dp_client.py``).
             start_engine_loop: start the engine thread now (else at the first request).
             usage_context: vLLM's; ignored.
-            stat_loggers: extra ``StatLogger``s.
+            stat_loggers: extra stat loggers, vLLM's way: classes or factories called per engine
+                with ``(vllm_config, engine_index)``, aggregating ones (``AggregatedLoggingStatLogger``)
+                once with the engine indexes, or ready objects (``v1/metrics/loggers.py``).
             enable_log_requests: log each added request; None = ``args.enable_log_requests``.
             disable_log_stats: no periodic stats lines; None = ``args.disable_log_stats``.
             **kwargs: other ``AsyncLLM`` arguments (``log_stats_interval_s``).
@@ -544,17 +576,23 @@ class AsyncLLM(AsyncFrontEnd):
             ValueError: bad engine arguments (an OTLP endpoint without the ``otel`` extra among them,
                 before the model loads).
         """
+        from pagedllm.v1.metrics.loggers import attach_stat_loggers
+
         check_not_external_launcher(args.distributed_executor_backend)
         observability = args.create_observability_config()
+        if enable_log_requests is None:
+            enable_log_requests = bool(getattr(args, "enable_log_requests", False))
         if args.data_parallel_size > 1:
             from pagedllm.engine.dp_client import DPAsyncLLM
             llm = DPAsyncLLM.from_engine_args(args)
+            llm.log_requests = enable_log_requests
+            llm.extra_stat_loggers = attach_stat_loggers(stat_loggers or (), llm.client.stat_loggers,
+                                                         llm.client.vllm_config)
         else:
-            if enable_log_requests is None:
-                enable_log_requests = bool(getattr(args, "enable_log_requests", False))
             if disable_log_stats if disable_log_stats is not None else args.disable_log_stats:
                 kwargs["log_stats_interval_s"] = None
-            llm = cls(LLMEngine(args), stat_loggers=stat_loggers or (), log_requests=enable_log_requests, **kwargs)
+            llm = cls(LLMEngine(args), log_requests=enable_log_requests, **kwargs)
+            llm.extra_stat_loggers = attach_stat_loggers(stat_loggers or (), [llm.engine.stat_loggers])
             if start_engine_loop:
                 llm.start()
         llm.request_tracer = RequestTracer.from_config(observability, args.traced_model_name())
@@ -623,6 +661,9 @@ class AsyncLLM(AsyncFrontEnd):
     def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
         if beam is not None:
             self.engine.beam_search.check_request(len(processed.prompt_token_ids), beam, processed.prompt_embeds)
+
+    def _stat_loggers(self) -> list:
+        return super()._stat_loggers() + ([self._stats_log] if self._stats_log is not None else [])
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests: they stop receiving outputs now and leave the engine (blocks freed) at the

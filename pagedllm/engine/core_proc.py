@@ -20,6 +20,9 @@ No message is ever dropped: both directions use zmq's unlimited high-water mark 
 ``RCVHWM`` 0, as vLLM's engine-core sockets), so a burst of requests queues in memory instead of
 meeting a full queue, and sends block only while no peer is connected.
 
+A remote rank (``--headless``) talks to the front end over tcp instead (``engine/dp_remote.py``):
+the same messages, plus a hello and heartbeats.
+
 The replica exits on "shutdown", when its parent is gone (checked every ``IDLE_POLL_MS`` while
 idle and while busy; its workers then exit with it, their pipes closed), or on a fatal error.
 """
@@ -68,11 +71,18 @@ class _StatsCollector:
         self.records.append((scheduler_stats, iteration_stats))
 
 
-def run_engine_core(engine_args, index: int, input_address: str, output_address: str, num_threads: int,
-                    log_level: int = logging.WARNING) -> None:
+def run_engine_core(engine_args, index: int, input_address: str, output_address: str | None, num_threads: int,
+                    log_level: int = logging.WARNING, data_parallel_size: int | None = None,
+                    stop_event=None) -> None:
     """Process entry point of replica ``index``: build the engine, then serve messages until shutdown.
     ``log_level``: the front end's ``pagedllm`` level, so each replica's start-up lines (dtype,
-    attention backend, KV blocks and max concurrency, engine ready) show, prefixed ``dp<index>``."""
+    attention backend, KV blocks and max concurrency, engine ready) show, prefixed ``dp<index>``.
+
+    A remote rank (``--headless``, ``engine/dp_remote.py``) passes ``output_address`` None,
+    the front end's ``tcp://`` address as ``input_address`` and its ``data_parallel_size``: one
+    DEALER socket carries both directions, with heartbeats; the rank also leaves when that
+    connection drops or ``stop_event`` (a ``multiprocessing.Event``; the headless process's
+    SIGTERM) is set."""
     # The front end stops us in order: a signal sent to the whole process group (Ctrl-C, `timeout`,
     # `kill -- -PGID`) must not kill us under it. Its death is noticed (the parent pid changes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -86,8 +96,15 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
     torch.set_num_threads(num_threads)
     parent = os.getppid()
     ctx = zmq.Context()
-    inbox = make_socket(ctx, zmq.PULL, input_address, bind=False)
-    outbox = make_socket(ctx, zmq.PUSH, output_address, bind=False)
+    link = None
+    if output_address is None:   # a remote rank: one tcp connection both ways
+        from pagedllm.engine.dp_remote import FrontEndLink
+
+        link = FrontEndLink(ctx, input_address, index, data_parallel_size)
+        inbox = outbox = link.sock
+    else:
+        inbox = make_socket(ctx, zmq.PULL, input_address, bind=False)
+        outbox = make_socket(ctx, zmq.PUSH, output_address, bind=False)
     parent_checked = time.monotonic()
     engine = None
     try:
@@ -103,6 +120,15 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
                 parent_checked = now
                 if os.getppid() != parent:
                     logger.warning("replica %d: the front end (pid %d) is gone; exiting", index, parent)
+                    break
+                if stop_event is not None and stop_event.is_set():
+                    logger.info("replica %d: asked to stop; exiting", index)
+                    break
+            if link is not None:
+                link.heartbeat(now)
+                if link.front_end_gone():
+                    logger.warning("replica %d: the connection to the front end at %s dropped; exiting",
+                                   index, input_address)
                     break
             if not inbox.poll(0 if busy else IDLE_POLL_MS):
                 messages = []
@@ -170,6 +196,9 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
                 engine.shutdown()   # its worker processes go with it
             except Exception:
                 logger.exception("replica %d: shutting the engine down failed", index)
-        outbox.close(linger=1000)
-        inbox.close(linger=0)
+        if link is not None:
+            link.close()
+        else:
+            outbox.close(linger=1000)
+            inbox.close(linger=0)
         ctx.term()

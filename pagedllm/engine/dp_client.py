@@ -12,6 +12,11 @@ end (vLLM's DP engine-core client and ``AsyncLLM`` with ``data_parallel_size > 1
 - watches the replicas' process sentinels: a replica that dies is taken out of rotation and its
   in-flight requests fail with ``EngineStepError`` naming it; the others keep serving. With every
   replica dead, ``EngineDeadError``.
+- with ``data_parallel_size_local`` L < D (vLLM's multi-instance data parallelism,
+  ``engine/dp_layout.py``) spawns ranks 0..L-1 only and waits for ranks L..D-1 to connect over tcp
+  from ``--headless`` processes (``engine/dp_remote.py``); a remote rank that goes silent is
+  handled like a local replica that died.
+- ``data_parallel_rank`` on a request sends it to that rank instead of the balancer's choice.
 
 ``DPAsyncLLM`` wraps it for the server with ``AsyncLLM``'s interface: a receiver thread delivers
 outputs to each caller's ``asyncio.Queue``; ``health()`` reports "ok" / "degraded" / "dead".
@@ -31,7 +36,6 @@ import shutil
 import tempfile
 import threading
 import time
-import weakref
 from typing import Any, Iterable
 
 from pagedllm.core.sched_output import SchedulerStats
@@ -90,10 +94,12 @@ def engine_process_env(environ=os.environ):
 
 def replica_threads(engine_args: EngineArgs, world_size: int, cpu_count: int | None) -> int:
     """torch threads per rank when D replicas of ``world_size`` ranks share this machine's CPUs:
-    ``cpu_threads_per_rank`` if set, else max(1, cpu_count // (D x world_size))."""
+    ``cpu_threads_per_rank`` if set, else max(1, cpu_count // (D x world_size)); D counts only the
+    replicas on this machine (``data_parallel_size_local`` when set)."""
     if engine_args.cpu_threads_per_rank not in (None, ""):
         return int(engine_args.cpu_threads_per_rank)
-    return max(1, (cpu_count or 1) // (engine_args.data_parallel_size * world_size))
+    local = engine_args.data_parallel_size_local or engine_args.data_parallel_size
+    return max(1, (cpu_count or 1) // (local * world_size))
 
 
 class EngineCoreClient:
@@ -118,8 +124,11 @@ class EngineCoreClient:
         from pagedllm.loaders import load_config, resolve_model
         from pagedllm.tokenizer import Tokenizer
 
+        from pagedllm.engine.dp_layout import DataParallelLayout
+
         self.args = engine_args
         self.num_replicas = engine_args.data_parallel_size
+        self.layout = DataParallelLayout.from_engine_args(engine_args)   # ValueError: a bad DP flag
         files = resolve_model(engine_args.model)   # a GGUF is converted once, here, before the replicas
         self.model_files = files
         self.vllm_config = engine_args.create_engine_config(hf_config=load_config(files.folder),
@@ -150,7 +159,7 @@ class EngineCoreClient:
         self._shutdown_lock = threading.Lock()   # one shutdown at a time (zmq sockets are not thread-safe)
 
         threads = replica_threads(engine_args, parallel_cfg.world_size, os.cpu_count())
-        replica_args = dataclasses.replace(engine_args, data_parallel_size=1,
+        replica_args = dataclasses.replace(engine_args, data_parallel_size=1, data_parallel_size_local=None,
                                            cpu_threads_per_rank=threads if parallel_cfg.world_size > 1 else None)
         self._tmpdir = tempfile.mkdtemp(prefix="pagedllm_dp_")
         import multiprocessing as mp
@@ -160,13 +169,25 @@ class EngineCoreClient:
         self._ctx = zmq.Context()
         output_address = f"ipc://{self._tmpdir}/outputs"
         self._outputs = make_socket(self._ctx, zmq.PULL, output_address, bind=True)
-        self._inputs = []
-        self.processes = []
+        self._inputs: list = []
+        self.processes: list = []   # by rank; None for a remote rank
+        self._remote = None
+        if self.layout.remote_ranks:
+            from pagedllm.engine.dp_remote import RemoteRanks
+
+            self._remote = RemoteRanks(self._ctx, self.layout.handshake_address, self.layout.remote_ranks,
+                                       self.num_replicas)
         # Stop the replicas at interpreter exit if nobody called shutdown(): registered after
-        # multiprocessing's own exit hook, so it runs first (that hook joins non-daemon children).
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        # multiprocessing's own exit hook, so it runs first (that hook joins non-daemon children,
+        # which wait for us). multiprocessing.util registers that hook when first imported, which
+        # may be only at the first Process.start() below: import it now. The hook holds this
+        # client (a weak reference let a dropped client be collected with its replicas still
+        # running, and the exit hung on them); shutdown() unregisters it.
+        import multiprocessing.util  # noqa: F401
+
+        atexit.register(self.shutdown)
         ctx = mp.get_context("spawn")
-        for i in range(self.num_replicas):
+        for i in self.layout.local_ranks:
             address = f"ipc://{self._tmpdir}/input_{i}"
             self._inputs.append(make_socket(self._ctx, zmq.PUSH, address, bind=True))
             # Not a daemon: a replica with several ranks starts worker processes of its own, which
@@ -178,12 +199,15 @@ class EngineCoreClient:
             with engine_process_env():
                 proc.start()
             self.processes.append(proc)
+        self._inputs.extend([None] * len(self.layout.remote_ranks))
+        self.processes.extend([None] * len(self.layout.remote_ranks))
         if self.num_replicas == 1:
             logger.info("engine core process (pid %d): %d rank(s), %d thread(s) per rank",
                         self.processes[0].pid, parallel_cfg.world_size, threads)
         else:
-            logger.info("data parallelism: %d replicas (pids %s), %d rank(s) each, %d thread(s) per rank",
-                        self.num_replicas, [p.pid for p in self.processes], parallel_cfg.world_size, threads)
+            logger.info("data parallelism: %d replicas (pids %s; None: remote), %d rank(s) each, %d thread(s) "
+                        "per rank", self.num_replicas, [p and p.pid for p in self.processes],
+                        parallel_cfg.world_size, threads)
         try:
             self._wait_ready()
         except BaseException:
@@ -197,15 +221,17 @@ class EngineCoreClient:
         return self.scheduler_config.max_model_len
 
     def add_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
-        """Validate, pick a replica, send the request to it.
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    data_parallel_rank: int | None = None) -> str:
+        """Validate, pick a replica (``data_parallel_rank`` when given), send the request to it.
 
         Returns:
             The request id.
         Raises:
-            ValueError: a bad prompt or params, a duplicate id, or logits processors (callables
-                cannot cross processes).
+            ValueError: a bad prompt or params, a duplicate id, logits processors (callables
+                cannot cross processes), or ``data_parallel_rank`` outside [0, D).
             EngineDeadError: every replica is dead.
+            EngineStepError: ``data_parallel_rank`` names a dead rank.
         """
         processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(prompt, params)
         if isinstance(prompt, ProcessedInput) and params is not None:
@@ -213,20 +239,26 @@ class EngineCoreClient:
         if processed.params.logits_processors:
             raise ValueError("logits_processors are Python callables and cannot be sent to data-parallel "
                              "replica processes (use data_parallel_size=1)")
-        return self._route(request_id, processed, arrival_time)
+        return self._route(request_id, processed, arrival_time, data_parallel_rank=data_parallel_rank)
 
     def _route(self, request_id: str | None, processed: ProcessedInput, arrival_time: float | None,
-               beam: BeamSearchParams | None = None) -> str:
+               beam: BeamSearchParams | None = None, data_parallel_rank: int | None = None) -> str:
         """Pick a replica for the request (or beam search), record it, send it; its id."""
         request_id = f"dp-{next(self._ids)}" if request_id is None else str(request_id)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.check_data_parallel_rank(data_parallel_rank)
         with self._send_lock:
             if self.balancer.owner(request_id) is not None:
                 raise ValueError(f"request_id {request_id!r} is already running")
-            try:
-                replica = self.balancer.choose(processed.prompt_token_ids)
-            except RuntimeError as e:
-                raise EngineDeadError(f"{e}: {self._deaths()}") from None
+            if data_parallel_rank is not None:
+                replica = data_parallel_rank
+                if not self.balancer.replicas[replica].alive:
+                    raise EngineStepError(f"data_parallel_rank={replica}: {self.death_reasons.get(replica, 'dead')}")
+            else:
+                try:
+                    replica = self.balancer.choose(processed.prompt_token_ids)
+                except RuntimeError as e:
+                    raise EngineDeadError(f"{e}: {self._deaths()}") from None
             self.balancer.assign(request_id, replica, processed.prompt_token_ids)
             msg = (("add", request_id, processed, arrival_time) if beam is None
                    else ("beam", request_id, processed, arrival_time, beam))
@@ -236,8 +268,18 @@ class EngineCoreClient:
                                       f"request {request_id!r} was not queued")
         return request_id
 
+    def check_data_parallel_rank(self, data_parallel_rank: int | None) -> None:
+        """Raises:
+            ValueError: ``data_parallel_rank`` is neither None nor an int in [0, D)."""
+        if data_parallel_rank is not None and (isinstance(data_parallel_rank, bool)
+                                               or not isinstance(data_parallel_rank, int)
+                                               or not 0 <= data_parallel_rank < self.num_replicas):
+            raise ValueError(f"data_parallel_rank must be None or an int in [0, data_parallel_size="
+                             f"{self.num_replicas}), got {data_parallel_rank!r}")
+
     def add_beam_search_request(self, request_id: str | None, prompt: PromptType | ProcessedInput,
-                                params: BeamSearchParams, arrival_time: float | None = None) -> str:
+                                params: BeamSearchParams, arrival_time: float | None = None,
+                                data_parallel_rank: int | None = None) -> str:
         """Send a beam search to one replica (all its beams run there: they share KV blocks); its
         one final ``RequestOutput`` comes back like any other.
 
@@ -251,7 +293,7 @@ class EngineCoreClient:
         processed = prompt if isinstance(prompt, ProcessedInput) else self.input_processor.process(prompt, params)
         check_beam_search_request(len(processed.prompt_token_ids), params, self.scheduler_config.max_num_seqs,
                                   self.scheduler_config.max_model_len, processed.prompt_embeds)
-        return self._route(request_id, processed, arrival_time, params)
+        return self._route(request_id, processed, arrival_time, params, data_parallel_rank)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests on their replicas (their blocks are freed there). Returns [] (the
@@ -335,19 +377,41 @@ class EngineCoreClient:
     def get_events(self, timeout_s: float | None) -> list:
         """The next ``RequestOutput``s and ``_Failure``s from any replica (empty on timeout).
 
-        A replica whose process ended is taken out of rotation here: its in-flight requests come
-        back as ``_Failure(EngineStepError)``.
+        A replica whose process ended, or a remote rank silent for ``HEARTBEAT_TIMEOUT_S``, is
+        taken out of rotation here: its in-flight requests come back as ``_Failure(EngineStepError)``.
         """
-        import zmq
-
         if self._buffered:
             events, self._buffered = self._buffered, []
             return events
+        if self._remote is None:
+            return self._poll_events(timeout_s)
+        from pagedllm.engine.dp_remote import HEARTBEAT_INTERVAL_S
+
+        # Remote ranks are checked at least every heartbeat interval, also while waiting with no timeout.
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = HEARTBEAT_INTERVAL_S if deadline is None else min(HEARTBEAT_INTERVAL_S,
+                                                                      max(0.0, deadline - time.monotonic()))
+            events = self._poll_events(left)
+            alive = [r for r in self.layout.remote_ranks if self.balancer.replicas[r].alive]
+            for rank in self._remote.silent(alive):
+                events.extend(self._replica_died(rank, f"{self.replica_name(rank)} sent nothing for "
+                                                       f"{time.monotonic() - self._remote.last_seen[rank]:.0f} s "
+                                                       "(killed, its machine or the network down)"))
+            if events or (deadline is not None and time.monotonic() >= deadline):
+                return events
+
+    def _poll_events(self, timeout_s: float | None) -> list:
+        """One poll of the output sockets and the local replicas' sentinels (see ``get_events``)."""
+        import zmq
+
         poller = zmq.Poller()
         poller.register(self._outputs, zmq.POLLIN)
+        if self._remote is not None:
+            poller.register(self._remote.sock, zmq.POLLIN)
         sentinels = {}
         for i, proc in enumerate(self.processes):
-            if self.balancer.replicas[i].alive:
+            if proc is not None and self.balancer.replicas[i].alive:
                 sentinels[proc.sentinel] = i
                 poller.register(proc.sentinel, zmq.POLLIN)
         ready = dict(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
@@ -355,6 +419,9 @@ class EngineCoreClient:
         if self._outputs in ready:
             while self._outputs.poll(0):
                 events.extend(self._handle(self._outputs.recv_pyobj()))
+        if self._remote is not None and self._remote.sock in ready:
+            for msg in self._remote.receive():
+                events.extend(self._handle(msg))
         for fd, i in sentinels.items():
             if fd in ready and self.balancer.replicas[i].alive:
                 proc = self.processes[i]
@@ -399,7 +466,9 @@ class EngineCoreClient:
             lost = self.balancer.mark_dead(index)
         self.death_reasons[index] = reason
         proc = self.processes[index]
-        if proc.is_alive():
+        if proc is None:   # a remote rank: tell it to go, in case it still listens
+            self._send(index, ("shutdown",))
+        elif proc.is_alive():
             proc.kill()   # it ignores SIGTERM (a group-wide signal is the front end's to handle)
         # Its gauges (running / waiting requests, KV usage and blocks) go to 0: it holds nothing.
         for stat_logger in self.stat_loggers[index]:
@@ -418,6 +487,11 @@ class EngineCoreClient:
         ``_route``)."""
         import zmq
 
+        if self._inputs[replica] is None:   # a remote rank
+            if self._remote.send(replica, msg):
+                return True
+            logger.warning("%s cannot take a %r message (not connected)", self.replica_name(replica), msg[0])
+            return False
         try:
             self._inputs[replica].send_pyobj(msg, flags=zmq.NOBLOCK)
             return True
@@ -428,12 +502,22 @@ class EngineCoreClient:
     def replica_name(self, index: int) -> str:
         """How messages name replica ``index``: "the engine process" when there is one (a plain
         ``pagedllm serve``), else "data-parallel replica <index>"."""
-        return "the engine process" if self.num_replicas == 1 else f"data-parallel replica {index}"
+        if self.num_replicas == 1:
+            return "the engine process"
+        if index in self.layout.remote_ranks:
+            return f"data-parallel replica {index} (remote, at {self.layout.handshake_address})"
+        return f"data-parallel replica {index}"
 
     def _deaths(self) -> str:
         return "; ".join(self.death_reasons.values()) or "no replica started"
 
     def _wait_ready(self) -> None:
+        """Wait until every rank, local and remote, sent "ready".
+
+        Raises:
+            RuntimeError: a replica failed or died while starting, or ranks are missing after
+                ``REPLICA_START_TIMEOUT_S`` (remote ones named with the address they should reach).
+        """
         import zmq
 
         deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
@@ -441,19 +525,26 @@ class EngineCoreClient:
         while pending:
             poller = zmq.Poller()
             poller.register(self._outputs, zmq.POLLIN)
-            sentinels = {self.processes[i].sentinel: i for i in pending}
+            if self._remote is not None:
+                poller.register(self._remote.sock, zmq.POLLIN)
+            sentinels = {self.processes[i].sentinel: i for i in pending if self.processes[i] is not None}
             for fd in sentinels:
                 poller.register(fd, zmq.POLLIN)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RuntimeError(f"data-parallel replica(s) {sorted(pending)} did not start within "
-                                   f"{REPLICA_START_TIMEOUT_S:.0f} s")
+                raise RuntimeError(self._not_ready_message(pending))
             ready = dict(poller.poll(int(remaining * 1000)))
+            messages = []
             while self._outputs.poll(0):
-                msg = self._outputs.recv_pyobj()
+                messages.append(self._outputs.recv_pyobj())
+            if self._remote is not None:
+                messages.extend(self._remote.receive())
+            for msg in messages:
                 if msg[0] == "ready":
                     self.initial_stats[msg[1]] = msg[2]
                     pending.discard(msg[1])
+                    if self._remote is not None and msg[1] in self.layout.remote_ranks:
+                        logger.info("remote data-parallel rank %d is ready", msg[1])
                 elif msg[0] == "dead":
                     raise RuntimeError(f"{self.replica_name(msg[1])} failed while starting:\n{msg[2]}")
             for fd, i in sentinels.items():
@@ -462,6 +553,26 @@ class EngineCoreClient:
                     proc.join(timeout=1.0)
                     raise RuntimeError(f"{self.replica_name(i)} (pid {proc.pid}) died while starting "
                                        f"(exit code {proc.exitcode})")
+
+    def _not_ready_message(self, pending: set[int]) -> str:
+        local = sorted(i for i in pending if self.processes[i] is not None)
+        remote = sorted(i for i in pending if self.processes[i] is None)
+        parts = []
+        if local:
+            parts.append(f"data-parallel replica(s) {local} did not start within {REPLICA_START_TIMEOUT_S:.0f} s")
+        if remote:
+            silent = [r for r in remote if r not in self._remote.last_seen]
+            loading = [r for r in remote if r in self._remote.last_seen]
+            if silent:
+                layout = self.layout
+                parts.append(f"remote data-parallel rank(s) {silent} did not connect to {layout.handshake_address} "
+                             f"within {REPLICA_START_TIMEOUT_S:.0f} s (start them with `pagedllm serve MODEL "
+                             f"--headless -dp {layout.size} -dpr R --data-parallel-address {layout.address} "
+                             f"--data-parallel-rpc-port {layout.rpc_port}` and the same engine flags)")
+            if loading:
+                parts.append(f"remote data-parallel rank(s) {loading} connected to {self.layout.handshake_address} "
+                             f"but were not ready within {REPLICA_START_TIMEOUT_S:.0f} s")
+        return "; ".join(parts)
 
     def health(self) -> dict:
         """``{"status": "ok" | "degraded" | "dead", "engines": {index: "ok" | reason}}``."""
@@ -477,22 +588,22 @@ class EngineCoreClient:
             if not self.processes:
                 return
             with self._send_lock:
-                for i, sock in enumerate(self._inputs):
-                    if self.processes[i].is_alive():
+                for i, proc in enumerate(self.processes):
+                    if proc.is_alive() if proc is not None else self.balancer.replicas[i].alive:
                         self._send(i, ("shutdown",))
-            stop_processes(self.processes, REPLICA_STOP_TIMEOUT_S)
+            stop_processes([p for p in self.processes if p is not None], REPLICA_STOP_TIMEOUT_S)
             self.processes = []
             for sock in self._inputs + [self._outputs]:
-                sock.close(linger=0)
+                if sock is not None:
+                    sock.close(linger=0)
+            if self._remote is not None:
+                self._remote.close()   # lingers up to 1 s so the remote ranks get their "shutdown"
+            atexit.unregister(self.shutdown)
             self._ctx.term()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
 
-def _shutdown_at_exit(ref: "weakref.ref[EngineCoreClient]") -> None:
-    client = ref()
-    if client is not None:
-        client.shutdown()
 
 
 class DPAsyncLLM(AsyncFrontEnd):
@@ -510,6 +621,10 @@ class DPAsyncLLM(AsyncFrontEnd):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        self.log_requests = False   # log each request when it is added (enable_log_requests)
+        # At interpreter exit without shutdown(), stop the receiver before the client's own exit
+        # hook (registered earlier, so run later) closes the sockets it polls.
+        atexit.register(self._stop_receiver)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "DPAsyncLLM":
@@ -557,7 +672,8 @@ class DPAsyncLLM(AsyncFrontEnd):
                 self._thread.start()
 
     def _submit(self, prepared: list[_NewRequest], sinks: dict[str, _Sink]) -> None:
-        """Each request goes to the replica the balancer picks (``EngineCoreClient.add_request``)."""
+        """Each request goes to its ``data_parallel_rank`` or the replica the balancer picks
+        (``EngineCoreClient.add_request``)."""
         with self._lock:
             self._claim_request_ids(sinks)
         self.start()
@@ -565,12 +681,21 @@ class DPAsyncLLM(AsyncFrontEnd):
             for r in prepared:
                 if r.beam_params is not None:
                     self.client.add_beam_search_request(r.request_id, r.processed, r.beam_params,
-                                                        arrival_time=r.arrival_time)
+                                                        arrival_time=r.arrival_time,
+                                                        data_parallel_rank=r.data_parallel_rank)
                 else:
-                    self.client.add_request(r.request_id, r.processed, arrival_time=r.arrival_time)
+                    self.client.add_request(r.request_id, r.processed, arrival_time=r.arrival_time,
+                                            data_parallel_rank=r.data_parallel_rank)
+                if self.log_requests:
+                    logger.info("Added request %s to data-parallel replica %s: %d prompt tokens, params: %s",
+                                r.request_id, self.client.balancer.owner(r.request_id),
+                                len(r.processed.prompt_token_ids), r.beam_params or r.processed.params)
         except BaseException:
             self.abort(list(sinks))
             raise
+
+    def _check_data_parallel_rank(self, data_parallel_rank: int | None) -> None:
+        self.client.check_data_parallel_rank(data_parallel_rank)
 
     def _check_request(self, processed: ProcessedInput, beam: BeamSearchParams | None) -> None:
         if beam is not None:
@@ -613,7 +738,14 @@ class DPAsyncLLM(AsyncFrontEnd):
         self.close_tracer()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        atexit.unregister(self._stop_receiver)
         self.client.shutdown()
+
+    def _stop_receiver(self) -> None:
+        """Stop the receiver thread (waits up to 5 s); outputs still on the way are not delivered."""
+        self._stopping = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
 
     def _receive(self) -> None:
         while not self._stopping:

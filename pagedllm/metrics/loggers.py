@@ -62,16 +62,24 @@ class LoggingStatLogger:
         now = time.monotonic() if now is None else now
         return max(0.0, self._last_log + self.interval_s - now)
 
-    def maybe_log(self, now: float | None = None) -> bool:
-        """Log a line if ``interval_s`` has passed since the last one and there is news.
+    def log(self) -> bool:
+        """Log a line now if there is news (vLLM's ``StatLoggerBase.log``; ``do_log_stats``).
+
+        Returns:
+            True when a line was logged.
+        """
+        return self.maybe_log(force=True)
+
+    def maybe_log(self, now: float | None = None, force: bool = False) -> bool:
+        """Log a line if ``interval_s`` has passed since the last one (or ``force``) and there is news.
 
         Returns:
             True when a line was logged.
         """
         now = time.monotonic() if now is None else now
         with self._lock:
-            elapsed = now - self._last_log
-            if elapsed < self.interval_s:
+            elapsed = max(now - self._last_log, 1e-9)
+            if elapsed < self.interval_s and not force:
                 return False
             s = self._sched
             busy = s is not None and (s.num_running or s.num_waiting)

@@ -577,6 +577,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accept tool_choice 'auto': the model writes calls in its own format, found by "
                         "--tool-call-parser")
+    g.add_argument("--headless", action="store_true",
+                   help="run data-parallel engine ranks only (-dpr and up), no API server: they connect to the "
+                        "front end at --data-parallel-address:--data-parallel-rpc-port (README, \"Data parallelism\")")
     g.add_argument("--engine-in-process", action="store_true",
                    help="run the engine loop in a thread of the server process instead of its own process "
                         "(one process less; each token then waits for the server's Python: on 2 cores "
@@ -649,6 +652,10 @@ def run_server(ns: argparse.Namespace) -> int:
     """
     import uvicorn
 
+    if getattr(ns, "headless", False):
+        from pagedllm.entrypoints.headless import run_headless
+
+        return run_headless(engine_args_from_cli(ns, getattr(ns, "model_tag", None)))
     chat_template = load_chat_template(ns.chat_template)
     args = engine_args_from_cli(ns, getattr(ns, "model_tag", None))
     api_key = ns.api_key or envs.read(API_KEY_ENV)

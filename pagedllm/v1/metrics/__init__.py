@@ -1,1 +1,1 @@
-"""``vllm.v1.metrics`` paths: ``reader`` (``LLM.get_metrics``' metric objects)."""
+"""``vllm.v1.metrics`` paths: ``reader`` (``LLM.get_metrics``' metric objects), ``loggers`` (stat loggers)."""
