@@ -16,10 +16,28 @@ from pagedllm.distributed.parallel_state import ParallelContext
 def tensor_parallel_all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """Sum ``x`` over the stage's tensor-parallel ranks (in place; returns ``x``). After a
     row-parallel layer: each rank holds a partial product ``x_r @ W_r^T`` (Megatron-LM,
-    Shoeybi et al. 2019)."""
+    Shoeybi et al. 2019).
+
+    Batch-invariant: every element's sum has one order whatever the tensor's size. Two ranks
+    use the backend's all-reduce (``a + b`` is the same either way round). With three or more,
+    gloo's and NCCL's all-reduce split the tensor into chunks by its size, so an element's
+    summation order (and, in bfloat16, where it is rounded) changes with the number of rows
+    in the step; there the partials are all-gathered and summed here in rank order in float32,
+    rounded once to ``x.dtype`` (``tp_size`` times the traffic of a reduce-scatter, which at
+    decode sizes is latency, not bandwidth).
+    """
     if ctx.tp_size > 1:
         t0 = time.perf_counter()
-        dist.all_reduce(x, group=ctx.tp_group)
+        if ctx.tp_size == 2:
+            dist.all_reduce(x, group=ctx.tp_group)
+        else:
+            x_c = x.contiguous()
+            parts = [torch.empty_like(x_c) for _ in range(ctx.tp_size)]
+            dist.all_gather(parts, x_c, group=ctx.tp_group)
+            total = parts[0].to(torch.float32)
+            for part in parts[1:]:
+                total += part
+            x.copy_(total)
         ctx.step_times.all_reduce += time.perf_counter() - t0
     return x
 
