@@ -21,7 +21,10 @@ No message is ever dropped: both directions use zmq's unlimited high-water mark 
 meeting a full queue, and sends block only while no peer is connected.
 
 A remote rank (``--headless``) talks to the front end over tcp instead (``engine/dp_remote.py``):
-the same messages, plus a hello and heartbeats.
+the same messages, plus a hello, heartbeats, and on its headless process's SIGTERM / SIGINT
+``("draining", index)`` then, once its requests finished (or ``drain_timeout_s`` passed: those left
+get ``("failed", ...)``), ``("bye", index)``; it exits non-zero when the front end answers its hello
+with ``("refused", reason)`` (its rank is served by a live process already).
 
 The replica exits on "shutdown", when its parent is gone (checked every ``IDLE_POLL_MS`` while
 idle and while busy; its workers then exit with it, their pipes closed), or on a fatal error.
@@ -73,7 +76,7 @@ class _StatsCollector:
 
 def run_engine_core(engine_args, index: int, input_address: str, output_address: str | None, num_threads: int,
                     log_level: int = logging.WARNING, data_parallel_size: int | None = None,
-                    stop_event=None) -> None:
+                    stop_event=None, drain_timeout_s: float = 0.0) -> None:
     """Process entry point of replica ``index``: build the engine, then serve messages until shutdown.
     ``log_level``: the front end's ``pagedllm`` level, so each replica's start-up lines (dtype,
     attention backend, KV blocks and max concurrency, engine ready) show, prefixed ``dp<index>``.
@@ -82,7 +85,8 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
     the front end's ``tcp://`` address as ``input_address`` and its ``data_parallel_size``: one
     DEALER socket carries both directions, with heartbeats; the rank also leaves when that
     connection drops or ``stop_event`` (a ``multiprocessing.Event``; the headless process's
-    SIGTERM) is set."""
+    SIGTERM) is set: it then drains (tells the front end, finishes its requests within
+    ``drain_timeout_s``) and says "bye"."""
     # The front end stops us in order: a signal sent to the whole process group (Ctrl-C, `timeout`,
     # `kill -- -PGID`) must not kill us under it. Its death is noticed (the parent pid changes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -107,7 +111,14 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
         outbox = make_socket(ctx, zmq.PUSH, output_address, bind=False)
     parent_checked = time.monotonic()
     engine = None
+    drain_deadline = None   # set once the headless process was told to stop: finish, then leave
+    said_bye = False
     try:
+        if link is not None and link.sock.poll(1000):   # a refusal comes at once; nothing else before "ready"
+            msg = link.sock.recv_pyobj()
+            if msg[0] == "refused":
+                logger.error("replica %d: the front end at %s refused this process: %s", index, input_address, msg[1])
+                raise SystemExit(3)
         engine = LLMEngine(engine_args, data_parallel_rank=index)   # KV-cache event ports: + index
         collector = _StatsCollector()
         engine.stat_loggers.append(collector)
@@ -121,9 +132,26 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
                 if os.getppid() != parent:
                     logger.warning("replica %d: the front end (pid %d) is gone; exiting", index, parent)
                     break
-                if stop_event is not None and stop_event.is_set():
+                if stop_event is not None and stop_event.is_set() and link is None:
                     logger.info("replica %d: asked to stop; exiting", index)
                     break
+                if stop_event is not None and stop_event.is_set() and drain_deadline is None:
+                    drain_deadline = now + drain_timeout_s
+                    logger.info("replica %d: stopping; finishing %d request(s) (at most %.0f s), then leaving",
+                                index, len(in_engine), drain_timeout_s)
+                    outbox.send_pyobj(("draining", index))
+            if drain_deadline is not None and (not engine.has_work() or now >= drain_deadline):
+                if in_engine:
+                    ids = sorted(in_engine)
+                    logger.warning("replica %d: %d request(s) did not finish within %.0f s; failing them",
+                                   index, len(ids), drain_timeout_s)
+                    outbox.send_pyobj(("failed", index, ids, f"data-parallel rank {index} was stopped and its "
+                                                             f"requests did not finish within {drain_timeout_s:.0f} s"))
+                    engine.abort_request(ids)
+                outbox.send_pyobj(("bye", index))
+                said_bye = True
+                logger.info("replica %d: left the front end; exiting", index)
+                break
             if link is not None:
                 link.heartbeat(now)
                 if link.front_end_gone():
@@ -169,6 +197,10 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
                     outbox.send_pyobj(("result", index, call_id, value))
                 elif kind == "shutdown":
                     stop = True
+                elif kind == "refused":
+                    logger.error("replica %d: the front end at %s refused this process: %s", index,
+                                 input_address, msg[1])
+                    raise SystemExit(3)
             if stop:
                 break
             outputs = []
@@ -189,7 +221,8 @@ def run_engine_core(engine_args, index: int, input_address: str, output_address:
                 outbox.send_pyobj(("outputs", index, outputs, collector.records, engine.scheduler.make_stats()))
                 collector.records = []
     except Exception:
-        outbox.send_pyobj(("dead", index, traceback.format_exc()))
+        if not said_bye:
+            outbox.send_pyobj(("dead", index, traceback.format_exc()))
     finally:
         if engine is not None:
             try:

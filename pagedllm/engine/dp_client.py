@@ -15,7 +15,9 @@ end (vLLM's DP engine-core client and ``AsyncLLM`` with ``data_parallel_size > 1
 - with ``data_parallel_size_local`` L < D (vLLM's multi-instance data parallelism,
   ``engine/dp_layout.py``) spawns ranks 0..L-1 only and waits for ranks L..D-1 to connect over tcp
   from ``--headless`` processes (``engine/dp_remote.py``); a remote rank that goes silent is
-  handled like a local replica that died.
+  handled like a local replica that died. One stopped on its machine (SIGTERM) drains: nothing new
+  is routed to it, its requests finish, then it is marked departed ("stopped", not failed). A
+  dead or departed remote rank started again rejoins (hello, then "ready": it is routed to again).
 - ``data_parallel_rank`` on a request sends it to that rank instead of the balancer's choice.
 
 ``DPAsyncLLM`` wraps it for the server with ``AsyncLLM``'s interface: a receiver thread delivers
@@ -154,6 +156,7 @@ class EngineCoreClient:
         self._ids = itertools.count()
         self._call_ids = itertools.count()
         self._results: dict[int, dict[int, Any]] = {}
+        self._call_ranks: dict[int, set[int]] = {}   # call id -> the replicas it was sent to
         self._buffered: list = []
         self._send_lock = threading.Lock()
         self._shutdown_lock = threading.Lock()   # one shutdown at a time (zmq sockets are not thread-safe)
@@ -177,6 +180,7 @@ class EngineCoreClient:
 
             self._remote = RemoteRanks(self._ctx, self.layout.handshake_address, self.layout.remote_ranks,
                                        self.num_replicas)
+            self._remote.is_alive = lambda rank: self.balancer.replicas[rank].alive
         # Stop the replicas at interpreter exit if nobody called shutdown(): registered after
         # multiprocessing's own exit hook, so it runs first (that hook joins non-daemon children,
         # which wait for us). multiprocessing.util registers that hook when first imported, which
@@ -254,6 +258,9 @@ class EngineCoreClient:
                 replica = data_parallel_rank
                 if not self.balancer.replicas[replica].alive:
                     raise EngineStepError(f"data_parallel_rank={replica}: {self.death_reasons.get(replica, 'dead')}")
+                if self.balancer.replicas[replica].draining:
+                    raise EngineStepError(f"data_parallel_rank={replica}: {self.replica_name(replica)} is shutting "
+                                          "down (stopped on its machine; it finishes its requests, takes no new ones)")
             else:
                 try:
                     replica = self.balancer.choose(processed.prompt_token_ids)
@@ -334,9 +341,9 @@ class EngineCoreClient:
         """Run ``LLMEngine.<method>(**kwargs)`` on every live replica and wait for the answers
         (outputs that arrive meanwhile are kept for ``step``). Returns the answers by replica."""
         call_id = self.send_call(method, **kwargs)
-        while len(self._results.get(call_id, {})) < len(self.balancer.alive()):
+        while self.call_results(call_id, pop=False) is None:
             self._buffered.extend(self.get_events(timeout_s=None))
-        return self._results.pop(call_id, {})
+        return self.call_results(call_id)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Reset every live replica's prefix cache (``LLMEngine.reset_prefix_cache``); True when
@@ -362,17 +369,22 @@ class EngineCoreClient:
         arguments); the answers arrive as results (``call_results``). Returns the call id."""
         call_id = next(self._call_ids)
         self._results[call_id] = {}
+        self._call_ranks[call_id] = set(self.balancer.alive())
         with self._send_lock:
             for i in self.balancer.alive():
                 self._send(i, ("call", call_id, method, kwargs))
         return call_id
 
-    def call_results(self, call_id: int) -> dict[int, Any] | None:
-        """Answers to ``call_id`` by replica, once every live replica answered (else None)."""
+    def call_results(self, call_id: int, pop: bool = True) -> dict[int, Any] | None:
+        """Answers to ``call_id`` by replica, once every replica it was sent to that is still alive
+        answered (else None); ``pop``: forget the call then."""
         got = self._results.get(call_id, {})
-        if len(got) < len(self.balancer.alive()):
+        if any(i not in got and self.balancer.replicas[i].alive for i in self._call_ranks.get(call_id, ())):
             return None
-        return self._results.pop(call_id, {})
+        if pop:
+            self._call_ranks.pop(call_id, None)
+            return self._results.pop(call_id, {})
+        return got
 
     def get_events(self, timeout_s: float | None) -> list:
         """The next ``RequestOutput``s and ``_Failure``s from any replica (empty on timeout).
@@ -456,10 +468,48 @@ class EngineCoreClient:
             self._results.setdefault(call_id, {})[index] = value if kind == "result" else _CallError(value)
             return []
         if kind == "dead":
+            if not self.balancer.replicas[index].alive:   # a rejoining rank that failed while loading
+                logger.error("%s failed while rejoining:\n%s", self.replica_name(index), msg[2])
+                last = msg[2].strip().splitlines()[-1] if msg[2].strip() else "unknown error"
+                self.death_reasons[index] = f"{self.replica_name(index)} failed while rejoining: {last}"
+                return []
             logger.error("%s failed:\n%s", self.replica_name(index), msg[2])
             last = msg[2].strip().splitlines()[-1] if msg[2].strip() else "unknown error"
             return self._replica_died(index, f"{self.replica_name(index)} failed: {last}")
-        raise RuntimeError(f"unknown message {kind!r} from replica {index}")
+        if kind == "draining" and self.balancer.replicas[index].alive:
+            with self._send_lock:
+                self.balancer.replicas[index].draining = True
+            logger.info("%s is shutting down (stopped on its machine): no new requests go to it; its %d "
+                        "request(s) finish first", self.replica_name(index),
+                        len(self.balancer.replicas[index].in_flight))
+            return []
+        if kind == "bye" and self.balancer.replicas[index].alive:
+            return self._replica_left(index)
+        if kind == "ready" and index in self.layout.remote_ranks and not self.balancer.replicas[index].alive:
+            with self._send_lock:
+                self.balancer.revive(index)
+            for ranks in self._call_ranks.values():   # calls sent before it rejoined never reach it
+                ranks.discard(index)
+            self.death_reasons.pop(index, None)
+            self.initial_stats[index] = msg[2]
+            logger.info("%s rejoined and is ready; requests go to it again", self.replica_name(index))
+            return []
+        # Never raise here: the receiver thread must live on (a late or stray message is not fatal).
+        logger.warning("dropped an unexpected %r message from %s", kind, self.replica_name(index))
+        return []
+
+    def _replica_left(self, index: int) -> list:
+        """A remote rank stopped on its machine said "bye" after draining: out of rotation, not an error."""
+        with self._send_lock:
+            lost = self.balancer.mark_dead(index)
+        self.death_reasons[index] = (f"{self.replica_name(index)} stopped (it was shut down on its machine and "
+                                     "left; start it again to rejoin)")
+        for stat_logger in self.stat_loggers[index]:
+            stat_logger.record(SchedulerStats(), IterationStats())
+        logger.warning("%s stopped and left; %d replica(s) still serving", self.replica_name(index),
+                       len(self.balancer.alive()))
+        error = EngineStepError(f"{self.replica_name(index)} stopped before the request finished; it was aborted")
+        return [_Failure(rid, error) for rid in lost]
 
     def _replica_died(self, index: int, reason: str) -> list:
         with self._send_lock:
@@ -575,11 +625,19 @@ class EngineCoreClient:
         return "; ".join(parts)
 
     def health(self) -> dict:
-        """``{"status": "ok" | "degraded" | "dead", "engines": {index: "ok" | reason}}``."""
+        """``{"status": "ok" | "degraded" | "dead", "engines": {index: "ok" | reason}}`` (a
+        draining remote rank: "draining: ..."; a departed one: "... stopped ...")."""
         alive = self.balancer.alive()
-        status = "ok" if len(alive) == self.num_replicas else ("degraded" if alive else "dead")
-        return {"status": status, "engines": {str(i): ("ok" if i in alive else self.death_reasons.get(i, "dead"))
-                                              for i in range(self.num_replicas)}}
+        serving = [i for i in alive if not self.balancer.replicas[i].draining]
+        status = "ok" if len(serving) == self.num_replicas else ("degraded" if alive else "dead")
+
+        def state(i: int) -> str:
+            if i in serving:
+                return "ok"
+            if i in alive:
+                return f"draining: {self.replica_name(i)} is shutting down"
+            return self.death_reasons.get(i, "dead")
+        return {"status": status, "engines": {str(i): state(i) for i in range(self.num_replicas)}}
 
     def shutdown(self) -> None:
         """Stop every replica (graceful, then terminate) and close the sockets (idempotent; a call

@@ -40,7 +40,8 @@ class ReplicaLoad:
     """What the balancer knows about one replica.
 
     Attributes:
-        alive: False once the replica died (never chosen again).
+        alive: False once the replica died or left (never chosen again, unless it rejoins: ``revive``).
+        draining: True while it finishes its requests before leaving (not chosen for new ones).
         in_flight: request ids sent to it and not yet finished or aborted.
         kv_cache_usage: its last reported fraction of KV blocks in use.
         num_served: requests ever sent to it.
@@ -48,6 +49,7 @@ class ReplicaLoad:
     """
 
     alive: bool = True
+    draining: bool = False
     in_flight: set[str] = field(default_factory=set)
     kv_cache_usage: float = 0.0
     num_served: int = 0
@@ -85,9 +87,10 @@ class DPLoadBalancer:
         Raises:
             RuntimeError: if no replica is alive.
         """
-        alive = self.alive()
+        alive = [i for i in self.alive() if not self.replicas[i].draining]
         if not alive:
-            raise RuntimeError("no data-parallel replica is alive")
+            raise RuntimeError("no data-parallel replica is alive" if not self.alive()
+                               else "every live data-parallel replica is shutting down")
         key = lambda i: (len(self.replicas[i].in_flight), self.replicas[i].kv_cache_usage, i)  # noqa: E731
         best = min(alive, key=key)
         hashes = self.prefix_hashes(prompt_token_ids)
@@ -130,6 +133,12 @@ class DPLoadBalancer:
 
     def update_kv_usage(self, replica: int, kv_cache_usage: float) -> None:
         self.replicas[replica].kv_cache_usage = kv_cache_usage
+
+    def revive(self, replica: int) -> None:
+        """``replica`` rejoined (a restarted remote rank): fresh state, nothing in flight, counts reset."""
+        for rid in self.replicas[replica].in_flight:
+            self._owner.pop(rid, None)
+        self.replicas[replica] = ReplicaLoad()
 
     def mark_dead(self, replica: int) -> list[str]:
         """Take ``replica`` out of rotation.

@@ -6,7 +6,10 @@ Each rank is an engine-core process (``engine/core_proc.py``) built from this co
 flags (as vLLM's headless ranks are: start both sides with the same model and flags), connected to
 the front end at ``tcp://A:P`` (``engine/dp_remote.py``). The ranks may start before the front end:
 zmq connects when it comes up. The process exits when every rank has left: on the front end's
-"shutdown", when their connection drops, or on SIGTERM / SIGINT here.
+"shutdown", when their connection drops, or on SIGTERM / SIGINT here: then each rank tells the front
+end it is draining (nothing new is routed to it), finishes its in-flight requests (at most
+``--shutdown-timeout`` seconds, as the API server's own graceful shutdown) and says "bye"; the front
+end marks it departed. The same command started again later rejoins the front end.
 """
 
 from __future__ import annotations
@@ -22,15 +25,20 @@ from pagedllm.engine.dp_layout import DataParallelLayout
 
 logger = logging.getLogger(__name__)
 
-# Seconds the ranks get to leave after SIGTERM before they are killed.
+# Seconds the ranks get to leave after SIGTERM, beyond their drain timeout, before they are killed.
 HEADLESS_STOP_TIMEOUT_S = 10.0
 
 
-def run_headless(engine_args: EngineArgs) -> int:
+def run_headless(engine_args: EngineArgs, drain_timeout_s: float = 30.0) -> int:
     """Start this process's ranks and wait for them.
 
+    Args:
+        drain_timeout_s: seconds the ranks' in-flight requests get to finish after SIGTERM / SIGINT
+            (``--shutdown-timeout``).
+
     Returns:
-        0 when every rank left normally (after SIGTERM too), 1 when one failed.
+        0 when every rank left normally (after SIGTERM too), 1 when one failed or was refused by the
+        front end (its rank is served by a live process already).
     Raises:
         ValueError: bad data-parallel flags (naming them), before anything starts.
     """
@@ -66,7 +74,7 @@ def run_headless(engine_args: EngineArgs) -> int:
     for rank in layout.local_ranks:
         proc = ctx.Process(target=run_engine_core,
                            args=(rank_args, rank, layout.handshake_address, None, threads, log_level,
-                                 layout.size, stop),
+                                 layout.size, stop, drain_timeout_s),
                            name=f"pagedllm-dp-{rank}", daemon=False)
         with engine_process_env():
             proc.start()
@@ -82,7 +90,8 @@ def run_headless(engine_args: EngineArgs) -> int:
             live = [p for p in live if p.is_alive()]
     finally:
         stop.set()
-        stop_processes(processes, HEADLESS_STOP_TIMEOUT_S)
+        stop_processes(processes, drain_timeout_s + HEADLESS_STOP_TIMEOUT_S if stopped.is_set()
+                       else HEADLESS_STOP_TIMEOUT_S)
     codes = {p.name: p.exitcode for p in processes}
     logger.info("headless: rank process exit codes %s", codes)
     return 0 if stopped.is_set() or all(c == 0 for c in codes.values()) else 1

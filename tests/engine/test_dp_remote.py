@@ -5,12 +5,16 @@ Checked: bad flags are ValueErrors naming them; requests with ``data_parallel_ra
 single engine's greedy float32 tokens and are finished by rank 1 (its own stats, sent over tcp);
 requests without a rank go to both; the front end without its remote rank fails with a timeout
 naming the rank and address; a killed headless rank fails its in-flight requests and rank 0 keeps
-serving; the headless process exits 0 when the front end shuts down and on SIGTERM.
+serving; the headless process exits 0 when the front end shuts down and on SIGTERM; SIGTERM to a
+headless rank with requests running drains it (they finish, nothing new goes to it, the front end
+marks it stopped, not failed); the same command started again rejoins; a second process for a live
+rank is refused and the front end serves on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -254,3 +258,133 @@ def test_front_end_exiting_without_shutdown_stops_the_headless_rank(folder_port)
     finally:
         if headless.poll() is None:
             os.killpg(headless.pid, signal.SIGKILL)
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.multiprocess   # three headless processes one after another (~15 s each start)
+@pytest.mark.timeout(420)
+def test_sigterm_drains_the_headless_rank_which_rejoins_and_is_not_doubled(folder_port, caplog):
+    from pagedllm.entrypoints.llm import LLM
+
+    caplog.set_level(logging.INFO, logger="pagedllm")
+    folder, port = folder_port
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    single = LLM(folder, **KWARGS)
+    want = [list(o.outputs[0].token_ids) for o in single.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]],
+                                                                  long, use_tqdm=False)]
+    first = single.generate([{"prompt_token_ids": PROMPTS[0]}], short, use_tqdm=False)[0]
+    want_short = list(first.outputs[0].token_ids)
+    del single
+    headless = _start_headless(folder, port)
+    procs = [headless]
+    try:
+        engine, stats = _front_end(folder, port)
+        try:
+            async def sigterm_while_running():
+                streams = [engine.generate({"prompt_token_ids": p}, long, f"drain-{i}", data_parallel_rank=1)
+                           for i, p in enumerate(PROMPTS[:3])]
+                for s in streams:
+                    assert not (await s.__anext__()).finished
+                os.kill(headless.pid, signal.SIGTERM)
+                while engine.health()["engines"]["1"] == "ok":
+                    await asyncio.sleep(0.02)
+                assert engine.health()["engines"]["1"].startswith("draining")
+                with pytest.raises(EngineStepError, match=r"data_parallel_rank=1: data-parallel replica 1 .*"
+                                                          r"is shutting down"):
+                    await _tokens(engine, PROMPTS[0], short, "pinned-while-draining", rank=1)
+                finals = []
+                for s in streams:
+                    async for out in s:
+                        final = out
+                    finals.append(list(final.outputs[0].token_ids))
+                return finals
+            assert asyncio.run(sigterm_while_running()) == want   # finished in full, not failed
+            assert headless.wait(timeout=60) == 0
+            _wait_for(lambda: "stopped" in engine.health()["engines"]["1"], 10, "rank 1 to be marked stopped")
+            assert engine.health()["status"] == "degraded"
+            assert stats.num_finished[1] == 3
+            before = stats.num_finished[0]
+            assert asyncio.run(_tokens(engine, PROMPTS[0], short, "after")) == want_short
+            assert stats.num_finished[0] == before + 1   # rank 0 serves what is not pinned
+            with pytest.raises(EngineStepError, match="data_parallel_rank=1: data-parallel replica 1 .*stopped"):
+                asyncio.run(_tokens(engine, PROMPTS[0], short, "after-1", rank=1))
+            assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+            assert "cannot take" not in caplog.text
+
+            rejoined = _start_headless(folder, port)   # the same command again: it rejoins
+            procs.append(rejoined)
+            _wait_for(lambda: engine.health()["status"] == "ok", 120, "rank 1 to rejoin")
+            assert asyncio.run(_tokens(engine, PROMPTS[0], short, "rejoined", rank=1)) == want_short
+            _wait_for(lambda: stats.num_finished[1] == 4, 10, "rank 1's stats")
+
+            doubled = _start_headless(folder, port)   # a second process for the live rank 1: refused
+            procs.append(doubled)
+            assert doubled.wait(timeout=120) != 0
+            assert "refused this process: data-parallel rank 1 is already served by a live process" in _log(doubled)
+            assert engine.health()["status"] == "ok"
+            assert asyncio.run(_tokens(engine, PROMPTS[0], short, "still-1", rank=1)) == want_short
+            assert "the data-parallel receiver failed" not in caplog.text
+        finally:
+            engine.shutdown()
+        assert rejoined.wait(timeout=30) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            print(_log(proc))
+
+
+def test_receiver_drops_an_unexpected_message(caplog):
+    client = dp_client.EngineCoreClient.__new__(dp_client.EngineCoreClient)
+    client.num_replicas = 2
+    client.layout = DataParallelLayout.from_engine_args(EngineArgs(model="m", data_parallel_size=2,
+                                                                   data_parallel_size_local=1))
+    from pagedllm.engine.dp_coordinator import DPLoadBalancer
+
+    client.balancer = DPLoadBalancer(2, 8)
+    assert client._handle(("nonsense", 1)) == []
+    assert client._handle(("ready", 1, None)) == []   # rank 1 is alive: a stray "ready" is dropped
+    assert "dropped an unexpected 'nonsense' message" in caplog.text
+
+
+def test_remote_identities_name_their_rank_and_differ_per_process():
+    a, b = dp_remote.rank_identity(3), dp_remote.rank_identity(3)
+    assert a != b and dp_remote._rank_of(a) == dp_remote._rank_of(b) == 3
+    assert dp_remote._rank_of(b"dp-rank-x") is None and dp_remote._rank_of(b"other") is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_killed_headless_rank_rejoins_when_started_again(folder_port, monkeypatch, caplog):
+    monkeypatch.setattr(dp_remote, "HEARTBEAT_TIMEOUT_S", 3.0)
+    folder, port = folder_port
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    procs = [_start_headless(folder, port)]
+    try:
+        engine, stats = _front_end(folder, port)
+        try:
+            want = asyncio.run(_tokens(engine, PROMPTS[1], short, "before", rank=1))
+            os.killpg(procs[0].pid, signal.SIGKILL)
+            _wait_for(lambda: engine.health()["status"] == "degraded", 30, "rank 1 to be declared dead")
+            procs.append(_start_headless(folder, port))
+            _wait_for(lambda: engine.health()["status"] == "ok", 120, "rank 1 to rejoin")
+            assert engine.health()["engines"] == {"0": "ok", "1": "ok"}
+            assert engine.client.balancer.replicas[1].num_served == 0   # fresh load-balancer state
+            assert asyncio.run(_tokens(engine, PROMPTS[1], short, "after", rank=1)) == want
+            _wait_for(lambda: stats.num_finished[1] == 2, 10, "rank 1's stats")
+            assert "unknown message" not in caplog.text and "receiver failed" not in caplog.text
+        finally:
+            engine.shutdown()
+        assert procs[1].wait(timeout=30) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

@@ -568,7 +568,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_INTERVAL_S,
                    help="seconds between stats log lines (--disable-log-stats turns them off)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM (with --headless: "
+                        "those of its data-parallel ranks, before they leave the front end)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -655,7 +656,7 @@ def run_server(ns: argparse.Namespace) -> int:
     if getattr(ns, "headless", False):
         from pagedllm.entrypoints.headless import run_headless
 
-        return run_headless(engine_args_from_cli(ns, getattr(ns, "model_tag", None)))
+        return run_headless(engine_args_from_cli(ns, getattr(ns, "model_tag", None)), ns.shutdown_timeout)
     chat_template = load_chat_template(ns.chat_template)
     args = engine_args_from_cli(ns, getattr(ns, "model_tag", None))
     api_key = ns.api_key or envs.read(API_KEY_ENV)
