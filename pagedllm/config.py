@@ -190,6 +190,9 @@ class StructuredOutputsConfig:
             by default, applied for every backend (``grammar.declared_properties_only``). vLLM's
             option of that name is off by default; on here, so that the default backend
             (llguidance) writes what xgrammar, vLLM's default, writes.
+        overlap_bitmask_fill: fill a step's grammar bitmask while its forward runs (vLLM V1's
+            ``sample_tokens`` split; ``LLMEngine._submit_step``). Off: fill, then run the step
+            (the old order; same tokens).
     """
 
     backend: str = "auto"
@@ -197,6 +200,7 @@ class StructuredOutputsConfig:
     disable_any_whitespace: bool = True
     compile_threads: int = 2
     disable_additional_properties: bool = True
+    overlap_bitmask_fill: bool = True
 
     @classmethod
     def from_any(cls, value: "StructuredOutputsConfig | dict | None", **defaults) -> "StructuredOutputsConfig":

@@ -15,10 +15,14 @@ forward), so the table reports the exclusive part of each:
 - ``sampler``;
 - ``grammar mask apply``: [structured output] the worker's ``apply_step_bitmask`` (the bitmask
   to a tensor, -inf on the forbidden logits);
-- ``model runner, other``: ``execute_model`` minus forward, LM head, sampler and mask apply
+- ``model runner, other``: ``execute_model`` (and ``sample_tokens``, a split step's second half) minus forward, LM head, sampler and mask apply
   (input tensors, attention and sampling metadata, copying results to Python);
 - ``grammar bitmask fill``: [structured output] ``StructuredOutputManager.grammar_bitmask`` in
   the engine (the backend fills one row per constrained request that samples);
+- ``fill beside the forward``: [structured output] minus the part of the fill that ran while
+  the step's forward ran on the forward thread (``LLMEngine._submit_step``: the steps with
+  constrained rows), so that the rows still sum to the wall time; ``grammar bitmask fill`` plus
+  this row is the fill's share of the wall time;
 - ``grammar accept``: [structured output] the matchers advancing by the sampled tokens (inside
   ``update_from_output``);
 - ``scheduler``: ``schedule`` + ``update_from_output`` minus grammar accept;
@@ -37,17 +41,34 @@ from contextlib import ExitStack
 
 
 class _Timed:
-    """A callable proxy that adds its wall time to ``totals[key]``."""
+    """A callable proxy that adds its wall time to ``totals[key]`` and, given ``spans``, appends
+    each call's (start, end) ``perf_counter`` seconds to it."""
 
-    def __init__(self, fn, totals: Counter, key: str) -> None:
-        self._fn, self._totals, self._key = fn, totals, key
+    def __init__(self, fn, totals: Counter, key: str, spans: list | None = None) -> None:
+        self._fn, self._totals, self._key, self._spans = fn, totals, key, spans
 
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
         try:
             return self._fn(*args, **kwargs)
         finally:
-            self._totals[self._key] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self._totals[self._key] += t1 - t0
+            if self._spans is not None:
+                self._spans.append((t0, t1))
+
+
+def overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Seconds during which a span of ``a`` and a span of ``b`` both ran; each list holds
+    (start, end) spans in start order that do not overlap each other (one thread's calls)."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 class StepBreakdown:
@@ -65,11 +86,15 @@ class StepBreakdown:
         self.totals: Counter[str] = Counter()
         self.wall_s = 0.0
         self._stack = ExitStack()
+        # (start, end) of each bitmask fill and of each model runner execute_model (a split
+        # step's forward runs on the forward thread, beside the fill).
+        self._fill_spans: list[tuple[float, float]] = []
+        self._forward_spans: list[tuple[float, float]] = []
 
-    def _patch(self, obj, attr: str, key: str) -> None:
+    def _patch(self, obj, attr: str, key: str, spans: list | None = None) -> None:
         had = attr in vars(obj)
         old = vars(obj).get(attr)
-        setattr(obj, attr, _Timed(getattr(obj, attr), self.totals, key))
+        setattr(obj, attr, _Timed(getattr(obj, attr), self.totals, key, spans))
 
         def restore():
             if had:
@@ -95,7 +120,8 @@ class StepBreakdown:
         self._patch(eng.scheduler, "schedule", "scheduler")
         self._patch(eng.scheduler, "update_from_output", "scheduler")
         self._patch(eng.output_processor, "process_outputs", "output processing")
-        self._patch(runner, "execute_model", "execute_model")
+        self._patch(runner, "execute_model", "execute_model", self._forward_spans)
+        self._patch(runner, "sample_tokens", "execute_model")
         self._patch(runner, "sampler", "sampler")
         self._patch(model, "forward", "forward")
         self._patch(model, "compute_logits", "LM head")
@@ -123,7 +149,7 @@ class StepBreakdown:
 
         manager = getattr(self.engine, "structured_output_manager", None)
         if manager is not None:
-            self._patch(manager, "grammar_bitmask", "grammar bitmask fill")
+            self._patch(manager, "grammar_bitmask", "grammar bitmask fill", self._fill_spans)
         self._patch_attr(model_runner, "apply_step_bitmask", "grammar mask apply")
         self._patch_attr(StructuredOutputRequest, "accept_tokens", "grammar accept", method=True)
 
@@ -161,6 +187,7 @@ class StepBreakdown:
             ("model runner, other", t["execute_model"] - t["forward"] - t["LM head"] - t["sampler"]
              - t["grammar mask apply"]),
             ("grammar bitmask fill", t["grammar bitmask fill"]),
+            ("fill beside the forward", -overlap_s(self._fill_spans, self._forward_spans)),
             ("grammar accept", t["grammar accept"]),
             ("scheduler", t["scheduler"] - t["grammar accept"]),
             ("output processing", t["output processing"]),

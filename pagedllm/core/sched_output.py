@@ -103,7 +103,12 @@ class SchedulerOutput:
             constrained requests that sample this step (vLLM V1's name).
         grammar_bitmask: [len(structured_output_request_ids), ceil(vocab_size / 32)] int32 numpy
             array filled by the engine after ``schedule()`` (xgrammar's and llguidance's layout: bit ``t % 32`` of
-            word ``t // 32`` set = token ``t`` allowed), or None when no row is constrained.
+            word ``t // 32`` set = token ``t`` allowed), or None when no row is constrained or
+            when it follows in a second message (``grammar_bitmask_follows``).
+        grammar_bitmask_follows: [structured output] the bitmask is filled while the forward runs
+            and sent after this message (``sample_tokens``, vLLM V1's split): the worker runs the
+            forward and what needs no bitmask, keeps the step, and samples it on ``sample_tokens``.
+            False (the whole step in one call) on steps without constrained rows.
         scheduled_spec_decode_tokens: [speculative decoding] request id -> the draft tokens it
             verifies this step (vLLM V1's name). Its ``num_scheduled_tokens`` entry counts them:
             its last known token followed by the drafts, whose K/V the step writes; the logits
@@ -126,6 +131,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Any = None
+    grammar_bitmask_follows: bool = False
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
 

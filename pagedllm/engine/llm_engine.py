@@ -475,7 +475,9 @@ class LLMEngine:
         return self.scheduler.get_num_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the model, update, detokenize.
+        """One iteration: schedule, run the model, update, detokenize. [structured output] A step
+        with constrained rows fills its grammar bitmask while the model's forward runs
+        (``_submit_step``).
 
         With ``executor.max_concurrent_batches > 1`` (pipeline parallelism) a step may instead
         only submit a batch and return ``[]`` (see ``_step_with_batch_queue``).
@@ -491,13 +493,49 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if self._pending_processors:
             self._hand_over_logits_processors(sched_out)
-        self._fill_grammar_bitmask(sched_out)
-        runner_out = self.executor.execute_model(sched_out)
+        runner_out = self._submit_step(sched_out)
         if self.spec_decoder is not None and sched_out.num_scheduled_tokens \
                 and self.scheduler.last_step_stats.num_prefill_tokens == 0:
             # [speculative decoding] the step-time model behind the drafts' sizing.
             self.spec_decoder.observe_step(sched_out.total_num_scheduled_tokens, time.perf_counter() - t0)
         return self._process_runner_output(sched_out, runner_out, t0)
+
+    def _submit_step(self, sched_out, non_block: bool = False):
+        """Run the step on the executor with its grammar bitmask; its ``ModelRunnerOutput`` (a
+        future of it with ``non_block``).
+
+        [structured output] A step with constrained rows (unless
+        ``structured_outputs_config.overlap_bitmask_fill`` is off) takes vLLM V1's split: the
+        step is sent with ``grammar_bitmask_follows``, the bitmask is filled while the workers
+        run the forward, and ``sample_tokens`` sends it and returns the sampled output. Every
+        other step is one ``execute_model`` call, as before.
+
+        Raises:
+            what the executor or the fill raised (a failed fill drops the kept step first).
+        """
+        if not (sched_out.structured_output_request_ids and self.structured_outputs_config.overlap_bitmask_fill):
+            self._fill_grammar_bitmask(sched_out)
+            if non_block:
+                return self.executor.execute_model(sched_out, non_block=True)
+            return self.executor.execute_model(sched_out)
+        sched_out.grammar_bitmask_follows = True
+        self.executor.execute_model(sched_out, non_block=True)
+        try:
+            bitmask = self.structured_output_manager.grammar_bitmask(
+                self.scheduler.requests, sched_out.structured_output_request_ids)
+        except BaseException:
+            self._drop_kept_step()
+            raise
+        return self.executor.sample_tokens(bitmask, non_block=non_block)
+
+    def _drop_kept_step(self) -> None:
+        """[structured output] After a failed bitmask fill: let the workers finish the step's
+        forward and drop it unsampled, so the next step starts clean (the step's own error is
+        what the caller sees; one from here is only logged)."""
+        try:
+            self.executor.sample_tokens(None)
+        except Exception:
+            logger.exception("dropping the step after its grammar bitmask fill failed raised too")
 
     def _fill_grammar_bitmask(self, sched_out) -> None:
         """[structured output] Attach the step's grammar bitmask (rows of the constrained requests
@@ -534,8 +572,7 @@ class LLMEngine:
                 if self._pending_processors:
                     self._hand_over_logits_processors(sched_out)
                 # A request is in one batch at a time, so its matcher has every earlier token.
-                self._fill_grammar_bitmask(sched_out)
-                queue.append((self.executor.execute_model(sched_out, non_block=True), sched_out))
+                queue.append((self._submit_step(sched_out, non_block=True), sched_out))
                 if not sched_out.is_empty and len(queue) < self.batch_queue_size and not queue[0][0].done():
                     return []   # room for another batch: schedule it before waiting
         if not queue:

@@ -135,9 +135,28 @@ class Executor(ABC):
         Args:
             non_block: return at once with a future (an object with ``done()`` and
                 ``result()``, as ``concurrent.futures.Future``) instead of the output; the
-                engine only asks for it when ``max_concurrent_batches > 1``. Outputs are
-                produced in submission order.
+                engine asks for it when ``max_concurrent_batches > 1`` and on a step sent
+                with ``grammar_bitmask_follows`` (whose output comes from ``sample_tokens``;
+                this call's value is then None). Outputs are produced in submission order.
         """
+
+    def sample_tokens(self, grammar_bitmask: Any,
+                      non_block: bool = False) -> "ModelRunnerOutput | Future[ModelRunnerOutput]":
+        """[structured output] Send the grammar bitmask of the step last sent with
+        ``grammar_bitmask_follows`` (vLLM V1's ``sample_tokens``): the workers sample it once
+        its forward is done; returns that step's output (what ``execute_model`` returns on a
+        step without the split). The engine calls it right after filling the bitmask, while the
+        forward may still run; ``execute_model``'s own value for such a step is None.
+
+        Args:
+            grammar_bitmask: [len(structured_output_request_ids), ceil(vocab_size / 32)] int32
+                numpy, or None to drop the step unsampled (its fill failed; an empty output).
+            non_block: as ``execute_model``'s.
+        Raises:
+            NotImplementedError: for an executor without the split.
+            RuntimeError: as ``execute_model`` (a worker died or raised, in the forward or here).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement sample_tokens")
 
     @abstractmethod
     def check_health(self) -> None:

@@ -82,7 +82,16 @@ class ExternalLauncherExecutor(UniProcExecutor):
     def determine_num_cpu_blocks(self) -> int:
         return min_over_engine(self.local_worker.determine_num_cpu_blocks(), self.local_worker.parallel)
 
-    def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run the step on this rank; every rank returns the engine driver's output (broadcast
-        over the engine's gloo group)."""
-        return broadcast_from_driver(super()._run_step(scheduler_output), self.local_worker.parallel)
+        over the engine's gloo group). A step whose sampling waits for ``sample_tokens``
+        broadcasts nothing here (None on every rank)."""
+        output = super()._run_step(scheduler_output)
+        if scheduler_output.grammar_bitmask_follows:
+            return None
+        return broadcast_from_driver(output, self.local_worker.parallel)
+
+    def _run_sampling(self, grammar_bitmask) -> ModelRunnerOutput:
+        """Sample the kept step on this rank (every rank fills the same bitmask: the engines
+        are in lockstep); every rank returns the engine driver's output."""
+        return broadcast_from_driver(super()._run_sampling(grammar_bitmask), self.local_worker.parallel)

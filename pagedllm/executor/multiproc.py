@@ -17,6 +17,10 @@ Processes and groups:
   run their calls in order and answer in order, so answers are read oldest first. Each worker
   reads its pipe in a thread, so the engine's writes never wait for a busy rank (no deadlock
   with a rank writing a large answer nobody reads yet).
+- A step with constrained rows is two calls (vLLM V1's split): ``execute_model`` with
+  ``grammar_bitmask_follows`` (every rank answers None once its forward is done), then, as soon
+  as the engine has filled the bitmask, ``sample_tokens`` with it (the driver answers the step's
+  output). Both go through the same pipes and failure handling.
 
 Failures: while waiting, the executor also waits on every worker's process sentinel, so a worker
 that dies (killed, out of memory, a crash in C++) is noticed at once, and one that raises answers
@@ -56,6 +60,8 @@ logger = logging.getLogger(__name__)
 WORKER_START_TIMEOUT_S = 300.0
 # Seconds the engine waits for workers to leave after "shutdown" before terminating them.
 WORKER_STOP_TIMEOUT_S = 10.0
+# The calls that run (part of) a step: only the driver rank's answer is sent back whole.
+STEP_METHODS = ("execute_model", "sample_tokens")
 
 
 def threads_per_rank(parallel_config: ParallelConfig, cpu_count: int | None) -> int:
@@ -136,7 +142,7 @@ def _worker_main(rank: int, configs: tuple, init_method: str, conn: Connection, 
                 break
             try:
                 result = getattr(worker, method)(*args, **kwargs)
-                if method == "execute_model" and not worker.parallel.is_driver:
+                if method in STEP_METHODS and not worker.parallel.is_driver:
                     result = None   # only the driver's sampled tokens go back
                 conn.send(("ok", result))
             except Exception:
@@ -247,6 +253,19 @@ class MultiprocExecutor(MultiRankExecutor):
         call = self._send("execute_model", (scheduler_output,), {}, pick_rank=self.driver_rank)
         in_flight = sum(1 for c in self._pending if c.method == "execute_model")
         self.max_num_batches_in_flight = max(self.max_num_batches_in_flight, in_flight)
+        return call if non_block else call.result()
+
+    def sample_tokens(self, grammar_bitmask, non_block: bool = False) -> "ModelRunnerOutput | PendingCall":
+        """[structured output] The second, small message of a step sent with
+        ``grammar_bitmask_follows`` (``Executor.sample_tokens``): written to every rank right
+        away (a rank reads it after the step's forward); the driver's answer is the step's output.
+        The step's ``execute_model`` answers (None) are read first, in call order, so a rank that
+        failed in the forward is reported as before.
+
+        Raises:
+            RuntimeError: if a worker died or raised (in the forward or in sampling), naming the rank.
+        """
+        call = self._send("sample_tokens", (grammar_bitmask,), {}, pick_rank=self.driver_rank)
         return call if non_block else call.result()
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
@@ -370,8 +389,14 @@ class PendingCall:
         self._value, self._done = value, True
 
     def done(self) -> bool:
-        """True when ``result()`` will not wait (read already, or every rank's answer is ready)."""
-        return self._done or self._executor._oldest_answered(self)
+        """True when ``result()`` will not wait (read already, or every rank's answer is ready);
+        earlier calls already answered are read on the way (a step's ``execute_model`` before
+        its ``sample_tokens``)."""
+        executor = self._executor
+        while not self._done and executor._pending and executor._pending[0] is not self \
+                and executor._oldest_answered(executor._pending[0]):
+            executor._collect_oldest()
+        return self._done or executor._oldest_answered(self)
 
     def result(self, timeout_s: float | None = None) -> Any:
         """The answer (waiting for it).

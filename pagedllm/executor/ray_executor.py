@@ -31,6 +31,7 @@ from typing import Any
 from pagedllm.config import CacheConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import MultiRankExecutor
+from pagedllm.executor.multiproc import STEP_METHODS
 from pagedllm.utils.network_utils import get_open_port
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class RayWorkerWrapper:
             result = getattr(self.worker, method)(*args, **kwargs)
         except Exception:
             raise RuntimeError(traceback.format_exc()) from None
-        if method == "execute_model" and not self.worker.parallel.is_driver:
+        if method in STEP_METHODS and not self.worker.parallel.is_driver:
             return None
         return result
 
@@ -135,6 +136,7 @@ class RayDistributedExecutor(MultiRankExecutor):
         self.driver_rank = driver_rank(parallel_config)
         self.actors: list = []
         self.placement_group = None
+        self._unread: RayPendingCall | None = None   # the last call started (its results maybe unread)
 
     def initialize(self) -> None:
         """Place the bundles, start one actor per rank, join the process group, load the weights.
@@ -175,13 +177,28 @@ class RayDistributedExecutor(MultiRankExecutor):
                     strategy, init_method, pids, self.driver_rank)
         self.collective_rpc("load_model")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> "ModelRunnerOutput | RayPendingCall":
         """Send the step's message to every actor (one object in Ray's store); return the driver's output.
+
+        Args:
+            non_block: return a ``RayPendingCall`` at once (the engine asks for it on a step
+                whose bitmask follows; an actor runs its calls in order).
+        Raises:
+            RuntimeError: if an actor died or raised (naming the rank).
+        """
+        call = self._submit("execute_model", (scheduler_output,), {}, pick_rank=self.driver_rank)
+        return call if non_block else call.result()
+
+    def sample_tokens(self, grammar_bitmask, non_block: bool = False) -> "ModelRunnerOutput | RayPendingCall":
+        """[structured output] Send the bitmask of the step sent with ``grammar_bitmask_follows``
+        to every actor (``Executor.sample_tokens``); the driver's answer is the step's output.
 
         Raises:
             RuntimeError: if an actor died or raised (naming the rank).
         """
-        return self.collective_rpc("execute_model", (scheduler_output,))[self.driver_rank]
+        call = self._submit("sample_tokens", (grammar_bitmask,), {}, pick_rank=self.driver_rank)
+        return call if non_block else call.result()
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Call ``Worker.<method>(*args, **kwargs)`` on every actor; one result per rank.
@@ -189,10 +206,19 @@ class RayDistributedExecutor(MultiRankExecutor):
         Raises:
             RuntimeError: if an actor died or raised, naming the rank.
         """
+        return self._submit(method, args, kwargs or {}).result()
+
+    def _submit(self, method: str, args: tuple, kwargs: dict[str, Any],
+                pick_rank: int | None = None) -> "RayPendingCall":
+        """Start the call on every actor (arguments put in Ray's store once); read it later.
+        Calls still unread are read first (in order), so every failure is reported in order."""
         self._check_alive()
         # Pickled once into the object store; Ray hands every actor the value behind the reference.
-        packed = self.ray.put((args, kwargs or {}))
-        return self._gather([a.execute_method.remote(method, packed) for a in self.actors], method)
+        packed = self.ray.put((args, kwargs))
+        refs = [a.execute_method.remote(method, packed) for a in self.actors]
+        call = RayPendingCall(self, refs, method, pick_rank, self._unread)
+        self._unread = call
+        return call
 
     def check_health(self) -> None:
         """Raises:
@@ -256,3 +282,38 @@ class RayDistributedExecutor(MultiRankExecutor):
                     cause = e.cause if getattr(e, "cause", None) is not None else e
                     self._fail(f"worker rank {rank} (Ray actor) failed during {what!r}:\n{cause}")
         return results
+
+
+class RayPendingCall:
+    """A call started on every actor whose results are read on demand (``result()``), after the
+    call before it (``previous``): a step's ``execute_model`` is read before its ``sample_tokens``.
+    Its value: the picked rank's result, or the list of every rank's."""
+
+    def __init__(self, executor: RayDistributedExecutor, refs: list, method: str, pick_rank: int | None,
+                 previous: "RayPendingCall | None") -> None:
+        self._executor, self._refs, self.method, self.pick_rank = executor, refs, method, pick_rank
+        self._previous = previous
+        self._value: Any = None
+        self._done = False
+
+    def done(self) -> bool:
+        """True when every actor's result is ready (this call's and the earlier ones')."""
+        if self._done:
+            return True
+        ready, _ = self._executor.ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
+        return len(ready) == len(self._refs) and (self._previous is None or self._previous.done())
+
+    def result(self) -> Any:
+        """The value (waiting for it).
+
+        Raises:
+            RuntimeError: if an actor died or raised (this call or an earlier unread one).
+        """
+        if not self._done:
+            if self._previous is not None:
+                self._previous.result()
+                self._previous = None
+            results = self._executor._gather(self._refs, self.method)
+            self._value = results if self.pick_rank is None else results[self.pick_rank]
+            self._done = True
+        return self._value

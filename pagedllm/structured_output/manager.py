@@ -1,10 +1,11 @@
 """``StructuredOutputManager``: compiles grammars off the engine loop and builds each step's bitmask.
 
 Lives in the engine (vLLM V1's design): the matchers advance in ``Scheduler.update_from_output``
-with the sampled tokens, and before each step the engine asks for the bitmask of the constrained
-requests that sample, which travels in the ``SchedulerOutput`` (plain numpy) to where the logits
-are sampled. A multi-process executor ships the same message to its workers; no worker holds
-grammar state.
+with the sampled tokens, and each step the engine asks for the bitmask of the constrained
+requests that sample while the step's forward runs (``LLMEngine._submit_step``); it travels as
+plain numpy in ``Executor.sample_tokens``'s message (or, with ``overlap_bitmask_fill`` off, in
+the ``SchedulerOutput``) to where the logits are sampled. A multi-process executor ships the same
+message to its workers; no worker holds grammar state.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
@@ -39,6 +39,37 @@ class _DraftRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: object
+
+
+@dataclass
+class _PendingSampling:
+    """[structured output] A step between its forward and its sampling (``ModelRunner``'s
+    ``_prepare_sampling`` / ``_finish_sampling``): kept on the worker while the engine fills the
+    grammar bitmask, when the step runs with ``grammar_bitmask_follows``.
+
+    Attributes:
+        sched: the step's message.
+        reqs, sample_rows: the scheduled requests and the indices of those that sample.
+        output: the step's output so far (its prompt logprobs).
+        states, src, h: ``_sampling_rows``'s: a state per sampled row, the row of ``h`` each reads,
+            ``h`` = [R, H] hidden rows in the model dtype.
+        tokens: the exact greedy head's tokens so far, state index -> token id.
+        masked: greedy grammar states whose tokens the head gives once the bitmask is known.
+        rest, logits, index: ``_head_logits``'s (None until it ran, or when no row needs them).
+    """
+
+    sched: SchedulerOutput
+    reqs: list[ScheduledRequest]
+    sample_rows: list[int]
+    output: ModelRunnerOutput
+    states: list = field(default_factory=list)
+    src: list[int] = field(default_factory=list)
+    h: torch.Tensor | None = None
+    tokens: dict[int, int] = field(default_factory=dict)
+    masked: list[int] = field(default_factory=list)
+    rest: list[int] | None = None
+    logits: torch.Tensor | None = None
+    index: list[int] | None = None
 
 
 class ModelRunner:
@@ -110,6 +141,8 @@ class ModelRunner:
         self.batch_logits_processors: BatchLogitsProcessors | None = None
         # [LoRA] the worker's slots (``lora/worker_manager.py``), set by ``Worker.init_lora``; None: no LoRA.
         self.lora_manager = None
+        # [structured output] the step whose sampling waits for its grammar bitmask (``sample_tokens``).
+        self._pending_sampling: _PendingSampling | None = None
 
     def set_batch_logits_processors(self, processors: BatchLogitsProcessors | None) -> None:
         """Run these class-based processors on every step's sampled rows (driver rank only);
@@ -146,12 +179,17 @@ class ModelRunner:
         return reqs
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step.
+
+        With ``sched.grammar_bitmask_follows`` only the forward and what needs no bitmask run
+        (``_prepare_sampling``); the step is kept and None returned, and ``sample_tokens``
+        samples it once the engine has filled the bitmask. Otherwise the whole step runs.
 
         Raises:
             RuntimeError: if a block table does not cover a scheduled token (scheduler bug).
         """
+        self._pending_sampling = None   # (a dropped split step's, if any)
         reqs = self._update_states(sched)
         output = ModelRunnerOutput()
         # Block moves before the forward, in this order (see SchedulerOutput): a block freed by a
@@ -206,15 +244,62 @@ class ModelRunner:
             return output
 
         ends = [e - 1 for e in starts[1:]]                                     # last token index per request
+        pending = self._prepare_sampling(sched, reqs, hidden, ends, starts, output)
+        if sched.grammar_bitmask_follows:
+            self._pending_sampling = pending   # [structured output] sampled by ``sample_tokens``
+            return None
+        return self._finish_sampling(pending, sched.grammar_bitmask)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_bitmask: np.ndarray | None) -> ModelRunnerOutput | None:
+        """[structured output] Sample the step whose ``execute_model`` ran with
+        ``grammar_bitmask_follows`` (vLLM V1's ``sample_tokens``): its logits, masked with
+        ``grammar_bitmask``, through the sampler (then drafts accepted and proposed).
+
+        Args:
+            grammar_bitmask: [len(structured_output_request_ids), ceil(vocab_size / 32)] int32,
+                the step's bitmask; None drops the step unsampled (the engine's fill failed).
+        Returns:
+            The step's output (what ``execute_model`` returns on a step without the split), an
+            empty output when the step is dropped or this rank samples nothing (a non-last
+            pipeline stage, a non-driver rank).
+        """
+        pending, self._pending_sampling = self._pending_sampling, None
+        if pending is None or grammar_bitmask is None:
+            return ModelRunnerOutput()
+        return self._finish_sampling(pending, grammar_bitmask)
+
+    def _prepare_sampling(self, sched: SchedulerOutput, reqs: list[ScheduledRequest], hidden: torch.Tensor,
+                          ends: list[int], starts: list[int], output: ModelRunnerOutput) -> "_PendingSampling":
+        """What a step can compute before its grammar bitmask: the sampled rows, the exact greedy
+        head's tokens of plain greedy rows, the logits of the rows that take the full head when the
+        bitmask cannot change which rows those are (no grammar row takes the greedy head), and the
+        prompt logprobs. On every rank of the last stage (the logits and prompt logprobs are
+        collectives under tensor parallelism); ``hidden`` is [num_tokens, H]."""
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
+        pending = _PendingSampling(sched, reqs, sample_rows, output)
         if sample_rows:
-            states, src, h = self._sampling_rows(reqs, sample_rows, hidden, ends)
-            speculative = len(h) > len(sample_rows)
+            pending.states, pending.src, pending.h = self._sampling_rows(reqs, sample_rows, hidden, ends)
+            pending.tokens, pending.masked = self._plain_greedy_tokens(sched, pending.states, pending.src, pending.h)
+            if not pending.masked:
+                self._head_logits(pending)
+        self._prompt_logprobs(reqs, hidden, starts, output)
+        return pending
+
+    def _finish_sampling(self, pending: "_PendingSampling", grammar_bitmask: np.ndarray | None) -> ModelRunnerOutput:
+        """The rest of the step once the bitmask is known: the masked greedy head rows, the full
+        head's logits if not computed yet, the sampler (driver rank), drafts accepted and proposed.
+        ``grammar_bitmask``: [R, ceil(V / 32)] int32 (R: ``structured_output_request_ids``), or None."""
+        sched, reqs, sample_rows, output = pending.sched, pending.reqs, pending.sample_rows, pending.output
+        if sample_rows:
+            if pending.masked:
+                pending.tokens.update(self._masked_greedy_tokens(sched, pending, grammar_bitmask))
+                self._head_logits(pending)
+            speculative = len(pending.h) > len(sample_rows)
             saved = self._save_seeded_generators(reqs, sample_rows) if speculative and self.is_driver else {}
-            self._sample(sched, states, src, h, output)
+            self._sample(sched, pending, grammar_bitmask, output)
             if speculative and self.is_driver:
                 self._accept_drafts(reqs, sample_rows, output, saved)
-        self._prompt_logprobs(reqs, hidden, starts, output)
         if self.draft is not None and self.is_driver and sample_rows and sched.num_lookahead_tokens:
             self._propose_drafts(sched, reqs, sample_rows, output)
         return output
@@ -388,15 +473,14 @@ class ModelRunner:
             return hidden
         return hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
 
-    def _sample_logits(self, sched: SchedulerOutput, states: list, logits: torch.Tensor,
-                       output: ModelRunnerOutput, grammar_rows: dict[str, int] | None = None) -> None:
+    def _sample_logits(self, states: list, logits: torch.Tensor, output: ModelRunnerOutput,
+                       grammar_rows: dict[str, int], grammar_bitmask: np.ndarray | None) -> None:
         """Grammar masks, then the sampler, on ``logits`` [len(states), V] in the model dtype (one
         row per state, batch order; the sampler widens them to float32 unless every row is plain
         greedy); fills the output's per-request lists. ``grammar_rows``: the constrained requests
-        among ``states`` (request id -> bitmask row); None: all of the message's."""
-        rows = sched.structured_output_request_ids if grammar_rows is None else grammar_rows
-        if sched.grammar_bitmask is not None and rows:  # [structured output] grammar masks (forks: own rows), one call
-            apply_step_bitmask(logits, [st.req_id for st in states], rows, sched.grammar_bitmask)
+        among ``states`` (request id -> row of ``grammar_bitmask``, [R, ceil(V / 32)] int32)."""
+        if grammar_bitmask is not None and grammar_rows:  # [structured output] grammar masks (forks: own rows), one call
+            apply_step_bitmask(logits, [st.req_id for st in states], grammar_rows, grammar_bitmask)
         metadata = SamplingMetadata.build(
             [st.sampling_params for st in states],
             [st.output_token_ids for st in states],
@@ -416,48 +500,52 @@ class ModelRunner:
         output.sampled_logprobs = sampled.sampled_logprobs.tolist()
         output.top_logprobs = self._top_logprobs(states, sampled)
 
-    def _sample(self, sched: SchedulerOutput, states: list, src: list[int], h: torch.Tensor,
+    def _head_logits(self, pending: "_PendingSampling") -> None:
+        """The full head (``compute_logits``) over the rows the exact greedy head left
+        (``pending.tokens``): once per distinct hidden row (forks read their parent's logits), into
+        ``pending.rest`` (state indices; None: every state), ``pending.logits`` ([U, V], the model
+        dtype; None when no row is left) and ``pending.index`` (each rest state's logits row, or
+        None when they are in order). On the other ranks of the last stage this only joins the
+        logits' gather."""
+        states, src, h, tokens = pending.states, pending.src, pending.h, pending.tokens
+        if not tokens:   # every row: h holds one row per state before the forks, in order
+            pending.rest = None
+            pending.logits = self.model.compute_logits(h)                           # [R, V]
+            pending.index = src if len(src) > h.shape[0] else None                  # forks read their parent's row
+            return
+        pending.rest = [k for k in range(len(states)) if k not in tokens]
+        rest_src = [src[k] for k in pending.rest]
+        if rest_src:
+            rows = sorted(set(rest_src))
+            pending.logits = self.model.compute_logits(h[torch.as_tensor(rows, device=self.device)])
+            at = {r: j for j, r in enumerate(rows)}
+            pending.index = [at[r] for r in rest_src] if len(rest_src) > len(rows) or rows != rest_src else None
+
+    def _sample(self, sched: SchedulerOutput, pending: "_PendingSampling", grammar_bitmask: np.ndarray | None,
                 output: ModelRunnerOutput) -> None:
-        """The step's one sampling path, on the rows ``_sampling_rows`` returns (``states`` /
-        ``src`` / ``h``); fills the output's per-request lists in the states' order.
+        """The step's one sampling path, on the rows ``_sampling_rows`` returned and the logits
+        ``_head_logits`` computed; fills the output's per-request lists in the states' order
+        (driver rank only; the other ranks only joined the logits' gather).
 
         With the exact greedy head (driver rank, one tensor rank), plain greedy rows take its
-        tokens (``_exact_greedy_tokens``): their ``sampled_logprobs`` entry is NaN (not asked
-        for, as the sampler gives such rows) and their ``top_logprobs`` None. Every other row,
-        and the head's fallback rows, go through the full head (``compute_logits``, once per
-        distinct hidden row: forks read their parent's logits) and the sampler. On the other
-        ranks of the last stage this only joins the logits' gather.
+        tokens (``_plain_greedy_tokens``, ``_masked_greedy_tokens``): their ``sampled_logprobs``
+        entry is NaN (not asked for, as the sampler gives such rows) and their ``top_logprobs``
+        None. Every other row, and the head's fallback rows, go through the full head and the
+        sampler.
         """
-        tokens = self._exact_greedy_tokens(sched, states, src, h) if self.greedy_head is not None and self.is_driver \
-            else {}
-        if not tokens:   # every row: h holds one row per state before the forks, in order
-            rest, rest_src = None, src
-            unique = h.shape[0]
-        else:
-            rest = [k for k in range(len(states)) if k not in tokens]
-            rest_src = [src[k] for k in rest]
-            unique = len(set(rest_src))
-        logits = index = None
-        if rest is None:
-            logits = self.model.compute_logits(h)                                  # [R, V]
-            index = src if len(src) > unique else None                             # forks read their parent's row
-        elif rest:
-            rows = sorted(set(rest_src))
-            logits = self.model.compute_logits(h[torch.as_tensor(rows, device=self.device)])
-            at = {r: j for j, r in enumerate(rows)}
-            index = [at[r] for r in rest_src] if len(rest_src) > unique or rows != rest_src else None
-        if not self.is_driver:   # the other ranks of the last stage only joined the gather
+        if not self.is_driver:
             return
-        if index is not None:
-            logits = logits.index_select(0, torch.as_tensor(index, device=self.device))
+        states, tokens, rest, logits = pending.states, pending.tokens, pending.rest, pending.logits
+        if pending.index is not None:
+            logits = logits.index_select(0, torch.as_tensor(pending.index, device=self.device))
         if rest is None:
-            self._sample_logits(sched, states, logits, output)
+            self._sample_logits(states, logits, output, sched.structured_output_request_ids, grammar_bitmask)
             return
         sub = ModelRunnerOutput()
         if rest:
             rest_ids = {states[k].req_id for k in rest}
             grammar_rows = {rid: row for rid, row in sched.structured_output_request_ids.items() if rid in rest_ids}
-            self._sample_logits(sched, [states[k] for k in rest], logits, sub, grammar_rows)
+            self._sample_logits([states[k] for k in rest], logits, sub, grammar_rows, grammar_bitmask)
         pos = {k: j for j, k in enumerate(rest)}
         order = range(len(states))
         output.req_ids = [st.req_id for st in states]
@@ -465,38 +553,48 @@ class ModelRunner:
         output.sampled_logprobs = [math.nan if k in tokens else sub.sampled_logprobs[pos[k]] for k in order]
         output.top_logprobs = [None if k in tokens else sub.top_logprobs[pos[k]] for k in order]
 
-    def _exact_greedy_tokens(self, sched: SchedulerOutput, states: list, src: list[int],
-                             h: torch.Tensor) -> dict[int, int]:
+    def _plain_greedy_tokens(self, sched: SchedulerOutput, states: list, src: list[int],
+                             h: torch.Tensor) -> tuple[dict[int, int], list[int]]:
         """The exact greedy head's tokens (``sample/greedy_head.py``), state index -> token id, for
         the plain greedy states (``sample.metadata.is_plain_greedy``, no grammar) when at most
-        ``greedy_head.max_rows`` distinct rows of them sample this step, and for the greedy
-        states whose only edit is their grammar's mask (the exact argmax over the allowed tokens;
-        one row per state: forks have their own masks) likewise. Fallback rows are left out; none
-        with class-based logits processors that can change an argmax."""
+        ``greedy_head.max_rows`` distinct rows of them sample this step (fallback rows left
+        out), and the greedy states whose only edit is their grammar's mask, for
+        ``_masked_greedy_tokens`` once the bitmask is known (none when more than ``max_rows``).
+        Nothing without the head (not the driver rank), or with class-based logits processors
+        that can change an argmax. ``h``: [R, H] hidden rows, ``src[k]`` state ``k``'s row."""
+        head = self.greedy_head
         processors = self.batch_logits_processors
-        if processors is not None and processors.changes_argmax:
-            return {}
+        if head is None or not self.is_driver or (processors is not None and processors.changes_argmax):
+            return {}, []
         grammar_rows = sched.structured_output_request_ids
+        has_bitmask = sched.grammar_bitmask is not None or sched.grammar_bitmask_follows
         plain, masked = [], []
         for k, st in enumerate(states):
             if is_plain_greedy(st.sampling_params, st.output_token_ids):
                 if st.sampling_params.structured_outputs is None and st.req_id not in grammar_rows:
                     plain.append(k)
-                elif st.req_id in grammar_rows and sched.grammar_bitmask is not None:
+                elif st.req_id in grammar_rows and has_bitmask:
                     masked.append(k)
-        head = self.greedy_head
         tokens: dict[int, int] = {}
         plain_rows = sorted({src[k] for k in plain})
         if plain and len(plain_rows) <= head.max_rows:
             ids, fallback = head.argmax(h[torch.as_tensor(plain_rows, device=self.device)])
             got = {r: int(t) for r, t, fb in zip(plain_rows, ids.tolist(), fallback.tolist()) if not fb}
             tokens = {k: got[src[k]] for k in plain if src[k] in got}
-        if masked and len(masked) <= head.max_rows:
-            forbidden = forbidden_tokens(sched.grammar_bitmask[[grammar_rows[states[k].req_id] for k in masked]],
-                                         head.vocab_size, self.device)
-            ids, fallback = head.argmax(h[torch.as_tensor([src[k] for k in masked], device=self.device)], forbidden)
-            tokens.update({k: int(t) for k, t, fb in zip(masked, ids.tolist(), fallback.tolist()) if not fb})
-        return tokens
+        return tokens, (masked if len(masked) <= head.max_rows else [])
+
+    def _masked_greedy_tokens(self, sched: SchedulerOutput, pending: "_PendingSampling",
+                              grammar_bitmask: np.ndarray) -> dict[int, int]:
+        """The exact greedy head's tokens of ``pending.masked`` (greedy grammar states, one row per
+        state: forks have their own masks): the exact argmax over the tokens ``grammar_bitmask``
+        ([R, ceil(V / 32)] int32) allows; fallback rows left out."""
+        states, src, h, masked = pending.states, pending.src, pending.h, pending.masked
+        grammar_rows = sched.structured_output_request_ids
+        head = self.greedy_head
+        forbidden = forbidden_tokens(grammar_bitmask[[grammar_rows[states[k].req_id] for k in masked]],
+                                     head.vocab_size, self.device)
+        ids, fallback = head.argmax(h[torch.as_tensor([src[k] for k in masked], device=self.device)], forbidden)
+        return {k: int(t) for k, t, fb in zip(masked, ids.tolist(), fallback.tolist()) if not fb}
 
     def _top_logprobs(self, reqs: list[ScheduledRequest], sampled) -> list[dict[int, Logprob] | None]:
         if sampled.topk_token_ids is None:

@@ -490,19 +490,31 @@ class Worker:
         self.model_runner.lora_manager = self.lora_manager
         self.model_runner.watermark = self.watermark
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step (``ModelRunner.execute_model``), timed into ``parallel.step_times``; while
-        profiling, inside a ``pagedllm::execute_model`` range of the trace."""
+        profiling, inside a ``pagedllm::execute_model`` range of the trace. None when the step
+        waits for its grammar bitmask (``grammar_bitmask_follows``; then ``sample_tokens``)."""
+        return self._timed_step("execute_model", self.model_runner.execute_model, scheduler_output, count=True)
+
+    def sample_tokens(self, grammar_bitmask) -> ModelRunnerOutput | None:
+        """[structured output] Sample the step ``execute_model`` kept (``ModelRunner.sample_tokens``;
+        ``grammar_bitmask``: [R, ceil(vocab_size / 32)] int32 numpy, or None to drop the step),
+        timed into the step's ``execute_model`` seconds."""
+        return self._timed_step("sample_tokens", self.model_runner.sample_tokens, grammar_bitmask, count=False)
+
+    def _timed_step(self, name: str, fn, arg, count: bool):
+        """``fn(arg)`` timed into ``parallel.step_times.execute_model`` (``count``: one more step),
+        inside a ``pagedllm::<name>`` profiler range while profiling."""
         t0 = time.perf_counter()
         try:
             if self.profiler is not None and self.profiler.running:
-                with torch.profiler.record_function("pagedllm::execute_model"):
-                    return self.model_runner.execute_model(scheduler_output)
-            return self.model_runner.execute_model(scheduler_output)
+                with torch.profiler.record_function(f"pagedllm::{name}"):
+                    return fn(arg)
+            return fn(arg)
         finally:
             times = self.parallel.step_times
             times.execute_model += time.perf_counter() - t0
-            times.num_steps += 1
+            times.num_steps += int(count)
 
     def get_step_times(self, reset: bool = False) -> dict:
         """This rank's ``StepTimes`` as a dict (seconds; plus ``rank``, ``pp_rank``, ``tp_rank``

@@ -54,6 +54,22 @@ def _single_process_tokens(folder: str) -> dict[str, list[int]]:
         llm.llm_engine.shutdown()
 
 
+def _single_process_constrained(folder: str) -> list[list[int]]:
+    """The driver's JSON-constrained requests in one process (greedy), the bitmask filled before
+    the forward (the old order)."""
+    sys.path.insert(0, os.path.dirname(DRIVER))
+    from torchrun_driver import PROMPTS, constrained_params
+
+    llm = LLM(model=folder, dtype="float32", max_model_len=128, block_size=8, kv_cache_memory_bytes=4 << 20, seed=1,
+              structured_outputs_config={"overlap_bitmask_fill": False})
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], constrained_params(0.0, 10),
+                               use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def llama(make_tiny_checkpoint) -> str:
     return make_tiny_checkpoint("llama")
@@ -151,9 +167,11 @@ def test_every_rank_equals_single_process(tmp_path, llama, reference, tp, pp):
     run = _torchrun(tmp_path, llama, tp, pp, 1)
     assert run.returncode == 0, run.stderr[-4000:]
     results = _rank_results(tmp_path)
+    constrained = _single_process_constrained(llama)
     for rank, result in enumerate(results):
         assert (result["dp_rank"], result["dp_size"], result["world_rank"]) == (0, 1, rank)
         assert result["tokens"] == reference
+        assert result["constrained"] == constrained   # the bitmask beside the forward, on every rank
         assert result["forced"] == [42, 42, 42]   # a logits processor, applied by the engine's driver
     assert results[0]["num_blocks"] == results[1]["num_blocks"]
     assert results[0]["num_params"] > 0 and results[1]["num_params"] > 0
@@ -193,6 +211,7 @@ def test_sampled_tokens_agree_on_both_tensor_ranks(tmp_path, llama, reference):
     assert run.returncode == 0, run.stderr[-4000:]
     first, second = _rank_results(tmp_path)
     assert first["tokens"] == second["tokens"] and len(first["tokens"]) == 4
+    assert first["constrained"] == second["constrained"] and len(first["constrained"]) == 2
     assert first["forced"] == second["forced"] == [42, 42, 42]
     assert all(len(t) == 10 for t in first["tokens"].values())
     assert first["tokens"] != reference   # sampled, not greedy

@@ -71,6 +71,29 @@ def test_tp2_through_ray_equals_single_process(make_tiny_checkpoint, local_ray_c
     assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_grammar_steps_through_ray_as_the_old_order(make_tiny_checkpoint, local_ray_cluster):
+    """Constrained steps through Ray actors: the forward call, the bitmask filled meanwhile, the
+    ``sample_tokens`` call; the tokens equal the old order's (fill first) through Ray."""
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    folder = make_tiny_checkpoint("llama")
+    grammar = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    params = [SamplingParams(temperature=0.9, seed=5, max_tokens=12, structured_outputs=grammar),
+              SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=grammar),
+              SamplingParams(temperature=0.9, seed=11, max_tokens=10, ignore_eos=True)]
+    outputs = []
+    for overlap in (False, True):
+        engine = tiny_engine(folder, tensor_parallel_size=2, distributed_executor_backend="ray", cpu_threads_per_rank=1,
+                             structured_outputs_config={"overlap_bitmask_fill": overlap})
+        try:
+            outputs.append(run_requests(engine, zip(PROMPTS, params)))
+        finally:
+            engine.shutdown()
+    assert outputs[1] == outputs[0]
+
+
 def test_ray_backend_selection_and_strategy():
     from pagedllm.executor.ray_executor import RayDistributedExecutor
 

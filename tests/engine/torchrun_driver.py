@@ -1,7 +1,8 @@
 """Run under torchrun by ``test_external_launcher.py``: every rank builds the same ``LLM`` with
 ``distributed_executor_backend="external_launcher"``, generates its data-parallel share of the
 prompts and writes ``rank{RANK}.json`` (dp rank, dp size, KV blocks, the rank in vLLM's ``get_world_group().cpu_group``,
-this rank's model parameters reached as vLLM's example does, request index -> token ids) to OUT_DIR.
+this rank's model parameters reached as vLLM's example does, request index -> token ids, the
+JSON-constrained tokens of the first two prompts) to OUT_DIR.
 
 Usage: ``torchrun --nproc-per-node=N torchrun_driver.py MODEL OUT_DIR TP PP DP TEMPERATURE
 [PROMPTS_JSON MAX_TOKENS]``: MODEL "default" is the default model (256-token context, 64 MiB KV);
@@ -18,10 +19,18 @@ import torch.distributed as dist
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import get_world_group
+from pagedllm.sampling_params import StructuredOutputsParams
 
 # Three prompts: a repeated 24-token one, a short one and a 40-token one (as parallel_utils.PROMPTS),
 # and one more so that two data-parallel ranks get two each.
 PROMPTS = [[5, 9, 13, 200, 17, 3, 3, 40] * 3, [7, 8, 9], list(range(30, 70)), [11, 12, 13, 14, 15]]
+# [structured output] the first two prompts again under this JSON schema (the bitmask filled beside the forward).
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+
+
+def constrained_params(temperature: float, max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(json=SCHEMA))
 
 
 def _only_42(token_ids: list[int], logits):
@@ -45,7 +54,11 @@ def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float
     forced = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                           SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True,
                                          logits_processors=[_only_42]), use_tqdm=False)
+    # [structured output] on the tiny model only (the default model's vocabulary takes ~10 s to index).
+    constrained = [] if model == "default" else llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:2]], constrained_params(temperature, max_tokens), use_tqdm=False)
     result = {"forced": list(forced[0].outputs[0].token_ids),
+              "constrained": [list(o.outputs[0].token_ids) for o in constrained],
               "dp_rank": config.data_parallel_rank, "dp_size": config.data_parallel_size,
               "num_blocks": llm.llm_engine.num_blocks,
               "world_rank": dist.get_rank(group=get_world_group().cpu_group),
