@@ -56,6 +56,11 @@ def _run(engine: LLMEngine, requests=REQUESTS, abort_after: dict[str, int] | Non
         engine.add_request(f"r{i}", prompt, params)
     if beam:
         engine.add_beam_search_request("beam", "beams ", BeamSearchParams(beam_width=2, max_tokens=12))
+    # Grammars compile on a thread pool: wait for them, so the steps (and so each row's batch) do
+    # not depend on how fast that went on a loaded machine, in either order.
+    for request in list(engine.scheduler.requests.values()):
+        if getattr(request, "structured_output_request", None) is not None:
+            request.structured_output_request.wait()
     out, aborted = {}, set()
     for _ in range(2000):
         if not engine.has_unfinished_requests():
