@@ -16,7 +16,9 @@ hit every variant alike; medians are printed:
    (where the CPU has native bf16) and our AVX-512 BF16 GEMM (``layers/bf16_gemm.py``, where it
    runs), with oneDNN bf16's time over the GEMM's; and, on AMX CPUs, our AMX GEMM (``layers/amx_gemm.py``)
    with the ratios GEMM / AMX and oneDNN / AMX. (Before session 10 this part reused one weight per shape
-   18 times, which stays in L3 and hid the difference between the bf16 kernels.)
+   18 times, which stays in L3 and hid the difference between the bf16 kernels.) On AVX2 CPUs
+   without native bf16: torch's bf16 ``F.linear`` (what ``cpu_bf16_gemm="onednn"`` runs there) and
+   our AVX2 bf16 GEMM, with F.linear's time and our float32 GEMM's over the AVX2 GEMM's.
 
 ``--parts attention`` or ``--parts linear`` runs one of the two. For the linear part on two cores,
 run it with nothing else on the machine and the default threads: another process's load stalls
@@ -92,7 +94,9 @@ def attention_paths(repeats: int) -> None:
 
 def linear_kernels(repeats: int, rows_list: list[int]) -> None:
     """The linear-layer comparison (part 2 of the module docstring): one line per row count."""
-    from pagedllm.layers.bf16_gemm import AMX_KERNEL, BF16_KERNEL, Bf16Linear, bf16_kernel_for, bf16_module
+    from pagedllm.layers.bf16_gemm import (AMX_KERNEL, AVX2_KERNEL, BF16_KERNEL, Bf16Linear, bf16_kernel_for,
+                                           bf16_module)
+    from pagedllm.layers.linear import plain_linear
 
     from pagedllm.layers.f32_gemm import F32_KERNEL, F32Linear, f32_kernel_for, load_f32_gemm
 
@@ -105,7 +109,9 @@ def linear_kernels(repeats: int, rows_list: list[int]) -> None:
         skipped.append(f"no float32 GEMM: {why}")
     if onednn_linear_available(torch.bfloat16):
         kernels["bfloat16 oneDNN"] = lambda w: PackedLinear(w.to(torch.bfloat16), None, 64)
-    for label, name in (("bfloat16 GEMM", BF16_KERNEL), ("bfloat16 AMX", AMX_KERNEL)):
+    else:   # no native bf16: what cpu_bf16_gemm="onednn" runs there (torch's bf16 F.linear)
+        kernels["bfloat16 F.linear"] = lambda w: plain_linear(w.to(torch.bfloat16), None)
+    for label, name in (("bfloat16 GEMM", BF16_KERNEL), ("bfloat16 AVX2", AVX2_KERNEL), ("bfloat16 AMX", AMX_KERNEL)):
         got, why = bf16_kernel_for("auto", kernel=name)
         if got == name:
             kernels[label] = (lambda w, module=bf16_module(name): Bf16Linear(w.to(torch.bfloat16), None, module))
@@ -129,7 +135,8 @@ def linear_kernels(repeats: int, rows_list: list[int]) -> None:
         res = _median_times(fns, repeats, 1)
         line = "  ".join(f"{name} {t * 1e3:.2f}" for name, t in res.items())
         for base, other in (("float32", "float32 GEMM"), ("bfloat16 oneDNN", "bfloat16 GEMM"), ("bfloat16 GEMM", "bfloat16 AMX"),
-                            ("bfloat16 oneDNN", "bfloat16 AMX")):
+                            ("bfloat16 oneDNN", "bfloat16 AMX"), ("bfloat16 F.linear", "bfloat16 AVX2"),
+                            ("float32 GEMM", "bfloat16 AVX2")):
             if base in kernels and other in kernels:
                 line += f"  {base} / {other}: " + ", ".join(
                     f"{part} {res[f'{base} {part}'] / res[f'{other} {part}']:.2f}x" for part in sets)

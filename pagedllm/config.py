@@ -35,7 +35,7 @@ SUPPORTED_CPU_GEMMS = tuple(g.value for g in CpuGemm)
 # ``KernelConfig.cpu_isa``: "auto" or a CPU code path (``platforms.cpu.CpuIsa``, checked by ``parse_cpu_isa``).
 SUPPORTED_CPU_ISAS = ("auto",) + tuple(i.value for i in CpuIsa)
 # ``KernelConfig.cpu_bf16_gemm``: the bf16 linear kernel (``layers.bf16_gemm.BF16_KERNELS``, kept in sync).
-SUPPORTED_CPU_BF16_GEMMS = ("auto", "amx_bf16", "avx512_bf16", "onednn")
+SUPPORTED_CPU_BF16_GEMMS = ("auto", "amx_bf16", "avx512_bf16", "avx2_bf16", "onednn")
 # ``KernelConfig.cpu_f32_gemm``: the float32 linear kernel (``layers.f32_gemm.F32_KERNELS``, kept in sync).
 SUPPORTED_CPU_F32_GEMMS = ("auto", "f32_gemm", "onednn")
 # ``KernelConfig.cpu_fused_ops``: the C++ elementwise ops between the GEMMs (``layers/fused_ops.py``).
@@ -671,9 +671,11 @@ class KernelConfig:
             paged-attention kernel's micro-kernels, and with them what ``dtype="auto"`` means;
             default "auto", ``EngineArgs`` reads ``$PAGEDLLM_CPU_ISA``.
         cpu_bf16_gemm: the CPU bfloat16 linear kernel: "auto" (the AMX GEMM on AMX CPUs, else the
-            AVX-512 BF16 GEMM, else oneDNN: ``layers.bf16_gemm.bf16_kernel_for``), or "amx_bf16" /
-            "avx512_bf16" / "onednn" to force one (comparisons; oneDNN is not batch-invariant on
-            AMX); default "auto", ``EngineArgs`` reads ``$PAGEDLLM_CPU_BF16_GEMM``.
+            AVX-512 BF16 GEMM, else the AVX2 + FMA bf16 GEMM, else oneDNN:
+            ``layers.bf16_gemm.bf16_kernel_for``), or "amx_bf16" / "avx512_bf16" / "avx2_bf16" /
+            "onednn" to force one (comparisons; oneDNN is not batch-invariant on AMX, and without
+            native bf16 it is torch's ``F.linear``); default "auto", ``EngineArgs`` reads
+            ``$PAGEDLLM_CPU_BF16_GEMM``.
         cpu_f32_gemm: the CPU float32 linear kernel: "auto" (our float32 GEMM on AVX-512 or AVX2 +
             FMA CPUs, else oneDNN: ``layers.f32_gemm.f32_kernel_for``), or "f32_gemm" / "onednn" to
             force one (comparisons); default "auto", ``EngineArgs`` reads ``$PAGEDLLM_CPU_F32_GEMM``.

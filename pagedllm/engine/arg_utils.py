@@ -75,8 +75,8 @@ class EngineArgs:
         cpu_isa: the CPU code path, "auto" (best for the CPU's flags) or "portable" / "avx2" /
             "avx512" / "avx512_bf16" (``platforms/cpu.py``; forces the attention kernel's path and
             with it what ``dtype="auto"`` means); default ``$PAGEDLLM_CPU_ISA`` or "auto".
-        cpu_bf16_gemm: the bf16 linear kernel, "auto" or "amx_bf16" / "avx512_bf16" / "onednn"
-            (``KernelConfig.cpu_bf16_gemm``); default ``$PAGEDLLM_CPU_BF16_GEMM`` or "auto".
+        cpu_bf16_gemm: the bf16 linear kernel, "auto" or "amx_bf16" / "avx512_bf16" / "avx2_bf16" /
+            "onednn" (``KernelConfig.cpu_bf16_gemm``); default ``$PAGEDLLM_CPU_BF16_GEMM`` or "auto".
         cpu_f32_gemm: the float32 linear kernel, "auto" or "f32_gemm" / "onednn"
             (``KernelConfig.cpu_f32_gemm``); default ``$PAGEDLLM_CPU_F32_GEMM`` or "auto".
         exact_greedy_head: "auto" (plain greedy rows through the cheaper exact head where it

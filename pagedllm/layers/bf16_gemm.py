@@ -1,7 +1,8 @@
-"""bfloat16 linear layers on AVX-512 BF16 CPUs through kernels of our own (``csrc/bf16_gemm.cpp``;
-on AMX CPUs ``csrc/amx_gemm.cpp``, ``layers/amx_gemm.py``), and which kernel runs (``bf16_kernel_for``).
+"""bfloat16 linear layers through kernels of our own (``csrc/bf16_gemm.cpp`` on AVX-512 BF16 CPUs;
+``csrc/amx_gemm.cpp``, ``layers/amx_gemm.py`` on AMX CPUs; ``csrc/bf16_gemm_avx2.cpp`` on AVX2 + FMA
+CPUs without either), and which kernel runs (``bf16_kernel_for``).
 
-A bf16 model's linear layers and LM head run on one of three kernels, all with the weight packed
+A bf16 model's linear layers and LM head run on one of four kernels, all with the weight packed
 once after loading (the plain weight is not kept, except the tied embedding the token lookup reads):
 
 - ``"amx_bf16"`` (CPUs with AMX, the default there): our AMX GEMM, ``Bf16Linear`` with the
@@ -16,14 +17,21 @@ once after loading (the plain weight is not kept, except the tied embedding the 
   used about half of the machine's ``vdpbf16ps`` rate with the weights streaming from memory;
   this one takes less time there and ties oneDNN on prompt chunks (docs/performance.md;
   ``benchmarks/cpu_paths.py --parts linear``).
+- ``"avx2_bf16"`` (CPUs with ``avx2 fma`` and neither ``avx512_bf16`` nor AMX, e.g. AMD EPYC
+  before Zen 4, Intel before Cooper Lake): ``Bf16Linear`` on the same packed weight, each bf16 weight
+  widened to float32 in registers (a shift or a mask) and two ``vfmadd231ps`` per column pair in
+  ``vdpbf16ps``'s order, so it gives the AVX-512 kernel's bits (outside subnormals, see the C++
+  header). A decode step streams half the float32 weights' bytes (docs/benchmarks.md, "bf16 on
+  AVX2 CPUs"); oneDNN has no bf16 inner product there (torch's bf16 matmul is several times slower
+  than float32).
 - ``"onednn"``: oneDNN's packed inner product (``layers/linear.py``'s ``PackedLinear``; AVX-512
-  bf16 or AMX tiles).
+  bf16 or AMX tiles; on CPUs without native bf16, torch's ``F.linear``).
 
 All accumulate in float32 and round the result to bfloat16 to nearest even; they differ only in
 the order of the float32 additions, so a bf16 model's outputs can differ between them where a
 logit or activation lies at a bf16 rounding boundary.
 
-Batch invariance: both GEMMs sum each output in one fixed order (k ascending, no split-K; the row
+Batch invariance: the GEMMs sum each output in one fixed order (k ascending, no split-K; the row
 groups and threads only decide *which* rows and outputs a call computes), so a row's result is
 the same bits at any row count and beside any other rows: a greedy bf16 request gives the same
 tokens alone, in any batch, with prefix caching on or off, across chunked-prefill boundaries
@@ -34,9 +42,10 @@ large K, see ``PackedLinear``; on AMX its bf16 tile kernels change with the row 
 docs/benchmarks.md, "Batch-invariant bf16"), so it runs bf16 only where neither GEMM can, with
 ``bf16_kernel_for(batch_invariant=False)`` on AMX, or when forced.
 
-``cpu_isa`` (``KernelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) below ``avx512_bf16`` forces oneDNN;
-``cpu_bf16_gemm`` (``KernelConfig.cpu_bf16_gemm``, ``$PAGEDLLM_CPU_BF16_GEMM``: ``amx_bf16``,
-``avx512_bf16``, ``onednn``) forces one kernel (how benchmarks and tests compare them).
+``cpu_isa`` (``KernelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) ``avx2`` / ``avx512`` forces the AVX2
+GEMM, ``portable`` oneDNN; ``cpu_bf16_gemm`` (``KernelConfig.cpu_bf16_gemm``,
+``$PAGEDLLM_CPU_BF16_GEMM``: ``amx_bf16``, ``avx512_bf16``, ``avx2_bf16``, ``onednn``) forces one
+kernel (how benchmarks and tests compare them).
 """
 
 from __future__ import annotations
@@ -61,12 +70,19 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_gemm.cpp"
 PACK_HEADER = SOURCE.parent / "bf16_pack.h"   # the packed layout, shared with csrc/amx_gemm.cpp
 EXTENSION = CpuExtension("bf16_gemm", SOURCE, "bfloat16 GEMM (AVX-512 BF16)", "oneDNN's bf16 inner product",
                          headers=(PACK_HEADER, PACK_HEADER.parent / "linear_bias.h"))
+AVX2_SOURCE = SOURCE.parent / "bf16_gemm_avx2.cpp"
+AVX2_EXTENSION = CpuExtension("bf16_avx2_gemm", AVX2_SOURCE, "bfloat16 GEMM (AVX2 + FMA)", "torch's bf16 F.linear",
+                              headers=(PACK_HEADER, PACK_HEADER.parent / "linear_bias.h"))
 # /proc/cpuinfo flags the kernel needs (the C++ guards on the same set).
 BF16_GEMM_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+AVX2_BF16_FLAGS = ("avx2", "fma")
+# The ``cpu_isa`` paths the AVX2 GEMM runs on (``portable`` forces oneDNN).
+AVX2_BF16_PATHS = (CpuIsa.AVX2, CpuIsa.AVX512, CpuIsa.AVX512_BF16)
 ONEDNN_KERNEL = "onednn"
 BF16_KERNEL = "avx512_bf16"
+AVX2_KERNEL = "avx2_bf16"
 # ``KernelConfig.cpu_bf16_gemm``'s values besides "auto" (config.py keeps the same names).
-BF16_KERNELS = (AMX_KERNEL, BF16_KERNEL, ONEDNN_KERNEL)
+BF16_KERNELS = (AMX_KERNEL, BF16_KERNEL, AVX2_KERNEL, ONEDNN_KERNEL)
 
 
 @functools.cache
@@ -74,6 +90,14 @@ def load_bf16_gemm() -> ModuleType | None:
     """The C++ kernel (``pack_bf16_weight``, ``bf16_linear``, ``compiled_isas``), compiled first on a
     machine that has not yet; None (one WARNING) if that fails."""
     return load_extension(EXTENSION)
+
+
+@functools.cache
+def load_avx2_bf16_gemm() -> ModuleType | None:
+    """The AVX2 + FMA kernel (``csrc/bf16_gemm_avx2.cpp``: the same ``pack_bf16_weight``,
+    ``bf16_linear`` and ``compiled_isas`` as ``load_bf16_gemm()``'s), compiled first on a machine that
+    has not yet; None (one WARNING) if that fails."""
+    return load_extension(AVX2_EXTENSION)
 
 
 def _amx_unavailable(isa: CpuIsa, flags: frozenset[str]) -> str | None:
@@ -90,18 +114,21 @@ def bf16_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None,
     """Which kernel runs a bf16 model's linear layers here, and why.
 
     Default (``kernel="auto"``): AMX CPUs run the AMX GEMM (``layers/amx_gemm.py``), other
-    ``avx512_bf16`` CPUs the AVX-512 GEMM, the rest oneDNN; each falls back to the next with the
-    reason. One kernel for every row count of a model, never one by M: both GEMMs are batch-invariant.
+    ``avx512_bf16`` CPUs the AVX-512 GEMM, CPUs with ``avx2 fma`` the AVX2 GEMM, the rest oneDNN;
+    each falls back to the next with the reason. One kernel for every row count of a model, never
+    one by M: the GEMMs are batch-invariant.
 
     Args:
-        cpu_isa: ``KernelConfig.cpu_isa``: "auto", or a ``CpuIsa`` name (below ``avx512_bf16`` forces oneDNN).
+        cpu_isa: ``KernelConfig.cpu_isa``: "auto", or a ``CpuIsa`` name (``avx2`` / ``avx512``: the
+            AVX2 GEMM at most; ``portable`` forces oneDNN).
         flags: the CPU's flags (default: this machine's).
         batch_invariant: False lets a CPU with AMX keep oneDNN's tile kernels (a row's result
             may then depend on the batch); the default runs a GEMM of ours wherever it can.
         kernel: ``KernelConfig.cpu_bf16_gemm``: "auto", or one of ``BF16_KERNELS`` to force it
             (for comparisons; a forced GEMM that cannot run falls back as above, naming why).
     Returns:
-        (``"amx_bf16"``, ``"avx512_bf16"`` or ``"onednn"``, the reason in words, for the log).
+        (``"amx_bf16"``, ``"avx512_bf16"``, ``"avx2_bf16"`` or ``"onednn"``, the reason in words,
+        for the log).
     Raises:
         ValueError: as ``platforms.cpu.resolve_cpu_isa`` for a path the CPU cannot run; for a
             ``kernel`` not in ``("auto",) + BF16_KERNELS``.
@@ -124,20 +151,30 @@ def bf16_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None,
             return AMX_KERNEL, (forced or "AMX") + (
                 ", batch-invariant (at least as fast as the AVX-512 GEMM at every row count measured, "
                 "docs/benchmarks.md)")
-    why = kernel_unavailable(EXTENSION, BF16_KERNEL, isa, (CpuIsa.AVX512_BF16,), BF16_GEMM_FLAGS, flags)
     not_amx = f"; not the AMX GEMM: {amx_why}" if amx_why and (amx or kernel == AMX_KERNEL) else ""
-    if why:
-        return ONEDNN_KERNEL, why + not_amx
-    return BF16_KERNEL, (forced or "avx512_bf16") + ", batch-invariant" + not_amx
+    avx512_why = None
+    if kernel != AVX2_KERNEL:
+        avx512_why = kernel_unavailable(EXTENSION, BF16_KERNEL, isa, (CpuIsa.AVX512_BF16,), BF16_GEMM_FLAGS, flags)
+        if avx512_why is None:
+            return BF16_KERNEL, (forced or "avx512_bf16") + ", batch-invariant" + not_amx
+    avx2_why = kernel_unavailable(AVX2_EXTENSION, AVX2_KERNEL, isa, AVX2_BF16_PATHS, AVX2_BF16_FLAGS, flags)
+    not_avx512 = f"; not the AVX-512 GEMM: {avx512_why}" if avx512_why else ""
+    if avx2_why:
+        return ONEDNN_KERNEL, (f"{avx512_why}; not the AVX2 GEMM: {avx2_why}" if avx512_why
+                               else f"not the AVX2 GEMM: {avx2_why}") + not_amx
+    return AVX2_KERNEL, (forced if kernel == AVX2_KERNEL else "avx2_bf16") + (
+        ", batch-invariant (bf16 weights widened to float32 FMA in vdpbf16ps's order)") + not_avx512 + not_amx
 
 
 def bf16_module(kernel: str) -> ModuleType | None:
-    """The loaded extension of ``kernel`` (``"amx_bf16"`` or ``"avx512_bf16"``, from
+    """The loaded extension of ``kernel`` (``"amx_bf16"``, ``"avx512_bf16"`` or ``"avx2_bf16"``, from
     ``bf16_kernel_for``), for ``Bf16Linear``; None for oneDNN or one that failed to build."""
     if kernel == AMX_KERNEL:
         return load_amx_gemm()
     if kernel == BF16_KERNEL:
         return load_bf16_gemm()
+    if kernel == AVX2_KERNEL:
+        return load_avx2_bf16_gemm()
     return None
 
 
@@ -147,15 +184,16 @@ def k_multiple(module: ModuleType) -> int:
 
 
 class Bf16Linear(KernelLinear):
-    """``y = x @ W^T + b`` in bfloat16 through ``csrc/bf16_gemm.cpp`` or ``csrc/amx_gemm.cpp``
-    (module docstring; both take the same packed weight).
+    """``y = x @ W^T + b`` in bfloat16 through ``csrc/bf16_gemm.cpp``, ``csrc/amx_gemm.cpp`` or
+    ``csrc/bf16_gemm_avx2.cpp`` (module docstring; all take the same packed weight).
 
     Args:
         weight: [out_features, in_features] bfloat16 (or castable) on the CPU; ``in_features`` even.
             Copied into the packed layout (``[ceil(N / 16), K / 2, 32]`` bfloat16, the same bytes
             as the weight plus the padding of the last 16 outputs).
         bias: [out_features] or None (kept in float32, added before the bf16 rounding).
-        module: the loaded extension (``load_bf16_gemm()`` or ``amx_gemm.load_amx_gemm()``).
+        module: the loaded extension (``load_bf16_gemm()``, ``load_avx2_bf16_gemm()`` or
+            ``amx_gemm.load_amx_gemm()``).
     Shapes:
         x: [..., in_features] bfloat16 -> [..., out_features] bfloat16.
     Raises:

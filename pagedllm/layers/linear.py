@@ -11,8 +11,8 @@ The kernel is chosen by ``KernelConfig.cpu_gemm`` (``EngineArgs`` defaults it to
 ``$PAGEDLLM_CPU_GEMM``): ``onednn`` (default where it works) or ``torch`` (plain ``F.linear``, the
 reference). oneDNN is used for float32 everywhere, and for bfloat16 where the CPU multiplies it
 natively (``avx512_bf16`` or AMX, ``platforms/cpu.py``: oneDNN then runs AVX-512 bf16 or AMX tile
-kernels; elsewhere it has no bf16 inner product); each dtype is probed once with a tiny call before
-use. The tied LM head gets the same packed kernel in every dtype (``replace_linear_layers``).
+kernels; elsewhere it has no bf16 inner product, and bfloat16 runs our AVX2 GEMM where the CPU has
+AVX2 + FMA, ``layers/bf16_gemm.py``); each dtype is probed once with a tiny call before use. The tied LM head gets the same packed kernel in every dtype (``replace_linear_layers``).
 """
 
 from __future__ import annotations
@@ -182,8 +182,8 @@ def packed_kernel_for(dtype: torch.dtype, device: torch.device, cpu_gemm: str = 
         cpu_bf16_gemm: ``KernelConfig.cpu_bf16_gemm`` (a bf16 kernel forced, for comparisons).
         cpu_f32_gemm: ``KernelConfig.cpu_f32_gemm`` (a float32 kernel forced, for comparisons).
     Returns:
-        (``"torch"`` (``F.linear``, nothing packed), ``"onednn"`` (``PackedLinear``), ``"amx_bf16"``
-        or ``"avx512_bf16"`` (``layers.bf16_gemm.Bf16Linear``), ``"f32_gemm"``
+        (``"torch"`` (``F.linear``, nothing packed), ``"onednn"`` (``PackedLinear``), ``"amx_bf16"``,
+        ``"avx512_bf16"`` or ``"avx2_bf16"`` (``layers.bf16_gemm.Bf16Linear``), ``"f32_gemm"``
         (``layers.f32_gemm.F32Linear``, float32); the reason in words).
     Raises:
         ValueError: for a bad ``cpu_gemm``, ``cpu_bf16_gemm`` or ``cpu_f32_gemm``, or as
@@ -193,18 +193,22 @@ def packed_kernel_for(dtype: torch.dtype, device: torch.device, cpu_gemm: str = 
         return CpuGemm.TORCH.value, f"not on the CPU ({device.type})"
     if parse_cpu_gemm(cpu_gemm) is not CpuGemm.ONEDNN:
         return CpuGemm.TORCH.value, f"cpu_gemm={cpu_gemm!r} (${CPU_GEMM_ENV})"
+    if dtype == torch.bfloat16:   # our GEMMs first: the AVX2 one runs where oneDNN has no bf16 kernel
+        from pagedllm.layers.bf16_gemm import bf16_kernel_for
+
+        kernel, why = bf16_kernel_for(cpu_isa, flags, kernel=cpu_bf16_gemm)
+        if kernel != CpuGemm.ONEDNN.value:
+            return kernel, why
+        if not onednn_linear_available(dtype):
+            return CpuGemm.TORCH.value, f"oneDNN has no bfloat16 inner product here; not the bf16 GEMM: {why}"
+        return kernel, f"not the bf16 GEMM: {why}"
     if not onednn_linear_available(dtype):
         return CpuGemm.TORCH.value, f"oneDNN has no {str(dtype).replace('torch.', '')} inner product here"
     if dtype == torch.float32:
         from pagedllm.layers.f32_gemm import f32_kernel_for
 
         return f32_kernel_for(cpu_isa, flags, kernel=cpu_f32_gemm)
-    if dtype != torch.bfloat16:
-        return CpuGemm.ONEDNN.value, f"{str(dtype).replace('torch.', '')}: oneDNN's packed inner product"
-    from pagedllm.layers.bf16_gemm import bf16_kernel_for
-
-    kernel, why = bf16_kernel_for(cpu_isa, flags, kernel=cpu_bf16_gemm)
-    return kernel, why if kernel != CpuGemm.ONEDNN.value else f"not the bf16 GEMM: {why}"
+    return CpuGemm.ONEDNN.value, f"{str(dtype).replace('torch.', '')}: oneDNN's packed inner product"
 
 
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device, batch_hint: int,
@@ -216,10 +220,12 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
     no oneDNN inner product for ``dtype``).
 
     The packed layer is ``PackedLinear`` (oneDNN), for float32 on AVX-512 / AVX2 + FMA CPUs the
-    batch-invariant ``layers.f32_gemm.F32Linear``, or for bfloat16 on AVX-512 BF16 CPUs the
-    batch-invariant ``layers.bf16_gemm.Bf16Linear`` on the AMX GEMM (AMX CPUs) or the AVX-512 GEMM
-    (``packed_kernel_for``). A layer whose input width the kernel cannot take (AMX: not a multiple
-    of 32; AVX-512: odd) runs the next one (AVX-512 GEMM, then oneDNN), fixed per layer, so the model stays batch-invariant wherever a GEMM of ours runs.
+    batch-invariant ``layers.f32_gemm.F32Linear``, or for bfloat16 the batch-invariant
+    ``layers.bf16_gemm.Bf16Linear`` on the AMX GEMM (AMX CPUs), the AVX-512 GEMM (other AVX-512 BF16
+    CPUs) or the AVX2 GEMM (AVX2 + FMA CPUs without native bf16) (``packed_kernel_for``). A layer
+    whose input width the kernel cannot take (AMX: not a multiple of 32; AVX-512, AVX2: odd) runs
+    the next one (AVX-512 GEMM, then oneDNN, or ``F.linear`` where oneDNN has no bf16 kernel), fixed
+    per layer, so the model stays batch-invariant wherever a GEMM of ours runs.
 
     Args:
         kernel: the kernel already chosen (the kernel plan's); None: ``packed_kernel_for(dtype,
@@ -247,8 +253,8 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
         def make(weight, bias):
             return F32Linear(weight, bias, module)
     else:
-        from pagedllm.layers.bf16_gemm import (BF16_KERNEL, Bf16Linear, bf16_kernel_for, bf16_module, k_multiple,
-                                               load_bf16_gemm)
+        from pagedllm.layers.bf16_gemm import (AMX_KERNEL, BF16_KERNEL, Bf16Linear, bf16_kernel_for, bf16_module,
+                                               k_multiple, load_bf16_gemm)
 
         module = bf16_module(kernel)
 
@@ -256,16 +262,28 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
             # the chosen GEMM, then (for input widths it cannot take) the AVX-512 GEMM, then oneDNN
             if weight.shape[1] % k_multiple(module) == 0:
                 return Bf16Linear(weight, bias, module)
-            if kernel != BF16_KERNEL and weight.shape[1] % 2 == 0 \
+            if kernel == AMX_KERNEL and weight.shape[1] % 2 == 0 \
                     and bf16_kernel_for(cpu_isa, kernel=BF16_KERNEL)[0] == BF16_KERNEL:
                 return Bf16Linear(weight, bias, load_bf16_gemm())
-            return PackedLinear(weight, bias, hint)
+            if onednn_linear_available(weight.dtype):
+                return PackedLinear(weight, bias, hint)
+            return plain_linear(weight, bias)
     replaced, tied = replace_linear_layers(model, make)
     weight = model.get_input_embeddings().weight if tied else None
     extra = weight.numel() * weight.element_size() if tied else 0
     logger.debug("%s packed %d linear layers%s", kernel, replaced,
                  f" and the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "")
     return extra
+
+
+def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` (``F.linear``) holding ``weight`` [out, in] and ``bias`` [out] or None as they
+    are (no copy): what ``pack_linear_layers`` keeps for a layer no packed kernel can take."""
+    layer = nn.Linear(int(weight.shape[1]), int(weight.shape[0]), bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return layer
 
 
 def lm_head_logits(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

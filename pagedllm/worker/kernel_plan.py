@@ -37,10 +37,10 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 # ``LinearKernel.kind`` values, in words for the table.
 _LINEAR_WORDS = {"torch": "torch F.linear", "onednn": "oneDNN packed", "avx512_bf16": "bf16 GEMM (avx512_bf16)",
-                 "amx_bf16": "bf16 GEMM (AMX tiles)", "f32_gemm": "float32 GEMM (ours)",
+                 "amx_bf16": "bf16 GEMM (AMX tiles)", "avx2_bf16": "bf16 GEMM (AVX2 + FMA)", "f32_gemm": "float32 GEMM (ours)",
                  "int8": "int8 W8A8 (fbgemm)"}
 # The kinds whose layers ``pack_linear_layers`` replaces by a packed copy (``LinearKernel.packed``).
-_PACKED_KINDS = ("onednn", "avx512_bf16", "amx_bf16", "f32_gemm")
+_PACKED_KINDS = ("onednn", "avx512_bf16", "amx_bf16", "avx2_bf16", "f32_gemm")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -87,7 +87,7 @@ class LinearKernel:
 
     Attributes:
         kind: "torch" (``F.linear``: the layers stay ``nn.Linear``), "onednn" (``PackedLinear``),
-            "avx512_bf16" / "amx_bf16" (``layers.bf16_gemm.Bf16Linear``), "f32_gemm"
+            "avx512_bf16" / "amx_bf16" / "avx2_bf16" (``layers.bf16_gemm.Bf16Linear``), "f32_gemm"
             (``layers.f32_gemm.F32Linear``), "int8" (``Int8DynamicLinear``), or
             "int8_weight_only" / "int4_weight_only" (``layers/weight_only.py``).
         int8_kernel: the weight-only layers' int8 kernel ("vnni" or "torch", ``layers/int8_gemm.py``;
@@ -224,14 +224,16 @@ def choose_kernel_plan(model_config: ModelConfig, kernel_config: KernelConfig, d
     kc = kernel_config
     dtype, dtype_reason = choose_dtype(model_config.dtype, model_config, device, kc.cpu_isa, flags)
     warnings = []
-    if model_config.dtype != "auto" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+    linear, linear_reason = choose_linear(model_config, kc, dtype, device, flags)
+    if model_config.dtype != "auto" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) \
+            and linear.kind != "avx2_bf16":
         # The CPU's own flags: a forced cpu_isa below avx512_bf16 still leaves oneDNN's bf16
-        # kernels native (only the attention kernel's bf16 micro-kernels are not used).
+        # kernels native (only the attention kernel's bf16 micro-kernels are not used). The AVX2
+        # bf16 GEMM (layers/bf16_gemm.py) is the exception: bf16 linear layers without native bf16.
         native, why = native_bf16("auto", flags)
         if not native:
             warnings.append(f"{model_config.dtype} on a CPU without native bf16 ({why}): its matmuls run several "
                             "times slower than float32 here (docs/performance.md); --dtype float32 is faster")
-    linear, linear_reason = choose_linear(model_config, kc, dtype, device, flags)
     head, head_reason = choose_greedy_head(kc.exact_greedy_head, dtype, device, parallel.tp_size,
                                            model_config.quantization, parallel.is_last_stage, kc.cpu_isa, flags)
     backend, backend_reason = prepare_backend(kc.attention_backend, device, dtype, kc.cpu_isa, flags)

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.amx_gemm import AMX_KERNEL
-from pagedllm.layers.bf16_gemm import (BF16_GEMM_FLAGS, BF16_KERNEL, ONEDNN_KERNEL, Bf16Linear, bf16_kernel_for,
-                                       load_bf16_gemm)
+from pagedllm.layers.bf16_gemm import (AVX2_KERNEL, BF16_GEMM_FLAGS, BF16_KERNEL, ONEDNN_KERNEL, Bf16Linear,
+                                       bf16_kernel_for, load_bf16_gemm)
 from pagedllm.sample.greedy_head import gamma
 from pagedllm.layers.linear import PackedLinear, lm_head_logits, onednn_linear_available, pack_linear_layers
 from pagedllm.platforms.cpu import cpu_flags
@@ -26,19 +26,27 @@ def _ext():
 
 
 def test_kernel_choice_follows_flags_and_cpu_isa():
+    # without avx512_bf16 the AVX2 GEMM (tests/layers/test_bf16_gemm_avx2.py) where it builds, else oneDNN
+    lower = AVX2_KERNEL if bf16_kernel_for("auto", AVX512_BF16, kernel=AVX2_KERNEL)[0] == AVX2_KERNEL \
+        else ONEDNN_KERNEL
     kernel, why = bf16_kernel_for("auto", AVX512_BF16 - {"avx512_bf16"})
-    assert kernel == ONEDNN_KERNEL and "avx512_bf16" in why             # the missing path is named
+    assert kernel == lower and "avx512_bf16" in why                      # the missing path is named
     kernel, why = bf16_kernel_for("auto", AVX512_BF16 - {"avx512vl"})
-    assert kernel == ONEDNN_KERNEL and "avx512vl" in why                 # the missing flag is named
+    assert kernel == lower and "avx512vl" in why                         # the missing flag is named
     kernel, why = bf16_kernel_for("avx512", AVX512_BF16)
-    assert kernel == ONEDNN_KERNEL and "avx512" in why                   # a forced lower path
+    assert kernel == lower and "avx512" in why                           # a forced lower path
+    kernel, why = bf16_kernel_for("portable", AVX512_BF16)
+    assert kernel == ONEDNN_KERNEL and "portable" in why
     amx = AVX512_BF16 | {"amx_bf16", "amx_tile"}
-    if load_bf16_gemm() is not None:   # AMX CPUs: the AMX GEMM, else (here no AMX) this one, naming why
+    if not MISSING and load_bf16_gemm() is not None:   # AMX CPUs: the AMX GEMM, else (no AMX) this one, naming why
         kernel, why = bf16_kernel_for("auto", amx)
         assert kernel in (AMX_KERNEL, BF16_KERNEL) and "AMX" in why
         assert (kernel == AMX_KERNEL) == ("amx_bf16" in cpu_flags() and "amx_tile" in cpu_flags())
         kernel, why = bf16_kernel_for("auto", amx, kernel=BF16_KERNEL)   # forced (comparisons)
         assert kernel == BF16_KERNEL and "cpu_bf16_gemm" in why
+    else:   # a CPU without avx512_bf16 builds neither: the next kernel, naming why not the AMX GEMM
+        kernel, why = bf16_kernel_for("auto", amx)
+        assert kernel == lower and "AMX" in why
     kernel, why = bf16_kernel_for("auto", AVX512_BF16, kernel=ONEDNN_KERNEL)
     assert kernel == ONEDNN_KERNEL and "cpu_bf16_gemm" in why
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_BF16_GEMM"):
@@ -159,7 +167,7 @@ def test_bf16_linear_agrees_with_onednn(m):
 @needs_bf16_gemm
 def test_pack_linear_layers_picks_the_kernel_by_cpu_isa(tied_toy):
     """bf16 on an avx512_bf16 CPU without AMX: the kernel for the layers and the tied head (with
-    the head's logits as ``F.linear`` to bf16 rounding); cpu_isa "avx512" keeps oneDNN."""
+    the head's logits as ``F.linear`` to bf16 rounding)."""
     _ext()
     torch.manual_seed(0)
     model = tied_toy(out_features=24, hidden=32).to(torch.bfloat16)

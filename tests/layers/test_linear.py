@@ -90,8 +90,8 @@ def test_pack_linear_layers_packs_bf16_and_tied_head(monkeypatch, tied_toy):
     model = tied_toy().to(torch.bfloat16)
     x = torch.randn(3, 16).bfloat16()
     want_logits = F.linear(x.float(), model.model.embed_tokens.weight.float())
-    # cpu_isa "avx512" keeps oneDNN (layers/bf16_gemm.py: its kernel needs the avx512_bf16 path)
-    extra = pack_linear_layers(model, torch.bfloat16, torch.device("cpu"), batch_hint=8, cpu_isa="avx512")
+    # cpu_bf16_gemm "onednn" keeps oneDNN (layers/bf16_gemm.py; cpu_isa "avx512" now runs the AVX2 GEMM)
+    extra = pack_linear_layers(model, torch.bfloat16, torch.device("cpu"), batch_hint=8, cpu_bf16_gemm="onednn")
     assert isinstance(model.model.proj, PackedLinear) and isinstance(model.packed_lm_head, PackedLinear)
     assert extra == 50 * 16 * 2
     torch.testing.assert_close(lm_head_logits(model, x).float(), want_logits, rtol=1.6e-2, atol=2e-2)
@@ -103,8 +103,9 @@ def test_pack_linear_layers_is_a_no_op_for_torch_gemm_and_bf16(monkeypatch, tied
     assert pack_linear_layers(model, torch.float32, torch.device("cpu"), 8, EngineArgs().cpu_gemm) == 0
     assert isinstance(model.model.proj, nn.Linear) and model.packed_lm_head is None
     monkeypatch.delenv(CPU_GEMM_ENV)
-    if not NATIVE_BF16:  # bfloat16 without native instructions stays on F.linear
-        assert pack_linear_layers(model.to(torch.bfloat16), torch.bfloat16, torch.device("cpu"), 8) == 0
+    if not NATIVE_BF16:  # bfloat16 without native instructions forced to "oneDNN" stays on F.linear
+        assert pack_linear_layers(model.to(torch.bfloat16), torch.bfloat16, torch.device("cpu"), 8,
+                                  cpu_bf16_gemm="onednn") == 0
         assert isinstance(model.model.proj, nn.Linear)
 
 

@@ -2,8 +2,9 @@
 picks here for each dtype): row r's output computed alone is the same bits (``torch.equal``) as
 inside every batch of M = 2..40 rows, and of a prefill-sized 300, at the default model's shapes
 (Gemma 3 270M: hidden 640, q/k/v 1536, o 1024, gate/up 4096, down 2048). bfloat16 runs our
-AMX GEMM on AMX CPUs and our AVX-512 BF16 GEMM on other ``avx512_bf16`` CPUs; float32 runs oneDNN,
-whose one-row call is made a two-row one (``PackedLinear``)."""
+AMX GEMM on AMX CPUs, our AVX-512 BF16 GEMM on other ``avx512_bf16`` CPUs and our AVX2 bf16 GEMM on
+AVX2 + FMA CPUs without either; float32 runs our float32 GEMM, or oneDNN, whose one-row call is made
+a two-row one (``PackedLinear``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.amx_gemm import AMX_KERNEL
-from pagedllm.layers.bf16_gemm import BF16_GEMM_FLAGS, Bf16Linear, bf16_kernel_for
+from pagedllm.layers.bf16_gemm import AVX2_KERNEL, BF16_GEMM_FLAGS, ONEDNN_KERNEL, Bf16Linear, bf16_kernel_for
 from pagedllm.layers.linear import KernelLinear, onednn_linear_available, pack_linear_layers
 from pagedllm.platforms.cpu import cpu_flags
 
@@ -35,8 +36,10 @@ class Layers(nn.Module):
 
 
 def packed_layers(dtype: torch.dtype) -> list[KernelLinear]:
-    if not onednn_linear_available(dtype):
-        pytest.skip(f"oneDNN has no packed {dtype} inner product here (bf16 needs avx512_bf16 or amx_bf16)")
+    ours = dtype == torch.bfloat16 and bf16_kernel_for("auto")[0] != ONEDNN_KERNEL
+    if not onednn_linear_available(dtype) and not ours:
+        pytest.skip(f"neither oneDNN nor a GEMM of ours packs {dtype} here (bf16 needs avx2 + fma, avx512_bf16 "
+                    "or amx_bf16)")
     torch.manual_seed(0)
     model = Layers()
     with torch.no_grad():
@@ -62,7 +65,8 @@ def check_rows(layer: KernelLinear, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_packed_rows_do_not_depend_on_the_batch(dtype):
     layers = packed_layers(dtype)
-    if dtype == torch.bfloat16 and not [f for f in BF16_GEMM_FLAGS if f not in cpu_flags()]:
+    if dtype == torch.bfloat16 and (not [f for f in BF16_GEMM_FLAGS if f not in cpu_flags()]
+                                    or bf16_kernel_for("auto")[0] == AVX2_KERNEL):
         assert all(isinstance(layer, Bf16Linear) for layer in layers)   # the invariant kernel runs
     for layer in layers:
         check_rows(layer, dtype)

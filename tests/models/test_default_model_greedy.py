@@ -81,18 +81,18 @@ def test_bfloat16_greedy_does_not_depend_on_the_batch():
     prefix caching, and through an engine with prefix caching and whole-prompt prefills, cold and
     then with every prompt's full blocks cached (a prompt's rest then runs as a chunk over cached
     context). oneDNN's kernels change their rounding with
-    the batch (issue 29: 7/12 and 10/12 on AMX); the bf16 GEMMs (AVX-512, AMX) and the
+    the batch (issue 29: 7/12 and 10/12 on AMX); the bf16 GEMMs (AVX-512, AMX, AVX2) and the
     paged-attention kernel do not (tests/layers/, tests/attention/test_attention_batch_invariance.py)."""
     import gc
     import json
 
     from pagedllm.benchmarks.datasets import dataset_file
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.layers.bf16_gemm import AMX_KERNEL, BF16_KERNEL, bf16_kernel_for
+    from pagedllm.layers.bf16_gemm import AMX_KERNEL, AVX2_KERNEL, BF16_KERNEL, bf16_kernel_for
 
     args = EngineArgs()   # the engine's path ($PAGEDLLM_CPU_ISA, $PAGEDLLM_CPU_BF16_GEMM included)
     kernel, why = bf16_kernel_for(args.cpu_isa, kernel=args.cpu_bf16_gemm)
-    if kernel not in (BF16_KERNEL, AMX_KERNEL):
+    if kernel not in (BF16_KERNEL, AMX_KERNEL, AVX2_KERNEL):
         pytest.skip(f"bf16 linear layers run oneDNN here: {why}")
     with open(dataset_file("workload"), encoding="utf-8") as f:
         # The first 12 workload prompts, cut to 300 characters (~60-70 tokens: 2-3 32-token chunks).

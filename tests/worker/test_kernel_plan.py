@@ -62,14 +62,21 @@ def test_table_has_one_aligned_row_per_decision():
 
 def test_flags_choose_and_bf16_without_native_warns():
     """The CPU's flags are the plan's: without avx512_bf16 / AMX "auto" is float32, and an asked
-    bfloat16 runs with a warning that float32 is faster."""
+    bfloat16 runs its linear layers on the AVX2 bf16 GEMM (no warning), or, with them forced to
+    oneDNN / F.linear, with a warning that float32 is faster."""
     auto = choose_kernel_plan(ModelConfig(), KernelConfig(), CPU, ParallelContext(), flags=AVX2_ONLY)
     assert auto.dtype == torch.float32 and auto.warnings == ()
     forced = choose_kernel_plan(ModelConfig(dtype="bfloat16"), KernelConfig(), CPU, ParallelContext(),
                                 flags=AVX2_ONLY)
     assert forced.dtype == torch.bfloat16 and forced.greedy_head is None
-    assert forced.linear.kind != "avx512_bf16"   # the bf16 GEMM needs the avx512_bf16 flags
-    assert len(forced.warnings) == 1 and "--dtype float32 is faster" in forced.warnings[0]
+    assert forced.linear.kind != "avx512_bf16"   # the AVX-512 bf16 GEMM needs the avx512_bf16 flags
+    if forced.linear.kind == "avx2_bf16":        # where the AVX2 GEMM builds (tests/layers/test_bf16_gemm_avx2.py)
+        assert forced.warnings == ()
+    else:
+        assert len(forced.warnings) == 1 and "--dtype float32 is faster" in forced.warnings[0]
+    slow = choose_kernel_plan(ModelConfig(dtype="bfloat16"), KernelConfig(cpu_bf16_gemm="onednn"), CPU,
+                              ParallelContext(), flags=AVX2_ONLY)
+    assert len(slow.warnings) == 1 and "--dtype float32 is faster" in slow.warnings[0]
 
 
 def test_engine_logs_the_plan_once(make_tiny_checkpoint, caplog):

@@ -1,4 +1,5 @@
-// The packed bfloat16 weight layout shared by bf16_gemm.cpp (AVX-512 BF16) and amx_gemm.cpp (AMX).
+// The packed bfloat16 weight layout shared by bf16_gemm.cpp (AVX-512 BF16), amx_gemm.cpp (AMX) and
+// bf16_gemm_avx2.cpp (AVX2 + FMA).
 //
 // Outputs in blocks of 16 (zero rows pad the last block), each block contiguous over K as
 // [K / 2][16 outputs][2 columns] bfloat16: one 64-byte row is 16 outputs x 2 columns. That is
