@@ -210,18 +210,19 @@ def test_bf16_and_int8_weight_only_follow_transformers(dtype, quantization, moe_
 def test_grouped_kernel_experts_equal_a_per_token_reference(mode, moe_checkpoint):
     """The grouped path through per-expert kernel layers (int8 weight-only, or the bf16 GEMM / oneDNN)
     equals a per-token loop over the same weights (int8: the dequantized ones) within the kernels'
-    activation rounding (bf16: 2^-8 relative)."""
+    activation rounding (bf16: 2^-8 relative). bf16 runs whichever bf16 GEMM the CPU has (AMX,
+    AVX-512 BF16, AVX2, or oneDNN)."""
     import torch.nn.functional as F
 
     from pagedllm.layers.fused_moe import select_experts
-    from pagedllm.layers.linear import PackedLinear, onednn_linear_available
+    from pagedllm.layers.bf16_gemm import Bf16Linear, bf16_module
+    from pagedllm.layers.linear import PackedLinear, onednn_linear_available, packed_kernel_for
     from pagedllm.layers.weight_only import WEIGHT_ONLY_COMPUTE_DTYPE, make_weight_only_layer
 
     model = _build(moe_checkpoint("qwen2_moe"))
     experts = model.model.layers[1].mlp.experts
     dtype = torch.float32 if mode == "int8_weight_only" else torch.bfloat16
     if mode == "bfloat16":
-        assert onednn_linear_available(torch.bfloat16), "this CPU multiplies bf16 natively (avx512_bf16)"
         experts.to(dtype)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
     weights, ids = select_experts(model.model.layers[1].mlp.gate.float()(x.float()), 2, experts.renormalize)
@@ -231,7 +232,12 @@ def test_grouped_kernel_experts_equal_a_per_token_reference(mode, moe_checkpoint
         w13 = torch.stack([layers[0].dequantized_weight() for layers in experts.expert_layers])
         w2 = torch.stack([layers[1].dequantized_weight() for layers in experts.expert_layers])
     else:
-        made = experts.replace_expert_layers(lambda w, b: PackedLinear(w, b, 16))
+        kernel, _ = packed_kernel_for(torch.bfloat16, torch.device("cpu"))
+        module = bf16_module(kernel) if kernel not in ("onednn", "torch") else None
+        if module is None and not onednn_linear_available(torch.bfloat16):
+            pytest.skip(f"no bf16 GEMM here ({kernel}): needs avx2+fma, or oneDNN's bf16 (avx512bw avx512vl avx512dq)")
+        made = experts.replace_expert_layers(
+            (lambda w, b: Bf16Linear(w, b, module)) if module is not None else (lambda w, b: PackedLinear(w, b, 16)))
     assert made == 16 and experts.w13_weight is None
     with torch.inference_mode():
         got = experts.apply_experts(x, weights, ids).float()
