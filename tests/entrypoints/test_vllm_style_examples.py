@@ -30,7 +30,8 @@ def run_example(name: str, *args: str, timeout: float = 400) -> str:
 
 def test_basic():
     out = run_example("basic.py")
-    outputs = re.findall(r"^Output:    '(.*)'$", out, re.M)
+    # repr() quotes a text holding an apostrophe with double quotes
+    outputs = [text for _, text in re.findall(r"^Output:    (['\"])(.*)\1$", out, re.M)]
     assert len(outputs) == 4 and all(outputs), out
 
 
