@@ -140,6 +140,7 @@ class Executor(ABC):
                 this call's value is then None). Outputs are produced in submission order.
         """
 
+    @abstractmethod
     def sample_tokens(self, grammar_bitmask: Any,
                       non_block: bool = False) -> "ModelRunnerOutput | Future[ModelRunnerOutput]":
         """[structured output] Send the grammar bitmask of the step last sent with
@@ -153,10 +154,8 @@ class Executor(ABC):
                 numpy, or None to drop the step unsampled (its fill failed; an empty output).
             non_block: as ``execute_model``'s.
         Raises:
-            NotImplementedError: for an executor without the split.
             RuntimeError: as ``execute_model`` (a worker died or raised, in the forward or here).
         """
-        raise NotImplementedError(f"{type(self).__name__} does not implement sample_tokens")
 
     @abstractmethod
     def check_health(self) -> None:
