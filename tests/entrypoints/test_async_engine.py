@@ -209,12 +209,17 @@ def test_dropped_stream_aborts(async_llm):
 def test_step_exception_fails_its_requests_and_loop_continues(async_llm, expected, monkeypatch):
     runner = async_llm.engine.executor.driver_worker.model_runner
     real = runner.execute_model
-    calls = {"n": 0}
+    calls = {"n": 0, "failed": False}
 
+    # The failure is injected into the second step that holds all three requests: under load the loop
+    # may step the first request alone before the others are added, and a failed step fails only the
+    # requests it holds (a request admitted after it would rightly finish).
     def flaky(sched_out):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected failure")
+        if not calls["failed"] and len(sched_out.num_scheduled_tokens) == 3:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                calls["failed"] = True
+                raise RuntimeError("injected failure")
         return real(sched_out)
 
     monkeypatch.setattr(runner, "execute_model", flaky)
@@ -224,6 +229,7 @@ def test_step_exception_fails_its_requests_and_loop_continues(async_llm, expecte
                                        return_exceptions=True)
         assert all(isinstance(r, EngineStepError) for r in results), results
         assert "injected failure" in str(results[0])
+        assert calls["failed"]
         await _wait_idle(async_llm, timeout=5.0)
         return await _collect(async_llm, PROMPTS[0], _greedy())
     text, token_ids, _ = asyncio.run(main())
