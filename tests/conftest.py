@@ -17,6 +17,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CPU KV pool of an engine built without a size (the edge's env var, vLLM's
+# VLLM_CPU_KVCACHE_SPACE): 1 GiB instead of min(25% of RAM, 4 GiB). A tiny checkpoint needs
+# 768 B per token, so the default 4 GiB made ~700k blocks, ~3 s of block-pool setup per engine.
+# Inherited by the servers and ranks the tests start; a test of the default sets its own.
+os.environ.setdefault("PAGEDLLM_CPU_KVCACHE_SPACE", "1")
 
 
 

@@ -46,8 +46,10 @@ def byte_bpe() -> Tokenizer:
     return tok
 
 
-@pytest.fixture(params=["gemma", "byte_bpe"])
+@pytest.fixture(scope="module", params=["gemma", "byte_bpe"])
 def tokenizer(request) -> Tokenizer:
+    """Module-scoped, so that pytest runs every test of one tokenizer together and converts the
+    GGUF's tokenizer once (a function-scoped parametrized fixture converted it twice, ~40 s each)."""
     return request.getfixturevalue(request.param)
 
 

@@ -274,7 +274,7 @@ def test_sigterm_drains_the_headless_rank_which_rejoins_and_is_not_doubled(folde
 
     caplog.set_level(logging.INFO, logger="pagedllm")
     folder, port = folder_port
-    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)   # max_model_len 512
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     single = LLM(folder, **KWARGS)
     want = [list(o.outputs[0].token_ids) for o in single.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]],

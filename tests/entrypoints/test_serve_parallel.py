@@ -82,10 +82,10 @@ def test_serve_multi_rank_starts_answers_and_leaves_nothing(form, reference, lau
 
 
 def _ranks(server) -> list[psutil.Process]:
-    """The worker processes (``spawn_main`` grandchildren below the engine process, or children with
-    --engine-in-process), by pid."""
-    return sorted((p for p in _descendants(server) if "spawn_main" in " ".join(p.cmdline())
-                   and not p.children()), key=lambda p: p.pid)
+    """The worker processes (forked by the fork server below the engine process, or below the
+    server itself with --engine-in-process: children of a process running ``forkserver``), by pid."""
+    servers = [p for p in _descendants(server) if "forkserver" in " ".join(p.cmdline())]
+    return sorted((c for s in servers for c in s.children()), key=lambda p: p.pid)
 
 
 @pytest.mark.timeout(300)
