@@ -29,29 +29,35 @@ def _partials(rank: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
     return full[:rows].to(dtype)
 
 
-def _worker(rank: int, world: int, port: int, dtype: torch.dtype, out_dir: str) -> None:
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         ctx = ParallelContext(rank=rank, tp_rank=rank, tp_size=world, tp_group=dist.group.WORLD)
-        results = {rows: tensor_parallel_all_reduce(_partials(rank, rows, dtype), ctx).clone()
-                   for rows in BATCHES}
+        results = {(str(dtype), rows): tensor_parallel_all_reduce(_partials(rank, rows, dtype), ctx).clone()
+                   for dtype in DTYPES for rows in BATCHES}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [3, 4])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_all_reduce_is_the_same_for_a_row_whatever_the_batch(world, dtype, tmp_path):
+def test_all_reduce_is_the_same_for_a_row_whatever_the_batch(world, tmp_path):
     from pagedllm.utils.network_utils import get_open_port
 
-    mp.spawn(_worker, args=(world, get_open_port(), dtype, str(tmp_path)), nprocs=world, join=True)
+    # Both dtypes in one group of processes, started from the fork server (as the engine's ranks are).
+    mp.start_processes(_worker, args=(world, get_open_port(), str(tmp_path)), nprocs=world, join=True,
+                       start_method="forkserver")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    # The reference: the partials summed in rank order in float32, rounded once.
-    expected = sum((_partials(r, max(BATCHES), dtype).float() for r in range(1, world)),
-                   _partials(0, max(BATCHES), dtype).float()).to(dtype)
-    for rank_results in results:
-        for rows in BATCHES:
-            assert rank_results[rows].dtype == dtype
-            assert torch.equal(rank_results[rows], expected[:rows]), (world, rows)
+    for dtype in DTYPES:
+        # The reference: the partials summed in rank order in float32, rounded once.
+        expected = sum((_partials(r, max(BATCHES), dtype).float() for r in range(1, world)),
+                       _partials(0, max(BATCHES), dtype).float()).to(dtype)
+        for rank_results in results:
+            for rows in BATCHES:
+                got = rank_results[(str(dtype), rows)]
+                assert got.dtype == dtype
+                assert torch.equal(got, expected[:rows]), (world, dtype, rows)

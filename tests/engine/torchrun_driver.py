@@ -40,14 +40,9 @@ def _only_42(token_ids: list[int], logits):
     return logits
 
 
-def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float, prompts: list[list[int]],
-         max_tokens: int) -> None:
-    size = dict(model=None, max_model_len=256, kv_cache_memory_bytes=64 << 20) if model == "default" else \
-        dict(model=model, max_model_len=128, block_size=8, kv_cache_memory_bytes=4 << 20)
-    llm = LLM(**size, dtype="float32", seed=1, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              data_parallel_size=dp, distributed_executor_backend="external_launcher")
-    config = llm.llm_engine.vllm_config.parallel_config
-    mine = [i for i in range(len(prompts)) if i % config.data_parallel_size == config.data_parallel_rank]
+def _generate(llm: LLM, model: str, prompts: list[list[int]], mine: list[int], temperature: float,
+              max_tokens: int) -> dict:
+    """This rank's share of the prompts, the forced-token request and (tiny model) the constrained ones."""
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in mine], params, use_tqdm=False)
     # A logits processor (a callable, applied where the engine's driver samples) that allows only token 42.
@@ -57,14 +52,28 @@ def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float
     # [structured output] on the tiny model only (the default model's vocabulary takes ~10 s to index).
     constrained = [] if model == "default" else llm.generate(
         [{"prompt_token_ids": p} for p in prompts[:2]], constrained_params(temperature, max_tokens), use_tqdm=False)
-    result = {"forced": list(forced[0].outputs[0].token_ids),
-              "constrained": [list(o.outputs[0].token_ids) for o in constrained],
-              "dp_rank": config.data_parallel_rank, "dp_size": config.data_parallel_size,
+    return {"forced": list(forced[0].outputs[0].token_ids),
+            "constrained": [list(o.outputs[0].token_ids) for o in constrained],
+            "tokens": {str(i): list(o.outputs[0].token_ids) for i, o in zip(mine, outputs)}}
+
+
+def main(model: str, out_dir: str, tp: int, pp: int, dp: int, temperature: float, prompts: list[list[int]],
+         max_tokens: int) -> None:
+    size = dict(model=None, max_model_len=256, kv_cache_memory_bytes=64 << 20) if model == "default" else \
+        dict(model=model, max_model_len=128, block_size=8, kv_cache_memory_bytes=4 << 20)
+    llm = LLM(**size, dtype="float32", seed=1, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              data_parallel_size=dp, distributed_executor_backend="external_launcher")
+    config = llm.llm_engine.vllm_config.parallel_config
+    mine = [i for i in range(len(prompts)) if i % config.data_parallel_size == config.data_parallel_rank]
+    result = {"dp_rank": config.data_parallel_rank, "dp_size": config.data_parallel_size,
               "num_blocks": llm.llm_engine.num_blocks,
               "world_rank": dist.get_rank(group=get_world_group().cpu_group),
               "num_params": sum(p.numel() for p in
                                 llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.parameters()),
-              "tokens": {str(i): list(o.outputs[0].token_ids) for i, o in zip(mine, outputs)}}
+              **_generate(llm, model, prompts, mine, temperature, max_tokens)}
+    if model != "default" and temperature == 0.0:
+        # The same requests sampled (temperature 0.8) by the same engine: every rank must agree.
+        result["sampled"] = _generate(llm, model, prompts, mine, 0.8, max_tokens)
     with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(result, f)
 
