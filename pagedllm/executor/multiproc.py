@@ -127,21 +127,33 @@ def _detach_fd(dup_fd) -> int:
     return dup_fd.detach()
 
 
-def _redirect_stdio(stdio_fds: tuple[int, int] | None) -> None:
+def _engine_stdio() -> tuple["_InheritedFd | None", "_InheritedFd | None"]:
+    """This process's stdout and stderr (file descriptors 1 and 2) to hand to a worker; None for
+    one that is closed (a daemon's), which the worker then leaves as it is."""
+    def open_fd(fd: int) -> "_InheritedFd | None":
+        try:
+            os.fstat(fd)
+        except OSError:
+            return None
+        return _InheritedFd(fd)
+    return open_fd(1), open_fd(2)
+
+
+def _redirect_stdio(stdio_fds: tuple[int | None, int | None] | None) -> None:
     """Point this worker's stdout / stderr (file descriptors 1 and 2) at the engine process's
     current ones. A forked worker would otherwise write where the fork server's were when it
     started (e.g. a file that a test or a caller redirected to once)."""
     if stdio_fds is None:
         return
     for target, fd in zip((1, 2), stdio_fds):
-        if fd != target:
+        if fd is not None and fd != target:
             os.dup2(fd, target)
             os.close(fd)
 
 
 def _worker_main(rank: int, configs: tuple, init_method: str, conn: Connection, num_threads: int,
                  log_settings: tuple[int, str] = (logging.WARNING, ""),
-                 stdio_fds: tuple[int, int] | None = None) -> None:
+                 stdio_fds: tuple[int | None, int | None] | None = None) -> None:
     """A worker process: build the ``Worker``, answer calls from the engine until "shutdown" or EOF.
     ``log_settings``: (level, line prefix) from ``worker_log_settings``; ``stdio_fds``: the engine
     process's stdout and stderr (``_InheritedFd``), made this process's."""
@@ -265,7 +277,7 @@ class MultiprocExecutor(MultiRankExecutor):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker_main, args=(rank, configs, init_method, child, self.num_threads,
                                                           worker_log_settings(rank, self.driver_rank),
-                                                          (_InheritedFd(1), _InheritedFd(2))),
+                                                          _engine_stdio()),
                                name=f"pagedllm-worker-{rank}", daemon=True)
             proc.start()
             child.close()

@@ -138,3 +138,41 @@ def test_executor_selection():
         ParallelConfig(distributed_executor_backend="dask")
     with pytest.raises(ValueError, match="data_parallel_size must be an int >= 1"):
         ParallelConfig(data_parallel_size=0)
+
+
+_CLOSED_STDOUT_SCRIPT = """
+import os, sys
+from pagedllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    os.close(1)   # a daemon's closed stdout: the workers must still start
+    llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2, max_model_len=128,
+              kv_cache_memory_bytes=4 << 20, cpu_threads_per_rank=1)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    sys.stderr.write("tokens %s\\n" % list(out[0].outputs[0].token_ids))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_rank_workers_start_with_stdout_closed(make_tiny_checkpoint, tmp_path):
+    """Workers come from a fork server and take the engine's current stdout / stderr (that their
+    log lines follow a redirected stderr is test_parallel's capfd check): with stdout closed they
+    start all the same and give one process's greedy tokens."""
+    import subprocess
+    import sys
+
+    folder = make_tiny_checkpoint("llama")
+    script = tmp_path / "closed_stdout.py"
+    script.write_text(_CLOSED_STDOUT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), folder], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = LLMEngine(EngineArgs(model=folder, dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20))
+    try:
+        single.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        while single.has_unfinished_requests():
+            outputs = single.step()
+        want = list(outputs[0].outputs[0].token_ids)
+    finally:
+        single.shutdown()
+    assert f"tokens {want}" in proc.stderr, proc.stderr[-3000:]
