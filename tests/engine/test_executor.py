@@ -167,12 +167,12 @@ def test_rank_workers_start_with_stdout_closed(make_tiny_checkpoint, tmp_path):
     script.write_text(_CLOSED_STDOUT_SCRIPT)
     proc = subprocess.run([sys.executable, str(script), folder], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    single = LLMEngine(EngineArgs(model=folder, dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20))
+    from parallel_utils import run_requests, tiny_engine
+
+    single = tiny_engine(folder)
     try:
-        single.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        while single.has_unfinished_requests():
-            outputs = single.step()
-        want = list(outputs[0].outputs[0].token_ids)
+        want = list(run_requests(single, [([5, 6, 7], SamplingParams(temperature=0, max_tokens=4,
+                                                                     ignore_eos=True))])["r0"][0])
     finally:
         single.shutdown()
     assert f"tokens {want}" in proc.stderr, proc.stderr[-3000:]

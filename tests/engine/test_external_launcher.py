@@ -25,7 +25,7 @@ TORCHRUN_ENV = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
-def _torchrun(tmp_path, folder: str, tp: int, pp: int, dp: int, temperature: float = 0.0, nproc: int = 2,
+def _torchrun(tmp_path, folder: str, tp: int, pp: int, dp: int, nproc: int = 2,
               extra: tuple[str, ...] = (), timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
@@ -33,7 +33,8 @@ def _torchrun(tmp_path, folder: str, tp: int, pp: int, dp: int, temperature: flo
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={nproc}", DRIVER, folder, str(tmp_path), str(tp), str(pp), str(dp),
-                           str(temperature), *extra], env=env, capture_output=True, text=True, timeout=timeout)
+                           "0.0", *extra], env=env,   # 0.0: greedy (the driver adds a sampled pass itself)
+                           capture_output=True, text=True, timeout=timeout)
 
 
 def _rank_results(tmp_path, nproc: int = 2) -> list[dict]:
