@@ -9,6 +9,11 @@ source, the flags, torch's version, Python's and this CPU's flags, so later proc
 no ninja, a compile error) logs one WARNING naming what runs instead, and the caller's fallback
 (the eager torch code) runs.
 
+The sources include ATen's core headers (``<ATen/core/Tensor.h>``, the ``<ATen/ops/...>`` they
+call) and torch's pybind11 header (``<torch/csrc/utils/pybind.h>``) instead of
+``<torch/extension.h>``, whose whole C++ frontend took ~2.5x the compile time and ~2x the
+compiler's memory (docs/benchmarks.md, "Building the C++ kernels").
+
 The environment variable ``TORCH_EXTENSIONS_DIR`` is torch's own (read by its builder too).
 """
 

@@ -31,7 +31,11 @@
 // blocks x 2 ymm accumulators, and the row groups of one tile follow each other (the tile is still
 // in L2 for the second). One code for every M (never a second kernel by row count).
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // the module's bindings, not <torch/extension.h> (45 s more to compile)
 
 #include "linear_bias.h"
 
@@ -216,18 +220,18 @@ void run_tiles(int64_t m, int64_t k, int64_t blocks, const float* xp, const c10:
 
 // x [M, K] bfloat16 (contiguous), packed from pack_bf16_weight(w [N, K]), bias [N] float32 or
 // None -> y [M, N] bfloat16 = x w^T (+ bias), see the header.
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                           int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.dtype() == torch::kBFloat16,
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.dtype() == at::kBFloat16,
               "x must be a contiguous bfloat16 [M, K] tensor");
   const int64_t m = x.size(0), k = x.size(1);
   check_packed(packed, n, k);
-  torch::Tensor bias_kept;
+  at::Tensor bias_kept;
   const float* bptr = pagedllm_linear::bias_pointer(bias, n, bias_kept);
-  auto y = torch::empty({m, n}, x.options());
+  auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
 #if PAGEDLLM_BF16_AVX2
-  const torch::Tensor xf = x.to(torch::kFloat32);   // exact
+  const at::Tensor xf = x.to(at::kFloat);   // exact
   const int64_t blocks = packed.size(0);
   const float* xp = xf.data_ptr<float>();
   const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();

@@ -7,7 +7,8 @@
 // tdpbf16ps (16 column pairs x 16 outputs).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -19,8 +20,8 @@ namespace pagedllm_bf16 {
 constexpr int64_t kBlock = 16;   // outputs per packed block (zmm float32 lanes, B tile columns)
 constexpr int64_t kPair = 2;     // columns per lane
 
-inline void check_packed(const torch::Tensor& packed, int64_t n, int64_t k) {
-  TORCH_CHECK(packed.dtype() == torch::kBFloat16 && packed.dim() == 3 && packed.is_contiguous() &&
+inline void check_packed(const at::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(packed.dtype() == at::kBFloat16 && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.size(2) == kPair * kBlock,
               "packed must be a contiguous bfloat16 [N / 16, K / 2, 32] tensor from pack_bf16_weight");
   TORCH_CHECK(packed.size(1) * kPair == k, "packed does not match K=", k);
@@ -28,13 +29,13 @@ inline void check_packed(const torch::Tensor& packed, int64_t n, int64_t k) {
 }
 
 // w [N, K] bfloat16 (K even) -> packed [ceil(N / 16), K / 2, 32] bfloat16 in the layout above.
-inline torch::Tensor pack_bf16_weight(const torch::Tensor& w) {
-  TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.dim() == 2, "w must be a bfloat16 [N, K] tensor");
+inline at::Tensor pack_bf16_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dtype() == at::kBFloat16 && w.dim() == 2, "w must be a bfloat16 [N, K] tensor");
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(k % kPair == 0 && k > 0, "K must be a positive even number, got ", k);
   const int64_t blocks = (n + kBlock - 1) / kBlock, k2 = k / kPair;
   auto wc = w.contiguous();
-  auto packed = torch::empty({blocks, k2, kPair * kBlock}, w.options());
+  auto packed = at::empty({blocks, k2, kPair * kBlock}, w.options());
   packed.zero_();
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());

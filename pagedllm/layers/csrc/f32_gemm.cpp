@@ -23,7 +23,11 @@
 // in accumulators, and the row groups of one tile follow each other (the tile is still in L2 for
 // the second).
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // the module's bindings, not <torch/extension.h> (45 s more to compile)
 
 #include "f32_gemm.h"
 #include "linear_bias.h"
@@ -36,11 +40,11 @@
 #include <vector>
 
 // w [N, K] float32 -> [ceil(N / 16), K, 16] float32 (the header's layout; zero outputs pad).
-torch::Tensor pack_f32_weight(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.dtype() == torch::kFloat32, "w must be a float32 [N, K] tensor");
+at::Tensor pack_f32_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.dtype() == at::kFloat, "w must be a float32 [N, K] tensor");
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  auto padded = torch::zeros({blocks * kBlock, k}, w.options());
+  auto padded = at::zeros({blocks * kBlock, k}, w.options());
   padded.narrow(0, 0, n).copy_(w);
   return padded.view({blocks, kBlock, k}).transpose(1, 2).contiguous();
 }
@@ -64,17 +68,17 @@ void run_tiles(int64_t m, int64_t k, int64_t blocks, const float* xp, const floa
 
 // x [M, K] float32 (contiguous), packed from pack_f32_weight(w [N, K]), bias [N] float32 or None
 // -> y [M, N] float32 = x w^T (+ bias), see the header.
-torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.dtype() == torch::kFloat32,
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.dtype() == at::kFloat,
               "x must be a contiguous float32 [M, K] tensor");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.dim() == 3 && packed.dtype() == torch::kFloat32 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dim() == 3 && packed.dtype() == at::kFloat && packed.is_contiguous() &&
                   packed.size(0) == (n + kBlock - 1) / kBlock && packed.size(1) == k && packed.size(2) == kBlock,
               "packed must come from pack_f32_weight of a [", n, ", ", k, "] weight");
-  torch::Tensor bias_kept;
+  at::Tensor bias_kept;
   const float* bptr = pagedllm_linear::bias_pointer(bias, n, bias_kept);
-  auto y = torch::empty({m, n}, x.options());
+  auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
 #if PAGEDLLM_F32_GEMM
   const int64_t blocks = packed.size(0);

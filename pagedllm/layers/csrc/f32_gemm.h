@@ -4,7 +4,7 @@
 // in one call). Everything is in an anonymous namespace: each extension compiles its own copy.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -29,7 +29,11 @@
 
 #include "vec_isa.h"  // before ATen: selects its vector code
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // the module's bindings, not <torch/extension.h> (45 s more to compile)
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -153,17 +157,17 @@ void run_experts(const Groups& g, int64_t tokens, int64_t k, int64_t hidden, int
 // weights, stacked), I a multiple of 16, the local experts being ids [first, first + E), the
 // activation's scalar formula from column scalar_from (the header) -> [T, H] float32, the header's
 // sum over each token's local experts (zeros where none).
-torch::Tensor f32_moe(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& ids,
-                      const torch::Tensor& w13, const torch::Tensor& w2, int64_t first_expert, int64_t scalar_from) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.dtype() == torch::kFloat32 && x.device().is_cpu(),
+at::Tensor f32_moe(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                      const at::Tensor& w13, const at::Tensor& w2, int64_t first_expert, int64_t scalar_from) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.dtype() == at::kFloat && x.device().is_cpu(),
               "x must be a contiguous float32 [T, H] CPU tensor");
   const int64_t tokens = x.size(0), hidden = x.size(1);
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == tokens && ids.dtype() == torch::kInt64 && ids.is_contiguous(),
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == tokens && ids.dtype() == at::kLong && ids.is_contiguous(),
               "ids must be a contiguous int64 [T, k] tensor");
   const int64_t k = ids.size(1);
-  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.dtype() == torch::kFloat32 && weights.is_contiguous(),
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.dtype() == at::kFloat && weights.is_contiguous(),
               "weights must be a contiguous float32 [T, k] tensor");
-  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.dtype() == torch::kFloat32 && w2.dtype() == torch::kFloat32 &&
+  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.dtype() == at::kFloat && w2.dtype() == at::kFloat &&
                   w13.is_contiguous() && w2.is_contiguous(),
               "w13 and w2 must be contiguous float32 [E, blocks, K, 16] tensors");
   const int64_t experts = w13.size(0), inter = w2.size(2);
@@ -174,19 +178,19 @@ torch::Tensor f32_moe(const torch::Tensor& x, const torch::Tensor& weights, cons
               w13.sizes(), ", ", w2.sizes(), ", H ", hidden, ")");
   TORCH_CHECK(scalar_from >= 0 && scalar_from <= inter && scalar_from % 8 == 0,
               "scalar_from must be a multiple of 8 in [0, I], got ", scalar_from);
-  auto out = torch::empty({tokens, hidden}, x.options());
+  auto out = at::empty({tokens, hidden}, x.options());
   if (tokens == 0) return out;
 #if PAGEDLLM_F32_GEMM
   const Groups g = group_pairs(ids.data_ptr<int64_t>(), tokens * k, experts, first_expert);
   const int64_t rows = g.start.back();
-  auto xs = torch::empty({rows, hidden}, x.options());   // each local pair's token row, sorted by expert
+  auto xs = at::empty({rows, hidden}, x.options());   // each local pair's token row, sorted by expert
   const float* xp = x.data_ptr<float>();
   float* xsp = xs.data_ptr<float>();
   for (int64_t p = 0; p < tokens * k; ++p)
     if (g.pos[p] >= 0) std::memcpy(xsp + g.pos[p] * hidden, xp + (p / k) * hidden, hidden * sizeof(float));
-  auto gu = torch::empty({rows, 2 * inter}, x.options());
-  auto act = torch::empty({rows, inter}, x.options());
-  auto ys = torch::empty({rows, hidden}, x.options());
+  auto gu = at::empty({rows, 2 * inter}, x.options());
+  auto act = at::empty({rows, inter}, x.options());
+  auto ys = at::empty({rows, hidden}, x.options());
   auto run = g.max_rows >= kLargeFromRows ? run_experts<kLargeT, kLargeRows> : run_experts<kSmallT, kSmallRows>;
   run(g, tokens, k, hidden, inter, xsp, w13.data_ptr<float>(), w2.data_ptr<float>(), weights.data_ptr<float>(),
       (scalar_from / kW) * kW, gu.data_ptr<float>(), act.data_ptr<float>(), ys.data_ptr<float>(), out.data_ptr<float>());

@@ -29,7 +29,11 @@
 // micro-kernel call holds up to kMaxRows rows x 2 digit sums of one block in zmm registers and
 // streams the block once per kMaxRows rows.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // the module's bindings, not <torch/extension.h> (45 s more to compile)
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -72,25 +76,25 @@ static_assert(PAGEDLLM_INT8_ROWS <= 12, "the micro-kernel names 12 accumulator p
 constexpr int kMaxRows = PAGEDLLM_INT8_ROWS;  // activation rows per micro-kernel call (x 2 digit sums)
 constexpr int64_t kMaxK = 65536;   // int32 digit sums cannot overflow up to here
 
-void check_packed(const torch::Tensor& packed, const torch::Tensor& row_sums, const torch::Tensor& scales,
+void check_packed(const at::Tensor& packed, const at::Tensor& row_sums, const at::Tensor& scales,
                   int64_t n, int64_t k) {
-  TORCH_CHECK(packed.dtype() == torch::kInt8 && packed.dim() == 3 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dtype() == at::kChar && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.size(2) == kGroup * kBlock,
               "packed must be a contiguous int8 [N / 16, K / 4, 64] tensor from pack_int8_weight");
   TORCH_CHECK(packed.size(1) * kGroup == k, "packed does not match K=", k);
   TORCH_CHECK(packed.size(0) * kBlock >= n && packed.size(0) * kBlock < n + kBlock, "packed does not match N=", n);
-  TORCH_CHECK(row_sums.dtype() == torch::kInt32 && row_sums.is_contiguous() &&
+  TORCH_CHECK(row_sums.dtype() == at::kInt && row_sums.is_contiguous() &&
                   row_sums.numel() == packed.size(0) * kBlock,
               "row_sums must be the int32 tensor pack_int8_weight returned");
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == n,
+  TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
               "scales must be a contiguous float32 [N] tensor");
 }
 
 // x: a contiguous float32 or bfloat16 [M, K] row block for the packed weight (K a multiple of 16).
-void check_input(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& row_sums,
-                 const torch::Tensor& scales, int64_t n) {
+void check_input(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& row_sums,
+                 const at::Tensor& scales, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(x.dtype() == at::kFloat || x.dtype() == at::kBFloat16, "x must be float32 or bfloat16");
   check_packed(packed, row_sums, scales, n, x.size(1));
   TORCH_CHECK(x.size(1) % 16 == 0, "K must be a multiple of 16, got ", x.size(1));
 }
@@ -99,14 +103,14 @@ void check_input(const torch::Tensor& x, const torch::Tensor& packed, const torc
 
 // q [N, K] int8 (K a multiple of 4, <= 65536) -> (packed [ceil(N / 16), K / 4, 64] int8 in the layout
 // above, row sums [ceil(N / 16) * 16] int32).
-std::tuple<torch::Tensor, torch::Tensor> pack_int8_weight(const torch::Tensor& q) {
-  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2, "q must be an int8 [N, K] tensor");
+std::tuple<at::Tensor, at::Tensor> pack_int8_weight(const at::Tensor& q) {
+  TORCH_CHECK(q.dtype() == at::kChar && q.dim() == 2, "q must be an int8 [N, K] tensor");
   const int64_t n = q.size(0), k = q.size(1);
   TORCH_CHECK(k % kGroup == 0 && k <= kMaxK, "K must be a multiple of 4 and at most 65536, got ", k);
   const int64_t blocks = (n + kBlock - 1) / kBlock, k4 = k / kGroup;
   auto qc = q.contiguous();
-  auto packed = torch::zeros({blocks, k4, kGroup * kBlock}, q.options());
-  auto row_sums = torch::zeros({blocks * kBlock}, q.options().dtype(torch::kInt32));
+  auto packed = at::zeros({blocks, k4, kGroup * kBlock}, q.options());
+  auto row_sums = at::zeros({blocks * kBlock}, q.options().dtype(at::kInt));
   const int8_t* src = qc.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   int32_t* sums = row_sums.data_ptr<int32_t>();
@@ -179,16 +183,16 @@ void quantize_rows(const WT* w, int64_t n, int64_t k, int8_t* q, float* scales, 
 // round(w_i / s) to nearest even, clamped to [-127, 127], E = max_i |q_i s - w_i|, A = max_i |q_i s|
 // (each q_i s is exact in float32). The same numbers as sample/greedy_head.py's torch code, in one
 // pass per row (that code allocates several float32 copies of the whole head).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_int8_rows(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16),
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_int8_rows(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && (w.dtype() == at::kFloat || w.dtype() == at::kBFloat16),
               "w must be a float32 or bfloat16 [N, K] tensor");
   auto wc = w.contiguous();
   const int64_t n = wc.size(0), k = wc.size(1);
-  auto q = torch::empty({n, k}, wc.options().dtype(torch::kInt8));
-  auto scales = torch::empty({n}, wc.options().dtype(torch::kFloat32));
-  auto err = torch::empty({n}, wc.options().dtype(torch::kFloat64));
-  auto amax = torch::empty({n}, wc.options().dtype(torch::kFloat64));
-  if (wc.dtype() == torch::kFloat32) {
+  auto q = at::empty({n, k}, wc.options().dtype(at::kChar));
+  auto scales = at::empty({n}, wc.options().dtype(at::kFloat));
+  auto err = at::empty({n}, wc.options().dtype(at::kDouble));
+  auto amax = at::empty({n}, wc.options().dtype(at::kDouble));
+  if (wc.dtype() == at::kFloat) {
     quantize_rows(wc.data_ptr<float>(), n, k, q.data_ptr<int8_t>(), scales.data_ptr<float>(), err.data_ptr<double>(),
                   amax.data_ptr<double>());
   } else {
@@ -199,12 +203,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_
 }
 
 // packed -> [N, K] int8: the codes back in row-major order (for tests and dequantized references).
-torch::Tensor unpack_int8_weight(const torch::Tensor& packed, int64_t n) {
-  TORCH_CHECK(packed.dtype() == torch::kInt8 && packed.dim() == 3 && packed.is_contiguous() &&
+at::Tensor unpack_int8_weight(const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(packed.dtype() == at::kChar && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.size(2) == kGroup * kBlock && packed.size(0) * kBlock >= n,
               "packed must come from pack_int8_weight");
   const int64_t k4 = packed.size(1), k = k4 * kGroup;
-  auto q = torch::empty({n, k}, packed.options());
+  auto q = at::empty({n, k}, packed.options());
   const int8_t* src = packed.data_ptr<int8_t>();
   int8_t* dst = q.data_ptr<int8_t>();
   for (int64_t r = 0; r < n; ++r) {
@@ -501,23 +505,23 @@ void greedy_argmax(const XT* x, int64_t rows, int64_t k, const int8_t* packed, c
 #endif  // PAGEDLLM_INT8_VNNI
 
 // x [M, K] float32 or bfloat16 -> [M, N] in x's dtype (see the header for the arithmetic).
-torch::Tensor int8_weight_only_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& row_sums,
-                                  const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias, int64_t n) {
+at::Tensor int8_weight_only_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& row_sums,
+                                  const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n) {
 #if PAGEDLLM_INT8_VNNI
   check_input(x, packed, row_sums, scales, n);
   const int64_t rows = x.size(0), k = x.size(1);
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
+    TORCH_CHECK(bias->dtype() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
                 "bias must be a contiguous float32 [N] tensor");
     bias_ptr = bias->data_ptr<float>();
   }
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   const int8_t* w = packed.data_ptr<int8_t>();
   const int32_t* sums = row_sums.data_ptr<int32_t>();
   const float* s = scales.data_ptr<float>();
-  if (x.dtype() == torch::kFloat32) {
+  if (x.dtype() == at::kFloat) {
     gemm<float, float>(x.data_ptr<float>(), rows, k, w, sums, n, s, bias_ptr, out.data_ptr<float>());
   } else {
     gemm<uint16_t, uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, k, w, sums, n, s,
@@ -539,25 +543,25 @@ torch::Tensor int8_weight_only_mm(const torch::Tensor& x, const torch::Tensor& p
 // argmax; 1 = more than max_candidates candidates (tokens[m] = -1: the caller runs the full head);
 // 2 = tokens[m] is the best float64 score but another candidate lies within both float64 error bounds
 // (2 g64 sum |x_i w_i| each): the caller decides exactly.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> int8_greedy_argmax(
-    const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& row_sums, const torch::Tensor& scales,
-    int64_t n, const torch::Tensor& weight, const torch::Tensor& err2, const torch::Tensor& amax2,
-    const torch::Tensor& row_n1, const torch::Tensor& row_term, int64_t max_candidates, double g64) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_greedy_argmax(
+    const at::Tensor& x, const at::Tensor& packed, const at::Tensor& row_sums, const at::Tensor& scales,
+    int64_t n, const at::Tensor& weight, const at::Tensor& err2, const at::Tensor& amax2,
+    const at::Tensor& row_n1, const at::Tensor& row_term, int64_t max_candidates, double g64) {
 #if PAGEDLLM_INT8_VNNI
   check_input(x, packed, row_sums, scales, n);
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(0) == n && weight.size(1) == k &&
-                  (weight.dtype() == torch::kFloat32 || weight.dtype() == torch::kBFloat16),
+                  (weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16),
               "weight must be a contiguous float32 or bfloat16 [N, K] tensor");
   for (const auto* t : {&err2, &amax2})
-    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->numel() == n,
+    TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous() && t->numel() == n,
                 "err2 and amax2 must be contiguous float32 [N] tensors");
   for (const auto* t : {&row_n1, &row_term})
-    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->numel() == rows,
+    TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous() && t->numel() == rows,
                 "row_n1 and row_term must be contiguous float32 [M] tensors");
-  auto tokens = torch::empty({rows}, x.options().dtype(torch::kInt64));
-  auto status = torch::empty({rows}, x.options().dtype(torch::kInt8));
-  auto counts = torch::empty({rows}, x.options().dtype(torch::kInt32));
+  auto tokens = at::empty({rows}, x.options().dtype(at::kLong));
+  auto status = at::empty({rows}, x.options().dtype(at::kChar));
+  auto counts = at::empty({rows}, x.options().dtype(at::kInt));
   if (rows == 0) return {tokens, status, counts};
   auto run = [&](auto* xp, auto* wp) {
     greedy_argmax(xp, rows, k, packed.data_ptr<int8_t>(), row_sums.data_ptr<int32_t>(), n, scales.data_ptr<float>(),
@@ -565,8 +569,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> int8_greedy_argmax(
                   row_term.data_ptr<float>(), max_candidates, g64, tokens.data_ptr<int64_t>(),
                   status.data_ptr<int8_t>(), counts.data_ptr<int32_t>());
   };
-  auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>()); };
-  const bool xf = x.dtype() == torch::kFloat32, wf = weight.dtype() == torch::kFloat32;
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>()); };
+  const bool xf = x.dtype() == at::kFloat, wf = weight.dtype() == at::kFloat;
   if (xf && wf) run(x.data_ptr<float>(), weight.data_ptr<float>());
   else if (xf) run(x.data_ptr<float>(), bits(weight));
   else if (wf) run(bits(x), weight.data_ptr<float>());

@@ -2,7 +2,7 @@
 // f32_gemm.cpp): checked once, read through a raw pointer.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 
@@ -10,9 +10,9 @@ namespace pagedllm_linear {
 
 // bias [N] float32 or None -> its data (nullptr for None); `keep` holds the contiguous copy the
 // pointer reads, for the call's lifetime.
-inline const float* bias_pointer(const c10::optional<torch::Tensor>& bias, int64_t n, torch::Tensor& keep) {
+inline const float* bias_pointer(const c10::optional<at::Tensor>& bias, int64_t n, at::Tensor& keep) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == n, "bias must be a float32 [N] tensor");
+  TORCH_CHECK(bias->dtype() == at::kFloat && bias->numel() == n, "bias must be a float32 [N] tensor");
   keep = bias->contiguous();
   return keep.data_ptr<float>();
 }

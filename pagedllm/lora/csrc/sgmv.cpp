@@ -22,7 +22,11 @@
 
 #include "../../layers/csrc/vec_isa.h"  // before ATen: selects its vector code
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // the module's bindings, not <torch/extension.h> (45 s more to compile)
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

@@ -5,7 +5,11 @@
 // ((word >> 8) + 1) / (2**24 + 1), computed in double and rounded to float as the torch path does.
 // The 10 rounds stay in registers; rows x groups are split across OpenMP threads.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // the module's bindings, not <torch/extension.h> (45 s more to compile)
 
 #include <algorithm>
 #include <cmath>
@@ -47,8 +51,8 @@ inline void philox_group(uint32_t g, const uint32_t* s, uint32_t key0, uint32_t 
   out[3] = c3;
 }
 
-std::vector<uint32_t> state_words(const torch::Tensor& state) {
-  TORCH_CHECK(state.dim() == 2 && state.size(1) == 4 && state.scalar_type() == torch::kInt64,
+std::vector<uint32_t> state_words(const at::Tensor& state) {
+  TORCH_CHECK(state.dim() == 2 && state.size(1) == 4 && state.scalar_type() == at::kLong,
               "state must be [N, 4] int64");
   auto st = state.contiguous();
   std::vector<uint32_t> words(st.numel());
@@ -61,12 +65,12 @@ std::vector<uint32_t> state_words(const torch::Tensor& state) {
 
 // state: [N, 4] int64 (the context state's 32-bit words); key0, key1: the token key's two words
 // before the per-row XOR (k0, k1 ^ TOKEN_DOMAIN). Returns [N, vocab_size] float32.
-torch::Tensor philox_vocab_uniform(torch::Tensor state, int64_t key0, int64_t key1, int64_t vocab_size) {
+at::Tensor philox_vocab_uniform(at::Tensor state, int64_t key0, int64_t key1, int64_t vocab_size) {
   TORCH_CHECK(vocab_size >= 1, "vocab_size must be >= 1");
   const std::vector<uint32_t> s = state_words(state);
   const int64_t n = state.size(0);
   const int64_t groups = (vocab_size + 3) / 4;
-  auto out = torch::empty({n, groups * 4}, torch::dtype(torch::kFloat32));
+  auto out = at::empty({n, groups * 4}, at::dtype(at::kFloat));
   float* o = out.data_ptr<float>();
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t r = 0; r < n; ++r) {
@@ -86,8 +90,8 @@ torch::Tensor philox_vocab_uniform(torch::Tensor state, int64_t key0, int64_t ke
 // best; the chunks are then reduced in order. The noise is at most kMaxNoise (u <= 1 - 2^-24 gives
 // 16.64), so a token whose logit + kMaxNoise cannot beat the chunk's best skips its two logs (and
 // a group of four such tokens its encryption): exact, and most of a language model's vocabulary.
-torch::Tensor philox_gumbel_argmax(torch::Tensor state, int64_t key0, int64_t key1, torch::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "logits must be [N, V] float32");
+at::Tensor philox_gumbel_argmax(at::Tensor state, int64_t key0, int64_t key1, at::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logits must be [N, V] float32");
   TORCH_CHECK(state.size(0) == logits.size(0), "state and logits must have the same rows");
   const std::vector<uint32_t> s = state_words(state);
   auto lg = logits.contiguous();
@@ -129,7 +133,7 @@ torch::Tensor philox_gumbel_argmax(torch::Tensor state, int64_t key0, int64_t ke
       best_idx[r * chunks + c] = bi;
     }
   }
-  auto out = torch::empty({n}, torch::dtype(torch::kInt64));
+  auto out = at::empty({n}, at::dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) {
     float bv = best_val[r * chunks];
