@@ -2,7 +2,9 @@
 bound + exact re-score), on the default model's head and real hidden rows.
 
 Usage (repo root): ``nice -n 19 python benchmarks/greedy_head.py [model folder] [--repeats 7] [--rows 1,4,16,64]
-[--kinds bf16,int8,int8_vnni]`` (``int8_vnni``'s two-pass time is its fused C++ call);
+[--kinds bf16,int8,int8_vnni,int8_avx2]`` (``int8_vnni``'s two-pass time is its fused C++ call;
+``int8_avx2`` only where the int8 kernel's AVX2 code runs); the full head is the engine's float32 GEMM
+where it runs (``layers/f32_gemm.py``), else oneDNN's packed inner product;
 ``--engine``: instead, the default model in float32 through ``LLM`` with ``exact_greedy_head``
 ``auto`` and ``off``: whether 5 prompts x 32 greedy tokens agree, and the CPU time of a batch-1
 generate of 48 tokens (3 interleaved repeats).
@@ -63,7 +65,7 @@ def engine_check(repeats: int = 3) -> None:
 
     prompts = ["The capital of France is", "def quicksort(arr):", "Once upon a time, in a land far away,",
                "The three laws of thermodynamics are", "Water boils at"]
-    llms = {m: LLM(None, dtype="float32", seed=0, exact_greedy_head=m, max_num_seqs=8) for m in ("auto", "off")}
+    llms = {m: LLM(None, dtype="float32", seed=0, exact_greedy_head=m, max_num_seqs=4) for m in ("auto", "off")}
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     tokens = {m: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
               for m, llm in llms.items()}
@@ -89,8 +91,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16,64")
     ap.add_argument("--engine", action="store_true", help="the engine check instead of the head timings")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes to time")
-    ap.add_argument("--kinds", default="bf16,int8,int8_vnni",
-                    help="cheap-pass kinds to time (int8_vnni only where the CPU has VNNI)")
+    ap.add_argument("--kinds", default="bf16,int8,int8_vnni,int8_avx2",
+                    help="cheap-pass kinds to time (int8_vnni only where the CPU has VNNI, int8_avx2 where its code runs)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.engine:
@@ -106,9 +108,14 @@ def main() -> None:
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         w = weight.to(dtype)
         full = PackedLinear(w, None, 64)
-        from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_kernel_for
+        from pagedllm.layers.f32_gemm import F32Linear, f32_kernel_for, load_f32_gemm
+        from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_avx2_unavailable, int8_kernel_for
 
-        kinds = [k for k in args.kinds.split(",") if k != "int8_vnni" or int8_kernel_for()[0] == VNNI_KERNEL]
+        if dtype == torch.float32 and f32_kernel_for()[0] != "onednn":   # the engine's float32 head here
+            full = F32Linear(w, None, load_f32_gemm())
+        print(f"{str(dtype)[6:]:9s} full head: {type(full).__name__}", flush=True)
+        kinds = [k for k in args.kinds.split(",") if (k != "int8_vnni" or int8_kernel_for()[0] == VNNI_KERNEL)
+                 and (k != "int8_avx2" or int8_avx2_unavailable() is None)]
         heads = {kind: ExactGreedyHead(w, kind, 64) for kind in kinds}
         for kind, head in heads.items():   # a row's fallback does not depend on the other rows
             _, fb = head.argmax(hidden.to(dtype))

@@ -20,6 +20,11 @@ int8_wo,int8_wo_torch``).
 
 ``cpu_isa`` (``KernelConfig.cpu_isa``, ``$PAGEDLLM_CPU_ISA``) = ``avx2`` or ``portable`` forces the torch
 kernel on any CPU (how tests compare the two).
+
+On CPUs with AVX2 and FMA but no VNNI the extension compiles ``int8_weight_only_mm`` with the same
+arithmetic through ``vpmaddwd`` (int16 pairs into int32; ``compiled_isas()`` = ``["avx2"]``). The
+exact greedy head's cheap pass uses it (``sample/greedy_head.py``, kind ``"int8_avx2"``;
+``int8_avx2_unavailable``); ``int8_weight_only`` layers do not (torch's kernel runs there).
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ from pagedllm.platforms.cpu_extension import CpuExtension, kernel_unavailable, l
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_gemm.cpp"
-EXTENSION = CpuExtension("int8_gemm", SOURCE, "int8 weight-only GEMM (AVX-512 VNNI)",
+EXTENSION = CpuExtension("int8_gemm", SOURCE, "int8 weight-only GEMM (AVX-512 VNNI / AVX2)",
                          "torch's _weight_int8pack_mm")
 # /proc/cpuinfo flags the kernel needs (the C++ guards on the same set).
 VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+# The AVX2 code's flags (compiled where the CPU has these and not VNNI_FLAGS).
+AVX2_FLAGS = ("avx2", "fma")
 TORCH_KERNEL = "torch"
 VNNI_KERNEL = "vnni"
 # The kernel sums at most this many columns in int32 (and reads rows 16 columns at a time).
@@ -73,3 +80,20 @@ def int8_kernel_for(cpu_isa: str = "auto", flags: frozenset[str] | None = None) 
     why = kernel_unavailable(EXTENSION, "avx512_vnni", resolve_cpu_isa(cpu_isa, flags),
                              (CpuIsa.AVX512, CpuIsa.AVX512_BF16), VNNI_FLAGS, flags)
     return (TORCH_KERNEL, why) if why else (VNNI_KERNEL, "avx512_vnni")
+
+
+def int8_avx2_unavailable(cpu_isa: str = "auto", flags: frozenset[str] | None = None) -> str | None:
+    """Why the kernel's AVX2 code cannot run here, in words; None when it can (then it is loaded).
+
+    It is compiled only where the CPU has AVX2 and FMA but not ``VNNI_FLAGS`` (``-march=native``),
+    and runs on the ``avx2`` and ``avx512`` paths of ``cpu_isa``.
+
+    Raises:
+        ValueError: as ``platforms.cpu.resolve_cpu_isa`` for a path the CPU cannot run.
+    """
+    flags = cpu_flags() if flags is None else flags
+    if not missing_vnni_flags(flags):
+        return "the CPU has AVX-512 VNNI (the kernel's VNNI code is compiled instead)"
+    return kernel_unavailable(EXTENSION, "avx2", resolve_cpu_isa(cpu_isa, flags), (CpuIsa.AVX2, CpuIsa.AVX512),
+                              AVX2_FLAGS, flags)
+

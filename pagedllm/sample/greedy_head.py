@@ -34,6 +34,10 @@ Two passes (``ExactGreedyHead.argmax``)
      (its own bound below): no split, a quarter of the float32 head's bytes. Its window is wider
      (the int8 weight term), so it allows more candidates (``MAX_CANDIDATES_VNNI``) before a row
      falls back; the exact re-score of a few hundred 640-wide rows costs well under a millisecond.
+   - ``"int8_avx2"``: the same kernel's AVX2 code (CPUs without VNNI): the same packed weight and
+     the same 16-bit fixed-point row, summed exactly by ``vpmaddwd``; its scores go through the
+     torch search of ``_argmax_two_pass`` (the fused C++ search is VNNI code). Hidden sizes up to
+     ``INT8_AVX2_MAX_HIDDEN``.
 
    The first two kernels take bf16 activations. A float32 row is split into ``x_hi = bf16(x)`` and
    ``x_lo = bf16(x - x_hi)``, run as two kernel rows (at a decode step's few rows the head costs
@@ -85,6 +89,11 @@ With the weight term as above, and no subnormals on this integer path (a row wit
 
     |c_j - r_j| <= |x|_1 E_j + A_j (max|x| K (0.503 / 32767 + 7 u) + 4.01 u |x|_1)
 
+``"int8_avx2"`` has the same bound: its ``X_i``, ``S_j`` (exact in integers) and final float32 steps
+are the VNNI kernel's; only the rounding of ``S_j`` to float32 differs: two int32 lane sums ``A``,
+``B`` (K <= 1024: no int32 overflow, ``|A| + |B| <= 32767 sum_i |q_ji|``) rounded and added, three
+roundings, at most ``2.01 u 32767 sum_i |q_ji|``, inside the ``3 u 65790 sum_i |q_ji|`` above.
+
 and ``B_j`` is twice that. It has no term in ``|c_j|``, so the window below is ``D = 2 a`` with
 ``a = 2 (|x|_1 E_max + A_max (max|x| K (0.503 / 32767 + 7 u) + 4.01 u |x|_1))``.
 
@@ -134,6 +143,12 @@ MAX_HIT_BLOCKS = 64
 # the default model's hidden rows (docs/performance.md).
 MAX_CANDIDATES_VNNI = 4096
 MAX_HIT_BLOCKS_VNNI = 2048
+# The kinds whose cheap pass is the int8 kernel's 16-bit fixed-point arithmetic (one bound for both):
+# "int8_vnni" (AVX-512 VNNI, fused in C++) and "int8_avx2" (AVX2, the torch two-pass search).
+FIXED_POINT_KINDS = ("int8_vnni", "int8_avx2")
+# "int8_avx2" sums each int32 lane over at most 1,024 columns (``csrc/int8_gemm.cpp``); its float32
+# steps stay inside the bound's allowance only for that one chunk.
+INT8_AVX2_MAX_HIDDEN = 1024
 _U_BF16 = 2.0 ** -8   # bf16: 8 significant bits, round to nearest
 _U_F32 = 2.0 ** -24
 _U_F64 = 2.0 ** -53
@@ -207,14 +222,18 @@ class ExactGreedyHead:
             self.extra_bytes = self.qweight.numel() + 2 * self.scales.numel()
             # q s is exact in float32 (8 x 8 significant bits)
             self.weight_error, self.approx_max = self._error_constants(w, self.qweight.float() * scale[:, None])
-        elif kind == "int8_vnni":
+        elif kind in FIXED_POINT_KINDS:
             from pagedllm.layers.int8_gemm import load_int8_gemm
 
             if self.hidden_size % 16:
-                raise ValueError(f"kind 'int8_vnni' needs a hidden size that is a multiple of 16, got {self.hidden_size}")
+                raise ValueError(f"kind {kind!r} needs a hidden size that is a multiple of 16, got {self.hidden_size}")
+            if kind == "int8_avx2" and self.hidden_size > INT8_AVX2_MAX_HIDDEN:
+                raise ValueError(f"kind 'int8_avx2' needs a hidden size of at most {INT8_AVX2_MAX_HIDDEN} (its bound "
+                                 f"assumes one int32 chunk per lane), got {self.hidden_size}")
             self._ext = load_int8_gemm()
-            if self._ext is None:
-                raise ValueError("kind 'int8_vnni' needs the int8 VNNI kernel, which did not build here")
+            isa = "avx512_vnni" if kind == "int8_vnni" else "avx2"
+            if self._ext is None or isa not in self._ext.compiled_isas():
+                raise ValueError(f"kind {kind!r} needs the int8 kernel's {isa} code, which is not built here")
             # The int8 kind's codes, scales and constants, in one C++ pass per row (no float copies).
             qweight, self.scales, self.weight_error, self.approx_max = self._ext.quantize_int8_rows(self.weight)
             self.packed, self.row_sums = self._ext.pack_int8_weight(qweight)
@@ -222,16 +241,16 @@ class ExactGreedyHead:
             self.qweight = None
             self.extra_bytes = self.packed.numel() + 4 * self.row_sums.numel() + 4 * self.scales.numel()
         else:
-            raise ValueError(f"kind must be 'bf16', 'int8' or 'int8_vnni', got {kind!r}")
-        # int8_vnni's window is wider (its weight term) and its candidates are re-scored without a
+            raise ValueError(f"kind must be 'bf16', 'int8', 'int8_vnni' or 'int8_avx2', got {kind!r}")
+        # The fixed-point kinds' window is wider (its weight term) and its candidates are re-scored without a
         # second pass: it takes more of both before a row goes to the full head.
-        self.max_candidates = MAX_CANDIDATES_VNNI if kind == "int8_vnni" else MAX_CANDIDATES
-        self.max_hit_blocks = MAX_HIT_BLOCKS_VNNI if kind == "int8_vnni" else MAX_HIT_BLOCKS
+        self.max_candidates = MAX_CANDIDATES_VNNI if kind in FIXED_POINT_KINDS else MAX_CANDIDATES
+        self.max_hit_blocks = MAX_HIT_BLOCKS_VNNI if kind in FIXED_POINT_KINDS else MAX_HIT_BLOCKS
         self.g32 = gamma(self.hidden_size, _U_F32)
         self.g64 = gamma(self.hidden_size, _U_F64)
         self.weight_error_max = float(self.weight_error.max())
         self.approx_max_max = float(self.approx_max.max())
-        # Per block of _BLOCK tokens: the largest E_j and A_j (int8_vnni's per-block window).
+        # Per block of _BLOCK tokens: the largest E_j and A_j (the fixed-point kinds' per-block window).
         nb = -(-self.vocab_size // _BLOCK)
         pad = nb * _BLOCK - self.vocab_size
         self.block_weight_error = torch.nn.functional.pad(self.weight_error, (0, pad)).view(nb, _BLOCK).amax(dim=1)
@@ -286,8 +305,9 @@ class ExactGreedyHead:
 
     def cheap_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """[M, K] -> (``c_hi`` [M, V] bf16, ``c_lo`` [M, V] bf16 or None, the row norms of ``_split``);
-        ``int8_vnni``: (``c`` [M, V] float32, None, ``n1`` = |x|_1 and ``xinf`` = max|x| [M] float64)."""
-        if self.kind == "int8_vnni":   # the row goes in as it is (16-bit fixed point inside the kernel)
+        ``int8_vnni`` / ``int8_avx2``: (``c`` [M, V] float32, None, ``n1`` = |x|_1 and ``xinf`` = max|x| [M]
+        float64)."""
+        if self.kind in FIXED_POINT_KINDS:   # the row goes in as it is (16-bit fixed point inside the kernel)
             xd = x.double()
             norms = {"n1": xd.abs().sum(dim=1), "xinf": xd.abs().amax(dim=1)}
             c = self._ext.int8_weight_only_mm(x.float().contiguous(), self.packed, self.row_sums, self.scales,
@@ -315,7 +335,7 @@ class ExactGreedyHead:
             t = norms[name]
             return t[:, None] if rows is None else t[rows]
         a_j, e_j = self.approx_max[toks], self.weight_error[toks]
-        if self.kind == "int8_vnni":
+        if self.kind in FIXED_POINT_KINDS:
             return 2.0 * (per_row("n1") * e_j + a_j * self._vnni_row_term(per_row("n1"), per_row("xinf")))
         eta = 2.0 * self.hidden_size * 2.0 ** -126 * (1.0 + self.approx_max_max + per_row("xinf"))
         coef_a = self.g32 * per_row("nhl") + per_row("nres")
@@ -323,7 +343,7 @@ class ExactGreedyHead:
         return 2.0 * (coef_a * a_j + per_row("n1") * e_j + _U_BF16 * outs + _U_F32 * c.double().abs() + eta)
 
     def _vnni_row_term(self, n1: torch.Tensor, xinf: torch.Tensor) -> torch.Tensor:
-        """``int8_vnni``: the bound's factor of ``A_j`` (module docstring): the row's fixed-point
+        """``int8_vnni`` / ``int8_avx2``: the bound's factor of ``A_j`` (module docstring): the row's fixed-point
         rounding, ``0.503 xinf K / 32767``, and the kernel's float32 steps, ``7 u xinf K + 4.01 u |x|_1``
         (plus ``2^-100`` for what the derivation's first-order terms leave out)."""
         k = self.hidden_size
@@ -414,7 +434,7 @@ class ExactGreedyHead:
         if nfull * _BLOCK < v:
             bmax = torch.cat([bmax, c[:, nfull * _BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
         cmax = bmax.amax(dim=1).double()
-        if self.kind == "int8_vnni":
+        if self.kind in FIXED_POINT_KINDS:
             # Every candidate j has c_j + B_j >= max_k (c_k - B_k) >= c_top - B_top (top = the largest
             # c), and B_j <= 2 (|x|_1 E_max(b) + A_max(b) t) on its block b: a block whose maximum
             # plus that cannot reach c_top - B_top holds no candidate.
@@ -424,7 +444,7 @@ class ExactGreedyHead:
             reach = 2.0 * (norms["n1"][:, None] * self.block_weight_error[None, :]
                            + term[:, None] * self.block_approx_max[None, :])               # [M, nb]
         # Uniform window D (module docstring): every candidate has c >= cmax - D.
-        if self.kind == "int8_vnni":   # B_j <= alpha: no term in |c_j|
+        if self.kind in FIXED_POINT_KINDS:   # B_j <= alpha: no term in |c_j|
             alpha = 2.0 * (norms["n1"] * self.weight_error_max
                            + self.approx_max_max * self._vnni_row_term(norms["n1"], norms["xinf"]))
             beta = 0.0
@@ -435,9 +455,9 @@ class ExactGreedyHead:
             beta = 2.0 * (_U_BF16 + 2.0 * _U_F32)
         thr = cmax - (2.0 * alpha + 2.0 * beta * cmax.abs()) / (1.0 - beta)   # [M] float64
         fallback = ~(torch.isfinite(cmax) & torch.isfinite(norms["n1"]))
-        if self.kind == "int8_vnni":   # 32767 / max|x| would overflow float32: not this path
+        if self.kind in FIXED_POINT_KINDS:   # 32767 / max|x| would overflow float32: not this path
             fallback |= (norms["xinf"] > 0) & (norms["xinf"] < 2.0 ** -100)
-        if self.kind == "int8_vnni":
+        if self.kind in FIXED_POINT_KINDS:
             hit = (bmax.double() + reach >= (cmax - b_top)[:, None]) & ~fallback[:, None]
         else:
             hit = (bmax.double() >= thr[:, None]) & ~fallback[:, None]       # [M, nb]
@@ -447,7 +467,7 @@ class ExactGreedyHead:
         cols = hit_blk[:, None] * _BLOCK + torch.arange(_BLOCK)[None, :]      # [P, BLOCK]
         vals = c[hit_row[:, None], cols.clamp(max=v - 1)].double()
         vals.masked_fill_(cols >= v, -math.inf)
-        if self.kind == "int8_vnni":
+        if self.kind in FIXED_POINT_KINDS:
             keep_tok = vals + reach[hit_row, hit_blk][:, None] >= (cmax - b_top)[hit_row][:, None]
         else:
             keep_tok = vals >= thr[hit_row][:, None]
@@ -513,7 +533,8 @@ class ExactGreedyHead:
 
 def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device, tp_size: int,
                        quantization: str | None, is_last_stage: bool = True, cpu_isa: str = "auto",
-                       flags: frozenset[str] | None = None) -> tuple[str | None, str]:
+                       flags: frozenset[str] | None = None, hidden_size: int | None = None
+                       ) -> tuple[str | None, str]:
     """Whether the exact greedy head runs, and with which cheap kind (it then runs for steps with up
     to ``GREEDY_HEAD_MAX_ROWS[kind]`` plain greedy rows).
 
@@ -528,10 +549,12 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
       with up to ``BF16_MAX_ROWS`` plain greedy rows. Measured on Gemma 3 270M's head and real
       hidden rows (AVX-512 bf16, one thread): 1.55x less head time at M = 1, 1.31x at 8, 1.09x
       at 16 (noise), 0.71x at 64 (the activation split doubles the kernel's rows).
-    - float32 model without native bf16: off. Only the int8 pass is left there; its bound
-      (``s_j / 2 |x|_1`` per token) is ~4x bf16's, and on the same rows it won 1.29x at M = 1
+    - float32 model, AVX2 + FMA without VNNI or native bf16, hidden size a multiple of 16 and at
+      most ``INT8_AVX2_MAX_HIDDEN``: ``"int8_avx2"`` for steps with up to ``INT8_AVX2_MAX_ROWS``
+      plain greedy rows (docs/benchmarks.md, "The exact greedy head on AVX2").
+    - float32 model otherwise without native bf16: off. Only torch's int8 pass is left there; its
+      bound (``s_j / 2 |x|_1`` per token) is ~4x bf16's, and on the same rows it won 1.29x at M = 1
       but lost from M = 4 on (rows with more than ``MAX_CANDIDATES`` candidates fall back).
-      Not measured on a CPU without AVX-512, where its kernel is the AVX2 one.
     - bfloat16 model: off. Its greedy token stays the argmax of its bf16 logits, as the full head
       gives it (lowest id on their frequent exact ties; the exact head would take the exact best
       there: in a trial, 4 of 8 prompts x 24 tokens parted that way). Speed would not pay for that:
@@ -543,6 +566,7 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
 
     Args:
         flags: the CPU's flags (default: this machine's).
+        hidden_size: the head's K (``"int8_avx2"`` only where it is known and fits).
     Returns:
         (kind, or None for off; the reason in words, for the kernel plan's table).
     Raises:
@@ -565,14 +589,20 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
                          "would pick differently at their ties; and it ties the bf16 head at 12-48 rows, measured)")
     if model_dtype != torch.float32:
         return None, f"dtype {model_dtype}"
-    from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_kernel_for
+    from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_avx2_unavailable, int8_kernel_for
     from pagedllm.layers.linear import onednn_linear_available
 
     if int8_kernel_for(cpu_isa, flags)[0] == VNNI_KERNEL:
         return "int8_vnni", "float32 model, AVX-512 VNNI: int8 cheap pass"
     if onednn_linear_available(torch.bfloat16):
         return "bf16", "float32 model, native bf16: bf16 cheap pass"
-    return None, "float32 model without native bf16 (the int8 pass's bound is too wide to pay; measured)"
+    if hidden_size is None or hidden_size % 16 or hidden_size > INT8_AVX2_MAX_HIDDEN:
+        return None, (f"float32 model without native bf16 or VNNI, hidden size {hidden_size} (the AVX2 int8 pass "
+                      f"takes multiples of 16 up to {INT8_AVX2_MAX_HIDDEN})")
+    why = int8_avx2_unavailable(cpu_isa, flags)
+    if why is not None:
+        return None, f"float32 model without native bf16 or VNNI, and the AVX2 int8 pass cannot run: {why}"
+    return "int8_avx2", "float32 model, AVX2 without VNNI: int8 fixed-point cheap pass"
 
 
 # Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md).
@@ -581,4 +611,6 @@ BF16_MAX_ROWS = 8
 # every row count measured (1-64), so the limit is only what its per-row scratch allows.
 INT8_VNNI_MAX_ROWS = 1024
 # Per kind ``choose_greedy_head`` picks: the most plain greedy rows per step it is used for.
-GREEDY_HEAD_MAX_ROWS = {"bf16": BF16_MAX_ROWS, "int8_vnni": INT8_VNNI_MAX_ROWS}
+# The same for the AVX2 int8 pass (docs/benchmarks.md, "The exact greedy head on AVX2").
+INT8_AVX2_MAX_ROWS = 4
+GREEDY_HEAD_MAX_ROWS = {"bf16": BF16_MAX_ROWS, "int8_vnni": INT8_VNNI_MAX_ROWS, "int8_avx2": INT8_AVX2_MAX_ROWS}

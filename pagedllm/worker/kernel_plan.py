@@ -164,7 +164,7 @@ class KernelPlan:
     Attributes:
         dtype: the model dtype.
         linear: the linear layers' kernel (the LM head's included).
-        greedy_head: the exact greedy head's cheap pass ("bf16", "int8", "int8_vnni"), or None (off).
+        greedy_head: the exact greedy head's cheap pass ("bf16", "int8", "int8_vnni", "int8_avx2"), or None (off).
         greedy_head_max_rows: the most plain greedy rows per step it is used for (0 when off).
         attention_backend: "torch_ref", "cpu_sdpa" or "cpu_paged".
         fused_ops: whether the layers run the fused CPU ops.
@@ -235,7 +235,8 @@ def choose_kernel_plan(model_config: ModelConfig, kernel_config: KernelConfig, d
             warnings.append(f"{model_config.dtype} on a CPU without native bf16 ({why}): its matmuls run several "
                             "times slower than float32 here (docs/performance.md); --dtype float32 is faster")
     head, head_reason = choose_greedy_head(kc.exact_greedy_head, dtype, device, parallel.tp_size,
-                                           model_config.quantization, parallel.is_last_stage, kc.cpu_isa, flags)
+                                           model_config.quantization, parallel.is_last_stage, kc.cpu_isa, flags,
+                                           hidden_size=model_config.hidden_size or None)
     backend, backend_reason = prepare_backend(kc.attention_backend, device, dtype, kc.cpu_isa, flags)
     fused, fused_reason = prepare_fused_ops(kc.cpu_fused_ops, device, dtype)
     return KernelPlan(dtype=dtype, dtype_reason=dtype_reason, linear=linear, linear_reason=linear_reason,

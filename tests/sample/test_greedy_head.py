@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from pagedllm.layers.int8_gemm import missing_vnni_flags
+from pagedllm.layers.int8_gemm import int8_avx2_unavailable, missing_vnni_flags
 from pagedllm.layers.linear import onednn_linear_available
 from pagedllm.layers.weight_only import weight_only_available
 from pagedllm.sample.greedy_head import (GREEDY_HEAD_MAX_ROWS, MAX_CANDIDATES, ExactGreedyHead, choose_greedy_head,
@@ -23,12 +23,16 @@ BF16_OK = onednn_linear_available(torch.bfloat16)
 INT8_OK = weight_only_available("int8_weight_only")
 VNNI_MISSING = missing_vnni_flags()
 VNNI_OK = not VNNI_MISSING
+AVX2_WHY = int8_avx2_unavailable()
+AVX2_OK = AVX2_WHY is None
 KINDS = [pytest.param("bf16", marks=pytest.mark.skipif(
              not BF16_OK, reason="no native bf16 oneDNN inner product on this CPU (avx512_bf16 / AMX)")),
          pytest.param("int8", marks=pytest.mark.skipif(
              not INT8_OK, reason="aten._weight_int8pack_mm does not run here")),
          pytest.param("int8_vnni", marks=pytest.mark.skipif(
-             not VNNI_OK, reason=f"the VNNI int8 kernel needs the CPU flags {VNNI_MISSING}"))]
+             not VNNI_OK, reason=f"the VNNI int8 kernel needs the CPU flags {VNNI_MISSING}")),
+         pytest.param("int8_avx2", marks=pytest.mark.skipif(
+             not AVX2_OK, reason=f"the int8 kernel's AVX2 code does not run here: {AVX2_WHY}"))]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -212,6 +216,17 @@ def test_choose_greedy_head_rules():
     if VNNI_OK:   # a forced path below avx512 leaves the VNNI kernel out: the bf16 pass (where native bf16)
         forced = choose_greedy_head("auto", torch.float32, cpu, 1, None, cpu_isa="avx2")[0]
         assert forced == ("bf16" if BF16_OK else None)
+    # With the head's hidden size known, a CPU without VNNI or native bf16 takes the AVX2 int8 pass
+    # (hidden sizes that are multiples of 16, up to 1024).
+    fits = choose_greedy_head("auto", torch.float32, cpu, 1, None, hidden_size=640)[0]
+    assert fits == (kind if kind is not None else ("int8_avx2" if AVX2_OK else None))
+    if AVX2_OK:
+        assert GREEDY_HEAD_MAX_ROWS["int8_avx2"] > 0
+        for hidden in (2048, 650):
+            kind2, why2 = choose_greedy_head("auto", torch.float32, cpu, 1, None, hidden_size=hidden)
+            assert kind2 is None and str(hidden) in why2
+        kind2, why2 = choose_greedy_head("auto", torch.float32, cpu, 1, None, cpu_isa="portable", hidden_size=640)
+        assert kind2 is None and "portable" in why2
     assert choose_greedy_head("auto", torch.float32, cpu, 1, "gguf")[0] == kind  # dequantized: as None
     with pytest.raises(ValueError, match="exact_greedy_head"):
         choose_greedy_head("on", torch.float32, cpu, 1, None)
@@ -227,7 +242,8 @@ def _generate(path, mode, params, prompts, dtype="float32", **kwargs):
     return outs, runner.greedy_head
 
 
-@pytest.mark.skipif(not BF16_OK, reason="the exact greedy head's auto rule needs native bf16 (no avx512_bf16 / AMX)")
+@pytest.mark.skipif(not (BF16_OK or VNNI_OK or AVX2_OK), reason=f"the exact greedy head's auto rule needs native "
+                    f"bf16 (avx512_bf16 / AMX), the VNNI int8 kernel or its AVX2 code ({AVX2_WHY})")
 @pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2"])
 def test_tiny_model_tokens_same_on_and_off(arch, make_tiny_checkpoint):
     """Greedy tokens with the switch on equal those with it off (and those are transformers'
@@ -391,8 +407,9 @@ def test_masked_rows_equal_float64_argmax_over_the_allowed_tokens(kind, dtype):
         assert int(fallback.sum()) == 1
 
 
-@pytest.mark.skipif(not (VNNI_OK or BF16_OK), reason=f"the exact greedy head needs the VNNI int8 kernel "
-                    f"(missing CPU flags {VNNI_MISSING}) or native bf16 (avx512_bf16 / AMX)")
+@pytest.mark.skipif(not (VNNI_OK or BF16_OK or AVX2_OK), reason=f"the exact greedy head needs the VNNI int8 kernel "
+                    f"(missing CPU flags {VNNI_MISSING}), native bf16 (avx512_bf16 / AMX) or the int8 kernel's AVX2 "
+                    f"code ({AVX2_WHY})")
 def test_constrained_greedy_rows_use_the_exact_head_and_keep_their_tokens(make_tiny_checkpoint):
     """JSON / regex / choice constrained greedy rows, next to plain ones, go through the exact
     greedy head (its masked argmax) and give the tokens of the full head (switch off)."""

@@ -1,4 +1,5 @@
-// int8 weight-only GEMM for CPUs with AVX-512 VNNI (vpdpbusd).
+// int8 weight-only GEMM for CPUs with AVX-512 VNNI (vpdpbusd); on AVX2 CPUs without VNNI, its
+// int8_weight_only_mm with the same arithmetic through vpmaddwd (see "The AVX2 path" below).
 //
 //   y[m, n] = s[n] * sum_k q[n, k] * x[m, k] (+ bias[n]),   q int8 in [-127, 127], s float32
 //
@@ -33,7 +34,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
-#include <torch/csrc/utils/pybind.h>  // the module's bindings, not <torch/extension.h> (45 s more to compile)
+#include <torch/csrc/utils/pybind.h>  // bindings; not <torch/extension.h>: docs/benchmarks.md, "Building the C++ kernels"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -51,8 +52,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define PAGEDLLM_INT8_VNNI 1
+#define PAGEDLLM_INT8_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDLLM_INT8_VNNI 0
+#define PAGEDLLM_INT8_AVX2 1
 #else
 #define PAGEDLLM_INT8_VNNI 0
+#define PAGEDLLM_INT8_AVX2 0
 #endif
 
 #ifndef PAGEDLLM_INT8_PREFETCH
@@ -504,10 +511,152 @@ void greedy_argmax(const XT* x, int64_t rows, int64_t k, const int8_t* packed, c
 }  // namespace
 #endif  // PAGEDLLM_INT8_VNNI
 
+#if PAGEDLLM_INT8_AVX2
+// The AVX2 path (CPUs without VNNI): the same packed weight and the same 16-bit fixed-point row X
+// (the same f, rounding and clamp), the products summed exactly by vpmaddwd (int16 pairs into
+// int32) instead of vpdpbusd over two digit bytes. One 16-byte load is 4 output rows x 4 columns,
+// widened to int16; a 32-bit lane then holds one output row and two of the 4 columns (X broadcast
+// 64 bits at a time), so each output has two int32 lane sums A (columns 4c, 4c+1) and B (4c+2,
+// 4c+3). A lane adds at most 2 * 32767 * 127 per 4 columns, so it sums at most kAvx2ChunkGroups
+// groups (1,024 columns) before its value is rounded to float32 and added to a float32 partial;
+// S = fl32(A) + fl32(B) for K <= 1024: three float32 roundings, at most 2.01 u 32767 sum_k |q| in
+// all (the exact greedy head's bound allows 3 u 65790 sum_k |q| for this step: greedy_head.py).
+// Then y = S * (s[n] * (1 / f_m)) + bias[n], the VNNI path's epilogue.
+namespace {
+
+constexpr int64_t kAvx2ChunkGroups = 256;  // groups of 4 columns per int32 lane sum (< 2^31)
+
+// Row of x (float32 or bfloat16) -> X [K] int16 (K a multiple of 16); returns 1 / f.
+template <typename InT>
+float row_fixed_point(const InT* x, int64_t k, int16_t* xq) {
+  auto load = [&](int64_t i) -> __m256 {
+    if constexpr (std::is_same_v<InT, float>) {
+      return _mm256_loadu_ps(x + i);
+    } else {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+  };
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load(i), abs_mask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float amax = lanes[0];
+  for (int i = 1; i < 8; ++i) amax = std::max(amax, lanes[i]);
+  const float f = amax > 0.f ? 32767.f / amax : 1.f;
+  const __m256 vf = _mm256_set1_ps(f);
+  const __m256i lim = _mm256_set1_epi32(32767), neg_lim = _mm256_set1_epi32(-32767);
+  for (int64_t i = 0; i < k; i += 8) {
+    __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(load(i), vf));  // round to nearest even (MXCSR default)
+    v = _mm256_max_epi32(_mm256_min_epi32(v, lim), neg_lim);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(v, v), 0x08);  // 8 x int16, in order
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i), _mm256_castsi256_si128(packed));
+  }
+  return amax > 0.f ? amax / 32767.f : 1.f;
+}
+
+inline __m256i broadcast4(const int16_t* xq) {
+  int64_t bits;
+  std::memcpy(&bits, xq, sizeof bits);
+  return _mm256_set1_epi64x(bits);
+}
+
+// MB (1 or 2) rows of X (row stride k) x the block at w -> y [MB][16] float32 (the header's S and epilogue).
+template <int MB>
+void avx2_block(const int16_t* xq, int64_t k, const float* inv_f, const int8_t* w, int64_t n0, int64_t n,
+                const float* scales, const float* bias, float* y) {
+  const int64_t k4 = k / kGroup;
+  __m256 part[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int g = 0; g < 4; ++g) part[m][g] = _mm256_setzero_ps();
+  for (int64_t c0 = 0; c0 < k4; c0 += kAvx2ChunkGroups) {
+    const int64_t c1 = std::min(k4, c0 + kAvx2ChunkGroups);
+    // Named accumulators (an array stays on the stack inside the loop with GCC 12).
+    __m256i a0_0 = _mm256_setzero_si256(), a0_1 = a0_0, a0_2 = a0_0, a0_3 = a0_0;
+    __m256i a1_0 = a0_0, a1_1 = a0_0, a1_2 = a0_0, a1_3 = a0_0;
+    for (int64_t c = c0; c < c1; ++c) {
+      const int8_t* p = w + c * kGroup * kBlock;
+      const __m256i x0 = broadcast4(xq + kGroup * c);
+      const __m256i x1 = MB > 1 ? broadcast4(xq + k + kGroup * c) : x0;
+#define PAGEDLLM_MADD(g)                                                                                   \
+      {                                                                                                    \
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * g))); \
+        a0_##g = _mm256_add_epi32(a0_##g, _mm256_madd_epi16(wv, x0));                                     \
+        if constexpr (MB > 1) a1_##g = _mm256_add_epi32(a1_##g, _mm256_madd_epi16(wv, x1));               \
+      }
+      PAGEDLLM_MADD(0) PAGEDLLM_MADD(1) PAGEDLLM_MADD(2) PAGEDLLM_MADD(3)
+#undef PAGEDLLM_MADD
+    }
+    part[0][0] = _mm256_add_ps(part[0][0], _mm256_cvtepi32_ps(a0_0));
+    part[0][1] = _mm256_add_ps(part[0][1], _mm256_cvtepi32_ps(a0_1));
+    part[0][2] = _mm256_add_ps(part[0][2], _mm256_cvtepi32_ps(a0_2));
+    part[0][3] = _mm256_add_ps(part[0][3], _mm256_cvtepi32_ps(a0_3));
+    if constexpr (MB > 1) {
+      part[MB - 1][0] = _mm256_add_ps(part[MB - 1][0], _mm256_cvtepi32_ps(a1_0));
+      part[MB - 1][1] = _mm256_add_ps(part[MB - 1][1], _mm256_cvtepi32_ps(a1_1));
+      part[MB - 1][2] = _mm256_add_ps(part[MB - 1][2], _mm256_cvtepi32_ps(a1_2));
+      part[MB - 1][3] = _mm256_add_ps(part[MB - 1][3], _mm256_cvtepi32_ps(a1_3));
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kBlock, n - n0);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask_lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), lane);
+  const __m256i mask_hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid) - 8), lane);
+  const __m256 s_lo = _mm256_maskload_ps(scales + n0, mask_lo), s_hi = _mm256_maskload_ps(scales + n0 + 8, mask_hi);
+  const __m256 b_lo = bias ? _mm256_maskload_ps(bias + n0, mask_lo) : _mm256_setzero_ps();
+  const __m256 b_hi = bias ? _mm256_maskload_ps(bias + n0 + 8, mask_hi) : _mm256_setzero_ps();
+  for (int m = 0; m < MB; ++m) {
+    // part[m][g] lanes: rows 4g..4g+3 of the block, each as (A, B); hadd pairs them up as rows
+    // (0, 1, 4, 5 | 2, 3, 6, 7) of the two groups, and the 64-bit permute puts them in order.
+    const __m256 lo = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(part[m][0], part[m][1])), 0xD8));
+    const __m256 hi = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(part[m][2], part[m][3])), 0xD8));
+    const __m256 f = _mm256_set1_ps(inv_f[m]);
+    _mm256_storeu_ps(y + 16 * m, _mm256_fmadd_ps(lo, _mm256_mul_ps(s_lo, f), b_lo));
+    _mm256_storeu_ps(y + 16 * m + 8, _mm256_fmadd_ps(hi, _mm256_mul_ps(s_hi, f), b_hi));
+  }
+}
+
+template <typename InT, typename OutT>
+void gemm_avx2(const InT* x, int64_t rows, int64_t k, const int8_t* packed, int64_t n, const float* scales,
+               const float* bias, OutT* out) {
+  std::vector<int16_t> xq(rows * k);
+  std::vector<float> inv_f(rows);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) inv_f[r] = row_fixed_point(x + r * k, k, xq.data() + r * k);
+  });
+  const int64_t blocks = (n + kBlock - 1) / kBlock, block_bytes = k * kBlock;
+  // At least ~64 KiB of weights streamed per row pair in a task (as the VNNI path's block_grain).
+  const int64_t grain = std::max<int64_t>(1, 65536 / block_bytes / ((rows + 1) / 2));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    alignas(32) float y[32];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kBlock, valid = std::min<int64_t>(kBlock, n - n0);
+      const int8_t* wb = packed + b * block_bytes;
+      for (int64_t m = 0; m < rows; m += 2) {
+        const int mb = rows - m >= 2 ? 2 : 1;
+        if (mb == 2) avx2_block<2>(xq.data() + m * k, k, inv_f.data() + m, wb, n0, n, scales, bias, y);
+        else avx2_block<1>(xq.data() + m * k, k, inv_f.data() + m, wb, n0, n, scales, bias, y);
+        for (int r = 0; r < mb; ++r) {
+          OutT* dst = out + (m + r) * n + n0;
+          if constexpr (std::is_same_v<OutT, float>) {
+            std::memcpy(dst, y + 16 * r, valid * sizeof(float));
+          } else {  // bfloat16, round to nearest even, as c10::BFloat16
+            for (int64_t j = 0; j < valid; ++j) dst[j] = c10::BFloat16(y[16 * r + j]);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+#endif  // PAGEDLLM_INT8_AVX2
+
 // x [M, K] float32 or bfloat16 -> [M, N] in x's dtype (see the header for the arithmetic).
 at::Tensor int8_weight_only_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& row_sums,
                                   const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n) {
-#if PAGEDLLM_INT8_VNNI
+#if PAGEDLLM_INT8_VNNI || PAGEDLLM_INT8_AVX2
   check_input(x, packed, row_sums, scales, n);
   const int64_t rows = x.size(0), k = x.size(1);
   const float* bias_ptr = nullptr;
@@ -519,17 +668,25 @@ at::Tensor int8_weight_only_mm(const at::Tensor& x, const at::Tensor& packed, co
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   const int8_t* w = packed.data_ptr<int8_t>();
-  const int32_t* sums = row_sums.data_ptr<int32_t>();
   const float* s = scales.data_ptr<float>();
-  if (x.dtype() == at::kFloat) {
+  const uint16_t* xb = x.dtype() == at::kFloat ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+#if PAGEDLLM_INT8_VNNI
+  const int32_t* sums = row_sums.data_ptr<int32_t>();
+  if (!xb) {
     gemm<float, float>(x.data_ptr<float>(), rows, k, w, sums, n, s, bias_ptr, out.data_ptr<float>());
   } else {
-    gemm<uint16_t, uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, k, w, sums, n, s,
-                             bias_ptr, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
+    gemm<uint16_t, uint16_t>(xb, rows, k, w, sums, n, s, bias_ptr, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
   }
+#else
+  if (!xb) {
+    gemm_avx2<float, float>(x.data_ptr<float>(), rows, k, w, n, s, bias_ptr, out.data_ptr<float>());
+  } else {
+    gemm_avx2<uint16_t, c10::BFloat16>(xb, rows, k, w, n, s, bias_ptr, out.data_ptr<c10::BFloat16>());
+  }
+#endif
   return out;
 #else
-  TORCH_CHECK(false, "int8_weight_only_mm was not compiled in: this CPU lacks avx512_vnni");
+  TORCH_CHECK(false, "int8_weight_only_mm was not compiled in: this CPU lacks avx512_vnni and avx2");
   return x;
 #endif
 }
@@ -585,13 +742,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_greedy_argmax(
 std::vector<std::string> compiled_isas() {
 #if PAGEDLLM_INT8_VNNI
   return {"avx512_vnni"};
+#elif PAGEDLLM_INT8_AVX2
+  return {"avx2"};
 #else
   return {};
 #endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "int8 weight-only GEMM (AVX-512 VNNI, activations in 16-bit fixed point per row)";
+  m.doc() = "int8 weight-only GEMM (AVX-512 VNNI or AVX2, activations in 16-bit fixed point per row)";
   m.def("pack_int8_weight", &pack_int8_weight, "q [N, K] int8 -> (packed [ceil(N/16), K/4, 64], row sums)",
         py::arg("q"));
   m.def("quantize_int8_rows", &quantize_int8_rows, "w [N, K] -> (q int8, scales, max |q s - w|, max |q s|) per row",
@@ -603,5 +762,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "exact greedy head, int8 pass: (tokens, status, candidates) per row (sample/greedy_head.py)", py::arg("x"),
         py::arg("packed"), py::arg("row_sums"), py::arg("scales"), py::arg("n"), py::arg("weight"), py::arg("err2"),
         py::arg("amax2"), py::arg("row_n1"), py::arg("row_term"), py::arg("max_candidates"), py::arg("g64"));
-  m.def("compiled_isas", &compiled_isas, "the code paths compiled in: avx512_vnni, or none");
+  m.def("compiled_isas", &compiled_isas, "the code paths compiled in: avx512_vnni, avx2 (int8_weight_only_mm only), or none");
 }
