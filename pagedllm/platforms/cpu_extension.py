@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from pagedllm.platforms.cpu import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 # A build takes about a minute; a lock file this old was left by a killed build (seconds).
@@ -166,7 +168,9 @@ def kernel_unavailable(ext: CpuExtension, compiled_isa: str, isa, paths: tuple, 
     """Why the ``compiled_isa`` code of ``ext`` cannot run here, in words for the log; None when it
     can (then ``load_extension(ext)`` has loaded it). The checks, in order: the resolved code path
     ``isa`` (``platforms.cpu.CpuIsa``) is one of ``paths``; the CPU has every flag of
-    ``required_flags``; the extension builds and compiled ``compiled_isa`` in.
+    ``required_flags``, in ``flags`` and in this machine's own flags (the extension is compiled
+    with ``-march=native``, so a flag set given for a test does not build code this CPU lacks: no
+    compile is spent on it); the extension builds and compiled ``compiled_isa`` in.
 
     Used by the kernel choosers of ``layers/int8_gemm.py`` and ``layers/bf16_gemm.py``.
     """
@@ -176,6 +180,9 @@ def kernel_unavailable(ext: CpuExtension, compiled_isa: str, isa, paths: tuple, 
     missing = [f for f in required_flags if f not in flags]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
+    missing_here = [f for f in required_flags if f not in cpu_flags()]
+    if missing_here:
+        return f"this machine's CPU lacks {', '.join(missing_here)} (the kernel is compiled for the CPU it runs on)"
     module = load_extension(ext)
     if module is None or compiled_isa not in module.compiled_isas():
         return "the extension could not be built (see the warning above)"
