@@ -30,9 +30,10 @@ def _run(engine: LLMEngine) -> dict:
     return run_requests(engine, zip(PROMPTS, _params()))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def local_ray_cluster():
-    # A short folder: Ray's unix sockets live under it (at most ~107 bytes of path).
+    # One cluster for the module's tests (starting one costs ~10 s). A short folder: Ray's unix
+    # sockets live under it (at most ~107 bytes of path).
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     ray.init(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False, log_to_driver=False)
     try:
