@@ -11,6 +11,7 @@ between them (xgrammar's and llguidance's layout are the same).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -36,7 +37,8 @@ def resolve_backend_name(name: str) -> str:
 
 
 def get_backend_class(name: str) -> type["StructuredOutputBackend"]:
-    """The backend class for ``name`` (``"auto"`` allowed), its grammar engine imported.
+    """The backend class for ``name`` (``"auto"`` allowed), its grammar engine found installed but
+    not imported (``StructuredOutputBackend.check_engine``; the first grammar imports it).
 
     Raises:
         ValueError: naming ``structured_outputs_backend`` when the name is unknown or its
@@ -44,7 +46,7 @@ def get_backend_class(name: str) -> type["StructuredOutputBackend"]:
     """
     module_name, cls_name = _MODULES[resolve_backend_name(name)]
     cls = getattr(importlib.import_module(module_name), cls_name)
-    cls.import_engine()
+    cls.check_engine()
     return cls
 
 
@@ -92,6 +94,26 @@ class StructuredOutputBackend(ABC):
     # the pip command that installs it (error messages).
     modules: tuple[str, ...]
     install: str
+
+    @classmethod
+    def check_engine(cls) -> None:
+        """That the grammar engine's modules are installed, without importing them: an engine
+        start checks this, and the first grammar imports them (``llguidance.hf`` imports
+        transformers, about 1.5 s of CPU that a start without constrained requests does not need).
+
+        Raises:
+            ValueError: naming ``structured_outputs_backend`` and ``install`` when one is missing.
+        """
+        for name in cls.modules:
+            try:
+                found = importlib.util.find_spec(name) is not None   # imports a dotted name's parents only
+            except ImportError as e:
+                found, why = False, f"{type(e).__name__}: {e}"
+            else:
+                why = f"no module named {name!r}"
+            if not found:
+                raise ValueError(f"structured_outputs_backend={cls.name!r} needs the {cls.modules[0]} package, which is "
+                                 f"not installed ({why}); install it with: {cls.install}")
 
     @classmethod
     def import_engine(cls):
