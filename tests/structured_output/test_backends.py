@@ -5,6 +5,8 @@ loads."""
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 
 import pytest
@@ -89,3 +91,23 @@ def test_compile_errors_name_the_field_and_the_backend(backend, constraint, fiel
     else:
         # xgrammar accepts some schemas llguidance refuses (it ignores what it cannot express).
         assert backend == "xgrammar" and "json" in constraint, constraint
+
+
+def test_engine_start_imports_no_grammar_engine_until_the_first_grammar(make_tiny_checkpoint):
+    """An engine start only checks that the backend's package is installed (``check_engine``):
+    ``llguidance.hf`` imports transformers (seconds of CPU per server start), so neither is imported
+    until the first constrained request, which then runs as before."""
+    folder = make_tiny_checkpoint("llama")
+    code = ("import json, sys; from pagedllm import LLM, SamplingParams\n"
+            "from pagedllm.sampling_params import StructuredOutputsParams\n"
+            f"llm = LLM({folder!r}, max_model_len=64, kv_cache_memory_bytes=8 << 20, block_size=4)\n"
+            "llm.generate(['x'], SamplingParams(max_tokens=4), use_tqdm=False)\n"
+            "names = ('transformers', 'llguidance.hf')\n"
+            "before = [m for m in names if m in sys.modules]\n"
+            "text = llm.generate(['x'], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams("
+            "choice=['yes', 'no'])), use_tqdm=False)[0].outputs[0].text\n"
+            "print(json.dumps([before, [m for m in names if m in sys.modules], text]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after, text = json.loads(done.stdout.strip().splitlines()[-1])
+    assert before == [] and "llguidance.hf" in after and text in ("yes", "no"), done.stdout
