@@ -71,6 +71,10 @@ def test_packed_layout_by_hand():
         for col in range(5):
             assert packed[row // 16, col, row % 16] == w[row, col]
     assert not packed[1, :, 2:].any()
+    # A transposed (non-contiguous) weight packs as its contiguous copy does.
+    wt = (torch.arange(5 * 35, dtype=torch.float32).reshape(5, 35) * 0.5).t()
+    assert torch.equal(ext.pack_f32_weight(wt), ext.pack_f32_weight(wt.contiguous()))
+    assert torch.equal(ext.pack_f32_weight(wt)[2, :, :3], wt[32:35].t())
     with pytest.raises(RuntimeError, match="float32"):
         ext.pack_f32_weight(w.double())
 

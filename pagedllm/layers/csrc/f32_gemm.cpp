@@ -40,13 +40,27 @@
 #include <vector>
 
 // w [N, K] float32 -> [ceil(N / 16), K, 16] float32 (the header's layout; zero outputs pad).
-at::Tensor pack_f32_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.dtype() == at::kFloat, "w must be a float32 [N, K] tensor");
+// One pass, threads over blocks: each block's 16 rows are written into its [K][16] slab (64 KiB
+// at K = 1024, in L2 while written); a model's start packs every linear layer this way.
+at::Tensor pack_f32_weight(const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.dim() == 2 && w_in.dtype() == at::kFloat, "w must be a float32 [N, K] tensor");
+  const at::Tensor w = w_in.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  auto padded = at::zeros({blocks * kBlock, k}, w.options());
-  padded.narrow(0, 0, n).copy_(w);
-  return padded.view({blocks, kBlock, k}).transpose(1, 2).contiguous();
+  auto packed = at::empty({blocks, k, kBlock}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* slab = dst + b * k * kBlock;
+      const int64_t rows = std::min<int64_t>(kBlock, n - b * kBlock);
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const float* row = j < rows ? src + (b * kBlock + j) * k : nullptr;
+        for (int64_t c = 0; c < k; ++c) slab[c * kBlock + j] = row ? row[c] : 0.0f;
+      }
+    }
+  });
+  return packed;
 }
 
 #if PAGEDLLM_F32_GEMM
