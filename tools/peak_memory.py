@@ -23,7 +23,7 @@ import psutil
 SAMPLE_INTERVAL_S = 0.2
 
 
-def tree_rss(root: psutil.Process) -> list[tuple[int, int, str]]:
+def tree_memory(root: psutil.Process) -> list[tuple[int, int, str]]:
     """(RSS in bytes, PSS in bytes, command line) of ``root`` and each of its descendants now."""
     try:
         procs = [root, *root.children(recursive=True)]
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     peak, peak_procs, peak_at = 0, [], 0.0
     peak_pss, peak_pss_at = 0, 0.0
     while proc.poll() is None:
-        procs = tree_rss(root)
+        procs = tree_memory(root)
         rss = sum(r for r, _, _ in procs)
         pss = sum(p for _, p, _ in procs)
         if rss > peak:

@@ -108,12 +108,9 @@ class StructuredOutputBackend(ABC):
             try:
                 found = importlib.util.find_spec(name) is not None   # imports a dotted name's parents only
             except ImportError as e:
-                found, why = False, f"{type(e).__name__}: {e}"
-            else:
-                why = f"no module named {name!r}"
+                raise cls._not_installed(f"{type(e).__name__}: {e}") from None
             if not found:
-                raise ValueError(f"structured_outputs_backend={cls.name!r} needs the {cls.modules[0]} package, which is "
-                                 f"not installed ({why}); install it with: {cls.install}")
+                raise cls._not_installed(f"no module named {name!r}")
 
     @classmethod
     def import_engine(cls):
@@ -125,9 +122,14 @@ class StructuredOutputBackend(ABC):
         try:
             imported = [importlib.import_module(m) for m in cls.modules]
         except ImportError as e:
-            raise ValueError(f"structured_outputs_backend={cls.name!r} needs the {cls.modules[0]} package, which is "
-                             f"not installed ({type(e).__name__}: {e}); install it with: {cls.install}") from None
+            raise cls._not_installed(f"{type(e).__name__}: {e}") from None
         return imported[0]
+
+    @classmethod
+    def _not_installed(cls, why: str) -> ValueError:
+        """The error of ``check_engine`` and ``import_engine`` when the engine's package is missing."""
+        return ValueError(f"structured_outputs_backend={cls.name!r} needs the {cls.modules[0]} package, which is "
+                          f"not installed ({why}); install it with: {cls.install}")
 
     @classmethod
     @abstractmethod
