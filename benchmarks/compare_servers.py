@@ -17,6 +17,7 @@ round's value. The servers and their flags:
   ``--quantization QUANT``;
 - ``pagedllm-MODE+ngram`` / ``+ngram8`` / ``+suffix`` / ``+self_int8``: the same with speculative decoding
   (``SPECULATIVE_CONFIGS``);
+- ``pagedllm-MODE+headoff``: the same with ``--exact-greedy-head off`` (the full LM head for every row);
 - ``pagedllm-MODE+lora``: the same with ``--enable-lora --max-loras N --lora-modules ...`` (the
   ``--lora-modules NAME=PATH`` given here), and ``bench serving --lora-modules`` putting request
   ``i`` on adapter ``i % N`` (compare with ``pagedllm-MODE``: the cost of mixing adapters);
@@ -82,6 +83,8 @@ def server_command(spec: str, port: int, concurrency: int, kv_bytes: int,
                 raise ValueError(f"--server {spec!r} needs --lora-modules NAME=PATH ...")
             flags += ["--enable-lora", "--max-loras", str(len(lora_modules)), "--max-lora-rank", "16",
                       "--lora-modules", *lora_modules]
+        elif spec_name == "headoff":
+            flags += ["--exact-greedy-head", "off"]
         elif spec_name:
             if spec_name not in SPECULATIVE_CONFIGS:
                 raise ValueError(f"--server {spec!r}: speculative method must be one of {sorted(SPECULATIVE_CONFIGS)}")

@@ -194,15 +194,26 @@ class ExactGreedyHead:
         batch_hint: rows the oneDNN layout is tuned for (``max_num_seqs``).
         max_rows: the most rows per step it is used for (``GREEDY_HEAD_MAX_ROWS``; read by the
             model runner).
+        logits_kernel: for a bfloat16 model, the bf16 GEMM extension that runs its full head
+            (``layers/bf16_gemm.py``'s ``bf16_module``: ``pack_bf16_weight`` / ``bf16_linear``). The
+            head then returns the argmax of *that head's* bf16 logits, lowest id on their ties,
+            instead of the exact argmax (module docstring, "bfloat16 models"). Needs a fixed-point
+            kind and a bfloat16 weight.
     Raises:
-        ValueError: for another kind or weight dtype.
+        ValueError: for another kind or weight dtype, or ``logits_kernel`` with a float32 weight or
+            a kind that is not fixed-point.
     """
 
-    def __init__(self, weight: torch.Tensor, kind: str, batch_hint: int = 1, max_rows: int = 64) -> None:
+    def __init__(self, weight: torch.Tensor, kind: str, batch_hint: int = 1, max_rows: int = 64,
+                 logits_kernel=None) -> None:
         if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"weight must be [V, K] float32 or bfloat16, got {list(weight.shape)} {weight.dtype}")
+        if logits_kernel is not None and (weight.dtype != torch.bfloat16 or kind not in FIXED_POINT_KINDS):
+            raise ValueError(f"logits_kernel needs a bfloat16 weight and a kind in {FIXED_POINT_KINDS}, "
+                             f"got {weight.dtype} and {kind!r}")
         self.weight = weight.detach()
         self.kind = kind
+        self.logits_kernel = logits_kernel
         self.max_rows = int(max_rows)
         self.vocab_size, self.hidden_size = int(weight.shape[0]), int(weight.shape[1])
         if kind == "bf16":
@@ -261,6 +272,8 @@ class ExactGreedyHead:
             self._err2 = _float32_up(2.0 * self.weight_error)
             self._amax2 = _float32_up(2.0 * self.approx_max)
             self._weight_c = self.weight.contiguous()
+        if logits_kernel is not None:   # the candidate search's float32 first test (E_j, A_j rounded up)
+            self._err_up, self._amax_up = _float32_up(self.weight_error), _float32_up(self.approx_max)
         self.num_rows = 0            # rows asked (counters for tests and logs)
         self.num_fallback_rows = 0
 
@@ -374,7 +387,9 @@ class ExactGreedyHead:
             candidates).
         """
         self.num_rows += x.shape[0]
-        if forbidden is not None:
+        if self.logits_kernel is not None:
+            tokens, fallback = self._argmax_bf16_logits(x, forbidden)
+        elif forbidden is not None:
             tokens, fallback = self._argmax_two_pass(x, forbidden)
         elif self.kind == "int8_vnni":
             tokens, fallback = self._argmax_fused(x)
@@ -429,10 +444,7 @@ class ExactGreedyHead:
         if forbidden is not None:
             c = c.masked_fill(forbidden, -math.inf)
         # Block maxima of c: a candidate's block reaches the window, so only those blocks are read again.
-        nfull = v // _BLOCK
-        bmax = c[:, : nfull * _BLOCK].view(m, nfull, _BLOCK).amax(dim=-1)    # [M, nb]
-        if nfull * _BLOCK < v:
-            bmax = torch.cat([bmax, c[:, nfull * _BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
+        bmax = _block_maxima(c)                                                # [M, nb]
         cmax = bmax.amax(dim=1).double()
         if self.kind in FIXED_POINT_KINDS:
             # Every candidate j has c_j + B_j >= max_k (c_k - B_k) >= c_top - B_top (top = the largest
@@ -463,10 +475,7 @@ class ExactGreedyHead:
             hit = (bmax.double() >= thr[:, None]) & ~fallback[:, None]       # [M, nb]
         wide = hit.sum(dim=1) > self.max_hit_blocks
         hit &= ~wide[:, None]
-        hit_row, hit_blk = hit.nonzero(as_tuple=True)                          # [P]
-        cols = hit_blk[:, None] * _BLOCK + torch.arange(_BLOCK)[None, :]      # [P, BLOCK]
-        vals = c[hit_row[:, None], cols.clamp(max=v - 1)].double()
-        vals.masked_fill_(cols >= v, -math.inf)
+        hit_row, hit_blk, cols, vals = _block_values(c, hit)
         if self.kind in FIXED_POINT_KINDS:
             keep_tok = vals + reach[hit_row, hit_blk][:, None] >= (cmax - b_top)[hit_row][:, None]
         else:
@@ -496,6 +505,45 @@ class ExactGreedyHead:
         tokens = torch.full((m,), -1, dtype=torch.int64)
         if cand_row.numel():
             self._rescore(x, cand_row, cand_tok, tokens)
+        return tokens, fallback
+
+    def _argmax_bf16_logits(self, x: torch.Tensor, forbidden: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``argmax`` with ``logits_kernel``: the argmax of the full head's bf16 logits ``L_j``
+        (``logits_kernel.bf16_linear``), lowest id on ties (module docstring, "bfloat16 models").
+        The fixed-point cheap pass, the window ``T_j = P_j + 2 u_o |c_j|`` around each cheap score,
+        then the candidates' ``L_j`` from the head's own kernel on just their weight rows."""
+        m = x.shape[0]
+        c, _, norms = self.cheap_pass(x)                                       # [M, V] float32
+        if forbidden is not None:
+            c = c.masked_fill(forbidden, -math.inf)
+        n1, term = norms["n1"], self._vnni_row_term(norms["n1"], norms["xinf"])   # [M] float64
+        # The window (module docstring, "bfloat16 models"), in C++: every token whose bf16 logit can be the
+        # row's largest, i.e. c_j + T_j >= max_k (c_k - T_k) with T_j = P_j + 2 u_o |c_j|.
+        cand_row, cand_tok, cmax = self._ext.bf16_logit_candidates(
+            c.contiguous(), n1.contiguous(), term.contiguous(), self.weight_error, self.approx_max,
+            self._err_up, self._amax_up, self.weight_error_max, self.approx_max_max, self.g32, _U_BF16, (self.hidden_size + 1) * 2.0 ** -126)
+        fallback = ~(torch.isfinite(cmax) & torch.isfinite(n1)) | ((norms["xinf"] > 0) & (norms["xinf"] < 2.0 ** -100))
+        fallback |= torch.bincount(cand_row, minlength=m) > self.max_candidates
+        keep = ~fallback[cand_row]
+        cand_row, cand_tok = cand_row[keep], cand_tok[keep]
+        tokens = torch.full((m,), -1, dtype=torch.int64)
+        if cand_row.numel():
+            # L_j of the candidates through the full head's kernel (one float32 chain per output in k
+            # order, whatever the other outputs: the full head's bits); ascending ids, so argmax's first
+            # maximum is the lowest id of a tie.
+            # One row: its candidates are already unique and ascending.
+            toks, inv = (cand_tok, None) if m == 1 else torch.unique(cand_tok, sorted=True, return_inverse=True)
+            packed = self.logits_kernel.pack_bf16_weight(self.weight.index_select(0, toks).contiguous())
+            logits = self.logits_kernel.bf16_linear(x.to(torch.bfloat16).contiguous(), packed, None,
+                                                    int(toks.numel())).float()             # [M, Q']
+            if inv is None:
+                tokens = toks[logits.argmax(dim=1)]
+            else:
+                scores = torch.full_like(logits, -math.inf)
+                scores[cand_row, inv] = logits[cand_row, inv]
+                has = torch.bincount(cand_row, minlength=m) > 0
+                tokens = torch.where(has, toks[scores.argmax(dim=1)], tokens)
         return tokens, fallback
 
     def _rescore(self, x: torch.Tensor, cand_row: torch.Tensor, cand_tok: torch.Tensor,
@@ -531,9 +579,32 @@ class ExactGreedyHead:
         return qs[best]
 
 
+def _block_maxima(c: torch.Tensor) -> torch.Tensor:
+    """[M, V] cheap scores -> [M, ceil(V / _BLOCK)] maxima of their blocks of ``_BLOCK`` tokens."""
+    m, v = c.shape
+    nfull = v // _BLOCK
+    bmax = c[:, : nfull * _BLOCK].view(m, nfull, _BLOCK).amax(dim=-1)
+    if nfull * _BLOCK < v:
+        bmax = torch.cat([bmax, c[:, nfull * _BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
+    return bmax
+
+
+def _block_values(c: torch.Tensor, hit: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens of the blocks ``hit`` ([M, nb] bool) marks: (row [P], block [P], token ids
+    [P, _BLOCK] int64, their cheap scores [P, _BLOCK] float64, -inf past the vocabulary)."""
+    v = c.shape[1]
+    hit_row, hit_blk = hit.nonzero(as_tuple=True)
+    cols = hit_blk[:, None] * _BLOCK + torch.arange(_BLOCK)[None, :]
+    vals = c[hit_row[:, None], cols.clamp(max=v - 1)].double()
+    vals.masked_fill_(cols >= v, -math.inf)
+    return hit_row, hit_blk, cols, vals
+
+
 def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device, tp_size: int,
                        quantization: str | None, is_last_stage: bool = True, cpu_isa: str = "auto",
-                       flags: frozenset[str] | None = None, hidden_size: int | None = None
+                       flags: frozenset[str] | None = None, hidden_size: int | None = None,
+                       linear_kind: str | None = None, logits_edit: str | None = None
                        ) -> tuple[str | None, str]:
     """Whether the exact greedy head runs, and with which cheap kind (it then runs for steps with up
     to ``GREEDY_HEAD_MAX_ROWS[kind]`` plain greedy rows).
@@ -555,18 +626,29 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
     - float32 model otherwise without native bf16: off. Only torch's int8 pass is left there; its
       bound (``s_j / 2 |x|_1`` per token) is ~4x bf16's, and on the same rows it won 1.29x at M = 1
       but lost from M = 4 on (rows with more than ``MAX_CANDIDATES`` candidates fall back).
-    - bfloat16 model: off. Its greedy token stays the argmax of its bf16 logits, as the full head
-      gives it (lowest id on their frequent exact ties; the exact head would take the exact best
-      there: in a trial, 4 of 8 prompts x 24 tokens parted that way). Speed would not pay for that:
-      the fused int8 pass ties oneDNN's bf16 head at 12-48 rows on two threads (1.6x at one row; the
-      bf16 GEMM of ``layers/bf16_gemm.py`` is faster still at 8-32 rows),
-      the bf16 pass is the bf16 head itself, and torch's int8 kernel is no faster.
+    - bfloat16 model whose head runs on the AVX2 bf16 GEMM (``linear_kind`` ``"avx2_bf16"``), no edit
+      of the logits after the head (``logits_edit`` None: no final soft cap, no logit scaling), the
+      AVX2 int8 pass available and the hidden size as above: ``"int8_avx2"`` with that GEMM as
+      ``logits_kernel`` (the argmax of the full head's own bf16 logits, their ties included: module
+      docstring, "bfloat16 models"), for steps with up to ``INT8_AVX2_BF16_MAX_ROWS`` plain greedy
+      rows (``greedy_head_max_rows``). The int8 pass reads half the bf16 head's bytes; measured on
+      the default model (docs/benchmarks.md, "The greedy head for bf16 models on AVX2").
+    - bfloat16 model otherwise: off. Its greedy token stays the argmax of its bf16 logits as the
+      full head gives them (lowest id on their frequent exact ties: the exact head would take the
+      exact best there, in a trial 4 of 8 prompts x 24 tokens parted that way); with oneDNN or the
+      AVX-512 / AMX GEMMs the fused int8 pass tied the bf16 head at 12-48 rows (1.6x at one row) and
+      their re-score through the head's own kernel is not measured.
 
     Numbers: docs/performance.md.
 
     Args:
         flags: the CPU's flags (default: this machine's).
         hidden_size: the head's K (``"int8_avx2"`` only where it is known and fits).
+        linear_kind: the kernel plan's linear kind (``layers.linear.choose_linear``), which runs the
+            head: a bfloat16 model takes the head only on ``"avx2_bf16"``.
+        logits_edit: what the model does to the head's logits before sampling (e.g. "final logit
+            soft cap"), or None: a bfloat16 model takes the head only with None (an edit rounds
+            again and can make new ties).
     Returns:
         (kind, or None for off; the reason in words, for the kernel plan's table).
     Raises:
@@ -585,8 +667,7 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
     if quantization not in (None, "gguf"):  # "gguf": dequantized weights in the model dtype
         return None, f"quantization={quantization} (the head itself is quantized)"
     if model_dtype == torch.bfloat16:
-        return None, ("bfloat16 model: its greedy token stays the argmax of its bf16 logits (the exact head "
-                         "would pick differently at their ties; and it ties the bf16 head at 12-48 rows, measured)")
+        return _choose_for_bf16(cpu_isa, flags, hidden_size, linear_kind, logits_edit)
     if model_dtype != torch.float32:
         return None, f"dtype {model_dtype}"
     from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_avx2_unavailable, int8_kernel_for
@@ -605,6 +686,27 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
     return "int8_avx2", "float32 model, AVX2 without VNNI: int8 fixed-point cheap pass"
 
 
+def _choose_for_bf16(cpu_isa: str, flags: frozenset[str] | None, hidden_size: int | None,
+                     linear_kind: str | None, logits_edit: str | None) -> tuple[str | None, str]:
+    """``choose_greedy_head`` for a bfloat16 model (its docstring)."""
+    from pagedllm.layers.bf16_gemm import AVX2_KERNEL
+    from pagedllm.layers.int8_gemm import int8_avx2_unavailable
+
+    off = "bfloat16 model: its greedy token stays the argmax of its bf16 logits from the full head"
+    if linear_kind != AVX2_KERNEL:
+        return None, f"{off} (the head runs on {linear_kind}; the bf16-logit head re-scores on the AVX2 bf16 GEMM only)"
+    if logits_edit is not None:
+        return None, f"{off} (the model edits its logits after the head: {logits_edit})"
+    if hidden_size is None or hidden_size % 16 or hidden_size > INT8_AVX2_MAX_HIDDEN:
+        return None, (f"{off} (hidden size {hidden_size}: the AVX2 int8 pass takes multiples of 16 up to "
+                      f"{INT8_AVX2_MAX_HIDDEN})")
+    why = int8_avx2_unavailable(cpu_isa, flags)
+    if why is not None:
+        return None, f"{off} (the AVX2 int8 pass cannot run: {why})"
+    return "int8_avx2", ("bfloat16 model, AVX2 bf16 GEMM: int8 fixed-point cheap pass, candidates re-scored "
+                         "through the head's own GEMM (the argmax of its bf16 logits, ties included)")
+
+
 # Plain greedy rows per step up to which the bf16 pass wins (docs/performance.md).
 BF16_MAX_ROWS = 8
 # The same for the int8 VNNI pass, fused in C++ (docs/performance.md): it wins at
@@ -614,3 +716,16 @@ INT8_VNNI_MAX_ROWS = 1024
 # The same for the AVX2 int8 pass (docs/benchmarks.md, "The exact greedy head on AVX2").
 INT8_AVX2_MAX_ROWS = 4
 GREEDY_HEAD_MAX_ROWS = {"bf16": BF16_MAX_ROWS, "int8_vnni": INT8_VNNI_MAX_ROWS, "int8_avx2": INT8_AVX2_MAX_ROWS}
+# The same for a bfloat16 model's head (against the AVX2 bf16 GEMM's head: docs/benchmarks.md, "The
+# greedy head for bf16 models on AVX2").
+INT8_AVX2_BF16_MAX_ROWS = 3
+
+
+def greedy_head_max_rows(kind: str | None, model_dtype: torch.dtype) -> int:
+    """The most plain greedy rows per step the head of ``kind`` (``choose_greedy_head``'s) is used
+    for with a model of ``model_dtype``; 0 when off."""
+    if kind is None:
+        return 0
+    if model_dtype == torch.bfloat16:
+        return INT8_AVX2_BF16_MAX_ROWS
+    return GREEDY_HEAD_MAX_ROWS[kind]

@@ -201,6 +201,16 @@ class KernelPlan:
         return "\n".join(["Kernel plan:", *(f"  {d:<{w0}}  {c:<{w1}}  ({why})" for d, c, why in rows)])
 
 
+def logits_edit(model_config: ModelConfig) -> str | None:
+    """What the model's ``compute_logits`` does to the LM head's output, in words, or None (the
+    head's logits as they are): Gemma 2's final soft cap, Granite's logit scaling."""
+    if model_config.final_logit_softcapping:
+        return f"final logit soft cap {model_config.final_logit_softcapping}"
+    if model_config.logits_scaling != 1.0:
+        return f"logits divided by {model_config.logits_scaling}"
+    return None
+
+
 def choose_kernel_plan(model_config: ModelConfig, kernel_config: KernelConfig, device: torch.device,
                        parallel: ParallelContext, flags: frozenset[str] | None = None) -> KernelPlan:
     """Every decision of ``KernelPlan`` from the model's config (dtype, quantization), the kernel
@@ -218,7 +228,7 @@ def choose_kernel_plan(model_config: ModelConfig, kernel_config: KernelConfig, d
     from pagedllm.attention.backends import prepare_backend
     from pagedllm.layers.fused_ops import prepare_fused_ops
     from pagedllm.platforms.cpu import cpu_flags, native_bf16
-    from pagedllm.sample.greedy_head import GREEDY_HEAD_MAX_ROWS, choose_greedy_head
+    from pagedllm.sample.greedy_head import choose_greedy_head, greedy_head_max_rows
 
     flags = cpu_flags() if flags is None else flags
     kc = kernel_config
@@ -236,10 +246,11 @@ def choose_kernel_plan(model_config: ModelConfig, kernel_config: KernelConfig, d
                             "times slower than float32 here (docs/performance.md); --dtype float32 is faster")
     head, head_reason = choose_greedy_head(kc.exact_greedy_head, dtype, device, parallel.tp_size,
                                            model_config.quantization, parallel.is_last_stage, kc.cpu_isa, flags,
-                                           hidden_size=model_config.hidden_size or None)
+                                           hidden_size=model_config.hidden_size or None, linear_kind=linear.kind,
+                                           logits_edit=logits_edit(model_config))
     backend, backend_reason = prepare_backend(kc.attention_backend, device, dtype, kc.cpu_isa, flags)
     fused, fused_reason = prepare_fused_ops(kc.cpu_fused_ops, device, dtype)
     return KernelPlan(dtype=dtype, dtype_reason=dtype_reason, linear=linear, linear_reason=linear_reason,
-                      greedy_head=head, greedy_head_max_rows=GREEDY_HEAD_MAX_ROWS.get(head, 0),
+                      greedy_head=head, greedy_head_max_rows=greedy_head_max_rows(head, dtype),
                       greedy_head_reason=head_reason, attention_backend=backend, attention_reason=backend_reason,
                       fused_ops=fused, fused_ops_reason=fused_reason, warnings=tuple(warnings))

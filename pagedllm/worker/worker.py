@@ -17,6 +17,7 @@ from pagedllm.core.kv_cache_spec import NULL_BLOCK_ID, KVCacheGroups, kv_cache_g
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.external_launcher import init_launcher_context
 from pagedllm.distributed.parallel_state import ParallelContext, destroy_parallel_context, init_parallel_context
+from pagedllm.layers.bf16_gemm import bf16_module
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.loaders.sharded_state import check_sharded_state, load_rank_state, rank_state_dict, save_rank_state
 from pagedllm.loaders.tensorizer_config import TensorizerConfig
@@ -382,8 +383,10 @@ class Worker:
         if plan.greedy_head is None:
             return 0
         weight = self.model.get_lm_head().weight
+        # A bfloat16 model's head: the argmax of the full head's bf16 logits, re-scored on its own GEMM.
+        logits_kernel = bf16_module(plan.linear.kind) if self.dtype == torch.bfloat16 else None
         self.greedy_head = ExactGreedyHead(weight, plan.greedy_head, self.scheduler_config.max_num_seqs,
-                                           max_rows=plan.greedy_head_max_rows)
+                                           max_rows=plan.greedy_head_max_rows, logits_kernel=logits_kernel)
         extra = self.greedy_head.extra_bytes
         if not self.model.tie_word_embeddings and plan.linear.packed:
             extra += weight.numel() * weight.element_size()  # the packed lm_head replaces it; this keeps it

@@ -82,13 +82,16 @@ def test_bfloat16_greedy_does_not_depend_on_the_batch():
     then with every prompt's full blocks cached (a prompt's rest then runs as a chunk over cached
     context). oneDNN's kernels change their rounding with
     the batch (issue 29: 7/12 and 10/12 on AMX); the bf16 GEMMs (AVX-512, AMX, AVX2) and the
-    paged-attention kernel do not (tests/layers/, tests/attention/test_attention_batch_invariance.py)."""
+    paged-attention kernel do not (tests/layers/, tests/attention/test_attention_batch_invariance.py).
+    On AVX2 the one-at-a-time tokens come from the bf16-logit greedy head, the concurrent ones mostly
+    from the full head: the same tokens, ties included."""
     import gc
     import json
 
     from pagedllm.benchmarks.datasets import dataset_file
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.layers.bf16_gemm import AMX_KERNEL, AVX2_KERNEL, BF16_KERNEL, bf16_kernel_for
+    from pagedllm.layers.int8_gemm import int8_avx2_unavailable
 
     args = EngineArgs()   # the engine's path ($PAGEDLLM_CPU_ISA, $PAGEDLLM_CPU_BF16_GEMM included)
     kernel, why = bf16_kernel_for(args.cpu_isa, kernel=args.cpu_bf16_gemm)
@@ -106,6 +109,12 @@ def test_bfloat16_greedy_does_not_depend_on_the_batch():
     llm = LLM(None, enable_prefix_caching=False, max_num_batched_tokens=32, **common)
     together = tokens(llm, prompts)
     alone = [tokens(llm, [p])[0] for p in prompts]
+    head = llm.llm_engine.executor.driver_worker.model_runner.greedy_head
+    if kernel == AVX2_KERNEL and int8_avx2_unavailable(args.cpu_isa) is None:
+        # The bf16-logit greedy head (sample/greedy_head.py) took the steps of up to 3 rows, each of
+        # the 12 x 8 tokens one at a time among them: "alone" is its tokens, "together" the full head's.
+        assert head is not None and head.logits_kernel is not None
+        assert head.num_rows >= 12 * 8 and head.num_fallback_rows <= head.num_rows // 10
     del llm
     gc.collect()
     llm = LLM(None, enable_prefix_caching=True, **common)

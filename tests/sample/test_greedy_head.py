@@ -16,8 +16,12 @@ import torch
 from pagedllm.layers.int8_gemm import int8_avx2_unavailable, missing_vnni_flags
 from pagedllm.layers.linear import onednn_linear_available
 from pagedllm.layers.weight_only import weight_only_available
-from pagedllm.sample.greedy_head import (GREEDY_HEAD_MAX_ROWS, MAX_CANDIDATES, ExactGreedyHead, choose_greedy_head,
-                                         gamma, round_up_to_bf16)
+from pagedllm.layers.bf16_gemm import (AVX2_BF16_FLAGS, AVX2_BF16_PATHS, AVX2_EXTENSION, AVX2_KERNEL, Bf16Linear,
+                                       load_avx2_bf16_gemm)
+from pagedllm.platforms.cpu_extension import kernel_unavailable
+from pagedllm.platforms.cpu import cpu_flags, resolve_cpu_isa
+from pagedllm.sample.greedy_head import (GREEDY_HEAD_MAX_ROWS, INT8_AVX2_BF16_MAX_ROWS, MAX_CANDIDATES, ExactGreedyHead,
+                                         choose_greedy_head, gamma, greedy_head_max_rows, round_up_to_bf16)
 
 BF16_OK = onednn_linear_available(torch.bfloat16)
 INT8_OK = weight_only_available("int8_weight_only")
@@ -25,6 +29,16 @@ VNNI_MISSING = missing_vnni_flags()
 VNNI_OK = not VNNI_MISSING
 AVX2_WHY = int8_avx2_unavailable()
 AVX2_OK = AVX2_WHY is None
+
+
+def _bf16_logit_head_kernel():
+    """The AVX2 bf16 GEMM the bf16-logit head re-scores on (with the int8 kernel's AVX2 code), or a
+    skip naming what this CPU lacks (looked up in the test: no compile at collection)."""
+    why = AVX2_WHY or kernel_unavailable(AVX2_EXTENSION, AVX2_KERNEL, resolve_cpu_isa("auto"), AVX2_BF16_PATHS,
+                                         AVX2_BF16_FLAGS, cpu_flags())
+    if why:
+        pytest.skip(f"the bf16-logit head needs the int8 kernel's AVX2 code and the AVX2 bf16 GEMM: {why}")
+    return load_avx2_bf16_gemm()
 KINDS = [pytest.param("bf16", marks=pytest.mark.skipif(
              not BF16_OK, reason="no native bf16 oneDNN inner product on this CPU (avx512_bf16 / AMX)")),
          pytest.param("int8", marks=pytest.mark.skipif(
@@ -435,3 +449,113 @@ def test_constrained_greedy_rows_use_the_exact_head_and_keep_their_tokens(make_t
     assert none is None and head.num_fallback_rows == 0
     assert head.num_rows == sum(len(c.token_ids) for o in on for c in o.outputs)
     assert [[c.token_ids for c in o.outputs] for o in on] == [[c.token_ids for c in o.outputs] for o in off]
+
+
+# -- a bfloat16 model's head: the argmax of the full head's own bf16 logits, ties included --
+
+def _bf16_tied_weights(v: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [V, K] weights with exact ties (40 long rows of the lower half copied into the upper half:
+    the lowest id must win) and near ties (20 of those copies moved one bf16 ulp in column 0:
+    exact scores a hair apart, bf16 logits mostly equal). Returns (weights, the copied rows)."""
+    w = _weights(v, k, torch.bfloat16, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    src = w[: v // 2].float().norm(dim=1).topk(40).indices   # long rows: the planted scores stay on top
+    dst = v // 2 + torch.randperm(v - v // 2, generator=g)[:40]
+    w[dst] = w[src]
+    near = dst[:20]
+    w[near, 0] = (w[near, 0].view(torch.int16) + 1).view(torch.bfloat16)
+    return w, src
+
+
+def _rows_at(w: torch.Tensor, toks: torch.Tensor, logit: float, seed: int) -> torch.Tensor:
+    """[len(toks), K] bf16 rows that score ``toks`` at about ``logit`` (bf16 logit spacing there:
+    ``logit`` 2^-8), above the rest, plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    wt = w[toks].float()
+    x = wt / wt.norm(dim=1, keepdim=True) ** 2 * logit + 0.02 * torch.randn(wt.shape, generator=g)
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7])
+def test_bf16_logit_head_equals_the_full_heads_argmax(m):
+    """With ``logits_kernel`` the head's token is the full head's (``Bf16Linear`` on the same GEMM):
+    the argmax of its bf16 logits, lowest id on their ties, not the exact argmax; on rows aimed at
+    exact and near ties, and on random rows."""
+    module = _bf16_logit_head_kernel()
+    v, k = 4099, 64
+    w, src = _bf16_tied_weights(v, k, seed=3)
+    full = Bf16Linear(w, None, module)
+    head = ExactGreedyHead(w, "int8_avx2", m, max_rows=m, logits_kernel=module)
+    x = torch.cat([_rows_at(w, src, 24.0, seed=5), _rows_at(w, src, 3.0, seed=6), _hidden(40, k, torch.bfloat16, 7)])
+    logits = full(x).float()
+    want = logits.argmax(dim=1)
+    got = []
+    for i in range(0, x.shape[0], m):
+        tokens, fallback = head.argmax(x[i:i + m])
+        assert not bool(fallback.any())
+        got.append(tokens)
+    assert torch.equal(torch.cat(got), want)
+    ties = (logits == logits.amax(dim=1, keepdim=True)).sum(dim=1) > 1
+    assert int(ties.sum()) >= 20                         # the rows aimed at the copies do tie in bf16 ...
+    assert not torch.equal(_exact(x, w).argmax(dim=1), want)   # ... and the exact argmax parts from them
+
+
+def test_bf16_logit_head_masked_rows_and_errors():
+    """Masked rows (a grammar's) take the full head's argmax over the allowed tokens; a row with
+    no allowed token falls back; the mode needs a bfloat16 weight and a fixed-point kind."""
+    module = _bf16_logit_head_kernel()
+    v, k = 4099, 64
+    w, src = _bf16_tied_weights(v, k, seed=11)
+    full = Bf16Linear(w, None, module)
+    head = ExactGreedyHead(w, "int8_avx2", 8, logits_kernel=module)
+    x = torch.cat([_rows_at(w, src[:6], 20.0, seed=12), _hidden(2, k, torch.bfloat16, 13)])
+    forbidden = torch.rand(x.shape[0], v, generator=torch.Generator().manual_seed(14)) < 0.3
+    forbidden[0, src[0]] = True           # the top token of row 0 is not allowed
+    forbidden[7] = True                   # nothing allowed: fallback
+    tokens, fallback = head.argmax(x, forbidden)
+    want = full(x).float().masked_fill(forbidden, float("-inf")).argmax(dim=1)
+    assert fallback.tolist() == [False] * 7 + [True]
+    assert torch.equal(tokens[:7], want[:7]) and int(tokens[7]) == -1
+    with pytest.raises(ValueError, match="logits_kernel"):
+        ExactGreedyHead(w.float(), "int8_avx2", 8, logits_kernel=module)
+
+
+def test_choose_greedy_head_for_bf16_models():
+    """A bfloat16 model takes the int8 AVX2 pass only with its head on the AVX2 bf16 GEMM and no
+    edit of the logits after it, for ``INT8_AVX2_BF16_MAX_ROWS`` rows."""
+    cpu = torch.device("cpu")
+    kind, why = choose_greedy_head("auto", torch.bfloat16, cpu, 1, None, hidden_size=640, linear_kind=AVX2_KERNEL)
+    assert kind == ("int8_avx2" if AVX2_OK else None), why
+    if AVX2_OK:
+        assert "bf16 logits" in why and greedy_head_max_rows(kind, torch.bfloat16) == INT8_AVX2_BF16_MAX_ROWS >= 1
+        assert greedy_head_max_rows(kind, torch.float32) == GREEDY_HEAD_MAX_ROWS["int8_avx2"]
+    assert greedy_head_max_rows(None, torch.bfloat16) == 0
+    for linear in ("onednn", "avx512_bf16", "amx_bf16", None):
+        off, why_off = choose_greedy_head("auto", torch.bfloat16, cpu, 1, None, hidden_size=640, linear_kind=linear)
+        assert off is None and str(linear) in why_off
+    off, why_off = choose_greedy_head("auto", torch.bfloat16, cpu, 1, None, hidden_size=640, linear_kind=AVX2_KERNEL,
+                                      logits_edit="final logit soft cap 30.0")
+    assert off is None and "soft cap" in why_off
+    off, why_off = choose_greedy_head("auto", torch.bfloat16, cpu, 1, None, hidden_size=2048, linear_kind=AVX2_KERNEL)
+    assert off is None and "2048" in why_off
+    assert choose_greedy_head("off", torch.bfloat16, cpu, 1, None, hidden_size=640, linear_kind=AVX2_KERNEL)[0] is None
+
+
+def test_tiny_bf16_model_tokens_same_on_and_off(make_tiny_checkpoint):
+    """A bfloat16 tiny Gemma 3 through the engine: every greedy token of a step with one row goes
+    through the bf16-logit head and equals the full head's (switch off)."""
+    from pagedllm import SamplingParams
+    from pagedllm.layers.bf16_gemm import bf16_kernel_for
+
+    _bf16_logit_head_kernel()
+    kernel, why = bf16_kernel_for()
+    if kernel != AVX2_KERNEL:
+        pytest.skip(f"the bf16 head runs {kernel} here ({why}); the bf16-logit head re-scores on the AVX2 GEMM only")
+    path = make_tiny_checkpoint("gemma3")
+    prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(3 + 5 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    on, head = _generate(path, "auto", params, prompts, dtype="bfloat16", max_num_seqs=INT8_AVX2_BF16_MAX_ROWS)
+    off, none = _generate(path, "off", params, prompts, dtype="bfloat16", max_num_seqs=INT8_AVX2_BF16_MAX_ROWS)
+    assert none is None and head is not None and head.logits_kernel is not None
+    assert head.num_rows == sum(len(o.outputs[0].token_ids) for o in on) and head.num_fallback_rows == 0
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]

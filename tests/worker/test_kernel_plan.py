@@ -13,7 +13,7 @@ from pagedllm.config import KernelConfig, ModelConfig
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.fused_ops import prepare_fused_ops
 from pagedllm.layers.linear import packed_kernel_for
-from pagedllm.sample.greedy_head import GREEDY_HEAD_MAX_ROWS, choose_greedy_head
+from pagedllm.sample.greedy_head import GREEDY_HEAD_MAX_ROWS, choose_greedy_head, greedy_head_max_rows
 from pagedllm.worker.kernel_plan import LinearKernel, choose_dtype, choose_kernel_plan
 
 CPU = torch.device("cpu")
@@ -32,6 +32,23 @@ def test_rows_are_the_choosers_answers():
     assert (plan.attention_backend, plan.attention_reason) == prepare_backend("auto", CPU, torch.float32)
     assert (plan.fused_ops, plan.fused_ops_reason) == prepare_fused_ops("auto", CPU, torch.float32)
     assert plan.warnings == ()
+
+
+def test_bf16_plan_passes_the_head_kernel_and_the_logit_edits():
+    """A bfloat16 model's greedy head row: the chooser's answer for the plan's linear kind (the
+    head's kernel) and hidden size, off when the model edits its logits after the head."""
+    kernels = KernelConfig()
+    plain = ModelConfig(dtype="bfloat16", hidden_size=640)
+    plan = choose_kernel_plan(plain, kernels, CPU, ParallelContext())
+    want = choose_greedy_head("auto", plan.dtype, CPU, 1, None, hidden_size=640, linear_kind=plan.linear.kind)
+    assert (plan.greedy_head, plan.greedy_head_reason) == want
+    assert plan.greedy_head_max_rows == greedy_head_max_rows(want[0], torch.bfloat16)
+    for edit in (dict(final_logit_softcapping=30.0), dict(logits_scaling=8.0)):
+        edited = choose_kernel_plan(ModelConfig(dtype="bfloat16", hidden_size=640, **edit), kernels, CPU,
+                                    ParallelContext())
+        assert edited.greedy_head is None and edited.greedy_head_max_rows == 0
+        if plan.greedy_head is not None:   # the edit is what turned it off
+            assert "edits its logits" in edited.greedy_head_reason
 
 
 def test_packed_is_every_packed_kernel_for_kind_but_torch():

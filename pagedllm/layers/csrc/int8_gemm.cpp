@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <string>
 #include <tuple>
@@ -60,6 +61,9 @@
 #else
 #define PAGEDLLM_INT8_VNNI 0
 #define PAGEDLLM_INT8_AVX2 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>  // the bf16-logit head's candidate search (bf16_logit_candidates)
 #endif
 
 #ifndef PAGEDLLM_INT8_PREFETCH
@@ -739,6 +743,140 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_greedy_argmax(
 #endif
 }
 
+// The largest of row[0..n) and whether any is NaN.
+inline void row_max(const float* row, int64_t n, float& best, bool& nan) {
+  best = -std::numeric_limits<float>::infinity();
+  nan = false;
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 vmax = _mm256_set1_ps(best), vnan = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(row + j);
+    vmax = _mm256_max_ps(vmax, v);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float l : lanes) best = std::max(best, l);
+  nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+  for (; j < n; ++j) {
+    best = std::max(best, row[j]);
+    nan |= row[j] != row[j];
+  }
+}
+
+// The bf16-logit head's candidate search (sample/greedy_head.py, ``_argmax_bf16_logits``; the window
+// is derived there). Per row m of the cheap scores c [M, N] float32 (-inf: a token the row may not take),
+// in float64 (the factor 2 in P covers its roundings, FMA contractions included):
+//   P_j = 2 ((1 + u_o) (n1 E_j + A_j t + g n1 (A_j + E_j)) + tiny),  T_j = P_j + 2 u_o |c_j|,
+//   top = the first maximum of c, low0 = c_top - T_top, candidates
+//   {j : c_j + T_j >= low0 and c_j + T_j >= max_k over those (c_k - T_k)}
+// (max_k (c_k - T_k) >= low0 over all tokens, and the top is one of them). The first test runs in
+// float32 over every token, with E_j, A_j and the row constants rounded up (err_up, amax_up: [N]) and
+// a slack of 16 2^-24 (3 |c_top| + 3 |low0| + 6 P_max + 1) under low0, more than its float32
+// roundings can move c_j + T_j for any token near the threshold: it keeps a superset; the float64
+// tests then decide. row_n1, row_term: [M] float64 (n1 = |x|_1, t = the fixed-point term); err, amax:
+// [N] float64 (E_j, A_j). Returns (rows [Q] int64, tokens [Q] int64, cmax [M] float64: the row's max
+// c, NaN when c has a NaN); a row whose cmax, n1 or t is not finite gets no candidates. Candidates
+// come row by row, tokens ascending.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bf16_logit_candidates(
+    const at::Tensor& c, const at::Tensor& row_n1, const at::Tensor& row_term, const at::Tensor& err,
+    const at::Tensor& amax, const at::Tensor& err_up, const at::Tensor& amax_up, double err_max, double amax_max,
+    double g, double u_o, double tiny) {
+  TORCH_CHECK(c.dim() == 2 && c.dtype() == at::kFloat && c.is_contiguous(), "c must be a contiguous float32 [M, N] tensor");
+  const int64_t rows = c.size(0), n = c.size(1);
+  for (const auto* t : {&row_n1, &row_term})
+    TORCH_CHECK(t->dtype() == at::kDouble && t->is_contiguous() && t->numel() == rows,
+                "row_n1 and row_term must be contiguous float64 [M] tensors");
+  for (const auto* t : {&err, &amax})
+    TORCH_CHECK(t->dtype() == at::kDouble && t->is_contiguous() && t->numel() == n,
+                "err and amax must be contiguous float64 [N] tensors");
+  for (const auto* t : {&err_up, &amax_up})
+    TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous() && t->numel() == n,
+                "err_up and amax_up must be contiguous float32 [N] tensors");
+  const float* cp = c.data_ptr<float>();
+  const double *n1p = row_n1.data_ptr<double>(), *tp = row_term.data_ptr<double>();
+  const double *ep = err.data_ptr<double>(), *ap = amax.data_ptr<double>();
+  const float *euf = err_up.data_ptr<float>(), *auf = amax_up.data_ptr<float>();
+  auto cmax_t = at::empty({rows}, c.options().dtype(at::kDouble));
+  double* cmax_out = cmax_t.data_ptr<double>();
+  std::vector<std::vector<int64_t>> found(rows);
+  auto up = [](double v) {   // the smallest float32 >= v (finite v)
+    float f = static_cast<float>(v);
+    return static_cast<double>(f) < v ? std::nextafter(f, std::numeric_limits<float>::infinity()) : f;
+  };
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t m = r0; m < r1; ++m) {
+      const float* row = cp + m * n;
+      const double n1 = n1p[m], t = tp[m];
+      // P_j = alpha E_j + beta A_j + kappa
+      const double alpha = 2.0 * (1.0 + u_o) * (n1 + g * n1), beta = 2.0 * (1.0 + u_o) * (t + g * n1), kappa = 2.0 * tiny;
+      auto p_of = [&](double e, double a) { return 2.0 * ((1.0 + u_o) * (n1 * e + a * t + g * n1 * (a + e)) + tiny); };
+      float best;
+      bool nan;
+      row_max(row, n, best, nan);
+      const double cmax = nan ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(best);
+      cmax_out[m] = cmax;
+      if (!std::isfinite(cmax) || !std::isfinite(n1) || !std::isfinite(t)) continue;
+      int64_t top = 0;
+      while (row[top] != best) ++top;   // the first maximum
+      const double low0 = cmax - p_of(ep[top], ap[top]) - 2.0 * u_o * std::fabs(cmax);
+      const double p_max = p_of(err_max, amax_max);
+      const double slack = 16.0 * std::ldexp(1.0, -24) * (3.0 * std::fabs(cmax) + 3.0 * std::fabs(low0) + 6.0 * p_max + 1.0);
+      const double thr = low0 - slack;
+      float thr_f = static_cast<float>(thr);
+      if (static_cast<double>(thr_f) > thr) thr_f = std::nextafter(thr_f, -std::numeric_limits<float>::infinity());
+      const float two_u = static_cast<float>(2.0 * u_o);   // a power of two: exact
+      const float alpha_f = up(alpha), beta_f = up(beta), kappa_f = up(kappa);
+      std::vector<int64_t> near;
+      std::vector<double> bound;
+      double low = -std::numeric_limits<double>::infinity();
+      auto take = [&](int64_t j) {   // the float64 tests
+        const double v = row[j];
+        const double b = p_of(ep[j], ap[j]) + 2.0 * u_o * std::fabs(v);
+        if (v + b < low0) return;
+        near.push_back(j);
+        bound.push_back(b);
+        low = std::max(low, v - b);
+      };
+      int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 vthr = _mm256_set1_ps(thr_f), vtwo_u = _mm256_set1_ps(two_u), valpha = _mm256_set1_ps(alpha_f);
+      const __m256 vbeta = _mm256_set1_ps(beta_f), vkappa = _mm256_set1_ps(kappa_f);
+      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(row + j);
+        __m256 f = _mm256_fmadd_ps(_mm256_and_ps(v, abs_mask), vtwo_u, v);
+        f = _mm256_fmadd_ps(_mm256_loadu_ps(euf + j), valpha, f);
+        f = _mm256_fmadd_ps(_mm256_loadu_ps(auf + j), vbeta, f);
+        f = _mm256_add_ps(f, vkappa);
+        int bits = _mm256_movemask_ps(_mm256_cmp_ps(f, vthr, _CMP_GE_OQ));
+        while (bits) {
+          take(j + __builtin_ctz(bits));
+          bits &= bits - 1;
+        }
+      }
+#endif
+      for (; j < n; ++j) {
+        const float v = row[j];
+        if (v + two_u * std::fabs(v) + alpha_f * euf[j] + beta_f * auf[j] + kappa_f >= thr_f) take(j);
+      }
+      for (size_t q = 0; q < near.size(); ++q)
+        if (static_cast<double>(row[near[q]]) + bound[q] >= low) found[m].push_back(near[q]);
+    }
+  });
+  int64_t total = 0;
+  for (const auto& f : found) total += static_cast<int64_t>(f.size());
+  auto rows_t = at::empty({total}, c.options().dtype(at::kLong));
+  auto toks_t = at::empty({total}, c.options().dtype(at::kLong));
+  int64_t* rp = rows_t.data_ptr<int64_t>();
+  int64_t* kp = toks_t.data_ptr<int64_t>();
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t j : found[m]) { *rp++ = m; *kp++ = j; }
+  return {rows_t, toks_t, cmax_t};
+}
+
 std::vector<std::string> compiled_isas() {
 #if PAGEDLLM_INT8_VNNI
   return {"avx512_vnni"};
@@ -762,5 +900,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "exact greedy head, int8 pass: (tokens, status, candidates) per row (sample/greedy_head.py)", py::arg("x"),
         py::arg("packed"), py::arg("row_sums"), py::arg("scales"), py::arg("n"), py::arg("weight"), py::arg("err2"),
         py::arg("amax2"), py::arg("row_n1"), py::arg("row_term"), py::arg("max_candidates"), py::arg("g64"));
+  m.def("bf16_logit_candidates", &bf16_logit_candidates,
+        "the bf16-logit head's candidates: (rows, tokens, row maxima) (sample/greedy_head.py)", py::arg("c"),
+        py::arg("row_n1"), py::arg("row_term"), py::arg("err"), py::arg("amax"), py::arg("err_up"),
+        py::arg("amax_up"), py::arg("err_max"),
+        py::arg("amax_max"), py::arg("g"), py::arg("u_o"), py::arg("tiny"));
   m.def("compiled_isas", &compiled_isas, "the code paths compiled in: avx512_vnni, avx2 (int8_weight_only_mm only), or none");
 }
