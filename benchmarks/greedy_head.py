@@ -4,8 +4,10 @@ bound + exact re-score), on the default model's head and real hidden rows.
 Usage (repo root): ``nice -n 19 python benchmarks/greedy_head.py [model folder] [--repeats 7] [--rows 1,4,16,64]
 [--kinds bf16,int8,int8_vnni,int8_avx2]`` (``int8_vnni``'s two-pass time is its fused C++ call;
 ``int8_avx2`` only where the int8 kernel's AVX2 code runs); the full head is the engine's float32 GEMM
-where it runs (``layers/f32_gemm.py``), else oneDNN's packed inner product;
-``--engine``: instead, the default model in float32 through ``LLM`` with ``exact_greedy_head``
+where it runs (``layers/f32_gemm.py``), else oneDNN's packed inner product; for ``bfloat16`` where the
+engine runs the AVX2 bf16 GEMM, that GEMM, and only ``int8_avx2`` as the bf16-logit head (its tokens
+checked against the full head's argmax instead of the exact one);
+``--engine``: instead, the default model in each of ``--dtypes`` through ``LLM`` with ``exact_greedy_head``
 ``auto`` and ``off``: whether 5 prompts x 32 greedy tokens agree, and the CPU time of a batch-1
 generate of 48 tokens (3 interleaved repeats).
 Hidden rows: the final-norm hidden states of every position of a few texts through transformers
@@ -59,13 +61,13 @@ def cpu_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def engine_check(repeats: int = 3) -> None:
+def engine_check(repeats: int = 3, dtype: str = "float32") -> None:
     """The engine with the switch on and off (see the module docstring)."""
     from pagedllm import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def quicksort(arr):", "Once upon a time, in a land far away,",
                "The three laws of thermodynamics are", "Water boils at"]
-    llms = {m: LLM(None, dtype="float32", seed=0, exact_greedy_head=m, max_num_seqs=4) for m in ("auto", "off")}
+    llms = {m: LLM(None, dtype=dtype, seed=0, exact_greedy_head=m, max_num_seqs=4) for m in ("auto", "off")}
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     tokens = {m: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
               for m, llm in llms.items()}
@@ -96,7 +98,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.engine:
-        engine_check()
+        for dtype in args.dtypes.split(","):
+            print(f"== {dtype}", flush=True)
+            engine_check(dtype=dtype)
         return
     if args.folder is None:
         from pagedllm.loaders.model_files import resolve_model
@@ -107,23 +111,34 @@ def main() -> None:
     print(f"head {list(weight.shape)}, {hidden.shape[0]} hidden rows", flush=True)
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         w = weight.to(dtype)
-        full = PackedLinear(w, None, 64)
         from pagedllm.layers.f32_gemm import F32Linear, f32_kernel_for, load_f32_gemm
         from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_avx2_unavailable, int8_kernel_for
 
+        from pagedllm.layers.bf16_gemm import AVX2_KERNEL, Bf16Linear, bf16_kernel_for, bf16_module
+
+        logits_kernel = None
         if dtype == torch.float32 and f32_kernel_for()[0] != "onednn":   # the engine's float32 head here
             full = F32Linear(w, None, load_f32_gemm())
+        elif dtype == torch.bfloat16 and bf16_kernel_for()[0] == AVX2_KERNEL:
+            # the engine's bf16 head here, and the bf16-logit head (its argmax, ties included)
+            logits_kernel = bf16_module(AVX2_KERNEL)
+            full = Bf16Linear(w, None, logits_kernel)
+        else:
+            full = PackedLinear(w, None, 64)
         print(f"{str(dtype)[6:]:9s} full head: {type(full).__name__}", flush=True)
         kinds = [k for k in args.kinds.split(",") if (k != "int8_vnni" or int8_kernel_for()[0] == VNNI_KERNEL)
                  and (k != "int8_avx2" or int8_avx2_unavailable() is None)]
-        heads = {kind: ExactGreedyHead(w, kind, 64) for kind in kinds}
+        if logits_kernel is not None:
+            kinds = [k for k in kinds if k == "int8_avx2"]
+        heads = {kind: ExactGreedyHead(w, kind, 64, logits_kernel=logits_kernel) for kind in kinds}
         for kind, head in heads.items():   # a row's fallback does not depend on the other rows
             _, fb = head.argmax(hidden.to(dtype))
             print(f"{str(dtype)[6:]:9s} {kind}: {int(fb.sum())} of {hidden.shape[0]} rows fall back to the full head",
                   flush=True)
         for m in [int(r) for r in args.rows.split(",")]:
             x = hidden[:m].to(dtype)
-            ref = (x.double() @ w.double().t()).argmax(dim=1)
+            # the exact argmax, or (bf16-logit head) the full head's own
+            ref = (x.double() @ w.double().t()).argmax(dim=1) if logits_kernel is None else full(x).float().argmax(dim=1)
             t_full = cpu_ms(lambda: full(x).float().argmax(dim=1), args.repeats)
             line = f"{str(dtype)[6:]:9s} M={m:3d} full head + argmax {t_full:7.1f} ms"
             for kind, head in heads.items():

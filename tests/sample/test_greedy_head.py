@@ -559,3 +559,38 @@ def test_tiny_bf16_model_tokens_same_on_and_off(make_tiny_checkpoint):
     assert none is None and head is not None and head.logits_kernel is not None
     assert head.num_rows == sum(len(o.outputs[0].token_ids) for o in on) and head.num_fallback_rows == 0
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+
+
+def test_bf16_logit_candidates_are_the_float64_window():
+    """The C++ candidate search (a float32 first test over every token, then float64) returns the
+    window of ``_argmax_bf16_logits`` computed here in float64: every candidate of the window shrunk
+    by 1e-9 relative, none outside it grown by 1e-9; rows with a NaN or nothing finite get none."""
+    module = _bf16_logit_head_kernel()
+    v, k = 4099, 64
+    w, src = _bf16_tied_weights(v, k, seed=21)
+    head = ExactGreedyHead(w, "int8_avx2", 8, logits_kernel=module)
+    x = torch.cat([_rows_at(w, src[:8], 20.0, seed=22), _hidden(8, k, torch.bfloat16, 23)])
+    c, _, norms = head.cheap_pass(x)
+    c[0, 5] = float("nan")
+    c[1] = float("-inf")
+    n1, term = norms["n1"], head._vnni_row_term(norms["n1"], norms["xinf"])
+    u_o, tiny = 2.0 ** -8, (k + 1) * 2.0 ** -126
+    rows, toks, cmax = head._ext.bf16_logit_candidates(
+        c, n1, term, head.weight_error, head.approx_max, head._err_up, head._amax_up, head.weight_error_max,
+        head.approx_max_max, head.g32, u_o, tiny)
+    got = set(zip(rows.tolist(), toks.tolist()))
+    assert torch.isnan(cmax[0]) and cmax[1] == float("-inf") and not {r for r, _ in got} & {0, 1}
+    assert torch.equal(cmax[2:], c[2:].double().amax(dim=1))
+    e, a = head.weight_error, head.approx_max
+    for scale, inside in ((1 - 1e-9, True), (1 + 1e-9, False)):
+        window = set()
+        for m in range(2, x.shape[0]):
+            cd = c[m].double()
+            p = 2.0 * ((1.0 + u_o) * (n1[m] * e + a * term[m] + head.g32 * n1[m] * (a + e)) + tiny)
+            t = (p + 2.0 * u_o * cd.abs()) * scale
+            top = int(c[m].argmax())
+            near = cd + t >= cd[top] - t[top]
+            sel = near & (cd + t >= (cd - t)[near].max())
+            window |= {(m, j) for j in sel.nonzero().flatten().tolist()}
+        assert window <= got if inside else got <= window
+    assert len(got) > x.shape[0]   # near ties: rows with several candidates
