@@ -118,6 +118,30 @@ their bounds of the best are compared exactly: the sign of ``r_a - r_b`` is the 
 ``math.fsum`` over the 2K exact products (fsum is correctly rounded, and a non-zero exact sum of
 such products is at least 2^-298 in magnitude, so it never rounds to zero).
 
+bfloat16 models (``logits_kernel``)
+-----------------------------------
+A bfloat16 model's greedy token is the argmax of its full head's bf16 logits ``L_j``, lowest id on
+their ties (frequent: 8 significant bits), and the exact argmax above would break those ties
+differently. Where the full head is the AVX2 bf16 GEMM (``layers/bf16_gemm.py``; ``bf16_gemm_avx2.cpp``:
+``L_j = bf16(s_j)``, ``s_j`` one float32 FMA chain over ``k`` from +0, each product of two bf16 values
+exact, no bias), the head returns that token instead. With the fixed-point bound ``b_j`` above
+(``|c_j - r_j| <= b_j``), Higham's bound for the chain (``|s_j - r_j| <= g |x|_1 (A_j + E_j) + K 2^-149``
+for float32's subnormal steps, ``A_j + E_j >= max_i |W_ji|``) and the bf16 rounding (``|L_j - s_j| <=
+u_o |s_j| + 2^-134``):
+
+    |L_j - c_j| <= (1 + u_o) (b_j + g |x|_1 (A_j + E_j)) + u_o |c_j| + (K + 1) 2^-126
+
+and the code uses ``T_j = P_j + 2 u_o |c_j|`` with ``P_j`` twice the rest (the factor 2, as above,
+covers the float64 evaluation). Every token whose ``L_j`` is the row's largest satisfies
+``c_j + T_j >= L_j >= L_k >= c_k - T_k`` for all ``k``, so the candidates ``{j : c_j + T_j >= max_k
+(c_k - T_k)}`` hold all of them, and each candidate's ``L_j`` is no larger. ``int8_gemm.cpp``'s
+``bf16_logit_candidates`` finds them (``low0 = c_top - T_top <= max_k (c_k - T_k)`` first: a float32
+test over every token with ``E_j``, ``A_j`` and the row constants rounded up and a slack under
+``low0`` larger than its float32 roundings near the threshold, then the float64 tests). Their
+``L_j`` come from the same GEMM on just their weight rows (each output is one chain whatever the
+others: the full head's bits), and the largest wins, lowest id first. A row with more than
+``max_candidates`` candidates, or non-finite, falls back as above.
+
 Which kind, and when: ``choose_greedy_head``, from the single-thread CPU times of the full head
 vs the cheap pass + bound + re-score on Gemma 3 270M's 262,144 x 640 head and real hidden rows
 (docs/performance.md; ``benchmarks/greedy_head.py``).
