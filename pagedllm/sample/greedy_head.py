@@ -694,39 +694,42 @@ def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device
         return _choose_for_bf16(cpu_isa, flags, hidden_size, linear_kind, logits_edit)
     if model_dtype != torch.float32:
         return None, f"dtype {model_dtype}"
-    from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_avx2_unavailable, int8_kernel_for
+    from pagedllm.layers.int8_gemm import VNNI_KERNEL, int8_kernel_for
     from pagedllm.layers.linear import onednn_linear_available
 
     if int8_kernel_for(cpu_isa, flags)[0] == VNNI_KERNEL:
         return "int8_vnni", "float32 model, AVX-512 VNNI: int8 cheap pass"
     if onednn_linear_available(torch.bfloat16):
         return "bf16", "float32 model, native bf16: bf16 cheap pass"
-    if hidden_size is None or hidden_size % 16 or hidden_size > INT8_AVX2_MAX_HIDDEN:
-        return None, (f"float32 model without native bf16 or VNNI, hidden size {hidden_size} (the AVX2 int8 pass "
-                      f"takes multiples of 16 up to {INT8_AVX2_MAX_HIDDEN})")
-    why = int8_avx2_unavailable(cpu_isa, flags)
+    why = _int8_avx2_refusal(cpu_isa, flags, hidden_size)
     if why is not None:
-        return None, f"float32 model without native bf16 or VNNI, and the AVX2 int8 pass cannot run: {why}"
+        return None, f"float32 model without native bf16 or VNNI, and {why}"
     return "int8_avx2", "float32 model, AVX2 without VNNI: int8 fixed-point cheap pass"
+
+
+def _int8_avx2_refusal(cpu_isa: str, flags: frozenset[str] | None, hidden_size: int | None) -> str | None:
+    """Why the AVX2 int8 pass cannot take this head, in words; None when it can."""
+    from pagedllm.layers.int8_gemm import int8_avx2_unavailable
+
+    if hidden_size is None or hidden_size % 16 or hidden_size > INT8_AVX2_MAX_HIDDEN:
+        return f"hidden size {hidden_size}: the AVX2 int8 pass takes multiples of 16 up to {INT8_AVX2_MAX_HIDDEN}"
+    why = int8_avx2_unavailable(cpu_isa, flags)
+    return None if why is None else f"the AVX2 int8 pass cannot run: {why}"
 
 
 def _choose_for_bf16(cpu_isa: str, flags: frozenset[str] | None, hidden_size: int | None,
                      linear_kind: str | None, logits_edit: str | None) -> tuple[str | None, str]:
     """``choose_greedy_head`` for a bfloat16 model (its docstring)."""
     from pagedllm.layers.bf16_gemm import AVX2_KERNEL
-    from pagedllm.layers.int8_gemm import int8_avx2_unavailable
 
     off = "bfloat16 model: its greedy token stays the argmax of its bf16 logits from the full head"
     if linear_kind != AVX2_KERNEL:
         return None, f"{off} (the head runs on {linear_kind}; the bf16-logit head re-scores on the AVX2 bf16 GEMM only)"
     if logits_edit is not None:
         return None, f"{off} (the model edits its logits after the head: {logits_edit})"
-    if hidden_size is None or hidden_size % 16 or hidden_size > INT8_AVX2_MAX_HIDDEN:
-        return None, (f"{off} (hidden size {hidden_size}: the AVX2 int8 pass takes multiples of 16 up to "
-                      f"{INT8_AVX2_MAX_HIDDEN})")
-    why = int8_avx2_unavailable(cpu_isa, flags)
+    why = _int8_avx2_refusal(cpu_isa, flags, hidden_size)
     if why is not None:
-        return None, f"{off} (the AVX2 int8 pass cannot run: {why})"
+        return None, f"{off} ({why})"
     return "int8_avx2", ("bfloat16 model, AVX2 bf16 GEMM: int8 fixed-point cheap pass, candidates re-scored "
                          "through the head's own GEMM (the argmax of its bf16 logits, ties included)")
 
