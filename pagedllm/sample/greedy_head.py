@@ -441,7 +441,7 @@ class ExactGreedyHead:
         xd = xin.double()
         n1, xinf = xd.abs().sum(dim=1), xd.abs().amax(dim=1)
         term = self._vnni_row_term(n1, xinf)
-        fallback = ~(torch.isfinite(n1) & torch.isfinite(term)) | ((xinf > 0) & (xinf < 2.0 ** -100))
+        fallback = ~(torch.isfinite(n1) & torch.isfinite(term)) | _fixed_point_too_small(xinf)
         safe = ~fallback
         tokens, status, _ = self._ext.int8_greedy_argmax(
             xin, self.packed, self.row_sums, self.scales, self.vocab_size, self._weight_c, self._err2, self._amax2,
@@ -468,7 +468,10 @@ class ExactGreedyHead:
         if forbidden is not None:
             c = c.masked_fill(forbidden, -math.inf)
         # Block maxima of c: a candidate's block reaches the window, so only those blocks are read again.
-        bmax = _block_maxima(c)                                                # [M, nb]
+        nfull = v // _BLOCK
+        bmax = c[:, : nfull * _BLOCK].view(m, nfull, _BLOCK).amax(dim=-1)    # [M, nb]
+        if nfull * _BLOCK < v:
+            bmax = torch.cat([bmax, c[:, nfull * _BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
         cmax = bmax.amax(dim=1).double()
         if self.kind in FIXED_POINT_KINDS:
             # Every candidate j has c_j + B_j >= max_k (c_k - B_k) >= c_top - B_top (top = the largest
@@ -492,14 +495,17 @@ class ExactGreedyHead:
         thr = cmax - (2.0 * alpha + 2.0 * beta * cmax.abs()) / (1.0 - beta)   # [M] float64
         fallback = ~(torch.isfinite(cmax) & torch.isfinite(norms["n1"]))
         if self.kind in FIXED_POINT_KINDS:   # 32767 / max|x| would overflow float32: not this path
-            fallback |= (norms["xinf"] > 0) & (norms["xinf"] < 2.0 ** -100)
+            fallback |= _fixed_point_too_small(norms["xinf"])
         if self.kind in FIXED_POINT_KINDS:
             hit = (bmax.double() + reach >= (cmax - b_top)[:, None]) & ~fallback[:, None]
         else:
             hit = (bmax.double() >= thr[:, None]) & ~fallback[:, None]       # [M, nb]
         wide = hit.sum(dim=1) > self.max_hit_blocks
         hit &= ~wide[:, None]
-        hit_row, hit_blk, cols, vals = _block_values(c, hit)
+        hit_row, hit_blk = hit.nonzero(as_tuple=True)                          # [P]
+        cols = hit_blk[:, None] * _BLOCK + torch.arange(_BLOCK)[None, :]      # [P, BLOCK]
+        vals = c[hit_row[:, None], cols.clamp(max=v - 1)].double()
+        vals.masked_fill_(cols >= v, -math.inf)
         if self.kind in FIXED_POINT_KINDS:
             keep_tok = vals + reach[hit_row, hit_blk][:, None] >= (cmax - b_top)[hit_row][:, None]
         else:
@@ -547,8 +553,9 @@ class ExactGreedyHead:
         cand_row, cand_tok, cmax = self._ext.bf16_logit_candidates(
             c.contiguous(), n1.contiguous(), term.contiguous(), self.weight_error, self.approx_max,
             self._err_up, self._amax_up, self.weight_error_max, self.approx_max_max, self.g32, _U_BF16, (self.hidden_size + 1) * 2.0 ** -126)
-        fallback = ~(torch.isfinite(cmax) & torch.isfinite(n1)) | ((norms["xinf"] > 0) & (norms["xinf"] < 2.0 ** -100))
-        fallback |= torch.bincount(cand_row, minlength=m) > self.max_candidates
+        counts = torch.bincount(cand_row, minlength=m)
+        fallback = ~(torch.isfinite(cmax) & torch.isfinite(n1)) | _fixed_point_too_small(norms["xinf"]) \
+            | (counts > self.max_candidates)
         keep = ~fallback[cand_row]
         cand_row, cand_tok = cand_row[keep], cand_tok[keep]
         tokens = torch.full((m,), -1, dtype=torch.int64)
@@ -566,8 +573,7 @@ class ExactGreedyHead:
             else:
                 scores = torch.full_like(logits, -math.inf)
                 scores[cand_row, inv] = logits[cand_row, inv]
-                has = torch.bincount(cand_row, minlength=m) > 0
-                tokens = torch.where(has, toks[scores.argmax(dim=1)], tokens)
+                tokens = torch.where((counts > 0) & ~fallback, toks[scores.argmax(dim=1)], tokens)
         return tokens, fallback
 
     def _rescore(self, x: torch.Tensor, cand_row: torch.Tensor, cand_tok: torch.Tensor,
@@ -603,26 +609,10 @@ class ExactGreedyHead:
         return qs[best]
 
 
-def _block_maxima(c: torch.Tensor) -> torch.Tensor:
-    """[M, V] cheap scores -> [M, ceil(V / _BLOCK)] maxima of their blocks of ``_BLOCK`` tokens."""
-    m, v = c.shape
-    nfull = v // _BLOCK
-    bmax = c[:, : nfull * _BLOCK].view(m, nfull, _BLOCK).amax(dim=-1)
-    if nfull * _BLOCK < v:
-        bmax = torch.cat([bmax, c[:, nfull * _BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
-    return bmax
-
-
-def _block_values(c: torch.Tensor, hit: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tokens of the blocks ``hit`` ([M, nb] bool) marks: (row [P], block [P], token ids
-    [P, _BLOCK] int64, their cheap scores [P, _BLOCK] float64, -inf past the vocabulary)."""
-    v = c.shape[1]
-    hit_row, hit_blk = hit.nonzero(as_tuple=True)
-    cols = hit_blk[:, None] * _BLOCK + torch.arange(_BLOCK)[None, :]
-    vals = c[hit_row[:, None], cols.clamp(max=v - 1)].double()
-    vals.masked_fill_(cols >= v, -math.inf)
-    return hit_row, hit_blk, cols, vals
+def _fixed_point_too_small(xinf: torch.Tensor) -> torch.Tensor:
+    """[M] bool: rows whose ``0 < max|x| < 2^-100``, where the fixed-point kinds' scale ``32767 / max|x|``
+    could overflow float32 (they go to the full head)."""
+    return (xinf > 0) & (xinf < 2.0 ** -100)
 
 
 def choose_greedy_head(mode: str, model_dtype: torch.dtype, device: torch.device, tp_size: int,
