@@ -41,18 +41,20 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_proc import ABORTING_CALLS
+from pagedllm.engine.core_proc import ABORTING_CALLS, PAUSE_MODES
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.input_processor import LengthCheck, ProcessedInput, PromptType
-from pagedllm.engine.llm_engine import PAUSE_MODES, LLMEngine
 from pagedllm.metrics.loggers import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
 from pagedllm.metrics.request_tracing import RequestTracer, TracedRequest
 from pagedllm.metrics.stats import StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:   # imported when an in-process engine is built: a front end of engine processes never loads torch
+    from pagedllm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -591,6 +593,8 @@ class AsyncLLM(AsyncFrontEnd):
         else:
             if disable_log_stats if disable_log_stats is not None else args.disable_log_stats:
                 kwargs["log_stats_interval_s"] = None
+            from pagedllm.engine.llm_engine import LLMEngine
+
             llm = cls(LLMEngine(args), log_requests=enable_log_requests, **kwargs)
             llm.extra_stat_loggers = attach_stat_loggers(stat_loggers or (), [llm.engine.stat_loggers])
             if start_engine_loop:

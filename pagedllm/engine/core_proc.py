@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 # Engine calls that abort requests and return their final outputs (finish_reason "abort"): the
 # outputs go to the requests' callers as ordinary outputs, the call's result is their number.
 ABORTING_CALLS = frozenset({"pause_generation", "abort_request"})
+# pause_generation's modes (vLLM's names).
+PAUSE_MODES = ("abort", "wait", "keep")
 
 # How long an idle replica waits for a message before checking that its parent still lives (ms);
 # a busy one checks as often.

@@ -16,6 +16,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.kv_events import EventPublisherFactory, KVEventBatch
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchManager, BeamSearchParams
+from pagedllm.engine.core_proc import PAUSE_MODES
 from pagedllm.engine.input_processor import InputProcessor, ProcessedInput, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import Executor
@@ -35,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 # [structured output] how long an empty step sleeps while only compiling grammars are waiting (s).
 _GRAMMAR_WAIT_S = 0.002
-# pause_generation's modes (vLLM's names).
-PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class LLMEngine:

@@ -42,16 +42,18 @@ import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from pagedllm.loaders.safetensors import (
     SAFETENSORS_SINGLE_NAME,
     TensorSpec,
     write_safetensors_streaming,
 )
+
+if TYPE_CHECKING:   # torch loads with the first tensor: reading a header needs none
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -748,6 +750,8 @@ def gguf_weight_specs(header: GGUFHeader) -> list[tuple[GGUFTensorInfo, TensorSp
         ValueError: for unknown tensor names, unsupported tensor types (:func:`check_tensor_type`)
             or two tensors mapping to one HF name.
     """
+    import torch
+
     pairs = []
     seen: set[str] = set()
     for info in header.tensors:
@@ -772,6 +776,8 @@ def iterate_gguf_weights(path_or_header: str | GGUFHeader) -> Iterator[tuple[str
     Raises:
         ValueError: for unsupported architectures, tensor types or names.
     """
+    import torch
+
     header = path_or_header if isinstance(path_or_header, GGUFHeader) else read_gguf_header(path_or_header)
     config = gguf_to_hf_config(header)  # validates the architecture and head counts
     arch = header.architecture

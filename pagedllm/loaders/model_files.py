@@ -32,13 +32,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagedllm import envs
 from pagedllm.loaders.gguf import GGUF_CONVERTER_VERSION, GGUF_MAGIC, convert_gguf_to_hf_folder
 from pagedllm.loaders.safetensors import iterate_safetensors, list_safetensors_files
+
+if TYPE_CHECKING:   # resolving a model and reading its config (a server's front end) need no torch
+    import torch
 
 logger = logging.getLogger(__name__)
 

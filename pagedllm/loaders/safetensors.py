@@ -22,28 +22,30 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:   # torch loads where tensors are read or written: finding the files needs none
+    import torch
 
 logger = logging.getLogger(__name__)
 
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_SINGLE_NAME = "model.safetensors"
 
-# torch dtype -> safetensors dtype tag (the ones a checkpoint for this engine can hold).
+# torch dtype name -> safetensors dtype tag (the ones a checkpoint for this engine can hold).
 _SAFETENSORS_DTYPE = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
 }
 
 
@@ -143,7 +145,7 @@ class TensorSpec:
         numel = 1
         for dim in self.shape:
             numel *= dim
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return numel * self.dtype.itemsize
 
 
 def write_safetensors_streaming(
@@ -169,15 +171,18 @@ def write_safetensors_streaming(
         ValueError: on duplicate names, a tensor whose dtype/shape differs from its spec, an
             unsupported dtype, or fewer/more tensors than specs.
     """
+    import torch
+
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
     for spec in specs:
         if spec.name in header:
             raise ValueError(f"duplicate tensor name {spec.name!r} in safetensors specs")
-        if spec.dtype not in _SAFETENSORS_DTYPE:
+        dtype_name = str(spec.dtype).removeprefix("torch.")
+        if dtype_name not in _SAFETENSORS_DTYPE:
             raise ValueError(f"dtype {spec.dtype} of {spec.name!r} cannot be written to safetensors")
         header[spec.name] = {
-            "dtype": _SAFETENSORS_DTYPE[spec.dtype],
+            "dtype": _SAFETENSORS_DTYPE[dtype_name],
             "shape": list(spec.shape),
             "data_offsets": [offset, offset + spec.nbytes],
         }

@@ -44,14 +44,36 @@ def _assert_all_gone(procs: list[psutil.Process], timeout: float = 30.0) -> None
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
 
 
+def _maps_torch(proc: psutil.Process) -> bool:
+    """Whether torch's C++ library is mapped into ``proc`` (it imported torch)."""
+    return any("libtorch_cpu" in m.path for m in proc.memory_maps())
+
+
 @pytest.fixture(scope="module")
-def reference(make_tiny_checkpoint, launch_server):
-    """One rank's greedy tokens."""
+def one_rank(make_tiny_checkpoint, launch_server) -> dict:
+    """One rank's server: its greedy tokens, and which of its processes loaded torch."""
     folder = make_tiny_checkpoint("llama")
     server = launch_server(_args(folder), "tp1", module="pagedllm.entrypoints.cli", env=ENV)
     tokens = _greedy(server)
+    facts = {"folder": folder, "tokens": tokens, "front_end_torch": _maps_torch(psutil.Process(server.proc.pid)),
+             "engine_torch": [_maps_torch(p) for p in _descendants(server)
+                              if "resource_tracker" not in " ".join(p.cmdline())]}
     assert server.terminate() == 0
-    return folder, tokens
+    return facts
+
+
+@pytest.fixture(scope="module")
+def reference(one_rank):
+    """(checkpoint folder, one rank's greedy tokens)."""
+    return one_rank["folder"], one_rank["tokens"]
+
+
+def test_front_end_never_loads_torch(one_rank):
+    """`serve`'s API process runs no model (its engine process does): after answering a request it
+    has not imported torch (~3 s of CPU and ~180 MiB less at every start), while the engine
+    process has."""
+    assert not one_rank["front_end_torch"]
+    assert one_rank["engine_torch"] == [True]
 
 
 # Every documented multi-rank form of `serve` (README "Parallelism").

@@ -210,8 +210,6 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
             tool-call parser, ``enable_auto_tool_choice`` without one, or a negative body limit or
             ``max_stored_responses``.
     """
-    from pagedllm.engine.llm_engine import LLMEngine
-
     if max_n is not None and (not isinstance(max_n, int) or max_n < 1):
         raise ValueError(f"max_n must be an int >= 1, got {max_n!r}")
     if (lora_modules or enable_runtime_lora_updating) and not engine_args.enable_lora:
@@ -250,6 +248,8 @@ def build_state(engine_args: EngineArgs, served_model_names: list[str] | None = 
                 stat_loggers.append(LoggingStatLogger(log_stats_interval_s, log_on_record=True))
         async_engine = DPAsyncLLM(engine)
     else:
+        from pagedllm.engine.llm_engine import LLMEngine   # torch: only this process runs the engine
+
         engine = LLMEngine(engine_args)
         names = list(served_model_names or default_served_model_names(engine_args, engine.model_files))
         PrometheusStatLogger.attach(engine, names[0], registry)
