@@ -16,7 +16,7 @@ EOS ids for stopping (``eos_token_ids``): the tokenizer's EOS, then ``generation
 ``eos_token_id`` (int or list), then ``config.json``'s, then ``<end_of_turn>`` when that token
 exists (Gemma chat turns end with it); deduplicated, order kept.
 
-transformers is imported only by :meth:`Tokenizer.get_hf_tokenizer` (chat templates).
+transformers is imported only by :meth:`Tokenizer.get_hf_tokenizer` (the structured-output backends).
 """
 
 from __future__ import annotations
@@ -342,10 +342,13 @@ class Tokenizer:
         return [self.backend.token_to_id(token) for token in tokens]
 
     def get_hf_tokenizer(self):
-        """A ``transformers`` fast tokenizer for the same folder (for ``apply_chat_template``).
+        """A ``transformers.PreTrainedTokenizerFast`` for the same folder (what the structured-output
+        backends, xgrammar and llguidance, read their vocabulary from).
 
         Built lazily on first call (imports transformers); the chat template found here is set on
-        it when transformers did not load one.
+        it when transformers did not load one. The generic fast class, not ``AutoTokenizer``'s
+        model class: the same ``tokenizer.json`` and ``tokenizer_config.json`` (vocabulary, added
+        and special tokens) in half the time (Gemma 3's 262k vocabulary: ~4 s instead of ~9 s).
 
         Raises:
             ValueError: if this tokenizer was not loaded from a folder.
@@ -353,9 +356,9 @@ class Tokenizer:
         if self._hf_tokenizer is None:
             if self.folder is None:
                 raise ValueError("get_hf_tokenizer needs a Tokenizer loaded with from_pretrained(folder)")
-            from transformers import AutoTokenizer
+            from transformers import PreTrainedTokenizerFast
 
-            hf_tokenizer = AutoTokenizer.from_pretrained(self.folder)
+            hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(self.folder)
             if getattr(hf_tokenizer, "chat_template", None) is None and self.chat_template is not None:
                 hf_tokenizer.chat_template = self.chat_template
             self._hf_tokenizer = hf_tokenizer

@@ -121,8 +121,16 @@ class GuidanceBackend(StructuredOutputBackend):
     def __init__(self, tokenizer, vocab_size: int) -> None:
         llg = self.import_engine()
         t0 = time.perf_counter()
-        self._tokenizer = llg.hf.from_tokenizer(tokenizer.get_hf_tokenizer(), n_vocab=vocab_size,
-                                                eos_token=list(tokenizer.eos_token_ids))
+        backend = tokenizer.backend
+        if backend.padding is None and backend.truncation is None:
+            # The engine's own tokenizer, serialized as llguidance's ``hf.from_tokenizer`` does for
+            # a transformers one (there: a copy with padding and truncation off), without building
+            # the transformers tokenizer and that copy first (Gemma 3: ~5 s instead of ~15 s).
+            self._tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                              eos_token=list(tokenizer.eos_token_ids))
+        else:
+            self._tokenizer = llg.hf.from_tokenizer(tokenizer.get_hf_tokenizer(), n_vocab=vocab_size,
+                                                    eos_token=list(tokenizer.eos_token_ids))
         self._llg = llg
         logger.info("structured output: llguidance tokenizer over %d tokens built in %.2f s",
                     vocab_size, time.perf_counter() - t0)

@@ -111,3 +111,32 @@ def test_engine_start_imports_no_grammar_engine_until_the_first_grammar(make_tin
     assert done.returncode == 0, done.stderr[-3000:]
     before, after, text = json.loads(done.stdout.strip().splitlines()[-1])
     assert before == [] and "llguidance.hf" in after and text in ("yes", "no"), done.stdout
+
+
+@pytest.mark.parametrize("truncation", [False, True], ids=["engine-tokenizer", "hf-fallback"])
+def test_guidance_vocabulary_equals_llguidance_from_the_transformers_tokenizer(tiny_tokenizer_dir, truncation):
+    """The guidance backend builds its token trie from the engine's own tokenizer (its JSON, as
+    llguidance's ``hf.from_tokenizer`` serializes a transformers tokenizer); with truncation or
+    padding set on it, from the transformers tokenizer. Either way: llguidance's reference built
+    from ``AutoTokenizer``, token for token."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from pagedllm.structured_output.backend_guidance import GuidanceBackend
+    from pagedllm.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(tiny_tokenizer_dir)
+    if truncation:
+        tokenizer.backend.enable_truncation(64)
+    vocab = tokenizer.vocab_size + 3   # a model's embedding rows past the tokenizer's
+    ours = GuidanceBackend(tokenizer, vocab)._tokenizer
+    ref = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(tiny_tokenizer_dir), n_vocab=vocab,
+                                       eos_token=list(tokenizer.eos_token_ids))
+    assert isinstance(ours, llguidance.LLTokenizer)
+    assert ours.vocab_size == ref.vocab_size == vocab
+    assert ours.eos_token == ref.eos_token
+    assert [ours.decode_bytes([i]) for i in range(vocab)] == [ref.decode_bytes([i]) for i in range(vocab)]
+    assert [ours.is_special_token(i) for i in range(vocab)] == [ref.is_special_token(i) for i in range(vocab)]
+    for text in ("The quick brown fox", "Über café naïve — 你好，世界！ 😀", "  two  spaces\nand a newline"):
+        assert ours.tokenize_str(text) == ref.tokenize_str(text)
