@@ -24,6 +24,7 @@ The worker logs ``KernelPlan.table()`` at INFO, for example::
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -216,7 +217,8 @@ def choose_kernel_plan(model_config: ModelConfig, kernel_config: KernelConfig, d
     """Every decision of ``KernelPlan`` from the model's config (dtype, quantization), the kernel
     settings, where this rank sits (the exact greedy head needs one tensor rank and the last
     pipeline stage) and the CPU's flags. Builds the C++ kernels that will run (attention, fused
-    ops, the bf16 / int8 GEMMs) on a first start.
+    ops, the bf16 / int8 GEMMs) on a first start: attention's, the fused ops' and the GEMMs' at
+    once, each in its own thread (its compiler in its own process).
 
     Args:
         kernel_config: ``attention_backend``, ``cpu_gemm``, ``cpu_isa``, ``cpu_bf16_gemm``,
@@ -234,7 +236,20 @@ def choose_kernel_plan(model_config: ModelConfig, kernel_config: KernelConfig, d
     kc = kernel_config
     dtype, dtype_reason = choose_dtype(model_config.dtype, model_config, device, kc.cpu_isa, flags)
     warnings = []
-    linear, linear_reason = choose_linear(model_config, kc, dtype, device, flags)
+    # The three independent choices run at once: on a first start each compiles its C++ kernels
+    # (one single-threaded compiler run of 20-40 s per extension), so their compiles overlap
+    # instead of following one another. The linear layers' choice and the greedy head's (which
+    # depends on it) stay in order, in this thread.
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedllm-kernel-plan") as pool:
+        backend_future = pool.submit(prepare_backend, kc.attention_backend, device, dtype, kc.cpu_isa, flags)
+        fused_future = pool.submit(prepare_fused_ops, kc.cpu_fused_ops, device, dtype)
+        linear, linear_reason = choose_linear(model_config, kc, dtype, device, flags)
+        head, head_reason = choose_greedy_head(kc.exact_greedy_head, dtype, device, parallel.tp_size,
+                                               model_config.quantization, parallel.is_last_stage, kc.cpu_isa, flags,
+                                               hidden_size=model_config.hidden_size or None,
+                                               linear_kind=linear.kind, logits_edit=logits_edit(model_config))
+        backend, backend_reason = backend_future.result()
+        fused, fused_reason = fused_future.result()
     if model_config.dtype != "auto" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) \
             and linear.kind != "avx2_bf16":
         # The CPU's own flags: a forced cpu_isa below avx512_bf16 still leaves oneDNN's bf16
@@ -244,12 +259,6 @@ def choose_kernel_plan(model_config: ModelConfig, kernel_config: KernelConfig, d
         if not native:
             warnings.append(f"{model_config.dtype} on a CPU without native bf16 ({why}): its matmuls run several "
                             "times slower than float32 here (docs/performance.md); --dtype float32 is faster")
-    head, head_reason = choose_greedy_head(kc.exact_greedy_head, dtype, device, parallel.tp_size,
-                                           model_config.quantization, parallel.is_last_stage, kc.cpu_isa, flags,
-                                           hidden_size=model_config.hidden_size or None, linear_kind=linear.kind,
-                                           logits_edit=logits_edit(model_config))
-    backend, backend_reason = prepare_backend(kc.attention_backend, device, dtype, kc.cpu_isa, flags)
-    fused, fused_reason = prepare_fused_ops(kc.cpu_fused_ops, device, dtype)
     return KernelPlan(dtype=dtype, dtype_reason=dtype_reason, linear=linear, linear_reason=linear_reason,
                       greedy_head=head, greedy_head_max_rows=greedy_head_max_rows(head, dtype),
                       greedy_head_reason=head_reason, attention_backend=backend, attention_reason=backend_reason,

@@ -106,3 +106,33 @@ def test_engine_logs_the_plan_once(make_tiny_checkpoint, caplog):
     assert caplog.text.count("Kernel plan:") == 1
     assert worker.kernel_plan.table() in caplog.text
     assert (worker.greedy_head is None) == (worker.kernel_plan.greedy_head is None)
+
+
+def test_attention_fused_ops_and_linear_choices_run_at_once(monkeypatch):
+    """On a first start each chooser compiles its C++ kernels (20-40 s each): attention's, the fused
+    ops' and the linear layers' choices run in three threads at once. Each stand-in below waits for
+    the other two at a barrier, which only a concurrent run passes (one after the other, the first
+    would time out), then answers as the real chooser does."""
+    import threading
+
+    import pagedllm.attention.backends as backends
+    import pagedllm.layers.fused_ops as fused_ops
+    import pagedllm.worker.kernel_plan as kernel_plan
+
+    barrier = threading.Barrier(3, timeout=30)
+    threads = []
+
+    def meeting(real):
+        def chooser(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            barrier.wait()
+            return real(*args, **kwargs)
+        return chooser
+
+    monkeypatch.setattr(backends, "prepare_backend", meeting(prepare_backend))
+    monkeypatch.setattr(fused_ops, "prepare_fused_ops", meeting(prepare_fused_ops))
+    monkeypatch.setattr(kernel_plan, "choose_linear", meeting(kernel_plan.choose_linear))
+    plan = choose_kernel_plan(ModelConfig(dtype="float32"), KernelConfig(), CPU, ParallelContext())
+    assert len(set(threads)) == 3
+    assert (plan.attention_backend, plan.attention_reason) == prepare_backend("auto", CPU, torch.float32)
+    assert (plan.fused_ops, plan.fused_ops_reason) == prepare_fused_ops("auto", CPU, torch.float32)
