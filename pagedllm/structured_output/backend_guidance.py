@@ -107,6 +107,17 @@ class GuidanceMatcher(GrammarMatcher):
         return GuidanceMatcher(self._matcher.deep_copy())
 
 
+def _tokenizer_json(backend) -> str:
+    """``backend`` (a ``tokenizers.Tokenizer``) as JSON with no padding and no truncation: what a
+    tokenizer holds for llguidance's token trie."""
+    text = backend.to_str()
+    if backend.padding is None and backend.truncation is None:
+        return text
+    spec = json.loads(text)
+    spec["padding"] = spec["truncation"] = None
+    return json.dumps(spec)
+
+
 class GuidanceBackend(StructuredOutputBackend):
     """llguidance's tokenizer (``LLTokenizer``: the token trie) and matchers."""
 
@@ -121,16 +132,11 @@ class GuidanceBackend(StructuredOutputBackend):
     def __init__(self, tokenizer, vocab_size: int) -> None:
         llg = self.import_engine()
         t0 = time.perf_counter()
-        backend = tokenizer.backend
-        if backend.padding is None and backend.truncation is None:
-            # The engine's own tokenizer, serialized as llguidance's ``hf.from_tokenizer`` does for
-            # a transformers one (there: a copy with padding and truncation off), without building
-            # the transformers tokenizer and that copy first (Gemma 3: ~5 s instead of ~15 s).
-            self._tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
-                                              eos_token=list(tokenizer.eos_token_ids))
-        else:
-            self._tokenizer = llg.hf.from_tokenizer(tokenizer.get_hf_tokenizer(), n_vocab=vocab_size,
-                                                    eos_token=list(tokenizer.eos_token_ids))
+        # The engine's own tokenizer, serialized as llguidance's ``hf.from_tokenizer`` serializes a
+        # transformers one (with padding and truncation off), without building that transformers
+        # tokenizer and its copy first (Gemma 3: ~5 s instead of ~15 s).
+        self._tokenizer = llg.LLTokenizer(_tokenizer_json(tokenizer.backend), n_vocab=vocab_size,
+                                          eos_token=list(tokenizer.eos_token_ids))
         self._llg = llg
         logger.info("structured output: llguidance tokenizer over %d tokens built in %.2f s",
                     vocab_size, time.perf_counter() - t0)

@@ -113,12 +113,12 @@ def test_engine_start_imports_no_grammar_engine_until_the_first_grammar(make_tin
     assert before == [] and "llguidance.hf" in after and text in ("yes", "no"), done.stdout
 
 
-@pytest.mark.parametrize("truncation", [False, True], ids=["engine-tokenizer", "hf-fallback"])
+@pytest.mark.parametrize("truncation", [False, True], ids=["engine-tokenizer", "truncation-set"])
 def test_guidance_vocabulary_equals_llguidance_from_the_transformers_tokenizer(tiny_tokenizer_dir, truncation):
     """The guidance backend builds its token trie from the engine's own tokenizer (its JSON, as
-    llguidance's ``hf.from_tokenizer`` serializes a transformers tokenizer); with truncation or
-    padding set on it, from the transformers tokenizer. Either way: llguidance's reference built
-    from ``AutoTokenizer``, token for token."""
+    llguidance's ``hf.from_tokenizer`` serializes a transformers tokenizer: padding and truncation
+    off, also when the engine's tokenizer has truncation set). Either way: llguidance's reference
+    built from ``AutoTokenizer``, token for token."""
     import llguidance
     import llguidance.hf
     from transformers import AutoTokenizer
@@ -138,5 +138,7 @@ def test_guidance_vocabulary_equals_llguidance_from_the_transformers_tokenizer(t
     assert ours.eos_token == ref.eos_token
     assert [ours.decode_bytes([i]) for i in range(vocab)] == [ref.decode_bytes([i]) for i in range(vocab)]
     assert [ours.is_special_token(i) for i in range(vocab)] == [ref.is_special_token(i) for i in range(vocab)]
-    for text in ("The quick brown fox", "Über café naïve — 你好，世界！ 😀", "  two  spaces\nand a newline"):
+    long_text = "The quick brown fox jumps over the lazy dog. " * 20   # past the truncation's 64 tokens
+    assert len(ref.tokenize_str(long_text)) > 64
+    for text in ("The quick brown fox", "Über café naïve — 你好，世界！ 😀", "  two  spaces\nand a newline", long_text):
         assert ours.tokenize_str(text) == ref.tokenize_str(text)
