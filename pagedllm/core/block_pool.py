@@ -59,23 +59,76 @@ class KVCacheBlock:
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached})"
 
 
+class BlockList(Sequence[KVCacheBlock]):
+    """The blocks ``0..num_blocks-1`` of a pool, each ``KVCacheBlock`` made on first access.
+
+    A pool of a few GiB holds 10^5-10^6 blocks; making their objects up front cost ~0.3 s per
+    100k blocks at every engine start, most of them never touched by a short run.
+    ``blocks[i].block_id == i``; iterating makes every block.
+    """
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self, num_blocks: int) -> None:
+        self._blocks: list[KVCacheBlock | None] = [None] * num_blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __getitem__(self, block_id: int) -> KVCacheBlock:  # type: ignore[override]
+        """The block ``block_id`` (an int in ``[0, len)``).
+
+        Raises:
+            IndexError: for an id outside the pool (negative ids too: they name no block).
+        """
+        if block_id < 0:
+            raise IndexError(f"block id {block_id} < 0")
+        block = self._blocks[block_id]
+        if block is None:
+            block = self._blocks[block_id] = KVCacheBlock(block_id)
+        return block
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        return (self[i] for i in range(len(self._blocks)))
+
+
 class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks with sentinels; every operation is O(1) per block.
 
     Order: head = next to allocate (least recently freed), tail = most recently freed.
+
+    With ``lazy=True``, ``blocks`` is a ``BlockList`` (``blocks[i].block_id == i``) whose blocks
+    all start in the queue without being linked: the never-allocated ("fresh") ids
+    ``next_fresh..len(blocks)-1`` form the head of the queue in id order, before every linked
+    block. That is the order eager linking gives, since nothing is ever put back ahead of a
+    block that was never taken; ``remove`` of a fresh block only marks its id as taken.
     """
 
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+    def __init__(self, blocks: Sequence[KVCacheBlock], lazy: bool = False) -> None:
         self._head = KVCacheBlock(-1)  # sentinel
         self._tail = KVCacheBlock(-1)  # sentinel
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
         self.num_free_blocks = 0
-        for block in blocks:
-            self.append(block)
+        self._fresh = blocks if lazy else ()
+        self._next_fresh = 0
+        self._fresh_taken: set[int] = set()   # fresh ids ``remove`` took out of the queue
+        if lazy:
+            self.num_free_blocks = len(blocks)
+        else:
+            for block in blocks:
+                self.append(block)
 
     def __len__(self) -> int:
         return self.num_free_blocks
+
+    def _is_fresh(self, block: KVCacheBlock) -> bool:
+        """True while ``block`` is a never-allocated block still in the queue."""
+        return (self._next_fresh <= block.block_id < len(self._fresh) and block.prev_free is None
+                and block.block_id not in self._fresh_taken)
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return block.prev_free is not None or self._is_fresh(block)
 
     def popleft(self) -> KVCacheBlock:
         """Remove and return the head block.
@@ -83,6 +136,14 @@ class FreeKVCacheBlockQueue:
         Raises:
             NoFreeBlocksError: if the queue is empty.
         """
+        while self._next_fresh < len(self._fresh):
+            block_id = self._next_fresh
+            self._next_fresh += 1
+            if block_id in self._fresh_taken:
+                self._fresh_taken.discard(block_id)
+                continue
+            self.num_free_blocks -= 1
+            return self._fresh[block_id]
         block = self._head.next_free
         if block is self._tail or block is None:
             raise NoFreeBlocksError("no free blocks left")
@@ -97,7 +158,11 @@ class FreeKVCacheBlockQueue:
         """
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:
-            raise RuntimeError(f"block {block.block_id} is not in the free queue")
+            if not self._is_fresh(block):
+                raise RuntimeError(f"block {block.block_id} is not in the free queue")
+            self._fresh_taken.add(block.block_id)
+            self.num_free_blocks -= 1
+            return
         prev.next_free = nxt
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
@@ -109,7 +174,7 @@ class FreeKVCacheBlockQueue:
         Raises:
             RuntimeError: if the block is already in the queue.
         """
-        if block.prev_free is not None or block.next_free is not None:
+        if block.prev_free is not None or block.next_free is not None or self._is_fresh(block):
             raise RuntimeError(f"block {block.block_id} is already in the free queue")
         last = self._tail.prev_free
         last.next_free = block
@@ -120,6 +185,9 @@ class FreeKVCacheBlockQueue:
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         """Blocks from head to tail."""
+        for block_id in range(self._next_fresh, len(self._fresh)):
+            if block_id not in self._fresh_taken:
+                yield self._fresh[block_id]
         block = self._head.next_free
         while block is not self._tail:
             yield block
@@ -146,8 +214,8 @@ class BlockPool:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.blocks = BlockList(num_blocks)
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks, lazy=True)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
         self.kv_event_queue: list[KVCacheEvent] = []
@@ -383,8 +451,7 @@ class BlockPool:
 
     def is_free(self, block_id: int) -> bool:
         """True when the block is in the free queue."""
-        block = self.blocks[self._check_ids([block_id])[0]]
-        return block.prev_free is not None
+        return self.blocks[self._check_ids([block_id])[0]] in self.free_block_queue
 
     def free_block_ids(self) -> list[int]:
         """Ids in the free queue, head (next to allocate) first. O(num_free)."""

@@ -2,7 +2,9 @@
 
 import pytest
 
-from pagedllm.core.block_pool import (BlockPool, FreeKVCacheBlockQueue, KVCacheBlock,
+import random
+
+from pagedllm.core.block_pool import (BlockList, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock,
                                       NoFreeBlocksError)
 
 
@@ -92,3 +94,58 @@ def test_free_queue_remove_from_middle():
     assert [q.popleft().block_id for _ in range(5)] == [0, 1, 3, 4, 2]
     with pytest.raises(NoFreeBlocksError):
         q.popleft()
+
+
+def test_lazy_queue_keeps_the_order_of_eagerly_linked_blocks():
+    """A pool's queue starts unlinked (``BlockList``, ``lazy=True``); 3000 random pops, removals
+    from the middle (fresh blocks included) and appends give, after every step, the same queue
+    as the eagerly linked one, and only the blocks ever taken exist as objects."""
+    rng = random.Random(0)
+    n = 64
+    eager_blocks = [KVCacheBlock(i) for i in range(n)]
+    eager = FreeKVCacheBlockQueue(eager_blocks)
+    lazy_blocks = BlockList(n)
+    lazy = FreeKVCacheBlockQueue(lazy_blocks, lazy=True)
+    assert len(lazy) == n and sum(b is not None for b in lazy_blocks._blocks) == 0
+    out: set[int] = set()
+    touched = set()
+    for _ in range(3000):
+        op = rng.random()
+        free = [b.block_id for b in eager]
+        if op < 0.4 and free:
+            a, b = eager.popleft().block_id, lazy.popleft().block_id
+            assert a == b
+            out.add(a)
+            touched.add(a)
+        elif op < 0.6 and free:
+            i = rng.choice(free)   # may be a never-allocated block
+            eager.remove(eager_blocks[i])
+            lazy.remove(lazy_blocks[i])
+            out.add(i)
+            touched.add(i)
+        elif out:
+            i = rng.choice(sorted(out))
+            out.discard(i)
+            eager.append(eager_blocks[i])
+            lazy.append(lazy_blocks[i])
+        free = [b.block_id for b in eager]
+        if free:
+            with pytest.raises(RuntimeError):   # a block in the queue cannot go in again
+                lazy.append(lazy_blocks[rng.choice(free)])
+        assert [b.block_id for b in lazy] == [b.block_id for b in eager]
+        assert len(lazy) == len(eager) == n - len(out)
+        assert all((lazy_blocks[i] in lazy) == (i not in out) for i in range(0, n, 7))
+    made = {i for i, b in enumerate(lazy_blocks._blocks) if b is not None}
+    assert made <= touched | set(range(0, n, 7)) | {b.block_id for b in eager}
+    with pytest.raises(IndexError):
+        lazy_blocks[-1]
+
+
+def test_pool_of_a_million_blocks_makes_only_what_it_hands_out():
+    pool = BlockPool(1_000_000)
+    assert pool.get_new_blocks(3) == [0, 1, 2] and pool.is_free(999_999) and not pool.is_free(1)
+    pool.free_blocks([2, 1, 0])
+    assert sum(b is not None for b in pool.blocks._blocks) == 4   # 0, 1, 2 and 999_999 (looked at)
+    assert pool.get_new_blocks(2) == [3, 4] and pool.get_num_free_blocks() == 999_998
+    free = pool.free_block_ids()   # makes every block
+    assert free[:2] == [5, 6] and free[-3:] == [2, 1, 0] and len(free) == 999_998
