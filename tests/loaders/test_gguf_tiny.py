@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 
 from pagedllm.loaders import iterate_weights, load_config, resolve_model
 from pagedllm.loaders import model_files
-from pagedllm.loaders.gguf import read_gguf_header
+from pagedllm.loaders.gguf import compact_bpe_merges, read_gguf_header
 from pagedllm.tokenizer import Tokenizer
 
 TEXTS = [
@@ -407,6 +407,36 @@ def test_tokenizer_matches_transformers(converted, hf_reference):
         assert ours.encode("hello")[0] == 2  # <bos> from the post-processor
     if arch.startswith("qwen"):
         assert ours.encode("hello")[0] != ours.bos_token_id  # Qwen adds no BOS
+
+
+def test_tokenizer_file_is_transformers_own_with_compact_merges(converted, hf_reference):
+    """The saved tokenizer.json loads to exactly transformers' tokenizer of the GGUF (the same
+    canonical JSON), its BPE merges written as "a b" strings (``compact_bpe_merges``)."""
+    import tokenizers
+
+    _, _, _, files = converted
+    _, _, ref_tok = hf_reference
+    path = os.path.join(files.folder, "tokenizer.json")
+    with open(path, encoding="utf-8") as f:
+        model = json.load(f)["model"]
+    loaded = tokenizers.Tokenizer.from_file(path)
+    assert json.loads(loaded.to_str()) == json.loads(ref_tok.backend_tokenizer.to_str())
+    if model["type"] == "BPE":
+        assert model["merges"] and all(isinstance(m, str) and m.count(" ") == 1 for m in model["merges"])
+        assert not compact_bpe_merges(path)   # already compact: left as is
+
+
+def test_merges_holding_a_space_stay_pairs(tmp_path):
+    spec = {"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, " ": 1, "a ": 2, "b": 3, "ab": 4},
+                                        "merges": [["a", " "], ["a", "b"]]}}
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    assert not compact_bpe_merges(str(path))
+    assert json.loads(path.read_text()) == spec
+    spec["model"]["merges"] = [["a", "b"]]
+    path.write_text(json.dumps(spec))
+    assert compact_bpe_merges(str(path))
+    assert json.loads(path.read_text())["model"]["merges"] == ["a b"]
 
 
 def test_second_resolve_reuses_cache(converted):
