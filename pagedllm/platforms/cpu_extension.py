@@ -9,10 +9,12 @@ source, the flags, torch's version, Python's and this CPU's flags, so later proc
 no ninja, a compile error) logs one WARNING naming what runs instead, and the caller's fallback
 (the eager torch code) runs.
 
-The sources include ATen's core headers (``<ATen/core/Tensor.h>``, the ``<ATen/ops/...>`` they
-call) and torch's pybind11 header (``<torch/csrc/utils/pybind.h>``) instead of
-``<torch/extension.h>``, whose whole C++ frontend took ~2.5x the compile time and ~2x the
-compiler's memory (docs/benchmarks.md, "Building the C++ kernels").
+The sources include ATen's core headers (``<ATen/core/Tensor.h>``), torch's pybind11 header
+(``<torch/csrc/utils/pybind.h>``) and ``platforms/csrc/cpu_tensor.h`` (new CPU tensors through
+``at::detail::empty_cpu``, on the include path of every build) instead of ``<torch/extension.h>``,
+whose whole C++ frontend took ~2.5x the compile time and ~2x the compiler's memory, or the
+``<ATen/ops/...>`` operator headers, about half of what remained (docs/benchmarks.md, "Building the
+C++ kernels").
 
 The environment variable ``TORCH_EXTENSIONS_DIR`` is torch's own (read by its builder too).
 """
@@ -39,6 +41,8 @@ logger = logging.getLogger(__name__)
 STALE_LOCK_S = 15 * 60
 DEFAULT_CFLAGS = ("-O3", "-march=native", "-fopenmp")
 DEFAULT_LDFLAGS = ("-fopenmp",)
+# The header every source includes for new tensors (``cpu_tensor::empty``, ``zeros``, ...).
+TENSOR_HEADER = Path(__file__).resolve().parent / "csrc" / "cpu_tensor.h"
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,12 @@ class CpuExtension:
     headers: tuple[Path, ...] = ()
 
     def name(self) -> str:
-        """``pagedllm_<label>_<12 hex>``: hash of source, headers, flags, torch, Python and CPU."""
+        """``pagedllm_<label>_<12 hex>``: hash of source, headers (``TENSOR_HEADER`` too), flags,
+        torch, Python and CPU."""
         import torch
 
         digest = hashlib.sha256()
-        for part in (self.source.read_bytes(), *(h.read_bytes() for h in self.headers), " ".join(self.extra_cflags + self.extra_ldflags).encode(),
+        for part in (self.source.read_bytes(), TENSOR_HEADER.read_bytes(), *(h.read_bytes() for h in self.headers), " ".join(self.extra_cflags + self.extra_ldflags).encode(),
                      torch.__version__.encode(), sys.version.encode(), _cpu_fingerprint().encode()):
             digest.update(part)
             digest.update(b"\0")
@@ -153,7 +158,8 @@ def load_extension(ext: CpuExtension) -> ModuleType | None:
             _remove_stale_lock(build_dir)
             module = cpp_extension.load(
                 name=name, sources=[str(ext.source)], extra_cflags=list(ext.extra_cflags),
-                extra_ldflags=list(ext.extra_ldflags), build_directory=str(build_dir), verbose=False)
+                extra_ldflags=list(ext.extra_ldflags), extra_include_paths=[str(TENSOR_HEADER.parent)],
+                build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # no compiler, no ninja, compile error, unwritable cache, ...
         logger.warning("%s unavailable (%s: %s); falling back to %s", ext.description,
                        type(exc).__name__, exc, ext.fallback)

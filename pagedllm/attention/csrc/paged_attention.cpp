@@ -41,9 +41,7 @@
 // to its accumulators. tests/attention/test_attention_batch_invariance.py checks it bit for bit.
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
+#include "cpu_tensor.h"  // empty / zeros without <ATen/ops/*.h>
 #include <torch/csrc/utils/pybind.h>  // bindings; not <torch/extension.h>: docs/benchmarks.md, "Building the C++ kernels"
 
 #include <ATen/Parallel.h>

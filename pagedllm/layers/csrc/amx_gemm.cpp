@@ -27,9 +27,7 @@
 // K must be a multiple of 32 (one A tile row); bf16_linear raises otherwise.
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
+#include "cpu_tensor.h"  // empty / zeros without <ATen/ops/*.h>
 #include <torch/csrc/utils/pybind.h>  // bindings; not <torch/extension.h>: docs/benchmarks.md, "Building the C++ kernels"
 
 #include "linear_bias.h"
@@ -188,7 +186,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   TORCH_CHECK(k % kTileK == 0, "the AMX GEMM needs K a multiple of 32, got K=", k);
   at::Tensor bias_kept;
   const float* bptr = pagedllm_linear::bias_pointer(bias, n, bias_kept);
-  auto y = at::empty({m, n}, x.options());
+  auto y = cpu_tensor::empty({m, n}, x.scalar_type());
   if (m == 0 || n == 0) return y;
 #if PAGEDLLM_AMX_GEMM
   const std::string& why = amx_permission();
@@ -197,7 +195,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   const int64_t tiles = (m + kTileRows - 1) / kTileRows;
   at::Tensor xp = x;
   if (m % kTileRows) {
-    xp = at::zeros({tiles * kTileRows, k}, x.options());
+    xp = cpu_tensor::zeros({tiles * kTileRows, k}, x.scalar_type());
     xp.narrow(0, 0, m).copy_(x);
   }
   const c10::BFloat16* xptr = xp.data_ptr<c10::BFloat16>();

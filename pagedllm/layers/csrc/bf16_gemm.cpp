@@ -23,9 +23,7 @@
 // row groups of one block pair follow each other (the pair is still in L2 for the second).
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
+#include "cpu_tensor.h"  // empty / zeros without <ATen/ops/*.h>
 #include <torch/csrc/utils/pybind.h>  // bindings; not <torch/extension.h>: docs/benchmarks.md, "Building the C++ kernels"
 
 #include "linear_bias.h"
@@ -136,7 +134,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   check_packed(packed, n, k);
   at::Tensor bias_kept;
   const float* bptr = pagedllm_linear::bias_pointer(bias, n, bias_kept);
-  auto y = at::empty({m, n}, x.options());
+  auto y = cpu_tensor::empty({m, n}, x.scalar_type());
 #if PAGEDLLM_BF16_GEMM
   const int64_t blocks = packed.size(0), pairs = (blocks + kT - 1) / kT;
   const int groups = static_cast<int>((m + kMaxRows - 1) / kMaxRows);

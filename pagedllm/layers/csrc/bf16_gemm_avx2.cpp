@@ -32,9 +32,7 @@
 // in L2 for the second). One code for every M (never a second kernel by row count).
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
+#include "cpu_tensor.h"  // empty / zeros without <ATen/ops/*.h>
 #include <torch/csrc/utils/pybind.h>  // bindings; not <torch/extension.h>: docs/benchmarks.md, "Building the C++ kernels"
 
 #include "linear_bias.h"
@@ -228,7 +226,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   check_packed(packed, n, k);
   at::Tensor bias_kept;
   const float* bptr = pagedllm_linear::bias_pointer(bias, n, bias_kept);
-  auto y = at::empty({m, n}, x.options());
+  auto y = cpu_tensor::empty({m, n}, x.scalar_type());
   if (m == 0) return y;
 #if PAGEDLLM_BF16_AVX2
   const at::Tensor xf = x.to(at::kFloat);   // exact

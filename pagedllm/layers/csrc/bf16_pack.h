@@ -8,7 +8,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include "cpu_tensor.h"  // empty / zeros without <ATen/ops/*.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -35,7 +35,7 @@ inline at::Tensor pack_bf16_weight(const at::Tensor& w) {
   TORCH_CHECK(k % kPair == 0 && k > 0, "K must be a positive even number, got ", k);
   const int64_t blocks = (n + kBlock - 1) / kBlock, k2 = k / kPair;
   auto wc = w.contiguous();
-  auto packed = at::empty({blocks, k2, kPair * kBlock}, w.options());
+  auto packed = cpu_tensor::empty({blocks, k2, kPair * kBlock}, w.scalar_type());
   packed.zero_();
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());

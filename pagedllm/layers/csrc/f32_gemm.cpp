@@ -24,9 +24,7 @@
 // the second).
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
+#include "cpu_tensor.h"  // empty / zeros without <ATen/ops/*.h>
 #include <torch/csrc/utils/pybind.h>  // bindings; not <torch/extension.h>: docs/benchmarks.md, "Building the C++ kernels"
 
 #include "f32_gemm.h"
@@ -47,7 +45,7 @@ at::Tensor pack_f32_weight(const at::Tensor& w_in) {
   const at::Tensor w = w_in.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  auto packed = at::empty({blocks, k, kBlock}, w.options());
+  auto packed = cpu_tensor::empty({blocks, k, kBlock}, w.scalar_type());
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -92,7 +90,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
               "packed must come from pack_f32_weight of a [", n, ", ", k, "] weight");
   at::Tensor bias_kept;
   const float* bptr = pagedllm_linear::bias_pointer(bias, n, bias_kept);
-  auto y = at::empty({m, n}, x.options());
+  auto y = cpu_tensor::empty({m, n}, x.scalar_type());
   if (m == 0) return y;
 #if PAGEDLLM_F32_GEMM
   const int64_t blocks = packed.size(0);

@@ -30,9 +30,7 @@
 #include "vec_isa.h"  // before ATen: selects its vector code
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
+#include "cpu_tensor.h"  // empty / zeros without <ATen/ops/*.h>
 #include <torch/csrc/utils/pybind.h>  // bindings; not <torch/extension.h>: docs/benchmarks.md, "Building the C++ kernels"
 
 #include <ATen/Parallel.h>
@@ -178,19 +176,19 @@ at::Tensor f32_moe(const at::Tensor& x, const at::Tensor& weights, const at::Ten
               w13.sizes(), ", ", w2.sizes(), ", H ", hidden, ")");
   TORCH_CHECK(scalar_from >= 0 && scalar_from <= inter && scalar_from % 8 == 0,
               "scalar_from must be a multiple of 8 in [0, I], got ", scalar_from);
-  auto out = at::empty({tokens, hidden}, x.options());
+  auto out = cpu_tensor::empty({tokens, hidden}, x.scalar_type());
   if (tokens == 0) return out;
 #if PAGEDLLM_F32_GEMM
   const Groups g = group_pairs(ids.data_ptr<int64_t>(), tokens * k, experts, first_expert);
   const int64_t rows = g.start.back();
-  auto xs = at::empty({rows, hidden}, x.options());   // each local pair's token row, sorted by expert
+  auto xs = cpu_tensor::empty({rows, hidden}, x.scalar_type());   // each local pair's token row, sorted by expert
   const float* xp = x.data_ptr<float>();
   float* xsp = xs.data_ptr<float>();
   for (int64_t p = 0; p < tokens * k; ++p)
     if (g.pos[p] >= 0) std::memcpy(xsp + g.pos[p] * hidden, xp + (p / k) * hidden, hidden * sizeof(float));
-  auto gu = at::empty({rows, 2 * inter}, x.options());
-  auto act = at::empty({rows, inter}, x.options());
-  auto ys = at::empty({rows, hidden}, x.options());
+  auto gu = cpu_tensor::empty({rows, 2 * inter}, x.scalar_type());
+  auto act = cpu_tensor::empty({rows, inter}, x.scalar_type());
+  auto ys = cpu_tensor::empty({rows, hidden}, x.scalar_type());
   auto run = g.max_rows >= kLargeFromRows ? run_experts<kLargeT, kLargeRows> : run_experts<kSmallT, kSmallRows>;
   run(g, tokens, k, hidden, inter, xsp, w13.data_ptr<float>(), w2.data_ptr<float>(), weights.data_ptr<float>(),
       (scalar_from / kW) * kW, gu.data_ptr<float>(), act.data_ptr<float>(), ys.data_ptr<float>(), out.data_ptr<float>());

@@ -30,9 +30,7 @@
 #include "vec_isa.h"  // before ATen: selects its vector code
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
+#include "cpu_tensor.h"  // empty / zeros without <ATen/ops/*.h>
 #include <torch/csrc/utils/pybind.h>  // bindings; not <torch/extension.h>: docs/benchmarks.md, "Building the C++ kernels"
 
 #include <ATen/Parallel.h>
@@ -209,7 +207,7 @@ at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight_plus_one
   const int64_t n = x.size(-1);
   check_weight(weight_plus_one, n, "weight_plus_one");
   const int64_t rows = n ? x.numel() / n : 0;
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = cpu_tensor::empty_like(x);
   const float* w1 = weight_plus_one.data_ptr<float>();
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -239,8 +237,8 @@ std::tuple<at::Tensor, at::Tensor> gemma_add_rms_norm(const at::Tensor& h, const
   check_weight(post_weight_plus_one, n, "post_weight_plus_one");
   check_weight(pre_weight_plus_one, n, "pre_weight_plus_one");
   const int64_t rows = n ? h.numel() / n : 0;
-  at::Tensor new_residual = at::empty_like(h);
-  at::Tensor out = at::empty_like(h);
+  at::Tensor new_residual = cpu_tensor::empty_like(h);
+  at::Tensor out = cpu_tensor::empty_like(h);
   const float* wpost = post_weight_plus_one.data_ptr<float>();
   const float* wpre = pre_weight_plus_one.data_ptr<float>();
   dispatch(h.scalar_type(), [&](auto tag) {
@@ -369,7 +367,7 @@ at::Tensor act_and_mul(const at::Tensor& gate_up) {
   const int64_t rows = two_i ? gate_up.numel() / two_i : 0;
   std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
   shape.back() = inter;
-  at::Tensor out = at::empty(shape, gate_up.options());
+  at::Tensor out = cpu_tensor::empty(shape, gate_up.scalar_type());
   dispatch(gate_up.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const Act act;
@@ -407,7 +405,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == n,
               "weight must be a contiguous tensor of ", n, " elements in x's dtype");
   const int64_t rows = n ? x.numel() / n : 0;
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = cpu_tensor::empty_like(x);
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -438,8 +436,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
   TORCH_CHECK(weight.scalar_type() == h.scalar_type() && weight.is_contiguous() && weight.numel() == n,
               "weight must be a contiguous tensor of ", n, " elements in h's dtype");
   const int64_t rows = n ? h.numel() / n : 0;
-  at::Tensor new_residual = at::empty_like(h);
-  at::Tensor out = at::empty_like(h);
+  at::Tensor new_residual = cpu_tensor::empty_like(h);
+  at::Tensor out = cpu_tensor::empty_like(h);
   dispatch(h.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* hp = h.data_ptr<scalar_t>();
@@ -575,7 +573,7 @@ at::Tensor greedy_argmax(const at::Tensor& logits) {
   check_float_cpu(logits, "logits");
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [num_rows, vocab] with vocab >= 1");
   const int64_t rows = logits.size(0), n = logits.size(1);
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  at::Tensor out = cpu_tensor::empty({rows}, at::kLong);
   int64_t* op = out.data_ptr<int64_t>();
   dispatch(logits.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);

@@ -31,9 +31,7 @@
 // streams the block once per kMaxRows rows.
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
+#include "cpu_tensor.h"  // empty / zeros without <ATen/ops/*.h>
 #include <torch/csrc/utils/pybind.h>  // bindings; not <torch/extension.h>: docs/benchmarks.md, "Building the C++ kernels"
 
 #include <ATen/Parallel.h>
@@ -120,8 +118,8 @@ std::tuple<at::Tensor, at::Tensor> pack_int8_weight(const at::Tensor& q) {
   TORCH_CHECK(k % kGroup == 0 && k <= kMaxK, "K must be a multiple of 4 and at most 65536, got ", k);
   const int64_t blocks = (n + kBlock - 1) / kBlock, k4 = k / kGroup;
   auto qc = q.contiguous();
-  auto packed = at::zeros({blocks, k4, kGroup * kBlock}, q.options());
-  auto row_sums = at::zeros({blocks * kBlock}, q.options().dtype(at::kInt));
+  auto packed = cpu_tensor::zeros({blocks, k4, kGroup * kBlock}, q.scalar_type());
+  auto row_sums = cpu_tensor::zeros({blocks * kBlock}, at::kInt);
   const int8_t* src = qc.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   int32_t* sums = row_sums.data_ptr<int32_t>();
@@ -199,10 +197,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_int8_rows(co
               "w must be a float32 or bfloat16 [N, K] tensor");
   auto wc = w.contiguous();
   const int64_t n = wc.size(0), k = wc.size(1);
-  auto q = at::empty({n, k}, wc.options().dtype(at::kChar));
-  auto scales = at::empty({n}, wc.options().dtype(at::kFloat));
-  auto err = at::empty({n}, wc.options().dtype(at::kDouble));
-  auto amax = at::empty({n}, wc.options().dtype(at::kDouble));
+  auto q = cpu_tensor::empty({n, k}, at::kChar);
+  auto scales = cpu_tensor::empty({n}, at::kFloat);
+  auto err = cpu_tensor::empty({n}, at::kDouble);
+  auto amax = cpu_tensor::empty({n}, at::kDouble);
   if (wc.dtype() == at::kFloat) {
     quantize_rows(wc.data_ptr<float>(), n, k, q.data_ptr<int8_t>(), scales.data_ptr<float>(), err.data_ptr<double>(),
                   amax.data_ptr<double>());
@@ -219,7 +217,7 @@ at::Tensor unpack_int8_weight(const at::Tensor& packed, int64_t n) {
                   packed.size(2) == kGroup * kBlock && packed.size(0) * kBlock >= n,
               "packed must come from pack_int8_weight");
   const int64_t k4 = packed.size(1), k = k4 * kGroup;
-  auto q = at::empty({n, k}, packed.options());
+  auto q = cpu_tensor::empty({n, k}, packed.scalar_type());
   const int8_t* src = packed.data_ptr<int8_t>();
   int8_t* dst = q.data_ptr<int8_t>();
   for (int64_t r = 0; r < n; ++r) {
@@ -669,7 +667,7 @@ at::Tensor int8_weight_only_mm(const at::Tensor& x, const at::Tensor& packed, co
                 "bias must be a contiguous float32 [N] tensor");
     bias_ptr = bias->data_ptr<float>();
   }
-  auto out = at::empty({rows, n}, x.options());
+  auto out = cpu_tensor::empty({rows, n}, x.scalar_type());
   if (rows == 0) return out;
   const int8_t* w = packed.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
@@ -720,9 +718,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_greedy_argmax(
   for (const auto* t : {&row_n1, &row_term})
     TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous() && t->numel() == rows,
                 "row_n1 and row_term must be contiguous float32 [M] tensors");
-  auto tokens = at::empty({rows}, x.options().dtype(at::kLong));
-  auto status = at::empty({rows}, x.options().dtype(at::kChar));
-  auto counts = at::empty({rows}, x.options().dtype(at::kInt));
+  auto tokens = cpu_tensor::empty({rows}, at::kLong);
+  auto status = cpu_tensor::empty({rows}, at::kChar);
+  auto counts = cpu_tensor::empty({rows}, at::kInt);
   if (rows == 0) return {tokens, status, counts};
   auto run = [&](auto* xp, auto* wp) {
     greedy_argmax(xp, rows, k, packed.data_ptr<int8_t>(), row_sums.data_ptr<int32_t>(), n, scales.data_ptr<float>(),
@@ -799,7 +797,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bf16_logit_candidates(
   const double *n1p = row_n1.data_ptr<double>(), *tp = row_term.data_ptr<double>();
   const double *ep = err.data_ptr<double>(), *ap = amax.data_ptr<double>();
   const float *euf = err_up.data_ptr<float>(), *auf = amax_up.data_ptr<float>();
-  auto cmax_t = at::empty({rows}, c.options().dtype(at::kDouble));
+  auto cmax_t = cpu_tensor::empty({rows}, at::kDouble);
   double* cmax_out = cmax_t.data_ptr<double>();
   std::vector<std::vector<int64_t>> found(rows);
   auto up = [](double v) {   // the smallest float32 >= v (finite v)
@@ -868,8 +866,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bf16_logit_candidates(
   });
   int64_t total = 0;
   for (const auto& f : found) total += static_cast<int64_t>(f.size());
-  auto rows_t = at::empty({total}, c.options().dtype(at::kLong));
-  auto toks_t = at::empty({total}, c.options().dtype(at::kLong));
+  auto rows_t = cpu_tensor::empty({total}, at::kLong);
+  auto toks_t = cpu_tensor::empty({total}, at::kLong);
   int64_t* rp = rows_t.data_ptr<int64_t>();
   int64_t* kp = toks_t.data_ptr<int64_t>();
   for (int64_t m = 0; m < rows; ++m)

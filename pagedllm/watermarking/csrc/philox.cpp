@@ -6,9 +6,7 @@
 // The 10 rounds stay in registers; rows x groups are split across OpenMP threads.
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
+#include "cpu_tensor.h"  // empty / zeros without <ATen/ops/*.h>
 #include <torch/csrc/utils/pybind.h>  // bindings; not <torch/extension.h>: docs/benchmarks.md, "Building the C++ kernels"
 
 #include <algorithm>
@@ -70,7 +68,7 @@ at::Tensor philox_vocab_uniform(at::Tensor state, int64_t key0, int64_t key1, in
   const std::vector<uint32_t> s = state_words(state);
   const int64_t n = state.size(0);
   const int64_t groups = (vocab_size + 3) / 4;
-  auto out = at::empty({n, groups * 4}, at::dtype(at::kFloat));
+  auto out = cpu_tensor::empty({n, groups * 4}, at::kFloat);
   float* o = out.data_ptr<float>();
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t r = 0; r < n; ++r) {
@@ -133,7 +131,7 @@ at::Tensor philox_gumbel_argmax(at::Tensor state, int64_t key0, int64_t key1, at
       best_idx[r * chunks + c] = bi;
     }
   }
-  auto out = at::empty({n}, at::dtype(at::kLong));
+  auto out = cpu_tensor::empty({n}, at::kLong);
   int64_t* o = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) {
     float bv = best_val[r * chunks];
