@@ -76,10 +76,24 @@ class _StatsCollector:
         self.records.append((scheduler_stats, iteration_stats))
 
 
-def run_engine_core(engine_args, index: int, input_address: str, output_address: str | None, num_threads: int,
-                    log_level: int = logging.WARNING, data_parallel_size: int | None = None,
-                    stop_event=None, drain_timeout_s: float = 0.0) -> None:
-    """Process entry point of replica ``index``: build the engine, then serve messages until shutdown.
+def run_engine_core(*args, **kwargs) -> None:
+    """Process entry point of an engine process: ``serve_engine_core(*args, **kwargs)``, then the
+    process ends (``utils.process_exit.exit_process``, without the interpreter's ~1 s finalization
+    of torch and the model: a server's stop waits for it) with status 0, or the status of a
+    ``SystemExit`` (3: the front end refused this rank)."""
+    from pagedllm.utils.process_exit import exit_process
+
+    try:
+        serve_engine_core(*args, **kwargs)
+    except SystemExit as e:
+        exit_process(e.code if isinstance(e.code, int) else 1)
+    exit_process(0)
+
+
+def serve_engine_core(engine_args, index: int, input_address: str, output_address: str | None, num_threads: int,
+                      log_level: int = logging.WARNING, data_parallel_size: int | None = None,
+                      stop_event=None, drain_timeout_s: float = 0.0) -> None:
+    """Replica ``index``'s work: build the engine, then serve messages until shutdown.
     ``log_level``: the front end's ``pagedllm`` level, so each replica's start-up lines (dtype,
     attention backend, KV blocks and max concurrency, engine ready) show, prefixed ``dp<index>``.
 

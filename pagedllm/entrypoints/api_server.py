@@ -174,4 +174,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pagedllm.utils.process_exit import exit_process
+
+    exit_process(main())   # no interpreter finalization at the end of a server process

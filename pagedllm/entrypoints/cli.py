@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+from pagedllm.utils.process_exit import exit_process
+
 logger = logging.getLogger("pagedllm")
 
 
@@ -196,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: the arguments; None means ``sys.argv[1:]``: this process is the ``pagedllm``
             command (the console script, ``python -m``) and ends after it, so ``generate`` may
-            leave the objects alive at its end to the process's exit (``gc.freeze``). A caller's
-            ``main([...])`` (tests) keeps the collector as it was.
+            leave the objects alive at its end to the process's exit (``gc.freeze``), and the
+            process ends in here with the status (``utils.process_exit.exit_process``: no
+            interpreter finalization). A caller's ``main([...])`` (tests) keeps the collector as
+            it was and gets the status back.
     """
     owns_process = argv is None
     if argv is None:
@@ -208,10 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, str(ns.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        return int(ns.func(ns) or 0)
+        code = int(ns.func(ns) or 0)
     except ValueError as e:
         print(f"pagedllm: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    if owns_process:   # the command ends here: skip the interpreter's finalization (utils/process_exit.py)
+        exit_process(code)
+    return code
 
 
 if __name__ == "__main__":

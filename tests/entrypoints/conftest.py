@@ -64,7 +64,7 @@ class RemoteServer:
             if time.monotonic() > deadline:
                 self.terminate()
                 raise RuntimeError(f"server did not become healthy in {startup_timeout} s:\n{self.log_tail()}")
-            time.sleep(0.5)
+            time.sleep(0.1)
 
     def log_tail(self, n: int = 60) -> str:
         self._log.flush()
