@@ -20,23 +20,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main():
+def start_server(serve_args: list[str], poll_s: float = 0.2) -> tuple[subprocess.Popen, int, float]:
+    """Start ``pagedllm serve <serve_args>`` on a free loopback port and wait until ``/health``
+    answers 200 (polled every ``poll_s`` seconds). Returns (process, port, seconds to ready).
+    Exits this script if the server exits first."""
     port = _free_port()
     start = time.monotonic()
-    server = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *sys.argv[1:],
+    server = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *serve_args,
                                "--host", "127.0.0.1", "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while True:
+        if server.poll() is not None:
+            sys.exit(f"the server exited with {server.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
+                return server, port, time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+
+
+def main():
+    server, _, ready_s = start_server(sys.argv[1:])
     try:
-        while True:
-            if server.poll() is not None:
-                sys.exit(f"the server exited with {server.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        ready_s = time.monotonic() - start
         root = psutil.Process(server.pid)
         total = 0.0
         for proc in [root, *root.children(recursive=True)]:
