@@ -29,15 +29,20 @@ def start_server(serve_args: list[str], poll_s: float = 0.2) -> tuple[subprocess
     server = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *serve_args,
                                "--host", "127.0.0.1", "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while True:
-        if server.poll() is not None:
-            sys.exit(f"the server exited with {server.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                return server, port, time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(poll_s)
+    try:
+        while True:
+            if server.poll() is not None:
+                sys.exit(f"the server exited with {server.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
+                    return server, port, time.monotonic() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(poll_s)
+    except BaseException:   # Ctrl-C or an error while waiting: leave no server behind
+        server.kill()
+        server.wait(60)
+        raise
 
 
 def main():

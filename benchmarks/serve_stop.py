@@ -14,10 +14,15 @@ from serve_start import start_server
 
 def main():
     server, port, ready_s = start_server(sys.argv[1:], poll_s=0.05)
-    answered = time.monotonic()
-    httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hello", "max_tokens": 5},
-               timeout=60).raise_for_status()
-    request_s = time.monotonic() - answered
+    try:
+        answered = time.monotonic()
+        httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hello", "max_tokens": 5},
+                   timeout=60).raise_for_status()
+        request_s = time.monotonic() - answered
+    except BaseException:
+        server.kill()
+        server.wait(60)
+        raise
     stop = time.monotonic()
     server.send_signal(signal.SIGTERM)
     code = server.wait()

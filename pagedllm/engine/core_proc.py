@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 
@@ -85,8 +86,11 @@ def run_engine_core(*args, **kwargs) -> None:
 
     try:
         serve_engine_core(*args, **kwargs)
-    except SystemExit as e:
-        exit_process(e.code if isinstance(e.code, int) else 1)
+    except SystemExit as e:   # as multiprocessing's own bootstrap reads it
+        if e.code is None or isinstance(e.code, int):
+            exit_process(e.code or 0)
+        print(e.code, file=sys.stderr)
+        exit_process(1)
     exit_process(0)
 
 
