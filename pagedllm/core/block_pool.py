@@ -97,27 +97,22 @@ class FreeKVCacheBlockQueue:
 
     Order: head = next to allocate (least recently freed), tail = most recently freed.
 
-    With ``lazy=True``, ``blocks`` is a ``BlockList`` (``blocks[i].block_id == i``) whose blocks
-    all start in the queue without being linked: the never-allocated ("fresh") ids
-    ``next_fresh..len(blocks)-1`` form the head of the queue in id order, before every linked
-    block. That is the order eager linking gives, since nothing is ever put back ahead of a
-    block that was never taken; ``remove`` of a fresh block only marks its id as taken.
+    ``blocks`` (a ``BlockList``, or any sequence with ``blocks[i].block_id == i``) all start in
+    the queue in id order, without being linked: the never-allocated ("fresh") ids
+    ``next_fresh..len(blocks)-1`` are the head of the queue, before every linked block. That is
+    the order linking them all would give, since nothing is ever put back ahead of a block that
+    was never taken; ``remove`` of a fresh block only marks its id as taken.
     """
 
-    def __init__(self, blocks: Sequence[KVCacheBlock], lazy: bool = False) -> None:
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
         self._head = KVCacheBlock(-1)  # sentinel
         self._tail = KVCacheBlock(-1)  # sentinel
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
-        self.num_free_blocks = 0
-        self._fresh = blocks if lazy else ()
+        self.num_free_blocks = len(blocks)
+        self._fresh = blocks
         self._next_fresh = 0
         self._fresh_taken: set[int] = set()   # fresh ids ``remove`` took out of the queue
-        if lazy:
-            self.num_free_blocks = len(blocks)
-        else:
-            for block in blocks:
-                self.append(block)
 
     def __len__(self) -> int:
         return self.num_free_blocks
@@ -215,7 +210,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.blocks = BlockList(num_blocks)
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks, lazy=True)
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
         self.kv_event_queue: list[KVCacheEvent] = []

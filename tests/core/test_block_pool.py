@@ -97,46 +97,46 @@ def test_free_queue_remove_from_middle():
 
 
 def test_lazy_queue_keeps_the_order_of_eagerly_linked_blocks():
-    """A pool's queue starts unlinked (``BlockList``, ``lazy=True``); 3000 random pops, removals
-    from the middle (fresh blocks included) and appends give, after every step, the same queue
-    as the eagerly linked one, and only the blocks ever taken exist as objects."""
+    """A pool's queue starts unlinked (``BlockList``); 3000 random pops, removals from the middle
+    (fresh blocks included) and appends give, after every step, the queue of a plain list that
+    starts as every id in order (pop from the front, remove anywhere, append at the back: what
+    linking every block up front gave), and only the blocks ever taken exist as objects."""
     rng = random.Random(0)
     n = 64
-    eager_blocks = [KVCacheBlock(i) for i in range(n)]
-    eager = FreeKVCacheBlockQueue(eager_blocks)
+    eager = list(range(n))   # the reference queue, head first
     lazy_blocks = BlockList(n)
-    lazy = FreeKVCacheBlockQueue(lazy_blocks, lazy=True)
+    lazy = FreeKVCacheBlockQueue(lazy_blocks)
     assert len(lazy) == n and sum(b is not None for b in lazy_blocks._blocks) == 0
     out: set[int] = set()
     touched = set()
     for _ in range(3000):
         op = rng.random()
-        free = [b.block_id for b in eager]
+        free = list(eager)
         if op < 0.4 and free:
-            a, b = eager.popleft().block_id, lazy.popleft().block_id
+            a, b = eager.pop(0), lazy.popleft().block_id
             assert a == b
             out.add(a)
             touched.add(a)
         elif op < 0.6 and free:
             i = rng.choice(free)   # may be a never-allocated block
-            eager.remove(eager_blocks[i])
+            eager.remove(i)
             lazy.remove(lazy_blocks[i])
             out.add(i)
             touched.add(i)
         elif out:
             i = rng.choice(sorted(out))
             out.discard(i)
-            eager.append(eager_blocks[i])
+            eager.append(i)
             lazy.append(lazy_blocks[i])
-        free = [b.block_id for b in eager]
+        free = list(eager)
         if free:
             with pytest.raises(RuntimeError):   # a block in the queue cannot go in again
                 lazy.append(lazy_blocks[rng.choice(free)])
-        assert [b.block_id for b in lazy] == [b.block_id for b in eager]
+        assert [b.block_id for b in lazy] == list(eager)
         assert len(lazy) == len(eager) == n - len(out)
         assert all((lazy_blocks[i] in lazy) == (i not in out) for i in range(0, n, 7))
     made = {i for i, b in enumerate(lazy_blocks._blocks) if b is not None}
-    assert made <= touched | set(range(0, n, 7)) | {b.block_id for b in eager}
+    assert made <= touched | set(range(0, n, 7)) | set(eager)
     with pytest.raises(IndexError):
         lazy_blocks[-1]
 
