@@ -10,13 +10,9 @@ import time
 
 def main():
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from pagedllm.attention.backends import cpu_paged
-    from pagedllm.layers import amx_gemm, bf16_gemm, f32_gemm, f32_moe, fused_ops, int8_gemm
-    from pagedllm.lora import punica
     from pagedllm.platforms.cpu_extension import load_extension
-    extensions = [cpu_paged.EXTENSION, punica.EXTENSION, f32_moe.EXTENSION, bf16_gemm.EXTENSION,
-                  bf16_gemm.AVX2_EXTENSION, f32_gemm.EXTENSION, int8_gemm.EXTENSION, fused_ops.EXTENSION,
-                  amx_gemm.EXTENSION]
+    from pagedllm.worker.kernel_builds import KERNELS
+    extensions = [entry.extension() for entry in KERNELS]
     for ext in extensions:
         if sys.argv[1:] and ext.label not in sys.argv[1:]:
             continue

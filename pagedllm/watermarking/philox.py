@@ -29,6 +29,8 @@ from types import ModuleType
 
 import torch
 
+from pagedllm.platforms.cpu_extension import CpuExtension
+
 _MASK32 = 0xFFFFFFFF
 # Salmon et al. 2011, Philox4x32: the round multipliers and the key schedule's Weyl constants.
 PHILOX_M0 = 0xD2511F53
@@ -43,6 +45,9 @@ TOKEN_DOMAIN = 0x574D544B
 _UNIFORM_BITS = 24
 # vocab_uniform's working set: counters per chunk (int64: 512 KiB per temporary).
 _CHUNK_ELEMENTS = 1 << 16
+# The C++ vocabulary kernel (``load_philox_kernel``).
+EXTENSION = CpuExtension("watermark_philox", Path(__file__).resolve().parent / "csrc" / "philox.cpp",
+                         "watermark Philox kernel", "the torch Philox rounds")
 
 Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -204,10 +209,9 @@ class PhiloxPRF:
 def load_philox_kernel() -> ModuleType | None:
     """The C++ vocabulary kernel (``philox_vocab_uniform``), compiled first on a machine that has
     not yet; None (one WARNING) if that fails, and torch runs."""
-    from pagedllm.platforms.cpu_extension import CpuExtension, load_extension
+    from pagedllm.platforms.cpu_extension import load_extension
 
-    return load_extension(CpuExtension("watermark_philox", Path(__file__).resolve().parent / "csrc" / "philox.cpp",
-                                       "watermark Philox kernel", "the torch Philox rounds"))
+    return load_extension(EXTENSION)
 
 
 def create_prf(name: str, key: int) -> PhiloxPRF:

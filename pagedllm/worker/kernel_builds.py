@@ -1,0 +1,149 @@
+"""Build the C++ kernels this CPU can run ahead of their first use, several compilers at once.
+
+Left alone, each kernel is compiled by the first process that loads it (``platforms.cpu_extension``:
+one g++, 10-30 s), and a process that needs a kernel another one is compiling waits on torch's
+lock file meanwhile. On a machine with an empty kernel cache that serializes: two test workers
+starting engines wait kernel by kernel, each using one core. ``prebuild`` compiles every kernel of
+``KERNELS`` whose CPU flags this machine has, ``jobs`` at a time (one g++ each, in a pool of
+processes), so later processes only load them. The test suite's parallel tier runs it before its
+workers start (``tests/conftest.py``); ``python -m pagedllm.worker.kernel_builds`` runs it by hand.
+
+A kernel already in the cache costs the check of one file (``CpuExtension.build_directory``); one
+that fails to build is reported and left to its fallback, as a first load would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from pagedllm.platforms.cpu import cpu_flags
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    """Where one kernel's ``CpuExtension`` lives, and the CPU flags without which it compiles no
+    code path the engine would run (its chooser's own requirement, read from its module).
+
+    Attributes:
+        module: the module that defines it ("pagedllm.layers.f32_gemm").
+        attribute: the module attribute holding the ``CpuExtension``.
+        flags_attribute: the module attribute holding the flags it needs (a tuple of
+            ``/proc/cpuinfo`` names, all required), or None: every CPU.
+    """
+
+    module: str
+    attribute: str = "EXTENSION"
+    flags_attribute: str | None = None
+
+    def extension(self):
+        """The ``CpuExtension`` (imports ``module``)."""
+        return getattr(importlib.import_module(self.module), self.attribute)
+
+    def flags(self) -> tuple[str, ...]:
+        """The CPU flags it needs (imports ``module``)."""
+        if self.flags_attribute is None:
+            return ()
+        return tuple(getattr(importlib.import_module(self.module), self.flags_attribute))
+
+
+# Every kernel of the project, the longest build first (paged attention, ~2x the others).
+KERNELS: tuple[KernelEntry, ...] = (
+    KernelEntry("pagedllm.attention.backends.cpu_paged"),
+    KernelEntry("pagedllm.layers.fused_ops"),
+    KernelEntry("pagedllm.layers.int8_gemm", flags_attribute="AVX2_FLAGS"),
+    KernelEntry("pagedllm.lora.punica"),
+    KernelEntry("pagedllm.layers.f32_moe"),
+    KernelEntry("pagedllm.layers.f32_gemm", flags_attribute="F32_GEMM_FLAGS"),
+    KernelEntry("pagedllm.layers.bf16_gemm", "AVX2_EXTENSION", "AVX2_BF16_FLAGS"),
+    KernelEntry("pagedllm.layers.bf16_gemm", "EXTENSION", "BF16_GEMM_FLAGS"),
+    KernelEntry("pagedllm.layers.amx_gemm", "EXTENSION", "AMX_GEMM_FLAGS"),
+    KernelEntry("pagedllm.watermarking.philox"),
+)
+
+
+def kernels_for(flags: frozenset[str] | None = None) -> list[KernelEntry]:
+    """The entries of ``KERNELS`` whose flags are all in ``flags`` (default: this CPU's)."""
+    flags = cpu_flags() if flags is None else flags
+    return [k for k in KERNELS if all(f in flags for f in k.flags())]
+
+
+def _is_built(entry: KernelEntry) -> bool:
+    ext = entry.extension()
+    return (ext.build_directory() / f"{ext.name()}.so").is_file()
+
+
+def _build(entry: KernelEntry) -> tuple[str, bool, float]:
+    """Load (compiling if needed) one kernel in this process: (label, loaded, seconds)."""
+    from pagedllm.platforms.cpu_extension import load_extension
+
+    start = time.perf_counter()
+    ext = entry.extension()
+    return ext.label, load_extension(ext) is not None, time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class PrebuildResult:
+    """What ``prebuild`` did.
+
+    Attributes:
+        cached: labels of the kernels already in the cache.
+        built: labels compiled now.
+        failed: labels that could not be built (their fallback runs; the warning names why).
+        seconds: wall time of the whole call.
+    """
+
+    cached: tuple[str, ...]
+    built: tuple[str, ...]
+    failed: tuple[str, ...]
+    seconds: float
+
+
+def prebuild(entries: list[KernelEntry] | None = None, jobs: int | None = None) -> PrebuildResult:
+    """Compile every kernel of ``entries`` (default ``kernels_for()``) not yet in the cache,
+    ``jobs`` compilers at once (default: the number of cores).
+
+    The builds run in a pool of ``spawn``ed processes (each imports torch once and takes the next
+    kernel when one is done); this process only checks the cache. Process-safe like
+    ``load_extension``: a kernel another process is compiling is waited for, not built twice.
+
+    Returns:
+        A ``PrebuildResult``.
+    """
+    start = time.perf_counter()
+    entries = kernels_for() if entries is None else entries
+    todo = [e for e in entries if not _is_built(e)]
+    cached = tuple(e.extension().label for e in entries if e not in todo)
+    built: list[str] = []
+    failed: list[str] = []
+    if todo:
+        jobs = max(1, min(len(todo), jobs or os.cpu_count() or 1))
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for label, ok, _ in pool.map(_build, todo):
+                (built if ok else failed).append(label)
+    return PrebuildResult(cached, tuple(built), tuple(failed), time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagedllm.worker.kernel_builds [--jobs N]``: prebuild and print what it did;
+    exit status 1 if a kernel failed to build."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=None, help="compilers at once (default: the number of cores)")
+    args = parser.parse_args(argv)
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    result = prebuild(jobs=args.jobs)
+    print(f"kernels: {len(result.built)} built ({', '.join(result.built) or '-'}), "
+          f"{len(result.cached)} already built, {len(result.failed)} failed ({', '.join(result.failed) or '-'}) "
+          f"in {result.seconds:.1f} s")
+    return 1 if result.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
