@@ -219,16 +219,25 @@ def pytest_configure(config):
     """Under ``-n N`` (the README's parallel tier), in the controller before its workers start:
     compile the C++ kernels this CPU runs, one compiler per core (``worker/kernel_builds.prebuild``).
     Otherwise the workers' first tests compiled them one at a time while the other worker waited on
-    the build lock (a cold-cache run's parallel tier: 551 s, 409 s with the kernels built; the
-    prebuild itself ~60 s on 2 cores). A warm cache costs a file check per kernel."""
+    the build lock (a cold-cache parallel tier: 551 s, 409 s with the kernels built; the prebuild
+    itself 72.5 s on 2 cores). A warm cache costs about a second. ``PAGEDLLM_TEST_PREBUILD=0`` turns
+    it off (the kernels then build at their first use, as before); so do the options that run no
+    test. A failure here only warns: the workers build what they need themselves."""
     workers = getattr(config.option, "numprocesses", None) or 0
-    if isinstance(workers, str):  # "auto" / "logical": one per core
+    if isinstance(workers, str):  # "auto" / "logical" before xdist resolves them: one per core
         workers = os.cpu_count() or 1
-    if hasattr(config, "workerinput") or workers < 2 or config.option.collectonly:
+    if hasattr(config, "workerinput") or workers < 2 or os.environ.get("PAGEDLLM_TEST_PREBUILD") == "0":
         return
-    from pagedllm.worker.kernel_builds import prebuild
+    if any(getattr(config.option, name, False) for name in ("collectonly", "help", "markers", "showfixtures",
+                                                            "show_fixtures_per_test", "setupplan", "setuponly")):
+        return
+    try:
+        from pagedllm.worker.kernel_builds import prebuild
 
-    result = prebuild()
+        result = prebuild()
+    except Exception as exc:  # noqa: BLE001 - an optimization: report and go on
+        sys.stderr.write(f"kernels: prebuild failed ({type(exc).__name__}: {exc}); they build at first use\n")
+        return
     if result.built or result.failed:
         sys.stderr.write(f"kernels: {len(result.built)} built, {len(result.failed)} failed "
                          f"({', '.join(result.failed) or '-'}), {len(result.cached)} cached, in {result.seconds:.1f} s\n")

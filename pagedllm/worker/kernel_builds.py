@@ -8,8 +8,9 @@ starting engines wait kernel by kernel, each using one core. ``prebuild`` compil
 processes), so later processes only load them. The test suite's parallel tier runs it before its
 workers start (``tests/conftest.py``); ``python -m pagedllm.worker.kernel_builds`` runs it by hand.
 
-A kernel already in the cache costs the check of one file (``CpuExtension.build_directory``); one
-that fails to build is reported and left to its fallback, as a first load would.
+Checking the cache imports torch and the kernels' modules here (about a second) and hashes each
+source; a kernel already built costs nothing more. One that fails to build is reported and left to
+its fallback, as a first load would (a later call tries it again).
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ class KernelEntry:
     Attributes:
         module: the module that defines it ("pagedllm.layers.f32_gemm").
         attribute: the module attribute holding the ``CpuExtension``.
-        flags_attribute: the module attribute holding the flags it needs (a tuple of
-            ``/proc/cpuinfo`` names, all required), or None: every CPU.
+        flags_attribute: the attribute holding the flags it needs (a tuple of ``/proc/cpuinfo``
+            names, all required), or None: every CPU.
+        flags_module: the module of ``flags_attribute`` (default: ``module``).
     """
 
     module: str
     attribute: str = "EXTENSION"
     flags_attribute: str | None = None
+    flags_module: str | None = None
 
     def extension(self):
         """The ``CpuExtension`` (imports ``module``)."""
@@ -50,7 +53,7 @@ class KernelEntry:
         """The CPU flags it needs (imports ``module``)."""
         if self.flags_attribute is None:
             return ()
-        return tuple(getattr(importlib.import_module(self.module), self.flags_attribute))
+        return tuple(getattr(importlib.import_module(self.flags_module or self.module), self.flags_attribute))
 
 
 # Every kernel of the project, the longest build first (paged attention, ~2x the others).
@@ -59,7 +62,8 @@ KERNELS: tuple[KernelEntry, ...] = (
     KernelEntry("pagedllm.layers.fused_ops"),
     KernelEntry("pagedllm.layers.int8_gemm", flags_attribute="AVX2_FLAGS"),
     KernelEntry("pagedllm.lora.punica"),
-    KernelEntry("pagedllm.layers.f32_moe"),
+    # Its code is the float32 GEMM's micro-kernel (f32_gemm.h), and it runs F32Linear experts only.
+    KernelEntry("pagedllm.layers.f32_moe", flags_attribute="F32_GEMM_FLAGS", flags_module="pagedllm.layers.f32_gemm"),
     KernelEntry("pagedllm.layers.f32_gemm", flags_attribute="F32_GEMM_FLAGS"),
     KernelEntry("pagedllm.layers.bf16_gemm", "AVX2_EXTENSION", "AVX2_BF16_FLAGS"),
     KernelEntry("pagedllm.layers.bf16_gemm", "EXTENSION", "BF16_GEMM_FLAGS"),
@@ -107,10 +111,10 @@ class PrebuildResult:
 
 def prebuild(entries: list[KernelEntry] | None = None, jobs: int | None = None) -> PrebuildResult:
     """Compile every kernel of ``entries`` (default ``kernels_for()``) not yet in the cache,
-    ``jobs`` compilers at once (default: the number of cores).
+    ``jobs`` compilers at once (default: the cores this process may run on).
 
     The builds run in a pool of ``spawn``ed processes (each imports torch once and takes the next
-    kernel when one is done); this process only checks the cache. Process-safe like
+    kernel when one is done); this process checks the cache. Process-safe like
     ``load_extension``: a kernel another process is compiling is waited for, not built twice.
 
     Returns:
@@ -123,7 +127,7 @@ def prebuild(entries: list[KernelEntry] | None = None, jobs: int | None = None) 
     built: list[str] = []
     failed: list[str] = []
     if todo:
-        jobs = max(1, min(len(todo), jobs or os.cpu_count() or 1))
+        jobs = max(1, min(len(todo), jobs or len(os.sched_getaffinity(0))))
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             for label, ok, _ in pool.map(_build, todo):
                 (built if ok else failed).append(label)

