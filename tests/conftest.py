@@ -239,8 +239,7 @@ def pytest_configure(config):
         sys.stderr.write(f"kernels: prebuild failed ({type(exc).__name__}: {exc}); they build at first use\n")
         return
     if result.built or result.failed:
-        sys.stderr.write(f"kernels: {len(result.built)} built, {len(result.failed)} failed "
-                         f"({', '.join(result.failed) or '-'}), {len(result.cached)} cached, in {result.seconds:.1f} s\n")
+        sys.stderr.write(result.summary() + "\n")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -108,6 +108,11 @@ class PrebuildResult:
     failed: tuple[str, ...]
     seconds: float
 
+    def summary(self) -> str:
+        """One line: "kernels: 2 built (a, b), 7 already built, 0 failed (-) in 30.1 s"."""
+        return (f"kernels: {len(self.built)} built ({', '.join(self.built) or '-'}), {len(self.cached)} already "
+                f"built, {len(self.failed)} failed ({', '.join(self.failed) or '-'}) in {self.seconds:.1f} s")
+
 
 def prebuild(entries: list[KernelEntry] | None = None, jobs: int | None = None) -> PrebuildResult:
     """Compile every kernel of ``entries`` (default ``kernels_for()``) not yet in the cache,
@@ -137,15 +142,14 @@ def prebuild(entries: list[KernelEntry] | None = None, jobs: int | None = None) 
 def main(argv: list[str] | None = None) -> int:
     """``python -m pagedllm.worker.kernel_builds [--jobs N]``: prebuild and print what it did;
     exit status 1 if a kernel failed to build."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.worker.kernel_builds",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=None, help="compilers at once (default: the number of cores)")
     args = parser.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     result = prebuild(jobs=args.jobs)
-    print(f"kernels: {len(result.built)} built ({', '.join(result.built) or '-'}), "
-          f"{len(result.cached)} already built, {len(result.failed)} failed ({', '.join(result.failed) or '-'}) "
-          f"in {result.seconds:.1f} s")
+    print(result.summary())
     return 1 if result.failed else 0
 
 
