@@ -40,9 +40,14 @@ def start_server(serve_args: list[str], poll_s: float = 0.2) -> tuple[subprocess
                 pass
             time.sleep(poll_s)
     except BaseException:   # Ctrl-C or an error while waiting: leave no server behind
-        server.kill()
-        server.wait(60)
+        kill_server(server)
         raise
+
+
+def kill_server(server: subprocess.Popen) -> None:
+    """SIGKILL the server and reap it (an error or Ctrl-C while it runs)."""
+    server.kill()
+    server.wait(60)
 
 
 def main():

@@ -9,7 +9,7 @@ import sys
 import time
 
 import httpx
-from serve_start import start_server
+from serve_start import kill_server, start_server
 
 
 def main():
@@ -20,8 +20,7 @@ def main():
                    timeout=60).raise_for_status()
         request_s = time.monotonic() - answered
     except BaseException:
-        server.kill()
-        server.wait(60)
+        kill_server(server)
         raise
     stop = time.monotonic()
     server.send_signal(signal.SIGTERM)

@@ -161,7 +161,7 @@ def default_gguf_path(cache_dir: str | None = None) -> tuple[str, str | None]:
     # Into a file of this process's own, then renamed over the target (atomic on one file system):
     # concurrent first starts (test workers, ranks, replicas) each assemble a whole file, and no
     # process ever reads a half-written one (the package writes its target in place).
-    _remove_stale_assemblies(target)
+    _remove_stale_tmp(str(target.parent), f".{target.name}.")   # assemblies a killed process left
     # A fresh name the package creates itself (so with the umask's mode, as its own file would be).
     tmp_name = str(target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp")
     try:
@@ -172,18 +172,6 @@ def default_gguf_path(cache_dir: str | None = None) -> tuple[str, str | None]:
             os.remove(tmp_name)
     logger.info("assembled the default model into %s in %.2f s", target, time.perf_counter() - t0)
     return str(target), None
-
-
-def _remove_stale_assemblies(target) -> None:
-    """Delete private assembly files beside ``target`` (``default_gguf_path``) older than
-    ``_STALE_TMP_SECONDS``: what a process killed while assembling left behind (~250 MB each)."""
-    now = time.time()
-    for path in target.parent.glob(f".{target.name}.*.tmp"):
-        try:
-            if now - path.stat().st_mtime > _STALE_TMP_SECONDS:
-                path.unlink()
-        except OSError:
-            pass
 
 
 def _is_gguf_file(path: str) -> bool:
@@ -216,17 +204,22 @@ def _cache_is_valid(folder: str, digest: str) -> bool:
             and marker.get("sha256") == digest)
 
 
-def _remove_stale_tmp(root: str, key: str) -> None:
-    """Delete temp folders of this key left by crashed conversions (older than 6 h)."""
+def _remove_stale_tmp(root: str, prefix: str) -> None:
+    """Delete the temp folders and files in ``root`` whose names start with ``prefix``, older than
+    ``_STALE_TMP_SECONDS``: what crashed or killed conversions and assemblies left behind."""
     now = time.time()
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if name.startswith(f".{key}.") and os.path.isdir(path):
-            try:
-                if now - os.path.getmtime(path) > _STALE_TMP_SECONDS:
+        if not name.startswith(prefix):
+            continue
+        try:
+            if now - os.path.getmtime(path) > _STALE_TMP_SECONDS:
+                if os.path.isdir(path):
                     shutil.rmtree(path, ignore_errors=True)
-            except OSError:
-                pass
+                else:
+                    os.remove(path)
+        except OSError:
+            pass
 
 
 def convert_gguf_cached(gguf_path: str, cache_dir: str | None = None, digest: str | None = None) -> str:
@@ -253,7 +246,7 @@ def convert_gguf_cached(gguf_path: str, cache_dir: str | None = None, digest: st
         return folder
 
     os.makedirs(root, exist_ok=True)
-    _remove_stale_tmp(root, key)
+    _remove_stale_tmp(root, f".{key}.")
     tmp = tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root)
     try:
         t_convert = time.perf_counter()

@@ -85,6 +85,10 @@ class CpuExtension:
             "~", ".cache", "pagedllm", "torch_extensions")
         return Path(root).expanduser() / self.name()
 
+    def library_path(self) -> Path:
+        """The compiled module's file: it exists once some process has built it."""
+        return _library_file(self.build_directory(), self.name())
+
 
 @functools.cache
 def _cpu_fingerprint() -> str:
@@ -97,13 +101,18 @@ def _cpu_fingerprint() -> str:
         return platform.processor() or platform.machine()
 
 
+def _library_file(build_dir: Path, name: str) -> Path:
+    """Where torch's builder leaves the module ``name`` built in ``build_dir``."""
+    return build_dir / f"{name}.so"
+
+
 def _import_built(name: str, build_dir: Path) -> ModuleType | None:
     """Import ``<build_dir>/<name>.so`` if a previous process built it, else None.
 
     The name hashes everything the binary depends on, so an existing file is current; this skips
     torch's builder (its ninja check and lock file) on every start after the first.
     """
-    path = build_dir / f"{name}.so"
+    path = _library_file(build_dir, name)
     if not path.is_file():
         return None
     try:

@@ -78,18 +78,11 @@ def kernels_for(flags: frozenset[str] | None = None) -> list[KernelEntry]:
     return [k for k in KERNELS if all(f in flags for f in k.flags())]
 
 
-def _is_built(entry: KernelEntry) -> bool:
-    ext = entry.extension()
-    return (ext.build_directory() / f"{ext.name()}.so").is_file()
-
-
-def _build(entry: KernelEntry) -> tuple[str, bool, float]:
-    """Load (compiling if needed) one kernel in this process: (label, loaded, seconds)."""
+def _build(ext) -> tuple[str, bool]:
+    """Load (compiling if needed) one ``CpuExtension`` in this process: (label, loaded)."""
     from pagedllm.platforms.cpu_extension import load_extension
 
-    start = time.perf_counter()
-    ext = entry.extension()
-    return ext.label, load_extension(ext) is not None, time.perf_counter() - start
+    return ext.label, load_extension(ext) is not None
 
 
 @dataclass(frozen=True)
@@ -126,15 +119,15 @@ def prebuild(entries: list[KernelEntry] | None = None, jobs: int | None = None) 
         A ``PrebuildResult``.
     """
     start = time.perf_counter()
-    entries = kernels_for() if entries is None else entries
-    todo = [e for e in entries if not _is_built(e)]
-    cached = tuple(e.extension().label for e in entries if e not in todo)
+    extensions = [e.extension() for e in (kernels_for() if entries is None else entries)]
+    todo = [ext for ext in extensions if not ext.library_path().is_file()]
+    cached = tuple(ext.label for ext in extensions if ext not in todo)
     built: list[str] = []
     failed: list[str] = []
     if todo:
         jobs = max(1, min(len(todo), jobs or len(os.sched_getaffinity(0))))
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for label, ok, _ in pool.map(_build, todo):
+            for label, ok in pool.map(_build, todo):
                 (built if ok else failed).append(label)
     return PrebuildResult(cached, tuple(built), tuple(failed), time.perf_counter() - start)
 
